@@ -1,0 +1,41 @@
+"""Per-step attention metadata: what every attention layer of a stage reads.
+
+Real and padded counts are named apart.  Tensors may be views into a runner's persistent
+buffers (V2, CUDA graphs): rows past the real counts are padding and are kept inert —
+``seq_lens`` 0 and ``slot_mapping`` -1, so a padded row neither reads nor writes the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Metadata for one forward step over a flattened batch of tokens."""
+
+    num_reqs: int
+    """Requests in the step (real)."""
+    num_reqs_padded: int
+    """Rows of the per-request tensors (>= num_reqs; CUDA-graph padding)."""
+    num_tokens: int
+    """Tokens in the step (real)."""
+    num_tokens_padded: int
+    """Rows of the per-token tensors (>= num_tokens)."""
+    max_query_len: int
+    """Longest query in the step; 1 means a pure decode step."""
+    query_start_loc: torch.Tensor
+    """[num_reqs_padded + 1] int32: cumulative query lengths (padded requests add 0)."""
+    seq_lens: torch.Tensor
+    """[num_reqs_padded] int32: context length after this step's tokens (0 for padding)."""
+    block_table: torch.Tensor
+    """[num_reqs_padded, max_num_blocks_per_req] int32: KV blocks of each request."""
+    slot_mapping: torch.Tensor
+    """[num_tokens_padded] int64: cache slot of each token (-1 for padding: not written)."""
+
+    @property
+    def is_decode_only(self) -> bool:
+        """True when every request computes exactly one token."""
+        return self.max_query_len == 1

@@ -1,0 +1,129 @@
+"""Pure-torch paged attention: the correctness reference and pprun's CPU backend.
+
+Readable rather than fast.  It loops over requests, gathers each request's K/V from its
+cache blocks and runs a dense causal attention with the chunked-prefill offset.  The
+host reads ``query_start_loc`` and ``seq_lens`` (it syncs), so it is never used under
+CUDA-graph capture; the Triton backend in ``triton_ops`` is the one for graphs.
+
+Layouts (shared with ``triton_ops``):
+
+- ``kv_cache``: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``; index 0 holds K,
+  index 1 holds V.  Block 0 is a reserved null block.  A token's slot is
+  ``block_id * block_size + offset``.
+- ``q``: ``[num_tokens_padded, num_heads, head_dim]``; ``k``/``v``:
+  ``[num_tokens_padded, num_kv_heads, head_dim]``.
+- ``query_start_loc``: ``[num_reqs_padded + 1]`` cumulative query lengths (padded
+  requests have length 0); ``seq_lens``: ``[num_reqs_padded]`` context length after this
+  step's tokens (0 for padded requests); ``block_table``:
+  ``[num_reqs_padded, max_num_blocks_per_req]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_kv_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
+    """Raise ValueError unless ``kv_cache`` has the paged layout for these heads."""
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"kv_cache must have shape [2, num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(kv_cache.shape)}"
+        )
+    if kv_cache.shape[3] != num_kv_heads or kv_cache.shape[4] != head_dim:
+        raise ValueError(
+            f"kv_cache heads/head_dim {tuple(kv_cache.shape[3:])} do not match the "
+            f"inputs' (num_kv_heads={num_kv_heads}, head_dim={head_dim})"
+        )
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write each token's K/V into its cache slot in place; tokens with slot < 0 are skipped.
+
+    Args:
+        k, v: ``[num_tokens_padded, num_kv_heads, head_dim]``.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+        slot_mapping: ``[num_tokens_padded]`` int64; -1 marks padded tokens.
+    """
+    if k.shape != v.shape or k.dim() != 3:
+        raise ValueError(f"k and v must share a 3-d shape, got k={tuple(k.shape)} v={tuple(v.shape)}")
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(
+            f"slot_mapping must have shape ({k.shape[0]},) (one slot per token), "
+            f"got {tuple(slot_mapping.shape)}"
+        )
+    check_kv_cache(kv_cache, k.shape[1], k.shape[2])
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    # A view over [num_slots, kv_heads, head_dim] makes the scatter one index_copy.
+    k_flat = kv_cache[0].view(num_slots, *kv_cache.shape[3:])
+    v_flat = kv_cache[1].view(num_slots, *kv_cache.shape[3:])
+    k_flat.index_copy_(0, slots, k[valid].to(kv_cache.dtype))
+    v_flat.index_copy_(0, slots, v[valid].to(kv_cache.dtype))
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    num_reqs: int,
+) -> torch.Tensor:
+    """Causal paged attention over the first ``num_reqs`` requests, computed in fp32.
+
+    Query token ``j`` of a request with ``qlen`` query tokens and context ``seq_len`` sees
+    context positions ``< seq_len - qlen + j + 1``.  Head ``i`` reads KV head
+    ``i // (num_heads // num_kv_heads)``.
+
+    Returns:
+        ``[num_tokens_padded, num_heads, head_dim]`` in ``q.dtype``; rows of tokens that
+        belong to no real request are zero.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_tokens_padded, num_heads, head_dim], got {tuple(q.shape)}")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = kv_cache.shape[3] if kv_cache.dim() == 5 else -1
+    check_kv_cache(kv_cache, num_kv_heads, head_dim)
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    if not 0 <= num_reqs <= seq_lens.shape[0]:
+        raise ValueError(f"num_reqs={num_reqs} must be in [0, {seq_lens.shape[0]}] (num_reqs_padded)")
+    group = num_heads // num_kv_heads
+    block_size = kv_cache.shape[2]
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+
+    out = torch.zeros_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for req in range(num_reqs):
+        q_start, q_end, seq_len = starts[req], starts[req + 1], lens[req]
+        query_len = q_end - q_start
+        if query_len == 0:
+            continue
+        if seq_len < query_len:
+            raise ValueError(
+                f"request {req}: seq_len={seq_len} is shorter than its query_len={query_len}; "
+                "seq_lens must count the context including this step's tokens"
+            )
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_table[req, :num_blocks].long()
+        # [num_blocks, block_size, kv_heads, d] -> [seq_len, kv_heads, d]
+        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+
+        query = q[q_start:q_end].float()
+        scores = torch.einsum("qhd,khd->hqk", query, keys) * scale
+        context_len = seq_len - query_len
+        q_pos = torch.arange(query_len, device=q.device)[:, None] + context_len
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
+    return out

@@ -1,0 +1,632 @@
+"""Triton paged attention for CUDA: cache write, flash-decoding and varlen causal prefill.
+
+Layouts are those of ``ref_ops`` (the reference these kernels are tested against).  Every
+host-side function here is capture-safe (CUDA graphs): launch grids and split counts come
+from tensor shapes and Python ints only; per-request lengths are read inside the kernels,
+where they bound runtime loops.  Accumulation is fp32; fp32 inputs use IEEE dot products
+(no TF32) so they match the reference to ~1e-5.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from pprun.attention.ref_ops import check_kv_cache
+
+LOG2_E = 1.4426950408889634
+# Stands in for -inf as the running max so that a fully masked tile gives
+# exp2(-inf - m) = 0 instead of exp2(-inf + inf) = nan.
+_NEG_BIG = tl.constexpr(-1.0e30)
+# Below this many tokens of (possible) context per split, a split costs more in the
+# reduce pass than it wins in parallelism.
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 32
+# The CPU interpreter multiplies bf16/fp16 dot operands as raw bits; it gets fp32 dots.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _dot_in_fp32(dtype: torch.dtype) -> bool:
+    """fp32 inputs need IEEE dots (not TF32) to match the reference; so does the interpreter."""
+    return dtype == torch.float32 or _INTERPRETED
+
+
+# --------------------------------------------------------------------------------------
+# KV-cache write
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_c_blk,
+    stride_c_off,
+    stride_c_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // PAGE_SIZE
+    off = slot % PAGE_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    # The last dim is contiguous everywhere (checked on the host).
+    k = tl.load(k_ptr + tok * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + tok * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :], mask=mask)
+    dst = blk * stride_c_blk + off * stride_c_off + offs_h[:, None] * stride_c_head + offs_d[None, :]
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+
+
+def reshape_and_cache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write each token's K/V into ``kv_cache`` at ``slot_mapping``; slots < 0 are skipped.
+
+    Args:
+        k, v: ``[num_tokens_padded, num_kv_heads, head_dim]``.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, written in place.
+        slot_mapping: ``[num_tokens_padded]`` int64 (-1 for padded tokens).
+    """
+    if k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(f"k and v must share a 3-d shape, got k={tuple(k.shape)} v={tuple(v.shape)}")
+    num_tokens_padded, num_kv_heads, head_dim = k.shape
+    if slot_mapping.shape != (num_tokens_padded,):
+        raise ValueError(
+            f"slot_mapping must have shape ({num_tokens_padded},), got {tuple(slot_mapping.shape)}"
+        )
+    check_kv_cache(kv_cache, num_kv_heads, head_dim)
+    for name, t in (("k", k), ("v", v), ("kv_cache", kv_cache)):
+        _check_last_dim_contiguous(name, t)
+    if num_tokens_padded == 0:
+        return
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _reshape_and_cache_kernel[(num_tokens_padded,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        PAGE_SIZE=kv_cache.shape[2],
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Decode: one query token per request, flash-decoding
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    scale_log2,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_bt_req,
+    stride_c_blk,
+    stride_c_off,
+    stride_c_head,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    # Splits are sized from the runtime seq_len so every split has work for long
+    # contexts; the split count itself is a shape-derived constant (capture-safe).
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    qd_mask = g_mask[:, None] & d_mask[None, :]
+    # All query heads of the KV group together: K/V are read once per group.
+    q = tl.load(
+        q_ptr + req * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :],
+        mask=qd_mask,
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = block_table_ptr + req * stride_bt_req
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        n_mask = pos < end
+        blk = tl.load(bt_row + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        kv_off = blk * stride_c_blk + (pos % PAGE_SIZE) * stride_c_off + kv_head * stride_c_head
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(n_mask[None, :], qk * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            # Round p as the low-precision path does, then multiply exactly in fp32.
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        # seq_len 0 (padded request) leaves l_i at 0: write zeros, not nan.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + req * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=qd_mask,
+        )
+    else:
+        # Partials laid out [num_reqs_padded, num_heads, NUM_SPLITS(, BLOCK_D)].
+        row = (req * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(part_m_ptr + row, m_i, mask=g_mask)
+        tl.store(part_l_ptr + row, l_i, mask=g_mask)
+        tl.store(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=qd_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    out_ptr,
+    stride_o_tok,
+    stride_o_head,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    row = (req * NUM_HEADS + head) * NUM_SPLITS + offs_s
+    m = tl.load(part_m_ptr + row, mask=s_mask, other=_NEG_BIG)
+    l_part = tl.load(part_l_ptr + row, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - m_max)  # empty splits have l_part == 0 and acc == 0, so their weight is moot
+    total = tl.sum(w * l_part, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        out_ptr + req * stride_o_tok + head * stride_o_head + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # interpreter on CPU: pretend to be an H200 so splits get exercised
+
+
+def num_decode_splits(
+    num_reqs_padded: int, num_kv_heads: int, max_context_len: int, device: torch.device
+) -> int:
+    """Context splits per (request, kv head) for decode, from shapes only (capture-safe).
+
+    Splitting pays when (request, kv head) programs alone cannot fill the GPU, e.g. batch 1
+    with 8 KV heads on 132 SMs; each split keeps at least a few hundred tokens of the
+    longest possible context so the reduce pass stays cheap.
+    """
+    num_programs = num_reqs_padded * num_kv_heads
+    target = 2 * _num_sms(device)
+    if num_programs >= target:
+        return 1
+    by_occupancy = -(-target // num_programs)
+    by_length = max(1, max_context_len // _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
+
+
+def _check_attention_inputs(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+) -> tuple[int, int, int, int]:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_tokens_padded, num_heads, head_dim], got {tuple(q.shape)}")
+    if out.shape != q.shape:
+        raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    if kv_cache.dim() != 5:
+        raise ValueError(f"kv_cache must be 5-d, got shape {tuple(kv_cache.shape)}")
+    num_kv_heads = kv_cache.shape[3]
+    check_kv_cache(kv_cache, num_kv_heads, head_dim)
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    num_reqs_padded = seq_lens.shape[0]
+    if block_table.dim() != 2 or block_table.shape[0] != num_reqs_padded:
+        raise ValueError(
+            f"block_table must be [num_reqs_padded={num_reqs_padded}, max_num_blocks_per_req], "
+            f"got {tuple(block_table.shape)}"
+        )
+    if block_table.stride(1) != 1:
+        raise ValueError(
+            f"block_table must be contiguous in its last dim, got strides {block_table.stride()}"
+        )
+    for name, t in (("q", q), ("out", out), ("kv_cache", kv_cache)):
+        _check_last_dim_contiguous(name, t)
+    return num_heads, num_kv_heads, head_dim, num_reqs_padded
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Attention for one query token per request over the paged cache, written into ``out``.
+
+    Args:
+        q: ``[num_reqs_padded, num_heads, head_dim]``; row ``r`` is request ``r``'s token.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (already holding
+            this step's K/V).
+        block_table: ``[num_reqs_padded, max_num_blocks_per_req]`` int32.
+        seq_lens: ``[num_reqs_padded]`` int32 context lengths (0 for padded rows, which get
+            zeros).
+        scale: softmax scale.
+        out: like ``q``; returned.
+    """
+    num_heads, num_kv_heads, head_dim, num_reqs_padded = _check_attention_inputs(
+        q, kv_cache, block_table, seq_lens, out
+    )
+    if q.shape[0] != num_reqs_padded:
+        raise ValueError(
+            f"decode q must have one row per request: q.shape[0]={q.shape[0]}, "
+            f"num_reqs_padded={num_reqs_padded}"
+        )
+    if num_reqs_padded == 0:
+        return out
+    group = num_heads // num_kv_heads
+    page_size = kv_cache.shape[2]
+    block_d = triton.next_power_of_2(head_dim)
+    # tl.dot needs M >= 16; the padded group rows are masked out.
+    block_g = max(16, triton.next_power_of_2(group))
+    block_n = max(64, page_size)
+    num_splits = num_decode_splits(num_reqs_padded, num_kv_heads, block_table.shape[1] * page_size, q.device)
+    if num_splits > 1:
+        part_m = torch.empty(num_reqs_padded * num_heads * num_splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(part_m.shape[0], block_d, dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = out  # unused by the kernel when NUM_SPLITS == 1
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _decode_kernel[(num_reqs_padded, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        out,
+        part_m,
+        part_l,
+        part_acc,
+        scale * LOG2_E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_table.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_G=block_g,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        PAGE_SIZE=page_size,
+        NUM_SPLITS=num_splits,
+        DOT_F32=_dot_in_fp32(q.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_reqs_padded, num_heads)](
+            part_m,
+            part_l,
+            part_acc,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Prefill / mixed batches: varlen causal flash attention over the paged cache
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_table_ptr,
+    out_ptr,
+    scale_log2,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_bt_req,
+    stride_c_blk,
+    stride_c_off,
+    stride_c_head,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    m_block = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + req)
+    query_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if m_block * BLOCK_M >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - query_len  # tokens cached before this chunk
+    kv_head = head // GROUP
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < query_len
+    d_mask = offs_d < HEAD_DIM
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    # Absolute position of each query row; row i sees keys at positions <= q_pos[i].
+    q_pos = context_len + offs_m
+
+    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = block_table_ptr + req * stride_bt_req
+    # Keys past the last row of this query block are masked for every row: skip them.
+    end = tl.minimum(seq_len, context_len + (m_block + 1) * BLOCK_M)
+    for n0 in range(0, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        n_mask = pos < end
+        blk = tl.load(bt_row + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        kv_off = blk * stride_c_blk + (pos % PAGE_SIZE) * stride_c_off + kv_head * stride_c_head
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        qk = tl.where(visible, qk * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            # Round p as the low-precision path does, then multiply exactly in fp32.
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
+
+
+def _prefill_config(head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel on Hopper."""
+    if head_dim <= 64:
+        return 64, 64, 4, 3
+    return 64, 64, 8, 2
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    max_query_len: int,
+) -> torch.Tensor:
+    """Varlen causal attention over the paged cache (chunked prefill, mixed batches).
+
+    Request ``r`` owns query rows ``query_start_loc[r]:query_start_loc[r + 1]``, which are
+    the last ``qlen`` positions of its ``seq_lens[r]``-token context (the cache already
+    holds them).  Rows of tokens that belong to no request are zeroed.
+
+    Args:
+        q: ``[num_tokens_padded, num_heads, head_dim]``.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+        query_start_loc: ``[num_reqs_padded + 1]`` int32.
+        seq_lens: ``[num_reqs_padded]`` int32.
+        block_table: ``[num_reqs_padded, max_num_blocks_per_req]`` int32.
+        scale: softmax scale.
+        out: like ``q``; returned.
+        max_query_len: an upper bound on every request's query length (sizes the grid).
+    """
+    num_heads, num_kv_heads, head_dim, num_reqs_padded = _check_attention_inputs(
+        q, kv_cache, block_table, seq_lens, out
+    )
+    if query_start_loc.shape != (num_reqs_padded + 1,):
+        raise ValueError(
+            f"query_start_loc must have shape ({num_reqs_padded + 1},), got {tuple(query_start_loc.shape)}"
+        )
+    if max_query_len < 1:
+        raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
+    # Padded tokens are owned by no program; zeroing first keeps the output defined
+    # without reading query_start_loc on the host (capture-safe; cheap next to prefill).
+    out.zero_()
+    if num_reqs_padded == 0:
+        return out
+    block_m, block_n, num_warps, num_stages = _prefill_config(head_dim)
+    page_size = kv_cache.shape[2]
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    grid = (num_reqs_padded, num_heads, triton.cdiv(max_query_len, block_m))
+    _prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        query_start_loc,
+        seq_lens,
+        block_table,
+        out,
+        scale * LOG2_E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_table.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=max(block_n, page_size),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        PAGE_SIZE=page_size,
+        DOT_F32=_dot_in_fp32(q.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    max_query_len: int,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend: decode kernel when every request
+    has one query token (``max_query_len == 1``), else the varlen prefill kernel.
+
+    Shapes are those of :func:`paged_prefill_attention`; ``k``/``v`` are
+    ``[num_tokens_padded, num_kv_heads, head_dim]`` and ``slot_mapping`` is
+    ``[num_tokens_padded]`` int64 with -1 for padded tokens.  Returns ``out``.
+    """
+    reshape_and_cache(k, v, kv_cache, slot_mapping)
+    if max_query_len != 1:
+        return paged_prefill_attention(
+            q, kv_cache, query_start_loc, seq_lens, block_table, scale, out, max_query_len
+        )
+    # With one token per request, token r is request r's (padded requests have qlen 0
+    # and seq_len 0, so their rows come out zero).  The token and request paddings may
+    # differ; both are shapes, so the slicing stays capture-safe.
+    num_rows = min(q.shape[0], seq_lens.shape[0])
+    paged_decode_attention(
+        q[:num_rows],
+        kv_cache,
+        block_table[:num_rows],
+        seq_lens[:num_rows],
+        scale,
+        out[:num_rows],
+    )
+    if out.shape[0] > num_rows:
+        out[num_rows:].zero_()
+    return out

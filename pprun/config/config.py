@@ -1,0 +1,339 @@
+"""pprun's configuration: dataclasses (names follow vLLM's engine arguments), mirrored in Hydra.
+
+One ``PprunConfig`` groups model, parallel, scheduler, cache and compilation settings. It is built
+three ways: ``PprunConfig(...)`` directly, ``PprunConfig.from_kwargs(pipeline_parallel_size=2, ...)``
+with vLLM-style flat keywords (what ``LLM(...)`` takes), or from Hydra YAML under ``conf/`` through
+``register_configs()`` + ``PprunConfig.from_omegaconf``. Values are checked by
+``pprun.config.validate.validate_config`` before any process starts; this module imports neither
+torch nor Hydra at import time, so the scheduler can use it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CUDAGRAPH_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+"""Batch sizes (requests per decode step) captured as CUDA graphs when none are configured."""
+
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+"""``max_model_len=None`` uses the model's ``max_position_embeddings``, but at most this many tokens."""
+
+
+@dataclass
+class ModelConfig:
+    """Which model to run and in what precision."""
+
+    model: str = "smollm2-135m-instruct"
+    """Path to a Hugging Face model directory (config.json + safetensors), or a bundled alias."""
+    tokenizer: str | None = None
+    """Tokenizer directory; None uses the model directory."""
+    dtype: str = "auto"
+    """auto|float32|bfloat16|float16. auto: the checkpoint's dtype on GPU when it is half precision
+    (else float32), always float32 on CPU."""
+    max_model_len: int | None = None
+    """Longest prompt + output per request, in tokens; None: the model's max_position_embeddings,
+    capped at 8192 (so the default KV cache and buffers stay small)."""
+    seed: int = 0
+    """Seed for weight-independent randomness (unseeded sampling, dummy inputs)."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is split into pipeline stages and which processes run them."""
+
+    pipeline_parallel_size: int = 1
+    """Number of pipeline stages (one process and one device each)."""
+    executor: str = "auto"
+    """auto|uni|mp|ray|external_launcher. auto: external_launcher under torchrun, else uni for one
+    stage and ray for several. ``LLM(distributed_executor_backend=...)`` is an alias."""
+    layer_partition: list[int] | None = None
+    """Decoder layers per stage, first to last (must sum to the layer count); None splits evenly."""
+    ray_address: str | None = None
+    """Ray cluster to attach to; None uses ``RAY_ADDRESS`` or starts a local cluster."""
+    stage_timeout_s: float = 60.0
+    """Longest wait, in seconds, between stages or for a step's result before the step fails."""
+    ray_num_cpus_per_stage: float = 0.5
+    """CPUs each Ray stage actor reserves (fractional so several stages fit on a small machine)."""
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous-batching limits."""
+
+    max_num_seqs: int = 128
+    """Most requests in one scheduled batch."""
+    max_num_batched_tokens: int = 2048
+    """Most tokens (prefill + decode) in one scheduled batch."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts over several steps so decodes keep running; when off, a prompt must fit
+    ``max_num_batched_tokens`` whole."""
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV-cache sizing."""
+
+    block_size: int = 16
+    """Tokens per KV-cache block (8, 16, 32, 64 or 128)."""
+    kv_cache_memory_bytes: int | None = None
+    """Exact KV-cache bytes per stage; overrides gpu_memory_utilization and cpu_kv_cache_bytes."""
+    gpu_memory_utilization: float = 0.5
+    """On GPU, the fraction of free device memory (after loading weights) given to the KV cache."""
+    cpu_kv_cache_bytes: int = 256 * 1024 * 1024
+    """On CPU, KV-cache bytes per stage when kv_cache_memory_bytes is not set (256 MiB)."""
+
+
+@dataclass
+class CompilationConfig:
+    """CUDA-graph capture (ignored on CPU)."""
+
+    cudagraph_mode: str = "full"
+    """none|piecewise|full: run eagerly, capture around attention, or capture whole decode steps."""
+    cudagraph_capture_sizes: list[int] | None = None
+    """Padded batch sizes to capture; None: 1,2,4,8,16,24,32,48,64,96,128 capped at max_num_seqs
+    (plus max_num_seqs itself, so every decode batch has a graph)."""
+
+    def resolved_capture_sizes(self, max_num_seqs: int) -> list[int]:
+        """The sorted capture sizes for a scheduler admitting at most ``max_num_seqs`` requests."""
+        if self.cudagraph_capture_sizes is not None:
+            return sorted({int(s) for s in self.cudagraph_capture_sizes if s <= max_num_seqs})
+        sizes = [s for s in DEFAULT_CUDAGRAPH_CAPTURE_SIZES if s <= max_num_seqs]
+        if max_num_seqs < DEFAULT_CUDAGRAPH_CAPTURE_SIZES[-1] and max_num_seqs not in sizes:
+            sizes.append(max_num_seqs)
+        return sizes
+
+
+@dataclass
+class PprunConfig:
+    """Everything one engine needs to start; validated by ``validate_config`` before any process starts."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model, tokenizer, dtype and context length."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Pipeline stages and executor."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Batching limits."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    """KV-cache sizing."""
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    """CUDA graphs."""
+    runner: str = "auto"
+    """auto|v1|v2: model runner; auto picks v2 unless a configured feature needs v1 (logged)."""
+    device: str = "auto"
+    """auto|cpu|cuda: auto uses CUDA when available."""
+    log_level: str = "INFO"
+    """Logging level of pprun's loggers (DEBUG, INFO, WARNING, ERROR)."""
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> PprunConfig:
+        """Build from flat vLLM-style keywords (``max_num_seqs=4``) or group dicts (``scheduler={...}``).
+
+        ``distributed_executor_backend`` is accepted for ``executor``. Unknown keywords raise
+        :class:`UnknownConfigKeyError` naming them and suggesting close names.
+        """
+        if "distributed_executor_backend" in kwargs:
+            alias_value = kwargs.pop("distributed_executor_backend")
+            if "executor" in kwargs and kwargs["executor"] != alias_value:
+                raise ValueError(
+                    f"executor={kwargs['executor']!r} and distributed_executor_backend={alias_value!r} "
+                    "disagree; give only one (distributed_executor_backend is an alias of executor)"
+                )
+            kwargs["executor"] = alias_value
+
+        group_values: dict[str, dict[str, Any]] = {name: {} for name in _GROUP_CLASSES}
+        top_values: dict[str, Any] = {}
+        # Group dicts/instances first, so a flat keyword given alongside one wins.
+        for name in list(kwargs):
+            value = kwargs[name]
+            if name in _GROUP_CLASSES and (isinstance(value, dict) or is_dataclass(value)):
+                group_values[name].update(_group_dict(name, kwargs.pop(name)))
+        for name, value in kwargs.items():
+            owner = _FLAT_KEY_TO_GROUP.get(name)
+            if owner is None:
+                raise UnknownConfigKeyError(_unknown_key_message(name, _KNOWN_FLAT_KEYS))
+            if owner == _TOP_LEVEL:
+                top_values[name] = value
+            else:
+                group_values[owner][name] = value
+        groups = {name: _GROUP_CLASSES[name](**values) for name, values in group_values.items()}
+        return cls(**groups, **top_values)
+
+    @classmethod
+    def from_omegaconf(cls, cfg: Any) -> PprunConfig:
+        """Build from a Hydra/OmegaConf config (structured or plain) holding PprunConfig's keys.
+
+        Extra top-level keys (an app's prompts, sampling, ...) are ignored; unknown keys inside a
+        group raise like :meth:`from_kwargs`.
+        """
+        from omegaconf import DictConfig, OmegaConf
+
+        obj = OmegaConf.to_object(cfg) if isinstance(cfg, DictConfig) else cfg
+        if is_dataclass(obj):
+            obj = {f.name: getattr(obj, f.name) for f in fields(obj)}
+        if not isinstance(obj, dict):
+            raise TypeError(
+                f"from_omegaconf expects a DictConfig, dict or dataclass, got {type(obj).__name__}"
+            )
+        own = {f.name for f in fields(cls)}
+        return cls.from_kwargs(**{k: v for k, v in obj.items() if k in own})
+
+
+class UnknownConfigKeyError(TypeError, ValueError):
+    """A configuration keyword that no config group has (a TypeError like a bad kwarg, and a ValueError)."""
+
+
+_TOP_LEVEL = "<top>"
+
+# Group name -> its dataclass, derived from PprunConfig's fields so it never drifts.
+_GROUP_CLASSES: dict[str, type] = {
+    f.name: f.default_factory  # type: ignore[misc]
+    for f in fields(PprunConfig)
+    if f.default_factory is not MISSING and is_dataclass(f.default_factory)
+}
+
+
+def _build_flat_key_table() -> dict[str, str]:
+    """Flat keyword -> owning group (or top level); a name owned twice is a programming error."""
+    table: dict[str, str] = {}
+    owners = [(group, [f.name for f in fields(klass)]) for group, klass in _GROUP_CLASSES.items()]
+    owners.append((_TOP_LEVEL, [f.name for f in fields(PprunConfig) if f.name not in _GROUP_CLASSES]))
+    for owner, names in owners:
+        for name in names:
+            if name in table:
+                raise RuntimeError(f"config field {name!r} is defined in both {table[name]!r} and {owner!r}")
+            table[name] = owner
+    return table
+
+
+_FLAT_KEY_TO_GROUP: dict[str, str] = _build_flat_key_table()
+_KNOWN_FLAT_KEYS: list[str] = sorted({*_FLAT_KEY_TO_GROUP, *_GROUP_CLASSES, "distributed_executor_backend"})
+
+
+def _unknown_key_message(name: str, known: list[str], where: str = "") -> str:
+    """An 'unknown key' message with difflib suggestions."""
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return f"unknown config key {name!r}{where}{hint} (known keys: {', '.join(sorted(set(known)))})"
+
+
+def _group_dict(group: str, value: Any) -> dict[str, Any]:
+    """A group's values (from a dict or an instance of its dataclass), unknown keys rejected."""
+    klass = _GROUP_CLASSES[group]
+    if is_dataclass(value):
+        if not isinstance(value, klass):
+            raise TypeError(f"{group}= expects a {klass.__name__} or a dict, got {type(value).__name__}")
+        return {f.name: getattr(value, f.name) for f in fields(value)}
+    known = [f.name for f in fields(klass)]
+    for key in value:
+        if key not in known:
+            raise UnknownConfigKeyError(_unknown_key_message(str(key), known, where=f" in {group}"))
+    return dict(value)
+
+
+@dataclass
+class SamplingAppConfig:
+    """Sampling options of the ``pprun generate`` app (turned into a SamplingParams per prompt)."""
+
+    temperature: float = 0.0
+    """Softmax temperature; 0 is greedy (the CLI default, so runs are reproducible)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold, in (0, 1]."""
+    top_k: int = -1
+    """Keep the top_k most likely tokens; -1 keeps all."""
+    min_p: float = 0.0
+    """Drop tokens below min_p times the top token's probability."""
+    max_tokens: int = 64
+    """Most tokens generated per prompt."""
+    seed: int | None = None
+    """Per-request seed (same output alone or batched)."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end generation."""
+    ignore_eos: bool = False
+    """Keep generating past end-of-sequence."""
+    logprobs: int | None = None
+    """Return this many top alternatives' log-probabilities per token."""
+
+    def to_sampling_params(self) -> Any:
+        """The equivalent :class:`pprun.sampling.params.SamplingParams`."""
+        from pprun.sampling.params import SamplingParams
+
+        return SamplingParams(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+
+@dataclass
+class GenerateAppConfig(PprunConfig):
+    """The ``pprun generate`` app: PprunConfig's keys at top level, plus prompts and sampling."""
+
+    prompts: list[str] = field(default_factory=list)
+    """Prompts to complete (in addition to input_file's)."""
+    input_file: str | None = None
+    """Text file with one prompt per line, or a .jsonl file with a "prompt" field per line."""
+    output_file: str | None = None
+    """Write results as JSON lines here; None prints them."""
+    chat: bool = False
+    """Wrap each prompt with the tokenizer's chat template."""
+    sampling: SamplingAppConfig = field(default_factory=SamplingAppConfig)
+    """Sampling options applied to every prompt."""
+
+    def pprun_config(self) -> PprunConfig:
+        """Just the engine's configuration."""
+        return PprunConfig.from_omegaconf(self)
+
+
+@dataclass
+class BenchAppConfig(PprunConfig):
+    """The ``pprun bench`` app: PprunConfig's keys at top level, plus the synthetic workload."""
+
+    num_prompts: int = 64
+    """Number of requests submitted at once."""
+    input_len: int = 128
+    """Prompt length in tokens (random token ids)."""
+    output_len: int = 128
+    """Tokens generated per request (EOS ignored, so every request runs to this length)."""
+    num_warmup_prompts: int = 4
+    """Requests run once before timing, to warm caches and capture graphs."""
+    workload_seed: int = 0
+    """Seed for the random prompts."""
+    compare_hf: bool = False
+    """Also time Hugging Face transformers' generate() on the same workload (the peer)."""
+    output_json: str | None = None
+    """Write the result JSON here as well as printing it."""
+
+    def pprun_config(self) -> PprunConfig:
+        """Just the engine's configuration."""
+        return PprunConfig.from_omegaconf(self)
+
+
+def default_conf_dir() -> Path:
+    """The directory holding the Hydra YAML (``generate.yaml``, ``bench.yaml`` and groups).
+
+    A ``conf/`` inside the package (an installed wheel's package data) wins; otherwise the
+    repository's top-level ``conf/`` (a source checkout).
+    """
+    package_dir = Path(__file__).resolve().parent.parent
+    for candidate in (package_dir / "conf", package_dir.parent / "conf"):
+        if (candidate / "generate.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"no Hydra conf/ directory with generate.yaml under {package_dir} or {package_dir.parent}"
+    )
+
+
+def register_configs() -> None:
+    """Store the schemas in Hydra's ConfigStore, so YAML under ``conf/`` is type-checked against them.
+
+    Names: ``pprun_schema`` (PprunConfig), ``generate_schema`` and ``bench_schema`` (the apps).
+    Calling it again is harmless.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name="pprun_schema", node=PprunConfig)
+    store.store(name="generate_schema", node=GenerateAppConfig)
+    store.store(name="bench_schema", node=BenchAppConfig)

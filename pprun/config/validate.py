@@ -1,0 +1,379 @@
+"""Check a PprunConfig against itself, the machine and the model, before any process starts.
+
+Every bad value raises one ValueError naming the field, the value and what is allowed. What passes
+comes back as a :class:`ResolvedConfig`: every ``auto``/``None`` replaced by what will actually run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pprun.config.config import PprunConfig
+from pprun.config.runner_choice import RUNNERS, choose_runner
+from pprun.models.hf_config import ModelArchConfig, load_arch_config
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+EXECUTORS: tuple[str, ...] = ("auto", "uni", "mp", "ray", "external_launcher")
+"""Allowed values of ``parallel.executor``."""
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+"""Allowed values of ``device``."""
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+"""Allowed values of ``model.dtype``."""
+CUDAGRAPH_MODES: tuple[str, ...] = ("none", "piecewise", "full")
+"""Allowed values of ``compilation.cudagraph_mode``."""
+BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128)
+"""Allowed values of ``cache.block_size``."""
+LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"""Allowed values of ``log_level``."""
+
+_TORCHRUN_ENV_KEYS: tuple[str, ...] = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@dataclass
+class ResolvedConfig:
+    """A validated configuration with every automatic choice made."""
+
+    cfg: PprunConfig
+    """The configuration as given."""
+    model_dir: Path
+    """The Hugging Face model directory (an alias resolved to its cached directory)."""
+    tokenizer_dir: Path
+    """Where the tokenizer is (``model.tokenizer`` or the model directory)."""
+    arch: ModelArchConfig
+    """The model's architecture, from config.json."""
+    device: str
+    """``cpu`` or ``cuda``."""
+    dtype: torch.dtype
+    """Dtype of weights, activations and KV cache."""
+    max_model_len: int
+    """Longest prompt + output per request, in tokens."""
+    layer_partition: list[int]
+    """Decoder layers per stage, first to last."""
+    executor: str
+    """``uni``, ``mp``, ``ray`` or ``external_launcher``."""
+    runner: str
+    """``v1`` or ``v2``."""
+    cudagraph_capture_sizes: list[int]
+    """Padded batch sizes captured as CUDA graphs (empty on CPU or with cudagraph_mode=none)."""
+
+    def stage_layer_range(self, pp_rank: int) -> range:
+        """The decoder layers stage ``pp_rank`` owns."""
+        start = sum(self.layer_partition[:pp_rank])
+        return range(start, start + self.layer_partition[pp_rank])
+
+
+def even_partition(num_layers: int, pp_size: int) -> list[int]:
+    """Split ``num_layers`` over ``pp_size`` stages as evenly as possible; returns layers per stage.
+
+    The ``num_layers % pp_size`` extra layers go one each to the stages just before the last,
+    walking backwards (vLLM's rule, so splits match what its users know): the last stage is spared
+    because it also runs the final norm, the LM head (a vocab x hidden matmul, the largest single
+    op) and sampling; the first stage, which also holds the embedding table, gets an extra layer
+    only once every middle stage has one. E.g. 10 layers on 4 stages -> [2, 3, 3, 2].
+    """
+    if pp_size < 1:
+        raise ValueError(f"parallel.pipeline_parallel_size={pp_size} must be >= 1")
+    if num_layers < pp_size:
+        raise ValueError(
+            f"parallel.pipeline_parallel_size={pp_size} exceeds the model's {num_layers} layers; "
+            f"allowed: 1..{num_layers} (every stage needs at least one layer)"
+        )
+    partition = [num_layers // pp_size] * pp_size
+    for i in range(2, num_layers % pp_size + 2):
+        partition[-i] += 1
+    return partition
+
+
+def resolve_executor(cfg: PprunConfig, env: Mapping[str, str] = os.environ) -> str:
+    """The executor ``cfg`` runs with: ``auto`` -> external_launcher under torchrun, else uni (pp=1) or ray."""
+    executor = cfg.parallel.executor
+    if executor not in EXECUTORS:
+        raise ValueError(
+            f"parallel.executor={executor!r} is not allowed; choose one of {', '.join(EXECUTORS)}"
+        )
+    if executor != "auto":
+        return executor
+    if _under_torchrun(env):
+        return "external_launcher"
+    return "uni" if cfg.parallel.pipeline_parallel_size == 1 else "ray"
+
+
+def _under_torchrun(env: Mapping[str, str]) -> bool:
+    """True when torchrun (torch.distributed.elastic) started this process."""
+    return "TORCHELASTIC_RUN_ID" in env or all(key in env for key in _TORCHRUN_ENV_KEYS)
+
+
+def _check_choice(field_name: str, value: object, allowed: tuple) -> None:
+    """Raise ValueError unless ``value`` is one of ``allowed``."""
+    if value not in allowed:
+        raise ValueError(
+            f"{field_name}={value!r} is not allowed; choose one of {', '.join(map(str, allowed))}"
+        )
+
+
+def _check_min(field_name: str, value: object, minimum: float, allowed: str) -> None:
+    """Raise ValueError unless ``value`` is a number >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
+        raise ValueError(f"{field_name}={value!r} is not allowed; it must be {allowed}")
+
+
+def _check_values(cfg: PprunConfig, env: Mapping[str, str]) -> None:
+    """Checks that need neither the model nor the device."""
+    _check_choice("runner", cfg.runner, RUNNERS)
+    _check_choice("device", cfg.device, DEVICES)
+    _check_choice("model.dtype", cfg.model.dtype, DTYPES)
+    _check_choice("parallel.executor", cfg.parallel.executor, EXECUTORS)
+    _check_choice("compilation.cudagraph_mode", cfg.compilation.cudagraph_mode, CUDAGRAPH_MODES)
+    _check_choice("cache.block_size", cfg.cache.block_size, BLOCK_SIZES)
+    _check_choice("log_level", str(cfg.log_level).upper(), LOG_LEVELS)
+
+    pp_size = cfg.parallel.pipeline_parallel_size
+    _check_min("parallel.pipeline_parallel_size", pp_size, 1, "an integer >= 1")
+    if cfg.parallel.executor == "uni" and pp_size > 1:
+        raise ValueError(
+            f"parallel.executor='uni' runs one process, so parallel.pipeline_parallel_size={pp_size} is not "
+            "allowed with it; use pipeline_parallel_size=1, or executor mp, ray or external_launcher"
+        )
+    if (
+        resolve_executor(cfg, env) == "external_launcher"
+        and "WORLD_SIZE" in env
+        and int(env["WORLD_SIZE"]) != pp_size
+    ):
+        raise ValueError(
+            f"parallel.pipeline_parallel_size={pp_size} but torchrun started WORLD_SIZE={env['WORLD_SIZE']} ranks; "
+            "with executor=external_launcher every rank is one stage, so they must be equal"
+        )
+    _check_min("parallel.stage_timeout_s", cfg.parallel.stage_timeout_s, 1e-9, "a number of seconds > 0")
+    _check_min("parallel.ray_num_cpus_per_stage", cfg.parallel.ray_num_cpus_per_stage, 0, "a number >= 0")
+
+    _check_min("scheduler.max_num_seqs", cfg.scheduler.max_num_seqs, 1, "an integer >= 1")
+    _check_min("scheduler.max_num_batched_tokens", cfg.scheduler.max_num_batched_tokens, 1, "an integer >= 1")
+
+    if cfg.cache.kv_cache_memory_bytes is not None:
+        _check_min(
+            "cache.kv_cache_memory_bytes",
+            cfg.cache.kv_cache_memory_bytes,
+            1,
+            "a number of bytes >= 1, or None",
+        )
+    _check_min("cache.cpu_kv_cache_bytes", cfg.cache.cpu_kv_cache_bytes, 1, "a number of bytes >= 1")
+    utilization = cfg.cache.gpu_memory_utilization
+    if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
+        raise ValueError(f"cache.gpu_memory_utilization={utilization!r} is not allowed; it must be in (0, 1]")
+
+    sizes = cfg.compilation.cudagraph_capture_sizes
+    if sizes is not None:
+        bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, int) or s < 1]
+        if bad or not sizes:
+            raise ValueError(
+                f"compilation.cudagraph_capture_sizes={list(sizes)!r} is not allowed; it must be a non-empty "
+                "list of integers >= 1, or None for the defaults"
+            )
+
+
+def _resolve_model_dir(name_or_path: str) -> Path:
+    """An existing directory as is, else a bundled alias via ``pprun.models.demo.resolve_model``."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(
+            f"model.model={name_or_path!r} is a file; it must be a model directory or a known alias"
+        )
+    try:
+        from pprun.models.demo import resolve_model
+    except ImportError:
+        resolve_model = None
+    if resolve_model is not None:
+        try:
+            return Path(resolve_model(name_or_path))
+        except ValueError as exc:
+            # resolve_model's message names the value and the known aliases; prefix the field.
+            raise ValueError(f"model.model: {exc}") from exc
+    raise ValueError(f"model.model={name_or_path!r} is not an existing directory (no such path)")
+
+
+def _resolve_device(cfg: PprunConfig, cuda_available: bool) -> str:
+    """``cpu`` or ``cuda`` for ``cfg.device``."""
+    if cfg.device == "cuda" and not cuda_available:
+        raise ValueError("device='cuda' but CUDA is not available on this machine; use device=cpu or auto")
+    if cfg.device == "auto":
+        return "cuda" if cuda_available else "cpu"
+    return cfg.device
+
+
+def _resolve_dtype(cfg: PprunConfig, arch: ModelArchConfig, device: str) -> torch.dtype:
+    """The run dtype: see ModelConfig.dtype; float16 on CPU and bf16 on a GPU without it are rejected."""
+    import torch
+
+    name = cfg.model.dtype
+    if name == "auto":
+        checkpoint_dtype = arch.torch_dtype if arch.torch_dtype in ("float16", "bfloat16") else None
+        if device == "cpu" or checkpoint_dtype is None:
+            return torch.float32
+        if (
+            checkpoint_dtype == "bfloat16"
+            and torch.cuda.is_available()
+            and not torch.cuda.is_bf16_supported()
+        ):
+            logger.warning(
+                "model.dtype=auto: this GPU has no bfloat16 support; running the bfloat16 checkpoint in float16"
+            )
+            return torch.float16
+        return getattr(torch, checkpoint_dtype)
+    if device == "cpu" and name == "float16":
+        raise ValueError(
+            "model.dtype='float16' is not allowed on device=cpu (CPU float16 matmuls are slow and partly "
+            "unsupported); use float32 or bfloat16 on CPU"
+        )
+    if (
+        device == "cuda"
+        and name == "bfloat16"
+        and torch.cuda.is_available()
+        and not torch.cuda.is_bf16_supported()
+    ):
+        raise ValueError("model.dtype='bfloat16' is not supported by this GPU; use float16 or float32")
+    return getattr(torch, name)
+
+
+def _resolve_max_model_len(cfg: PprunConfig, arch: ModelArchConfig) -> int:
+    """``model.max_model_len`` checked against the model, or its default."""
+    from pprun.config.config import DEFAULT_MAX_MODEL_LEN_CAP
+
+    limit = arch.max_position_embeddings
+    max_model_len = cfg.model.max_model_len
+    if max_model_len is None:
+        max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN_CAP)
+    elif (
+        isinstance(max_model_len, bool)
+        or not isinstance(max_model_len, int)
+        or not 1 <= max_model_len <= limit
+    ):
+        raise ValueError(
+            f"model.max_model_len={max_model_len!r} is not allowed; it must be in 1..{limit} "
+            f"(the model's max_position_embeddings), or None for min({limit}, {DEFAULT_MAX_MODEL_LEN_CAP})"
+        )
+    if arch.sliding_window is not None and arch.sliding_window < max_model_len:
+        raise ValueError(
+            f"model.max_model_len={max_model_len} exceeds the model's sliding_window={arch.sliding_window}, and "
+            f"sliding-window attention is not supported; set model.max_model_len <= {arch.sliding_window}"
+        )
+    if not cfg.scheduler.enable_chunked_prefill and cfg.scheduler.max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"scheduler.max_num_batched_tokens={cfg.scheduler.max_num_batched_tokens} is smaller than "
+            f"max_model_len={max_model_len} with scheduler.enable_chunked_prefill=False, so a long prompt could "
+            "never be scheduled; raise max_num_batched_tokens, lower max_model_len or enable chunked prefill"
+        )
+    return max_model_len
+
+
+def _resolve_layer_partition(cfg: PprunConfig, num_layers: int) -> list[int]:
+    """``parallel.layer_partition`` checked against the model, or the even split."""
+    pp_size = cfg.parallel.pipeline_parallel_size
+    if pp_size > num_layers:
+        raise ValueError(
+            f"parallel.pipeline_parallel_size={pp_size} exceeds the model's {num_layers} layers; "
+            f"allowed: 1..{num_layers} (every stage needs at least one layer)"
+        )
+    partition = cfg.parallel.layer_partition
+    if partition is None:
+        return even_partition(num_layers, pp_size)
+    partition = list(partition)
+    if len(partition) != pp_size:
+        raise ValueError(
+            f"parallel.layer_partition={partition} has {len(partition)} entries but "
+            f"parallel.pipeline_parallel_size={pp_size}; give one layer count per stage"
+        )
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in partition):
+        raise ValueError(
+            f"parallel.layer_partition={partition} is not allowed: every stage needs an integer >= 1 layers"
+        )
+    if sum(partition) != num_layers:
+        raise ValueError(
+            f"parallel.layer_partition={partition} sums to {sum(partition)} but the model has {num_layers} layers; "
+            "the entries must add up to the layer count"
+        )
+    return partition
+
+
+def validate_config(
+    cfg: PprunConfig,
+    *,
+    cuda_available: bool | None = None,
+    env: Mapping[str, str] | None = None,
+    check_weights: bool = True,
+) -> ResolvedConfig:
+    """Validate ``cfg`` and resolve every automatic choice; raises ValueError on the first bad value.
+
+    ``cuda_available`` overrides detection (tests); ``env`` overrides ``os.environ`` for torchrun
+    detection; ``check_weights=False`` skips the safetensors header check (config.json is still read).
+    """
+    env = os.environ if env is None else env
+    _check_values(cfg, env)
+    executor = resolve_executor(cfg, env)
+    runner, _ = choose_runner(cfg, executor)
+
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    device = _resolve_device(cfg, cuda_available)
+
+    model_dir = _resolve_model_dir(cfg.model.model)
+    arch = load_arch_config(model_dir)
+    dtype = _resolve_dtype(cfg, arch, device)
+    max_model_len = _resolve_max_model_len(cfg, arch)
+    layer_partition = _resolve_layer_partition(cfg, arch.num_hidden_layers)
+    if check_weights:
+        from pprun.models.checkpoint import validate_checkpoint
+
+        validate_checkpoint(model_dir, arch)
+
+    tokenizer_dir = Path(cfg.model.tokenizer).expanduser() if cfg.model.tokenizer else model_dir
+    if cfg.model.tokenizer and not tokenizer_dir.exists():
+        raise ValueError(
+            f"model.tokenizer={cfg.model.tokenizer!r} does not exist; give a tokenizer directory or None"
+        )
+
+    if device == "cuda" and cfg.compilation.cudagraph_mode != "none":
+        capture_sizes = cfg.compilation.resolved_capture_sizes(cfg.scheduler.max_num_seqs)
+    else:
+        capture_sizes = []
+
+    resolved = ResolvedConfig(
+        cfg=cfg,
+        model_dir=model_dir,
+        tokenizer_dir=tokenizer_dir,
+        arch=arch,
+        device=device,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        layer_partition=layer_partition,
+        executor=executor,
+        runner=runner,
+        cudagraph_capture_sizes=capture_sizes,
+    )
+    logger.info(
+        "pprun config: model=%s (%s, %d layers) device=%s dtype=%s pp=%d layer_partition=%s executor=%s runner=%s "
+        "max_model_len=%d",
+        model_dir,
+        arch.architecture,
+        arch.num_hidden_layers,
+        device,
+        str(dtype).removeprefix("torch."),
+        cfg.parallel.pipeline_parallel_size,
+        layer_partition,
+        executor,
+        runner,
+        max_model_len,
+    )
+    return resolved

@@ -1,0 +1,98 @@
+"""One generation request as the scheduler tracks it (plain Python, no torch)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pprun.sampling.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life cycle."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        """True for every ``FINISHED_*`` status."""
+        return self in _FINISHED_STATUSES
+
+
+_FINISHED_STATUSES = (
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+)
+
+FINISH_REASON_TO_STATUS: dict[str, RequestStatus] = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "abort": RequestStatus.FINISHED_ABORTED,
+    "error": RequestStatus.FINISHED_ERROR,
+}
+"""The user-visible ``finish_reason`` strings and the status each one means."""
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt, its sampling parameters and everything generated for it so far.
+
+    The scheduler owns the mutable fields; the engine reads them to build outputs.  Compared
+    by identity (``eq=False``): two requests are never the same because their fields match.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.time)
+    """Wall-clock time the request arrived (for metrics only: scheduling order is the order
+    of ``Scheduler.add_request`` calls, which is identical on every SPMD rank)."""
+    eos_token_ids: set[int] = field(default_factory=set)
+    """End-of-sequence token ids of the model; ignored when ``sampling_params.ignore_eos``."""
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    """Tokens whose KV is in the cache (advanced when a step is scheduled, not when it ends)."""
+    block_ids: list[int] = field(default_factory=list)
+    """KV-cache blocks this request owns, in token order."""
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    """``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` once finished."""
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended the request; ``None`` for EOS, length,
+    abort and error (as in vLLM)."""
+    in_flight: bool = False
+    """Scheduled in a step whose output has not come back yet."""
+    num_preemptions: int = 0
+    num_output_tokens_sent: int = 0
+    """Output tokens the runners already hold (sent in a prompt on resume or as new tokens)."""
+    arrival_index: int = -1
+    """Position in the scheduler's arrival order (set by ``Scheduler.add_request``)."""
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by every output token (a new list)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt tokens plus output tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the request has a ``FINISHED_*`` status."""
+        return self.status.is_finished

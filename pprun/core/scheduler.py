@@ -1,0 +1,399 @@
+"""Continuous-batching FCFS scheduler with chunked prefill and preemption by recompute.
+
+Plain Python (no torch).  One ``schedule()`` call makes one :class:`SchedulerOutput`; the
+step's :class:`ModelRunnerOutput` comes back through ``update_from_output``.  Up to
+``max_in_flight`` steps may be outstanding (pipeline parallelism keeps ``pp`` batches in
+flight); a request is in at most one of them, because a decode needs the token sampled by
+the previous step.
+
+Every decision depends only on the order of calls, never on time or hashing, so SPMD ranks
+that each run their own scheduler on the same inputs emit identical outputs.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+
+from pprun.core.block_manager import BlockManager, min_blocks_for_one_request
+from pprun.core.outputs import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pprun.core.request import FINISH_REASON_TO_STATUS, Request, RequestStatus
+
+__all__ = ["Scheduler", "min_blocks_for_one_request"]
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
+
+
+class Scheduler:
+    """Decides which requests run each step and how many tokens each computes.
+
+    Policy: first the running requests in arrival order (one decode token each, or their next
+    prefill chunk), then waiting ones (new or preempted) in arrival order while
+    ``max_num_seqs``, the token budget ``max_num_batched_tokens`` and the free KV blocks
+    allow.  Waiting requests are admitted strictly first-come first-served: the first one
+    that does not fit blocks those behind it.  When a running request needs a KV block and
+    none is free, the most recently arrived running request that is not in flight (possibly
+    itself) is preempted: its blocks are freed and it is recomputed later from its prompt and
+    outputs.
+    """
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        num_blocks: int,
+        enable_chunked_prefill: bool = True,
+        max_in_flight: int = 1,
+    ) -> None:
+        _positive_int("max_num_seqs", max_num_seqs)
+        _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        _positive_int("max_model_len", max_model_len)
+        _positive_int("block_size", block_size)
+        _positive_int("max_in_flight", max_in_flight)
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            # Without chunking a whole prompt (or a resumed prompt+outputs) must fit in one
+            # step, or it would wait forever.
+            raise ValueError(
+                f"max_num_batched_tokens={max_num_batched_tokens} is invalid with "
+                f"enable_chunked_prefill=False: must be >= max_model_len={max_model_len}"
+            )
+        self.block_manager = BlockManager(num_blocks, block_size)
+        min_blocks = min_blocks_for_one_request(max_model_len, block_size)
+        if self.block_manager.num_usable_blocks < min_blocks:
+            raise ValueError(
+                f"num_blocks={num_blocks} is too small: one request of max_model_len="
+                f"{max_model_len} tokens needs {min_blocks} blocks of block_size={block_size}, "
+                f"plus the reserved null block, so num_blocks must be >= {min_blocks + 1}"
+            )
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_in_flight = max_in_flight
+
+        # Unfinished requests by id (dicts keep insertion order: deterministic iteration).
+        self._requests: dict[str, Request] = {}
+        # Both queues are kept sorted by arrival_index.
+        self._waiting: list[Request] = []
+        self._running: list[Request] = []
+        self._num_arrived = 0
+        self._next_step_id = 0
+        # Ids the runners must drop, reported in the next SchedulerOutput.
+        self._pending_finished_req_ids: dict[str, None] = {}
+        # Non-empty steps whose output has not come back: step_id -> the requests scheduled.
+        self._steps_in_flight: dict[int, list[Request]] = {}
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting to be admitted (new or preempted)."""
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV blocks (in flight or not)."""
+        return len(self._running)
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Scheduled non-empty steps whose output has not come back."""
+        return len(self._steps_in_flight)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self._requests)
+
+    def has_schedulable_requests(self) -> bool:
+        """True when some unfinished request is not in flight (a step might schedule it)."""
+        return any(not req.in_flight for req in self._requests.values())
+
+    def can_schedule(self) -> bool:
+        """True when fewer than ``max_in_flight`` steps are outstanding."""
+        return len(self._steps_in_flight) < self.max_in_flight
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """True when a prompt of ``num_tokens`` tokens is admissible at all.
+
+        It must be non-empty, at most ``max_model_len`` long, and its KV must fit in the cache
+        on its own.
+        """
+        return (
+            1 <= num_tokens <= self.max_model_len
+            and self.block_manager.blocks_needed(num_tokens, 0) <= self.block_manager.num_usable_blocks
+        )
+
+    def get_request(self, req_id: str) -> Request | None:
+        """The unfinished request with this id, or ``None``."""
+        return self._requests.get(req_id)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def add_request(self, req: Request) -> None:
+        """Queue a new request; it is scheduled after every request added before it."""
+        if req.req_id in self._requests:
+            raise ValueError(f"req_id={req.req_id!r} is invalid: a request with this id is unfinished")
+        num_prompt_tokens = len(req.prompt_token_ids)
+        if not self.can_fit(num_prompt_tokens):
+            raise ValueError(
+                f"prompt_token_ids has {num_prompt_tokens} tokens for request {req.req_id!r}: "
+                f"must be between 1 and max_model_len={self.max_model_len}"
+            )
+        req.status = RequestStatus.WAITING
+        req.arrival_index = self._num_arrived
+        self._num_arrived += 1
+        self._requests[req.req_id] = req
+        self._waiting.append(req)
+
+    def abort_requests(self, req_ids: str | Iterable[str], finish_reason: str = "abort") -> list[Request]:
+        """End the given requests wherever they are (waiting, running or in flight).
+
+        Unknown or already finished ids are ignored.  ``finish_reason`` is ``"abort"`` or, when
+        the engine ends a request itself (a stop string), ``"stop"``, ``"length"`` or
+        ``"error"``.  Returns the requests ended.  An in-flight request's blocks are freed at
+        once: every stage runs steps in order, so its pending KV writes land before those of
+        any later step that reuses the blocks.
+        """
+        if finish_reason not in FINISH_REASON_TO_STATUS:
+            raise ValueError(
+                f"finish_reason={finish_reason!r} is invalid: must be one of "
+                f"{sorted(FINISH_REASON_TO_STATUS)}"
+            )
+        if isinstance(req_ids, str):
+            req_ids = [req_ids]
+        status = FINISH_REASON_TO_STATUS[finish_reason]
+        aborted = []
+        for req_id in req_ids:
+            req = self._requests.get(req_id)
+            if req is None:
+                continue
+            self._finish(req, status, finish_reason)
+            aborted.append(req)
+        return aborted
+
+    def fail_all(self, reason: str = "error") -> list[Request]:
+        """End every unfinished request with ``FINISHED_ERROR`` (a stage died); returns them.
+
+        Outputs of steps still in flight are ignored if they ever come back.
+        """
+        failed = sorted(self._requests.values(), key=lambda r: r.arrival_index)
+        for req in failed:
+            self._finish(req, RequestStatus.FINISHED_ERROR, reason)
+        self._steps_in_flight.clear()
+        return failed
+
+    # ------------------------------------------------------------------ scheduling
+
+    def schedule(self) -> SchedulerOutput:
+        """Build the next step.  Raises ``RuntimeError`` if ``max_in_flight`` steps are out.
+
+        Scheduled requests are marked in flight and their ``num_computed_tokens`` advanced.
+        The step may be empty (nothing schedulable) yet still carry ``finished_req_ids``; the
+        engine must pass it on to the runners all the same.
+        """
+        if not self.can_schedule():
+            raise RuntimeError(
+                f"schedule() called with {len(self._steps_in_flight)} steps in flight: "
+                f"max_in_flight={self.max_in_flight}; call update_from_output first"
+            )
+        token_budget = self.max_num_batched_tokens
+        new_reqs: list[NewRequestData] = []
+        cached_reqs = CachedRequestData()
+        num_scheduled_tokens: dict[str, int] = {}
+        scheduled: list[Request] = []
+        preempted_this_step = False
+
+        # Running requests first, earliest arrival first.
+        for req in list(self._running):
+            if token_budget == 0 or len(scheduled) == self.max_num_seqs:
+                break
+            if req.status != RequestStatus.RUNNING or req.in_flight:
+                continue  # preempted earlier in this loop, or in an outstanding step
+            num_new_tokens = min(req.num_tokens - req.num_computed_tokens, token_budget)
+            if num_new_tokens <= 0:
+                continue
+            new_block_ids = None
+            while True:
+                new_block_ids = self.block_manager.allocate(req, req.num_computed_tokens + num_new_tokens)
+                if new_block_ids is not None:
+                    break
+                victim = self._pick_preemption_victim()
+                if victim is None:
+                    break
+                self._preempt(victim)
+                preempted_this_step = True
+                if victim is req:
+                    break
+            if new_block_ids is None or req.status != RequestStatus.RUNNING:
+                continue
+            cached_reqs.req_ids.append(req.req_id)
+            cached_reqs.new_block_ids.append(new_block_ids)
+            cached_reqs.num_computed_tokens.append(req.num_computed_tokens)
+            cached_reqs.new_token_ids.append(req.output_token_ids[req.num_output_tokens_sent :])
+            req.num_output_tokens_sent = req.num_output_tokens
+            self._mark_scheduled(req, num_new_tokens, num_scheduled_tokens, scheduled)
+            token_budget -= num_new_tokens
+
+        # Waiting requests, strictly FCFS.  Skipped after a preemption: the blocks just freed
+        # are for the running requests, and re-admitting the victim now would only thrash.
+        while (
+            not preempted_this_step
+            and self._waiting
+            and token_budget > 0
+            and len(self._running) < self.max_num_seqs
+        ):
+            req = self._waiting[0]
+            # A waiting request is never in flight: only requests out of flight are preempted.
+            num_new_tokens = req.num_tokens - req.num_computed_tokens
+            if num_new_tokens > token_budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new_tokens = token_budget
+            if self.block_manager.allocate(req, req.num_computed_tokens + num_new_tokens) is None:
+                break
+            self._waiting.pop(0)
+            req.status = RequestStatus.RUNNING
+            self._insert_by_arrival(self._running, req)
+            new_reqs.append(
+                NewRequestData(
+                    req_id=req.req_id,
+                    prompt_token_ids=req.all_token_ids,
+                    sampling_params=req.sampling_params,
+                    block_ids=list(req.block_ids),
+                    num_computed_tokens=req.num_computed_tokens,
+                )
+            )
+            req.num_output_tokens_sent = req.num_output_tokens
+            self._mark_scheduled(req, num_new_tokens, num_scheduled_tokens, scheduled)
+            token_budget -= num_new_tokens
+
+        step_id = self._next_step_id
+        self._next_step_id += 1
+        if scheduled:
+            self._steps_in_flight[step_id] = scheduled
+        finished_req_ids = set(self._pending_finished_req_ids)
+        self._pending_finished_req_ids = {}
+        return SchedulerOutput(
+            step_id=step_id,
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+            finished_req_ids=finished_req_ids,
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """Apply one step's sampled tokens; returns requests that got tokens or finished.
+
+        Outputs for requests aborted, failed or finished meanwhile are ignored.  A request
+        whose prefill was complete but that got no token is ended with an error rather than
+        left waiting forever.
+        """
+        if runner_output.step_id != scheduler_output.step_id:
+            raise ValueError(
+                f"runner_output.step_id={runner_output.step_id} does not match "
+                f"scheduler_output.step_id={scheduler_output.step_id}"
+            )
+        step_reqs = self._steps_in_flight.pop(scheduler_output.step_id, None)
+        if step_reqs is None:
+            return []  # an empty step, or one failed by fail_all
+        for req in step_reqs:
+            req.in_flight = False
+        # Keyed by the objects scheduled, not by looking ids up: an aborted id may already be
+        # reused by a new request.  Aborted or failed ones are no longer RUNNING.
+        live_reqs = {req.req_id: req for req in step_reqs if req.status == RequestStatus.RUNNING}
+        updated: list[Request] = []
+        for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True):
+            req = live_reqs.get(req_id)
+            if req is None or not token_ids:
+                continue
+            for token_id in token_ids:
+                req.output_token_ids.append(token_id)
+                if self._check_stop(req, token_id):
+                    break
+            updated.append(req)
+        for req in live_reqs.values():
+            if not req.is_finished and req.num_computed_tokens >= req.num_tokens:
+                self._finish(req, RequestStatus.FINISHED_ERROR, "error")
+                updated.append(req)
+        return updated
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_stop(self, req: Request, token_id: int) -> bool:
+        """Finish ``req`` if ``token_id`` (just appended) ends it; True when it did."""
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                req.stop_reason = token_id
+                self._finish(req, RequestStatus.FINISHED_STOPPED, "stop")
+                return True
+            if not params.ignore_eos and token_id in req.eos_token_ids:
+                self._finish(req, RequestStatus.FINISHED_STOPPED, "stop")
+                return True
+        if (
+            params.max_tokens is not None and req.num_output_tokens >= params.max_tokens
+        ) or req.num_tokens >= self.max_model_len:
+            self._finish(req, RequestStatus.FINISHED_LENGTH, "length")
+            return True
+        return False
+
+    def _mark_scheduled(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        num_scheduled_tokens: dict[str, int],
+        scheduled: list[Request],
+    ) -> None:
+        num_scheduled_tokens[req.req_id] = num_new_tokens
+        req.num_computed_tokens += num_new_tokens
+        # Set now, so a later preemption in this same step cannot pick it.
+        req.in_flight = True
+        scheduled.append(req)
+
+    def _pick_preemption_victim(self) -> Request | None:
+        """The most recently arrived running request that is not in flight."""
+        for req in reversed(self._running):
+            if not req.in_flight:
+                return req
+        return None
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req)
+        self._running.remove(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.num_output_tokens_sent = 0
+        self._insert_by_arrival(self._waiting, req)
+        self._pending_finished_req_ids[req.req_id] = None
+
+    def _finish(self, req: Request, status: RequestStatus, finish_reason: str) -> None:
+        self.block_manager.free(req)
+        if req in self._running:
+            self._running.remove(req)
+        elif req in self._waiting:
+            self._waiting.remove(req)
+        del self._requests[req.req_id]
+        req.status = status
+        req.finish_reason = finish_reason
+        req.in_flight = False
+        # Runners must tolerate ids they never held (a request aborted while waiting).
+        self._pending_finished_req_ids[req.req_id] = None
+
+    @staticmethod
+    def _insert_by_arrival(queue: list[Request], req: Request) -> None:
+        bisect.insort(queue, req, key=lambda r: r.arrival_index)

@@ -1,0 +1,144 @@
+"""Send and receive tensor dicts between adjacent pipeline stages over ``torch.distributed``.
+
+Metadata (keys, shapes, dtypes) goes first on a CPU (gloo) group; the tensors follow on the
+device group (NCCL between GPUs, gloo on CPU) straight into the receiver's persistent buffers.
+The receiver checks keys, trailing shapes and dtypes against its buffers and raises an error
+naming both sides instead of waiting for tensors that will never fit.  Every wait is bounded by
+the process groups' timeout.
+"""
+
+from __future__ import annotations
+
+import pickle
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pprun.distributed.intermediate import IntermediateTensors
+from pprun.distributed.layout import StageLayout
+
+
+class PipelineTransport:
+    """Point-to-point channel of one stage to its neighbours.
+
+    ``global_ranks[i]`` is the ``torch.distributed`` rank of pipeline stage ``i`` (the identity
+    for pprun's own executors; torchrun jobs may place stages differently).
+    """
+
+    def __init__(
+        self,
+        layout: StageLayout,
+        device: torch.device,
+        cpu_group: dist.ProcessGroup | None,
+        device_group: dist.ProcessGroup | None,
+        global_ranks: list[int],
+    ) -> None:
+        self.layout = layout
+        self.device = device
+        self.cpu_group = cpu_group
+        self.device_group = device_group
+        self.global_ranks = global_ranks
+
+    @classmethod
+    def init(
+        cls,
+        layout: StageLayout,
+        device: torch.device,
+        init_method: str,
+        timeout_s: float,
+    ) -> "PipelineTransport":
+        """Join a fresh process group of ``pp_size`` ranks (pprun's own executors)."""
+        timeout = timedelta(seconds=timeout_s)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method,
+            world_size=layout.pp_size,
+            rank=layout.pp_rank,
+            timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
+        ranks = list(range(layout.pp_size))
+        device_group = dist.group.WORLD
+        cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout) if backend == "nccl" else device_group
+        return cls(layout, device, cpu_group, device_group, ranks)
+
+    @classmethod
+    def from_existing(
+        cls, layout: StageLayout, device: torch.device, global_ranks: list[int], timeout_s: float
+    ) -> "PipelineTransport":
+        """Use an already initialised default group (torchrun); makes the stage's subgroups."""
+        timeout = timedelta(seconds=timeout_s)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if dist.get_world_size() == len(global_ranks):
+            device_group = dist.group.WORLD
+        else:
+            device_group = dist.new_group(global_ranks, backend=backend, timeout=timeout)
+        if backend == "nccl":
+            cpu_group = dist.new_group(global_ranks, backend="gloo", timeout=timeout)
+        else:
+            cpu_group = device_group
+        return cls(layout, device, cpu_group, device_group, global_ranks)
+
+    # --- point to point ------------------------------------------------------------------------
+
+    def send(self, tensors: IntermediateTensors) -> None:
+        """Send to the next stage: metadata on the CPU group, then each tensor."""
+        dst = self.global_ranks[self.layout.pp_rank + 1]
+        meta = [(k, tuple(v.shape), str(v.dtype)) for k, v in tensors.items()]
+        payload = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8)
+        dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst, group=self.cpu_group)
+        dist.send(payload, dst, group=self.cpu_group)
+        for _, v in tensors.items():
+            dist.send(v.contiguous(), dst, group=self.device_group)
+
+    def recv(self, buffers: IntermediateTensors, num_tokens: int) -> IntermediateTensors:
+        """Receive from the previous stage into ``buffers[:num_tokens]`` (persistent buffers)."""
+        src = self.global_ranks[self.layout.pp_rank - 1]
+        size = torch.empty(1, dtype=torch.int64)
+        dist.recv(size, src, group=self.cpu_group)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.recv(payload, src, group=self.cpu_group)
+        meta = pickle.loads(payload.numpy().tobytes())
+        check_received_metadata(meta, buffers, num_tokens, self.layout.pp_rank)
+        view = buffers[:num_tokens]
+        for key, _, _ in meta:
+            dist.recv(view[key], src, group=self.device_group)
+        return view
+
+    def broadcast_object(self, obj: object, src_stage: int) -> object:
+        """Broadcast a picklable object from stage ``src_stage`` to every stage (CPU group)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.global_ranks[src_stage], group=self.cpu_group)
+        return box[0]
+
+    def close(self) -> None:
+        """Tear the process group down (pprun's own executors only)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def check_received_metadata(
+    meta: list[tuple[str, tuple[int, ...], str]],
+    buffers: IntermediateTensors,
+    num_tokens: int,
+    pp_rank: int,
+) -> None:
+    """Raise a clear error when what the previous stage sends cannot land in our buffers."""
+    sent_keys = [m[0] for m in meta]
+    if sorted(sent_keys) != sorted(buffers):
+        raise ValueError(
+            f"stage {pp_rank}: intermediate tensor keys differ: stage {pp_rank - 1} sent "
+            f"{sorted(sent_keys)}, stage {pp_rank} expects {sorted(buffers)} (from "
+            "make_empty_intermediate_tensors)"
+        )
+    for key, shape, dtype in meta:
+        buf = buffers[key]
+        want = (num_tokens, *buf.shape[1:])
+        if tuple(shape) != want or dtype != str(buf.dtype):
+            raise ValueError(
+                f"stage {pp_rank}: intermediate tensor {key!r} from stage {pp_rank - 1} has "
+                f"shape {tuple(shape)} and dtype {dtype}; stage {pp_rank} expects {want} and "
+                f"{buf.dtype}"
+            )

@@ -1,0 +1,168 @@
+"""``LLM``: offline batch generation, the public entry point (``from pprun import LLM``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from pprun.config.config import PprunConfig
+from pprun.engine.llm_engine import LLMEngine
+from pprun.engine.outputs import RequestOutput
+from pprun.executor.base import StageFailedError
+from pprun.sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class GenerationFailedError(StageFailedError):
+    """A stage failed during ``generate``; ``outputs`` holds every request's final state
+    (finished ones intact, the rest with finish_reason "error")."""
+
+    def __init__(self, message: str, outputs: list[RequestOutput]) -> None:
+        super().__init__(message)
+        self.outputs = outputs
+
+
+class LLM:
+    """A model split into pipeline stages, ready to generate.
+
+    ``LLM(model, **config)`` takes the flat vLLM-style names (``pipeline_parallel_size=2``,
+    ``executor="ray"``, ``dtype="float32"``, ``max_num_seqs=...``) or group dicts; see
+    ``pprun.config``.  Everything is validated before any process starts.  Use as a context
+    manager, or call :meth:`shutdown`.
+
+    Bad input to :meth:`generate` (a bad prompt or sampling parameter) fails the whole call
+    with a ``ValueError`` naming the entry, field and value before any request is queued, so
+    nothing already accepted — earlier calls' results, the engine itself — is lost.
+    """
+
+    def __init__(self, model: str | None = None, *, config: PprunConfig | None = None, **kwargs) -> None:
+        fault_injection = kwargs.pop("_fault_injection", None)
+        if config is None:
+            if model is not None:
+                kwargs["model"] = model
+            config = PprunConfig.from_kwargs(**kwargs)
+        elif model is not None or kwargs:
+            raise ValueError("pass either config=PprunConfig(...) or keyword arguments, not both")
+        self.config = config
+        self.engine = LLMEngine(config, fault_injection=fault_injection)
+
+    # --- generation ------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: str | dict | Sequence[str | dict],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        A prompt is a string or ``{"prompt_token_ids": [...]}``; ``sampling_params`` is one
+        ``SamplingParams`` for all or a list with one per prompt.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise ValueError(f"prompts has type {type(prompts).__name__}: must be a str, a dict or a list of them")
+        prompts = list(prompts)
+        params_list = self._params_for(prompts, sampling_params)
+        checked = []
+        for i, (p, sp) in enumerate(zip(prompts, params_list)):
+            try:
+                sp.validate()
+            except ValueError as e:
+                raise ValueError(f"sampling_params[{i}]: {e}") from None
+            checked.append(self.engine.check_prompt(p, f"prompts[{i}]"))
+        ids = [
+            self.engine.add_request(tok_ids, sp, prompt=text)
+            for (text, tok_ids), sp in zip(checked, params_list)
+        ]
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ValueError(f"model {self.config.model.model!r} has no chat template")
+        prompts = []
+        for conv in conversations:
+            ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
+            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids), "prompt": tok.decode(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _params_for(self, prompts: list, sampling_params) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * len(prompts)
+        params = list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(
+                f"sampling_params has {len(params)} entries for {len(prompts)} prompts: pass one "
+                "SamplingParams or one per prompt"
+            )
+        for i, sp in enumerate(params):
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] has type {type(sp).__name__}: must be SamplingParams")
+        return params
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(ids)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="requests", unit="req", dynamic_ncols=True)
+        try:
+            while len(results) < len(ids):
+                try:
+                    finished = self.engine.step()
+                except StageFailedError as e:
+                    for out in self.engine.drain_failed():
+                        results.setdefault(out.request_id, out)
+                    raise GenerationFailedError(
+                        str(e), [results[i] for i in ids if i in results]
+                    ) from e
+                for out in finished:
+                    if out.request_id in wanted:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def describe(self) -> dict:
+        """Runner, executor and stage partition in use."""
+        return self.engine.describe()
+
+    def shutdown(self) -> None:
+        """Stop every stage process and free their memory; idempotent."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass

@@ -1,0 +1,336 @@
+"""The engine: validation, scheduling, stepping the pipeline and turning tokens into outputs.
+
+One loop (:meth:`LLMEngine.step`) keeps up to ``executor.max_in_flight`` (= pp) steps in
+flight: it schedules and submits until that many are outstanding, then waits for the oldest.
+The first stage learns what the last stage sampled through the next SchedulerOutput
+(``CachedRequestData.new_token_ids``): the engine has those tokens anyway, the message goes
+to every stage anyway, so the cost is a few bytes per request per step and no extra hop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from pprun.config.config import PprunConfig
+from pprun.core.outputs import SchedulerOutput
+from pprun.core.request import Request
+from pprun.core.scheduler import Scheduler, min_blocks_for_one_request
+from pprun.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pprun.executor.base import StageFailedError
+from pprun.sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Tracked:
+    """Engine-side bookkeeping of one request (text, logprobs, metrics)."""
+
+    req: Request
+    prompt: str | None
+    metrics: RequestMetrics
+    logprobs: list | None
+    text: str = ""
+    error: str | None = None
+
+
+def make_executor(resolved, runner: str, fault_injection: dict[int, dict] | None = None):
+    """Start the stages with the resolved executor."""
+    name = resolved.executor
+    if name == "uni":
+        from pprun.executor.uni import UniExecutor
+
+        return UniExecutor(resolved, runner, (fault_injection or {}).get(0))
+    if name == "mp":
+        from pprun.executor.mp import MpExecutor
+
+        return MpExecutor(resolved, runner, fault_injection)
+    if name == "ray":
+        from pprun.executor.ray_executor import RayExecutor
+
+        return RayExecutor(resolved, runner, fault_injection)
+    if name == "external_launcher":
+        from pprun.executor.external import ExternalLauncherExecutor
+
+        return ExternalLauncherExecutor(resolved, runner, fault_injection)
+    raise ValueError(f"parallel.executor={name!r} is unknown")
+
+
+class LLMEngine:
+    """Owns the scheduler, the tokenizer and the executor of one model."""
+
+    def __init__(self, cfg: PprunConfig, *, fault_injection: dict[int, dict] | None = None) -> None:
+        from pprun.config.runner_choice import choose_runner
+        from pprun.config.validate import validate_config
+
+        self.cfg = cfg
+        self.resolved = validate_config(cfg)
+        rc = self.resolved
+        self.runner_name, self.v2_fallback_reasons = choose_runner(cfg, rc.executor)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer or str(rc.model_dir))
+        self.vocab_size = rc.arch.vocab_size
+        self.eos_token_ids = set(rc.arch.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.max_model_len = rc.max_model_len
+        logger.info(
+            "pprun: model %s, %d layers in %d stage(s) %s, executor %s, runner %s, %s %s",
+            cfg.model.model,
+            rc.arch.num_hidden_layers,
+            len(rc.layer_partition),
+            rc.layer_partition,
+            rc.executor,
+            self.runner_name,
+            rc.device,
+            str(rc.dtype).removeprefix("torch."),
+        )
+        self.executor = make_executor(rc, self.runner_name, fault_injection)
+        try:
+            self._init_cache()
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        sc = cfg.scheduler
+        self.scheduler = Scheduler(
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=cfg.cache.block_size,
+            num_blocks=self.num_blocks,
+            enable_chunked_prefill=sc.enable_chunked_prefill,
+            max_in_flight=self.executor.max_in_flight,
+        )
+        self.tracked: dict[str, _Tracked] = {}
+        self.in_flight: deque[SchedulerOutput] = deque()
+        self.carry_finished: set[str] = set()
+        self.dead: str | None = None
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    def _init_cache(self) -> None:
+        cache = self.cfg.cache
+        available = self.executor.num_blocks
+        needed = min_blocks_for_one_request(self.max_model_len, cache.block_size) + 1
+        if available < needed:
+            raise ValueError(
+                f"the KV cache is too small: it holds {available} blocks of {cache.block_size} "
+                f"tokens per stage, but one request of max_model_len={self.max_model_len} needs "
+                f"{needed} (including the reserved null block); raise cache.kv_cache_memory_bytes "
+                "(or cache.gpu_memory_utilization / cache.cpu_kv_cache_bytes) or lower "
+                "model.max_model_len"
+            )
+        self.num_blocks = available
+        self.executor.init_cache(available)
+        logger.info("KV cache: %d blocks of %d tokens per stage", available, cache.block_size)
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def check_prompt(self, prompt: object, where: str) -> tuple[str | None, list[int]]:
+        """Tokenise and validate one prompt; raise ValueError naming ``where`` and the value."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"{where}: prompt is empty ('')")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            text = prompt.get("prompt")
+            if not isinstance(ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids
+            ):
+                raise ValueError(
+                    f"{where}.prompt_token_ids={_short(ids)} is invalid: must be a list of ints"
+                )
+            ids = list(ids)
+            for i, t in enumerate(ids):
+                if not 0 <= t < self.vocab_size:
+                    raise ValueError(
+                        f"{where}.prompt_token_ids[{i}]={t} is outside the vocabulary: "
+                        f"token ids must be in [0, {self.vocab_size})"
+                    )
+        else:
+            raise ValueError(
+                f"{where}={_short(prompt)} has type {type(prompt).__name__}: a prompt must be a "
+                "str or a dict with 'prompt_token_ids' (a list of ints)"
+            )
+        if not ids:
+            raise ValueError(f"{where}: prompt has 0 tokens; it must have at least 1")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"{where}: prompt has {len(ids)} tokens; with max_model_len={self.max_model_len} "
+                f"a prompt may have at most {self.max_model_len - 1} (room for one output token)"
+            )
+        return text, ids
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue an already validated request; returns its id."""
+        if self.dead:
+            raise StageFailedError(f"the engine has failed ({self.dead}); start a new LLM")
+        req_id = request_id or str(next(self._ids))
+        req = Request(
+            req_id,
+            prompt_token_ids,
+            params,
+            eos_token_ids=set() if params.ignore_eos else set(self.eos_token_ids),
+        )
+        self.scheduler.add_request(req)
+        self.tracked[req_id] = _Tracked(
+            req, prompt, RequestMetrics(req.arrival_time), [] if params.logprobs is not None else None
+        )
+        return req_id
+
+    def abort_request(self, request_id: str) -> None:
+        """End a request; its output reports finish_reason "abort"."""
+        self.scheduler.abort_requests([request_id])
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request waits, runs or has a step in flight."""
+        return self.scheduler.has_unfinished_requests() or bool(self.in_flight)
+
+    # --- stepping ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Fill the pipeline, then apply the oldest step's output; returns finished requests."""
+        if self.dead:
+            raise StageFailedError(f"the engine has failed ({self.dead}); start a new LLM")
+        try:
+            while len(self.in_flight) < self.executor.max_in_flight and self.scheduler.can_schedule():
+                so = self.scheduler.schedule()
+                if self.carry_finished:
+                    so.finished_req_ids = self.carry_finished | set(so.finished_req_ids)
+                    self.carry_finished = set()
+                if so.is_empty():
+                    # Nothing to compute: hand the finished ids to the runners with the next step.
+                    self.carry_finished |= set(so.finished_req_ids)
+                    break
+                self.executor.submit(so)
+                self.in_flight.append(so)
+                self.num_steps += 1
+            if not self.in_flight:
+                return self._collect_finished([])
+            out = self.executor.get_output()
+        except StageFailedError as e:
+            self._fail(str(e))
+            raise
+        so = self.in_flight.popleft()
+        updated = self.scheduler.update_from_output(so, out)
+        now = time.time()
+        lp_by_req = dict(zip(out.req_ids, out.logprobs or [None] * len(out.req_ids)))
+        for req in updated:
+            tr = self.tracked.get(req.req_id)
+            if tr is None:
+                continue
+            m = tr.metrics
+            if m.first_token_time is None and req.output_token_ids:
+                m.first_token_time = now
+            m.num_output_tokens = len(req.output_token_ids)
+            if tr.logprobs is not None:
+                tr.logprobs.append(lp_by_req.get(req.req_id))
+            self._check_stop_strings(tr)
+        return self._collect_finished(updated)
+
+    def _check_stop_strings(self, tr: _Tracked) -> None:
+        stops = tr.req.sampling_params.stop
+        if not stops or tr.req.is_finished:
+            return
+        if len(tr.req.output_token_ids) < tr.req.sampling_params.min_tokens:
+            return
+        text = self.decode(tr.req.output_token_ids, tr.req.sampling_params)
+        hits = [(text.find(s), s) for s in stops if s in text]
+        if hits:
+            pos, s = min(hits)
+            tr.text = text[:pos]
+            self.scheduler.abort_requests([tr.req.req_id], finish_reason="stop")
+            tr.req.stop_reason = s
+
+    def _collect_finished(self, updated: list[Request]) -> list[RequestOutput]:
+        done = []
+        for req_id, tr in list(self.tracked.items()):
+            if tr.req.is_finished:
+                done.append(self._make_output(tr))
+                del self.tracked[req_id]
+        return done
+
+    def _make_output(self, tr: _Tracked) -> RequestOutput:
+        req = tr.req
+        tr.metrics.finished_time = time.time()
+        params = req.sampling_params
+        if not (req.finish_reason == "stop" and isinstance(req.stop_reason, str)):
+            tr.text = self.decode(req.output_token_ids, params)
+        lps = tr.logprobs[: len(req.output_token_ids)] if tr.logprobs is not None else None
+        return RequestOutput(
+            request_id=req.req_id,
+            prompt=tr.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[
+                CompletionOutput(0, tr.text, list(req.output_token_ids), req.finish_reason, req.stop_reason, lps)
+            ],
+            finished=True,
+            metrics=tr.metrics,
+            error=tr.error or (self.dead if req.finish_reason == "error" else None),
+        )
+
+    def _fail(self, why: str) -> None:
+        """A stage failed: every request ends with an error status; the engine is closed."""
+        self.dead = why
+        self.in_flight.clear()
+        for req in self.scheduler.fail_all("error"):
+            tr = self.tracked.get(req.req_id)
+            if tr is not None:
+                tr.error = why
+        try:
+            self.executor.shutdown()
+        except Exception:  # already dying; the original error is what matters
+            logger.exception("error while stopping stages")
+
+    def drain_failed(self) -> list[RequestOutput]:
+        """Outputs (finish_reason "error") of every request ended by a failure."""
+        return self._collect_finished([])
+
+    def decode(self, token_ids: list[int], params: SamplingParams) -> str:
+        """Token ids to text."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
+
+    def shutdown(self) -> None:
+        """Stop the stages; idempotent."""
+        if self.executor is not None:
+            try:
+                self.executor.shutdown()
+            finally:
+                self.executor = None
+
+    def describe(self) -> dict:
+        """Facts for summaries: runner, executor, stage partition."""
+        rc = self.resolved
+        return {
+            "model": self.cfg.model.model,
+            "runner": self.runner_name,
+            "runner_fallback_reasons": self.v2_fallback_reasons,
+            "executor": self.executor.describe() if self.executor else rc.executor,
+            "pipeline_parallel_size": len(rc.layer_partition),
+            "layer_partition": list(rc.layer_partition),
+            "device": rc.device,
+            "dtype": str(rc.dtype).removeprefix("torch."),
+            "kv_blocks_per_stage": self.num_blocks,
+        }
+
+
+def load_tokenizer(path: str):
+    """The model directory's tokenizer (transformers' fast tokenizer, local files only)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

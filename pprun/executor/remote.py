@@ -1,0 +1,205 @@
+"""Stages in other processes (``mp`` and ``ray``): the worker loop and the driver's control path.
+
+Control path: the driver opens one authenticated socket per stage
+(``multiprocessing.connection``).  Each step it pickles the SchedulerOutput once and writes the
+same bytes to every stage; the last stage writes the ModelRunnerOutput back.  No Ray call sits
+on the per-step path: Ray only places and starts the stage processes.  A stage that raises sends
+its traceback; a stage that dies closes its socket; a stage that hangs trips the stage timeout.
+Each of these becomes a :class:`StageFailedError` at the caller, and the driver then stops
+every stage process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import secrets
+import time
+import traceback
+from collections import deque
+from multiprocessing.connection import Client, Connection, Listener, wait
+
+from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pprun.executor.base import Executor, StageFailedError
+
+logger = logging.getLogger(__name__)
+
+
+def worker_main(spec, address: tuple[str, int], authkey: bytes) -> None:
+    """Body of a stage process: connect to the driver, build the stage, serve steps."""
+    from pprun.worker.worker import Worker
+
+    logging.basicConfig(level=spec.resolved.cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    conn = Client(address, authkey=authkey)
+    rank = spec.layout.pp_rank
+    conn.send(("hello", rank, os.getpid()))
+    worker = None
+    try:
+        worker = Worker(spec)
+        n_params = worker.load_model()
+        conn.send(("loaded", n_params, worker.num_available_blocks()))
+        while True:
+            kind, *args = conn.recv()
+            if kind == "step":
+                out = worker.execute_model(args[0])
+                if out is not None:
+                    conn.send_bytes(pickle.dumps(("output", out), protocol=pickle.HIGHEST_PROTOCOL))
+            elif kind == "call":
+                name, kwargs = args
+                conn.send(("result", getattr(worker, name)(**kwargs)))
+            elif kind == "shutdown":
+                break
+    except (EOFError, OSError):
+        return  # the driver went away: nothing to report to
+    except BaseException:
+        try:
+            conn.send(("error", rank, traceback.format_exc()))
+        except OSError:
+            pass
+    finally:
+        if worker is not None:
+            try:
+                worker.shutdown()
+            except Exception:
+                pass
+
+
+class RemoteStagesExecutor(Executor):
+    """Driver side of stages living in other processes; subclasses start the processes."""
+
+    max_in_flight = 1
+
+    def __init__(self, resolved, timeout_s: float) -> None:
+        self.resolved = resolved
+        self.timeout_s = timeout_s
+        self.pp_size = len(resolved.layer_partition)
+        self.max_in_flight = self.pp_size
+        self.authkey = secrets.token_bytes(16)
+        self.conns: list[Connection | None] = [None] * self.pp_size
+        self.pending: deque[int] = deque()
+        self.inbox: list[deque[tuple]] = [deque() for _ in range(self.pp_size)]
+        self.dead = False
+        self.stage_params: list[int] = []
+
+    # --- start-up ------------------------------------------------------------------------------
+
+    def _listen(self, host: str) -> Listener:
+        return Listener((host, 0), authkey=self.authkey)
+
+    def _accept_all(self, listener: Listener) -> None:
+        """Accept one connection per stage (bounded by the timeout), keyed by pp rank."""
+        deadline = time.monotonic() + max(self.timeout_s, 120.0)
+        listener._listener._socket.settimeout(1.0)  # poll so a stage that never starts is seen
+        while any(c is None for c in self.conns):
+            try:
+                conn = listener.accept()
+            except TimeoutError:
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise StageFailedError("pipeline stages did not connect in time") from None
+                continue
+            kind, rank, pid = conn.recv()
+            self.conns[rank] = conn
+            logger.debug("stage %d connected (pid %d)", rank, pid)
+        listener.close()
+
+    def _gather(self, expect: str) -> list[tuple]:
+        """Wait for one ``expect`` message from every stage."""
+        return [self._recv(rank, expect, self.timeout_s + 600.0) for rank in range(self.pp_size)]
+
+    def _recv(self, rank: int, expect: str, timeout_s: float) -> tuple:
+        """Next message of stage ``rank``; meanwhile any stage's error or death fails fast."""
+        deadline = time.monotonic() + timeout_s
+        while not self.inbox[rank]:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._fail(f"stage {rank} sent nothing for {timeout_s:.0f}s (waiting for {expect})")
+            self._poll(min(remaining, 1.0))
+        msg = self.inbox[rank].popleft()
+        if msg[0] != expect:
+            self._fail(f"stage {rank} sent {msg[0]!r}, expected {expect!r}")
+        return msg
+
+    def _poll(self, timeout_s: float) -> None:
+        """Read whatever the stages sent into their inboxes; errors and deaths fail here."""
+        live = [c for c in self.conns if c is not None]
+        ready = wait(live, timeout=timeout_s)
+        for conn in ready:
+            rank = self.conns.index(conn)
+            try:
+                msg = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                self._fail(f"stage {rank} died (its process exited or was killed)")
+            if msg[0] == "error":
+                self._fail(f"stage {msg[1]} raised:\n{msg[2]}")
+            self.inbox[rank].append(msg)
+        if not ready:
+            self._check_alive()
+
+    def _fail(self, why: str) -> None:
+        self.dead = True
+        self.shutdown()
+        raise StageFailedError(why)
+
+    def _check_alive(self) -> None:
+        """Subclasses raise via ``_fail`` when a stage process is gone."""
+
+    def _setup_stages(self) -> None:
+        loaded = self._gather("loaded")
+        self.stage_params = [m[1] for m in loaded]
+        self.num_blocks = min(m[2] for m in loaded)
+
+    def init_cache(self, num_blocks: int) -> None:
+        """Allocate the same number of KV blocks on every stage."""
+        self.num_blocks = num_blocks
+        for conn in self.conns:
+            conn.send(("call", "init_cache", {"num_blocks": num_blocks}))
+        self._gather("result")
+
+    def call_all(self, name: str, **kwargs) -> list:
+        """Call a Worker method on every stage between steps (diagnostics, memory stats)."""
+        for conn in self.conns:
+            conn.send(("call", name, kwargs))
+        return [m[1] for m in self._gather("result")]
+
+    # --- per step ------------------------------------------------------------------------------
+
+    def submit(self, so: SchedulerOutput) -> None:
+        """Write the step to every stage without waiting."""
+        if self.dead:
+            raise StageFailedError("the pipeline has failed; start a new LLM")
+        data = pickle.dumps(("step", so), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(data)
+            except OSError:
+                self._fail(f"stage {rank} died (its control socket is closed)")
+        self.pending.append(so.step_id)
+
+    def get_output(self) -> ModelRunnerOutput:
+        """The oldest outstanding step's output from the last stage."""
+        step_id = self.pending.popleft()
+        msg = self._recv(self.pp_size - 1, "output", self.timeout_s)
+        out: ModelRunnerOutput = msg[1]
+        if out.step_id != step_id:
+            self._fail(f"last stage answered step {out.step_id}, expected {step_id}")
+        return out
+
+    def shutdown(self) -> None:
+        """Ask every stage to stop, then make sure it has (subclasses kill what lingers)."""
+        for conn in self.conns:
+            if conn is None:
+                continue
+            try:
+                conn.send(("shutdown",))
+            except OSError:
+                pass
+        self._stop_processes()
+        for conn in self.conns:
+            if conn is not None:
+                conn.close()
+        self.conns = [None] * self.pp_size
+
+    def _stop_processes(self) -> None:
+        """Subclasses: wait briefly, then kill stage processes."""

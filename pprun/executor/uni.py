@@ -1,0 +1,44 @@
+"""``uni``: the single stage runs in the engine's own process."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pprun.distributed.layout import StageLayout
+from pprun.executor.base import Executor, StageFailedError
+from pprun.worker.worker import Worker, WorkerSpec
+
+
+class UniExecutor(Executor):
+    """pp = 1, in process; steps run synchronously inside ``submit``."""
+
+    name = "uni"
+    max_in_flight = 1
+
+    def __init__(self, resolved, runner: str, fault_injection: dict | None = None) -> None:
+        layout = StageLayout.single(resolved.arch.num_hidden_layers)
+        self.worker = Worker(WorkerSpec(resolved, layout, runner, fault_injection=fault_injection))
+        self.stage_params = [self.worker.load_model()]
+        self.num_blocks = self.worker.num_available_blocks()
+        self.outputs: deque[ModelRunnerOutput] = deque()
+
+    def init_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache (the engine may ask for fewer blocks than available)."""
+        self.num_blocks = num_blocks
+        self.worker.init_cache(num_blocks)
+
+    def submit(self, so: SchedulerOutput) -> None:
+        """Run the step now."""
+        try:
+            self.outputs.append(self.worker.execute_model(so))
+        except Exception as e:  # a failing step ends the engine like a dead stage does
+            raise StageFailedError(f"stage 0 failed at step {so.step_id}: {e!r}") from e
+
+    def get_output(self) -> ModelRunnerOutput:
+        """The step run by the last ``submit``."""
+        return self.outputs.popleft()
+
+    def shutdown(self) -> None:
+        """Nothing to stop in process."""
+        self.worker = None

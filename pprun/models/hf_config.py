@@ -1,0 +1,294 @@
+"""Read a Hugging Face ``config.json`` into one normalised, frozen architecture description.
+
+Both layouts of ``config.json`` are understood: the older one (``rope_theta`` at top level and a
+``rope_scaling`` dict keyed by ``type`` or ``rope_type``) and the transformers-5 one (a single
+``rope_parameters`` dict holding ``rope_type``, ``rope_theta`` and the scaling parameters).
+Nothing here imports torch, so the engine and validation can read a model's shape cheaply.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+)
+"""Architectures (``config.json``'s ``architectures[0]``) pprun can run."""
+
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+"""RoPE variants the rotary embedding implements."""
+
+# Parameters each scaled RoPE type needs; all are required (a missing one is a broken config).
+_ROPE_TYPE_PARAMS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+# Older or hand-written configs sometimes omit ``architectures``; model_type names it as well.
+_MODEL_TYPE_TO_ARCHITECTURE: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+_DEFAULT_ROPE_THETA = 10000.0
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """A decoder-only model's architecture, normalised from ``config.json`` (+ ``generation_config.json``)."""
+
+    architecture: str
+    """``config.json``'s ``architectures[0]`` (or derived from ``model_type``), e.g. ``LlamaForCausalLM``."""
+    model_type: str
+    """``config.json``'s ``model_type`` (``llama``, ``mistral``, ``qwen2``)."""
+    vocab_size: int
+    """Rows of the embedding table and of the LM head."""
+    hidden_size: int
+    """Width of the residual stream."""
+    intermediate_size: int
+    """Width of the MLP's gate/up projections."""
+    num_hidden_layers: int
+    """Number of decoder layers (what pipeline stages split)."""
+    num_attention_heads: int
+    """Query heads per layer."""
+    num_key_value_heads: int
+    """Key/value heads per layer (grouped-query attention); equals the query heads when not set."""
+    head_dim: int
+    """Per-head width: ``config.json``'s ``head_dim`` or ``hidden_size // num_attention_heads``."""
+    rms_norm_eps: float
+    """Epsilon of every RMSNorm."""
+    rope_theta: float
+    """RoPE base frequency."""
+    rope_scaling: dict[str, Any] | None
+    """None for plain RoPE; else ``{"rope_type": "linear"|"llama3", <that type's parameters>}``."""
+    max_position_embeddings: int
+    """Longest context the model was built for."""
+    tie_word_embeddings: bool
+    """The LM head reuses the embedding matrix (no ``lm_head.weight`` in the checkpoint)."""
+    attention_bias: bool
+    """q/k/v projections carry a bias (always for Qwen2; ``attention_bias`` for Llama)."""
+    o_proj_bias: bool
+    """The output projection carries a bias (Llama's ``attention_bias``; never for Qwen2/Mistral)."""
+    mlp_bias: bool
+    """gate/up/down projections carry a bias (Llama's ``mlp_bias``; False otherwise)."""
+    torch_dtype: str | None
+    """The dtype the checkpoint was saved in (``dtype``/``torch_dtype`` key), e.g. ``bfloat16``."""
+    bos_token_id: int | None
+    """Beginning-of-sequence token id, if the model has one."""
+    eos_token_ids: tuple[int, ...]
+    """Every end-of-sequence id from ``config.json`` and ``generation_config.json``, deduplicated."""
+    sliding_window: int | None
+    """Sliding attention window if any layer uses one, else None (validation compares it to max_model_len)."""
+
+
+def _as_int_tuple(value: Any) -> tuple[int, ...]:
+    """An eos field (None, int or list of ints) as a tuple of ints."""
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def _normalise_rope(config: dict[str, Any], source: Path) -> tuple[float, dict[str, Any] | None]:
+    """Return ``(rope_theta, rope_scaling)`` from either config layout; unsupported types raise ValueError."""
+    rope_parameters = config.get("rope_parameters")
+    if isinstance(rope_parameters, dict) and rope_parameters:
+        if all(isinstance(v, dict) for v in rope_parameters.values()):
+            # transformers 5 keys per-layer-type parameters this way (Gemma-style); none of the
+            # supported architectures mixes RoPE kinds across layers.
+            raise ValueError(
+                f"{source}: per-layer-type rope_parameters ({sorted(rope_parameters)}) are not supported"
+            )
+        rope_theta = float(rope_parameters.get("rope_theta", config.get("rope_theta", _DEFAULT_ROPE_THETA)))
+        scaling: dict[str, Any] | None = dict(rope_parameters)
+    else:
+        rope_theta = float(config.get("rope_theta") or _DEFAULT_ROPE_THETA)
+        scaling = dict(config["rope_scaling"]) if config.get("rope_scaling") else None
+
+    if scaling is None:
+        return rope_theta, None
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"{source}: rope_type={rope_type!r} is not supported; supported rope types: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return rope_theta, None
+    normalised: dict[str, Any] = {"rope_type": rope_type}
+    for name in _ROPE_TYPE_PARAMS[rope_type]:
+        if scaling.get(name) is None:
+            raise ValueError(f"{source}: rope_type={rope_type!r} needs {name!r}, which the config lacks")
+        value = scaling[name]
+        normalised[name] = int(value) if name == "original_max_position_embeddings" else float(value)
+    return rope_theta, normalised
+
+
+def _architecture(config: dict[str, Any], source: Path) -> str:
+    """The architecture name, checked against :data:`SUPPORTED_ARCHITECTURES`."""
+    architectures = config.get("architectures") or []
+    if architectures:
+        architecture = architectures[0]
+    else:
+        architecture = _MODEL_TYPE_TO_ARCHITECTURE.get(config.get("model_type", ""), "")
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        shown = architecture or f"(none; model_type={config.get('model_type')!r})"
+        raise ValueError(
+            f"{source}: architecture {shown} is not supported; supported architectures: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return architecture
+
+
+def _sliding_window(config: dict[str, Any], architecture: str) -> int | None:
+    """The window of the model's sliding-attention layers, or None when every layer attends fully."""
+    window = config.get("sliding_window")
+    if window is None:
+        return None
+    if architecture == "Qwen2ForCausalLM":
+        # Qwen2 ships a sliding_window value even when it is switched off; it only applies to layers
+        # marked sliding (transformers 5's layer_types, or use_sliding_window + max_window_layers).
+        layer_types = config.get("layer_types")
+        if layer_types is not None:
+            return int(window) if "sliding_attention" in layer_types else None
+        max_window_layers = config.get("max_window_layers", 0)
+        if config.get("use_sliding_window") and max_window_layers < config["num_hidden_layers"]:
+            return int(window)
+        return None
+    if architecture == "MistralForCausalLM":
+        return int(window)
+    return None
+
+
+def load_arch_config(model_dir: Path) -> ModelArchConfig:
+    """Read ``model_dir/config.json`` (and ``generation_config.json`` if present) into a ModelArchConfig.
+
+    Raises ValueError when the file is missing, the architecture or RoPE type is unsupported, or a
+    required field is absent.
+    """
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise ValueError(
+            f"model.model={str(model_dir)!r} has no config.json (expected a Hugging Face model directory)"
+        )
+    config = json.loads(config_path.read_text())
+    architecture = _architecture(config, config_path)
+
+    missing = [
+        key
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
+        if config.get(key) is None
+    ]
+    if missing:
+        raise ValueError(f"{config_path}: required field(s) {', '.join(missing)} missing")
+
+    hidden_size = int(config["hidden_size"])
+    num_attention_heads = int(config["num_attention_heads"])
+    num_key_value_heads = int(config.get("num_key_value_heads") or num_attention_heads)
+    head_dim = int(config.get("head_dim") or hidden_size // num_attention_heads)
+    rope_theta, rope_scaling = _normalise_rope(config, config_path)
+
+    if architecture == "Qwen2ForCausalLM":
+        attention_bias, o_proj_bias = True, False
+    elif architecture == "LlamaForCausalLM":
+        attention_bias = o_proj_bias = bool(config.get("attention_bias", False))
+    else:
+        attention_bias = o_proj_bias = False
+    mlp_bias = bool(config.get("mlp_bias", False)) if architecture == "LlamaForCausalLM" else False
+
+    eos_token_ids = list(_as_int_tuple(config.get("eos_token_id")))
+    bos_token_id = config.get("bos_token_id")
+    generation_config_path = model_dir / "generation_config.json"
+    if generation_config_path.is_file():
+        generation_config = json.loads(generation_config_path.read_text())
+        for token_id in _as_int_tuple(generation_config.get("eos_token_id")):
+            if token_id not in eos_token_ids:
+                eos_token_ids.append(token_id)
+        if bos_token_id is None:
+            bos_token_id = generation_config.get("bos_token_id")
+
+    return ModelArchConfig(
+        architecture=architecture,
+        model_type=str(config.get("model_type", "")),
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden_size,
+        intermediate_size=int(config["intermediate_size"]),
+        num_hidden_layers=int(config["num_hidden_layers"]),
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=attention_bias,
+        o_proj_bias=o_proj_bias,
+        mlp_bias=mlp_bias,
+        torch_dtype=config.get("dtype") or config.get("torch_dtype"),
+        bos_token_id=None if bos_token_id is None else int(bos_token_id),
+        eos_token_ids=tuple(eos_token_ids),
+        sliding_window=_sliding_window(config, architecture),
+    )
+
+
+def expected_tensor_shapes(
+    arch: ModelArchConfig,
+    layer_range: range | None = None,
+    first: bool = True,
+    last: bool = True,
+) -> dict[str, tuple[int, ...]]:
+    """The HF checkpoint tensors one stage needs, by name, with their shapes.
+
+    ``layer_range`` is the stage's decoder layers (None: all of them, and then the whole model).
+    The first stage needs the embedding; the last needs the final norm and the LM head, which is
+    the embedding matrix itself when ``tie_word_embeddings`` (so ``lm_head.weight`` is not expected).
+    """
+    if layer_range is None:
+        layer_range = range(arch.num_hidden_layers)
+    hidden = arch.hidden_size
+    q_size = arch.num_attention_heads * arch.head_dim
+    kv_size = arch.num_key_value_heads * arch.head_dim
+    shapes: dict[str, tuple[int, ...]] = {}
+    if first or (last and arch.tie_word_embeddings):
+        shapes["model.embed_tokens.weight"] = (arch.vocab_size, hidden)
+    for i in layer_range:
+        prefix = f"model.layers.{i}"
+        shapes[f"{prefix}.input_layernorm.weight"] = (hidden,)
+        shapes[f"{prefix}.self_attn.q_proj.weight"] = (q_size, hidden)
+        shapes[f"{prefix}.self_attn.k_proj.weight"] = (kv_size, hidden)
+        shapes[f"{prefix}.self_attn.v_proj.weight"] = (kv_size, hidden)
+        shapes[f"{prefix}.self_attn.o_proj.weight"] = (hidden, q_size)
+        if arch.attention_bias:
+            shapes[f"{prefix}.self_attn.q_proj.bias"] = (q_size,)
+            shapes[f"{prefix}.self_attn.k_proj.bias"] = (kv_size,)
+            shapes[f"{prefix}.self_attn.v_proj.bias"] = (kv_size,)
+        if arch.o_proj_bias:
+            shapes[f"{prefix}.self_attn.o_proj.bias"] = (hidden,)
+        shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
+        shapes[f"{prefix}.mlp.gate_proj.weight"] = (arch.intermediate_size, hidden)
+        shapes[f"{prefix}.mlp.up_proj.weight"] = (arch.intermediate_size, hidden)
+        shapes[f"{prefix}.mlp.down_proj.weight"] = (hidden, arch.intermediate_size)
+        if arch.mlp_bias:
+            shapes[f"{prefix}.mlp.gate_proj.bias"] = (arch.intermediate_size,)
+            shapes[f"{prefix}.mlp.up_proj.bias"] = (arch.intermediate_size,)
+            shapes[f"{prefix}.mlp.down_proj.bias"] = (hidden,)
+    if last:
+        shapes["model.norm.weight"] = (hidden,)
+        if not arch.tie_word_embeddings:
+            shapes["lm_head.weight"] = (arch.vocab_size, hidden)
+    return shapes

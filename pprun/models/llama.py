@@ -1,0 +1,338 @@
+"""The Llama family (Llama, Mistral, Qwen2) as Hugging Face checkpoints describe it, built per stage.
+
+One plain module tree, read top to bottom: ``RMSNorm``, rotary helpers, ``Attention``, ``MLP``,
+``DecoderLayer``, ``LlamaForCausalLM``.  A model is built for one pipeline stage: the first
+stage owns the embedding, the last the final norm and LM head (a tied head reads the embedding
+weights), and only the stage's own layers are ever allocated.  Checkpoint quirks (separate
+q/k/v and gate/up tensors fused into one matmul each) are handled in ``load_weights``.
+
+Forward follows DESIGN.md contract 1: ``forward(input_ids, positions, inputs_embeds,
+intermediate_tensors, attn_metadata)``; a non-last stage returns ``IntermediateTensors``
+(``hidden_states``, ``residual``), the last returns final hidden states.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pprun.attention.metadata import AttentionMetadata
+from pprun.distributed.intermediate import IntermediateTensors
+from pprun.distributed.layout import StageLayout
+from pprun.models.hf_config import ModelArchConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with the residual add fused in, computed in float32 like the HF reference."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(norm(x + residual), x + residual)``; with no residual, ``x`` is it."""
+        if residual is not None:
+            x = x + residual
+        residual = x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype), residual
+
+
+def rope_inv_freq(arch: ModelArchConfig) -> torch.Tensor:
+    """Inverse frequencies, with the ``linear`` and ``llama3`` scaling variants applied."""
+    dim = arch.head_dim
+    inv_freq = 1.0 / (
+        arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
+    scaling = arch.rope_scaling or {}
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif rope_type == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of the last dim (the non-interleaved rotary layout of HF Llama)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables indexed by position (float32, cast to the activations' dtype).
+
+    A plain object, not a module: the tables are derived state, so ``to_empty``/``.to(dtype)``
+    on the model must not touch them, and they are not weights.
+    """
+
+    def __init__(self, arch: ModelArchConfig, max_positions: int, device: torch.device) -> None:
+        inv_freq = rope_inv_freq(arch)
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(device)
+        self.sin = emb.sin().to(device)
+
+    def __call__(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q [T, H, D]`` and ``k [T, KVH, D]`` by their token positions."""
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with one fused q/k/v projection over the paged KV cache."""
+
+    def __init__(self, arch: ModelArchConfig, rotary: RotaryEmbedding, backend: Callable) -> None:
+        super().__init__()
+        self.num_heads = arch.num_attention_heads
+        self.num_kv_heads = arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.rotary = rotary
+        self.backend = backend
+        self.kv_cache: torch.Tensor | None = None
+        """[2, num_blocks, block_size, num_kv_heads, head_dim], bound by the worker."""
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Attend ``x [T, hidden]`` over the request contexts described by ``meta``."""
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend(q, k, v, self.kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with gate and up fused into one matmul."""
+
+    def __init__(self, arch: ModelArchConfig) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``down(silu(gate(x)) * up(x))``."""
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block; carries the residual stream separately."""
+
+    def __init__(self, arch: ModelArchConfig, rotary: RotaryEmbedding, backend: Callable) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the block's output and the updated residual (not yet added together)."""
+        h, residual = self.input_layernorm(hidden_states, residual)
+        h = self.self_attn(positions, h, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM holding only the parts one pipeline stage owns."""
+
+    requires_raw_input_tokens = False
+    """Set True in a subclass that needs ``input_ids`` even when ``inputs_embeds`` is given."""
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        layout: StageLayout,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_positions: int,
+        attn_backend: Callable,
+    ) -> None:
+        super().__init__()
+        self.arch = arch
+        self.layout = layout
+        self.dtype = dtype
+        self.device = device
+        rotary = RotaryEmbedding(arch, max_positions, device)
+        # Built on the meta device: nothing is allocated until ``to_empty`` below, and then
+        # only this stage's modules exist at all.
+        with torch.device("meta"):
+            self.embed_tokens = (
+                nn.Embedding(arch.vocab_size, arch.hidden_size) if layout.is_first else None
+            )
+            self.layers = nn.ModuleList(
+                DecoderLayer(arch, rotary, attn_backend) for _ in layout.layer_range
+            )
+            if layout.is_last:
+                self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+                self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+            else:
+                self.norm = None
+                self.lm_head = None
+        self.to_empty(device=device)
+        self.to(dtype)
+        if layout.is_first and layout.is_last and arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    # --- forward -----------------------------------------------------------------------------
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (first stage only)."""
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None,
+        intermediate_tensors: IntermediateTensors | None,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor | IntermediateTensors:
+        """Run this stage's layers over a flattened batch of tokens."""
+        if self.layout.is_first:
+            h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+            residual = None
+        else:
+            if intermediate_tensors is None:
+                raise ValueError(
+                    f"stage {self.layout.pp_rank} is not the first stage and needs "
+                    "intermediate_tensors"
+                )
+            h = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
+        for layer in self.layers:
+            h, residual = layer(positions, h, residual, attn_metadata)
+        if not self.layout.is_last:
+            return IntermediateTensors({"hidden_states": h, "residual": residual})
+        h, _ = self.norm(h, residual)
+        return h
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """LM-head logits for the given (last stage) hidden states."""
+        return self.lm_head(hidden_states)
+
+    def make_empty_intermediate_tensors(
+        self, num_tokens: int, dtype: torch.dtype, device: torch.device
+    ) -> IntermediateTensors:
+        """Receive buffers for what the previous stage sends (persistent in the runner)."""
+        shape = (num_tokens, self.arch.hidden_size)
+        return IntermediateTensors(
+            {
+                "hidden_states": torch.zeros(shape, dtype=dtype, device=device),
+                "residual": torch.zeros(shape, dtype=dtype, device=device),
+            }
+        )
+
+    # --- KV cache ----------------------------------------------------------------------------
+
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Give each owned layer its cache tensor, in layer order."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        for layer, cache in zip(self.layers, kv_caches):
+            layer.self_attn.kv_cache = cache
+
+    # --- weights -----------------------------------------------------------------------------
+
+    def checkpoint_names(self) -> list[str]:
+        """The checkpoint tensors this stage reads (and no others)."""
+        from pprun.models.hf_config import expected_tensor_shapes
+
+        names = list(
+            expected_tensor_shapes(
+                self.arch,
+                self.layout.layer_range,
+                first=self.layout.is_first,
+                last=self.layout.is_last,
+            )
+        )
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into this stage's parameters; returns the names loaded.
+
+        q/k/v land in row blocks of ``qkv_proj``; gate/up in ``gate_up_proj``; a tied
+        ``lm_head`` takes ``model.embed_tokens.weight`` on the last stage.
+        """
+        loaded: set[str] = set()
+        start = self.layout.start_layer
+        a = self.arch
+        q_size, kv_size = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+        qkv_rows = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
+        for name, tensor in weights:
+            target: torch.Tensor | None = None
+            if name == "model.embed_tokens.weight":
+                if self.embed_tokens is not None:
+                    self.embed_tokens.weight.data.copy_(tensor)
+                if self.lm_head is not None and a.tie_word_embeddings:
+                    self.lm_head.weight.data.copy_(tensor)
+                loaded.add(name)
+                continue
+            if name == "model.norm.weight":
+                target = self.norm.weight
+            elif name == "lm_head.weight":
+                target = self.lm_head.weight
+            elif name.startswith("model.layers."):
+                idx_str, rest = name[len("model.layers.") :].split(".", 1)
+                layer = self.layers[int(idx_str) - start]
+                part, param = rest.rsplit(".", 1)
+                if part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                    row0, rows = qkv_rows[part[len("self_attn.")]]
+                    getattr(layer.self_attn.qkv_proj, param).data[row0 : row0 + rows].copy_(tensor)
+                    loaded.add(name)
+                    continue
+                if part in ("mlp.gate_proj", "mlp.up_proj"):
+                    row0 = 0 if part == "mlp.gate_proj" else a.intermediate_size
+                    getattr(layer.mlp.gate_up_proj, param).data[
+                        row0 : row0 + a.intermediate_size
+                    ].copy_(tensor)
+                    loaded.add(name)
+                    continue
+                target = layer.get_submodule(part).get_parameter(param)
+            if target is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
+            target.data.copy_(tensor)
+            loaded.add(name)
+        return loaded

@@ -1,0 +1,89 @@
+"""User-facing sampling parameters (plain Python: the scheduler imports this, torch does not)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each output token and when to stop; names follow vLLM's ``SamplingParams``.
+
+    Call :meth:`validate` (the engine does) before any work starts: every bad value raises a
+    ``ValueError`` naming the field, the value and what is allowed.
+    """
+
+    n: int = 1
+    """Number of completions per prompt (only 1 is supported)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to ``top_p``; in (0, 1]."""
+    top_k: int = -1
+    """Keep the ``top_k`` most likely tokens; -1 (or 0) keeps all."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below ``min_p`` times the top token's; in [0, 1]."""
+    seed: int | None = None
+    """Per-request seed: a seeded request yields the same tokens alone or in any batch."""
+    max_tokens: int | None = 16
+    """Most tokens to generate; ``None`` means up to the model's context length."""
+    min_tokens: int = 0
+    """Stop conditions (EOS, stop tokens, stop strings) are ignored before this many tokens."""
+    stop: list[str] | str | None = None
+    """Strings that end generation; the matched string is not included in the text."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end generation (kept in ``token_ids``)."""
+    ignore_eos: bool = False
+    """Keep generating past the model's end-of-sequence token."""
+    logprobs: int | None = None
+    """Return the sampled token's log-probability and the top ``logprobs`` alternatives."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the decoded text."""
+    extra: dict = field(default_factory=dict)
+    """Reserved for future options; unused."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad field, its value and what is allowed."""
+
+        def bad(name: str, allowed: str) -> None:
+            raise ValueError(
+                f"SamplingParams.{name}={getattr(self, name)!r} is invalid: {allowed}"
+            )
+
+        if not isinstance(self.n, int) or self.n != 1:
+            bad("n", "only n=1 is supported")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            bad("temperature", "must be a number >= 0 (0 means greedy)")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "must be an integer >= -1 (-1 or 0 disables top-k)")
+        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            bad("max_tokens", "must be an integer >= 1, or None")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "must be an integer or None")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            bad("logprobs", "must be an integer >= 0, or None")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a list of non-empty strings")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of non-negative integers")

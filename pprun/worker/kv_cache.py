@@ -1,0 +1,30 @@
+"""Per-stage KV-cache sizing and allocation (a stage allocates blocks for its own layers only)."""
+
+from __future__ import annotations
+
+import torch
+
+from pprun.models.hf_config import ModelArchConfig
+
+
+def bytes_per_block(arch: ModelArchConfig, num_layers: int, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block costs on a stage owning ``num_layers`` layers (keys and values)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * arch.num_key_value_heads * arch.head_dim * elem
+
+
+def allocate_kv_caches(
+    arch: ModelArchConfig,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per owned layer.
+
+    Zero-filled so that the reserved null block 0 (target of padded CUDA-graph rows) holds
+    finite values.
+    """
+    shape = (2, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -1,0 +1,67 @@
+"""Build one stage's model and fill it from the checkpoint, reading only that stage's tensors."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from pprun.distributed.layout import StageLayout
+from pprun.models.hf_config import ModelArchConfig
+from pprun.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+# The Llama code serves these architectures as they are the same network.
+MODEL_CLASSES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def load_stage_model(
+    model_dir: Path,
+    arch: ModelArchConfig,
+    layout: StageLayout,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+    attn_backend,
+) -> LlamaForCausalLM:
+    """Allocate the stage's modules (and nothing else), then copy in exactly its tensors."""
+    from pprun.models.checkpoint import CheckpointIndex
+
+    t0 = time.perf_counter()
+    cls = MODEL_CLASSES[arch.architecture]
+    model = cls(
+        arch,
+        layout,
+        device=device,
+        dtype=dtype,
+        max_positions=max_positions,
+        attn_backend=attn_backend,
+    )
+    names = model.checkpoint_names()
+    index = CheckpointIndex.open(model_dir)
+    tensors = index.load(names, device=device, dtype=dtype)
+    loaded = model.load_weights(tensors.items())
+    missing = sorted(set(names) - loaded)
+    if missing:
+        raise ValueError(f"stage {layout.pp_rank}: checkpoint tensors not loaded: {missing[:8]}")
+    model.eval().requires_grad_(False)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info(
+        "stage %d/%d: layers [%d, %d), %d tensors, %.1fM parameters, loaded in %.2fs",
+        layout.pp_rank,
+        layout.pp_size,
+        layout.start_layer,
+        layout.end_layer,
+        len(names),
+        n_params / 1e6,
+        time.perf_counter() - t0,
+    )
+    return model

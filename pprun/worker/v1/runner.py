@@ -1,0 +1,162 @@
+"""The V1 ("legacy") model runner: eager, inputs rebuilt from the SchedulerOutput every step.
+
+Simple on purpose: per-request state in Python objects, inputs built with Python loops.  It
+works with every executor, including SPMD torchrun ranks at pp > 1 (DESIGN.md contract 5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pprun.attention.metadata import AttentionMetadata
+from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pprun.distributed.intermediate import IntermediateTensors
+from pprun.distributed.layout import StageLayout
+from pprun.sampling.params import SamplingParams
+from pprun.sampling.sampler import Sampler, SamplingTensors, make_generator, to_logprobs
+from pprun.worker.model_inputs import build_model_inputs
+
+
+@dataclass
+class RequestState:
+    """What a runner remembers about one request between steps."""
+
+    req_id: str
+    token_ids: list[int]
+    """Prompt and every output token the runner has been told about."""
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+
+
+class V1ModelRunner:
+    """Eager runner for one stage."""
+
+    name = "v1"
+
+    def __init__(self, model, layout: StageLayout, device: torch.device, block_size: int) -> None:
+        self.model = model
+        self.layout = layout
+        self.device = device
+        self.block_size = block_size
+        self.requests: dict[str, RequestState] = {}
+        self.sampler = Sampler()
+
+    def update_states(self, so: SchedulerOutput) -> None:
+        """Apply the step's deltas: drop finished requests, add new ones, extend cached ones."""
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            gen = None
+            if self.layout.is_last:
+                gen = make_generator(new.sampling_params.seed, self.device)
+            self.requests[new.req_id] = RequestState(
+                new.req_id,
+                list(new.prompt_token_ids),
+                list(new.block_ids),
+                new.num_computed_tokens,
+                new.sampling_params,
+                gen,
+            )
+        c = so.scheduled_cached_reqs
+        for i, req_id in enumerate(c.req_ids):
+            st = self.requests[req_id]
+            st.block_ids.extend(c.new_block_ids[i])
+            st.token_ids.extend(c.new_token_ids[i])
+            st.num_computed_tokens = c.num_computed_tokens[i]
+
+    def prepare_inputs(self, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Token ids, positions, attention metadata and each request's last-token row."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_start_loc = [0]
+        tables: list[list[int]] = []
+        last_rows: list[int] = []
+        bs = self.block_size
+        for req_id, n in so.num_scheduled_tokens.items():
+            st = self.requests[req_id]
+            start = st.num_computed_tokens
+            end = start + n
+            input_ids.extend(st.token_ids[start:end])
+            for pos in range(start, end):
+                positions.append(pos)
+                slots.append(st.block_ids[pos // bs] * bs + pos % bs)
+            seq_lens.append(end)
+            query_start_loc.append(query_start_loc[-1] + n)
+            tables.append(st.block_ids)
+            last_rows.append(query_start_loc[-1] - 1)
+        max_blocks = max(len(t) for t in tables)
+        table = torch.zeros((len(tables), max_blocks), dtype=torch.int32)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        num_reqs, num_tokens = len(seq_lens), len(input_ids)
+        dev = self.device
+        meta = AttentionMetadata(
+            num_reqs=num_reqs,
+            num_reqs_padded=num_reqs,
+            num_tokens=num_tokens,
+            num_tokens_padded=num_tokens,
+            max_query_len=max(so.num_scheduled_tokens.values()),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_table=table.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        return ids, pos_t, meta, last_rows
+
+    @torch.inference_mode()
+    def execute_model(
+        self, so: SchedulerOutput, intermediate_tensors: IntermediateTensors | None = None
+    ) -> ModelRunnerOutput | IntermediateTensors | None:
+        """Run one step; non-last stages return what to send, the last returns sampled tokens."""
+        self.update_states(so)
+        if so.is_empty():
+            return ModelRunnerOutput(so.step_id, [], []) if self.layout.is_last else None
+        ids, positions, meta, last_rows = self.prepare_inputs(so)
+        inputs = build_model_inputs(
+            self.model,
+            is_first_stage=self.layout.is_first,
+            input_ids=ids,
+            positions=positions,
+            intermediate_tensors=intermediate_tensors,
+            attn_metadata=meta,
+        )
+        out = self.model(**inputs)
+        if not self.layout.is_last:
+            return out
+        return self.sample(so, out, last_rows)
+
+    def sample(self, so: SchedulerOutput, hidden: torch.Tensor, last_rows: list[int]) -> ModelRunnerOutput:
+        """Sample for each request whose scheduled tokens reach the end of what it knows."""
+        req_ids = list(so.num_scheduled_tokens)
+        rows, states = [], []
+        for i, req_id in enumerate(req_ids):
+            st = self.requests[req_id]
+            if st.num_computed_tokens + so.num_scheduled_tokens[req_id] == len(st.token_ids):
+                rows.append(last_rows[i])
+                states.append(st)
+        sampled: dict[str, list[int]] = {r: [] for r in req_ids}
+        logprobs_by_req: dict[str, object] = {}
+        if rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+            params = [s.sampling_params for s in states]
+            t = SamplingTensors.build(params, [s.generator for s in states], self.device)
+            res = self.sampler(logits, t)
+            token_ids = res.sampled_token_ids.tolist()
+            lps = to_logprobs(res, [p.logprobs for p in params])
+            for st, tok, lp in zip(states, token_ids, lps):
+                sampled[st.req_id] = [tok]
+                logprobs_by_req[st.req_id] = lp
+        return ModelRunnerOutput(
+            step_id=so.step_id,
+            req_ids=req_ids,
+            sampled_token_ids=[sampled[r] for r in req_ids],
+            logprobs=[logprobs_by_req.get(r) for r in req_ids],
+        )

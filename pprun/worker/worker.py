@@ -1,0 +1,150 @@
+"""A pipeline stage's worker: device set-up, model load, KV-cache allocation, one step.
+
+The same class runs in process (``uni``), in a local process (``mp``), in a Ray actor
+(``ray``) and on a torchrun rank (``external_launcher``); only how its steps arrive differs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pprun.distributed.layout import StageLayout
+from pprun.distributed.transport import PipelineTransport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker needs to build its stage; picklable, sent to remote processes."""
+
+    resolved: object
+    """``pprun.config.validate.ResolvedConfig``."""
+    layout: StageLayout
+    runner: str
+    """"v1" or "v2" (already chosen by the engine)."""
+    init_method: str | None = None
+    """``torch.distributed`` rendezvous (``tcp://host:port``) for pp > 1 with own executors."""
+    device_index: int | None = None
+    """CUDA device of this stage; ``None`` on CPU."""
+    fault_injection: dict | None = None
+    """Tests only: ``{"raise_at_step": k}`` or ``{"delay_s": d}`` for this stage."""
+
+
+class Worker:
+    """One stage: owns its model, its KV cache, its runner and its pipeline channel."""
+
+    def __init__(self, spec: WorkerSpec, transport: PipelineTransport | None = None) -> None:
+        self.spec = spec
+        self.layout = spec.layout
+        rc = spec.resolved
+        self.rc = rc
+        if rc.device == "cuda":
+            index = spec.device_index if spec.device_index is not None else 0
+            torch.cuda.set_device(index)
+            self.device = torch.device("cuda", index)
+        else:
+            self.device = torch.device("cpu")
+        torch.manual_seed(rc.cfg.model.seed)
+        self.transport = transport
+        if transport is None and self.layout.pp_size > 1:
+            self.transport = PipelineTransport.init(
+                self.layout, self.device, spec.init_method, rc.cfg.parallel.stage_timeout_s
+            )
+        self.model = None
+        self.runner = None
+        self.recv_buffers = None
+        self.step_count = 0
+
+    def load_model(self) -> int:
+        """Build and load this stage's model; returns its parameter count."""
+        from pprun.attention.backend import get_backend
+        from pprun.worker.model_loader import load_stage_model
+
+        rc = self.rc
+        self.model = load_stage_model(
+            rc.model_dir,
+            rc.arch,
+            self.layout,
+            device=self.device,
+            dtype=rc.dtype,
+            max_positions=max(rc.max_model_len, 1),
+            attn_backend=get_backend(os.environ.get("PPRUN_ATTN_BACKEND", "auto"), self.device),
+        )
+        return sum(p.numel() for p in self.model.parameters())
+
+    def num_available_blocks(self) -> int:
+        """KV blocks this stage can hold within its cache budget (own layers only)."""
+        from pprun.worker.kv_cache import bytes_per_block
+
+        rc = self.rc
+        cache = rc.cfg.cache
+        per_block = bytes_per_block(rc.arch, self.layout.num_layers, cache.block_size, rc.dtype)
+        if cache.kv_cache_memory_bytes is not None:
+            budget = cache.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            torch.cuda.synchronize()
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cache.gpu_memory_utilization)
+        else:
+            budget = cache.cpu_kv_cache_bytes
+        return budget // per_block
+
+    def init_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV blocks for the owned layers and build the runner."""
+        from pprun.worker.kv_cache import allocate_kv_caches
+
+        rc = self.rc
+        caches = allocate_kv_caches(
+            rc.arch, self.layout.num_layers, num_blocks, rc.cfg.cache.block_size, rc.dtype, self.device
+        )
+        self.model.bind_kv_caches(caches)
+        if self.spec.runner == "v2":
+            from pprun.worker.v2.runner import V2ModelRunner
+
+            self.runner = V2ModelRunner(self.model, self.layout, self.device, rc, num_blocks)
+        else:
+            from pprun.worker.v1.runner import V1ModelRunner
+
+            self.runner = V1ModelRunner(self.model, self.layout, self.device, rc.cfg.cache.block_size)
+        if not self.layout.is_first:
+            max_tokens = rc.cfg.scheduler.max_num_batched_tokens
+            self.recv_buffers = self.model.make_empty_intermediate_tensors(
+                max_tokens, rc.dtype, self.device
+            )
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """One step of this stage: receive, compute, send (or sample on the last stage)."""
+        self.step_count += 1
+        self._inject_faults()
+        received = None
+        num_tokens = so.total_num_scheduled_tokens
+        if not self.layout.is_first and num_tokens > 0:
+            received = self.transport.recv(self.recv_buffers, num_tokens)
+        out = self.runner.execute_model(so, received)
+        if not self.layout.is_last:
+            if num_tokens > 0:
+                self.transport.send(out)
+            return None
+        return out
+
+    def _inject_faults(self) -> None:
+        fi = self.spec.fault_injection
+        if not fi:
+            return
+        if fi.get("delay_s"):
+            import time
+
+            time.sleep(fi["delay_s"])
+        if fi.get("raise_at_step") == self.step_count:
+            raise RuntimeError(f"injected failure in stage {self.layout.pp_rank} at step {self.step_count}")
+
+    def shutdown(self) -> None:
+        """Release the pipeline channel."""
+        if self.transport is not None and self.spec.init_method is not None:
+            self.transport.close()

@@ -1,0 +1,374 @@
+"""Paged attention: the torch reference against dense SDPA, and the Triton kernels against it.
+
+The reference tests always run (CPU).  The Triton tests run on CUDA, or on CPU under the
+Triton interpreter when ``PPRUN_TEST_TRITON_INTERPRET=1`` (slow: shapes stay tiny)::
+
+    PPRUN_TEST_TRITON_INTERPRET=1 pytest tests/test_triton_ops.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pprun.attention.ref_ops import paged_attention_ref, write_kv_cache
+
+HAS_CUDA = torch.cuda.is_available()
+USE_INTERPRETER = (
+    not HAS_CUDA
+    and os.environ.get("PPRUN_TEST_TRITON_INTERPRET") == "1"
+    and importlib.util.find_spec("triton") is not None
+)
+if USE_INTERPRETER:
+    # triton.jit reads this when a kernel is decorated, i.e. when triton_ops is imported.
+    os.environ["TRITON_INTERPRET"] = "1"
+RUN_TRITON = importlib.util.find_spec("triton") is not None and (HAS_CUDA or USE_INTERPRETER)
+TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@dataclass
+class Case:
+    """One step's attention inputs, plus the dense per-request K/V they were built from."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    kv_cache: torch.Tensor  # holds only the context before this step
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    num_reqs: int
+    max_query_len: int
+    dense_k: list[torch.Tensor]  # per request [seq_len, kv_heads, d]
+    dense_v: list[torch.Tensor]
+    scale: float
+
+
+def make_case(
+    query_lens: list[int],
+    context_lens: list[int],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    num_reqs_padded: int | None = None,
+    num_tokens_padded: int | None = None,
+    max_blocks_per_req: int | None = None,
+    seed: int = 0,
+) -> Case:
+    """Random step: each request has ``context_lens[i]`` cached tokens and ``query_lens[i]`` new ones.
+
+    Blocks are handed out in a random order so block tables are non-contiguous; padded
+    requests get seq_len 0 and null-block rows, padded tokens get slot -1.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    num_reqs = len(query_lens)
+    num_reqs_padded = num_reqs_padded or num_reqs
+    num_tokens = sum(query_lens)
+    num_tokens_padded = num_tokens_padded or num_tokens
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    blocks_needed = [-(-s // block_size) for s in seq_lens]
+    max_blocks_per_req = max_blocks_per_req or max(blocks_needed)
+    num_blocks = sum(blocks_needed) + 3  # + null block 0 and two never used
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    block_table = torch.zeros(num_reqs_padded, max_blocks_per_req, dtype=torch.int32)
+    kv_cache = randn(2, num_blocks, block_size, num_kv_heads, head_dim)  # garbage outside context
+    q = randn(num_tokens_padded, num_heads, head_dim)
+    k = randn(num_tokens_padded, num_kv_heads, head_dim)
+    v = randn(num_tokens_padded, num_kv_heads, head_dim)
+    slot_mapping = torch.full((num_tokens_padded,), -1, dtype=torch.int64)
+    dense_k, dense_v = [], []
+    token = 0
+    for req in range(num_reqs):
+        ids = [free.pop() for _ in range(blocks_needed[req])]
+        block_table[req, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        slots = torch.tensor(
+            [ids[p // block_size] * block_size + p % block_size for p in range(seq_lens[req])],
+            dtype=torch.int64,
+        )
+        ctx, qlen = context_lens[req], query_lens[req]
+        ctx_k = randn(ctx, num_kv_heads, head_dim)
+        ctx_v = randn(ctx, num_kv_heads, head_dim)
+        write_kv_cache(ctx_k, ctx_v, kv_cache, slots[:ctx])
+        slot_mapping[token : token + qlen] = slots[ctx:]
+        dense_k.append(torch.cat([ctx_k, k[token : token + qlen]]))
+        dense_v.append(torch.cat([ctx_v, v[token : token + qlen]]))
+        token += qlen
+
+    query_start_loc = torch.zeros(num_reqs_padded + 1, dtype=torch.int32)
+    query_start_loc[1 : num_reqs + 1] = torch.tensor(query_lens).cumsum(0)
+    query_start_loc[num_reqs + 1 :] = num_tokens
+    seq_lens_t = torch.zeros(num_reqs_padded, dtype=torch.int32)
+    seq_lens_t[:num_reqs] = torch.tensor(seq_lens, dtype=torch.int32)
+    to = lambda t: t.to(device)  # noqa: E731
+    return Case(
+        q=to(q),
+        k=to(k),
+        v=to(v),
+        kv_cache=to(kv_cache),
+        slot_mapping=to(slot_mapping),
+        query_start_loc=to(query_start_loc),
+        seq_lens=to(seq_lens_t),
+        block_table=to(block_table),
+        num_reqs=num_reqs,
+        max_query_len=max(query_lens),
+        dense_k=dense_k,
+        dense_v=dense_v,
+        scale=head_dim**-0.5,
+    )
+
+
+def dense_attention(case: Case) -> torch.Tensor:
+    """Causal SDPA per request on contiguous K/V (independent of the paged layout)."""
+    out = torch.zeros(case.q.shape, dtype=torch.float32)
+    starts = case.query_start_loc.tolist()
+    num_heads, num_kv_heads = case.q.shape[1], case.dense_k[0].shape[1]
+    group = num_heads // num_kv_heads
+    for req in range(case.num_reqs):
+        q = case.q[starts[req] : starts[req + 1]].cpu().float().transpose(0, 1)  # [h, qlen, d]
+        k = case.dense_k[req].float().repeat_interleave(group, 1).transpose(0, 1)
+        v = case.dense_v[req].float().repeat_interleave(group, 1).transpose(0, 1)
+        qlen, seq_len = q.shape[1], k.shape[1]
+        # Bottom-right aligned causal mask: the queries are the last qlen positions.
+        allowed = torch.ones(qlen, seq_len, dtype=torch.bool).tril(diagonal=seq_len - qlen)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=case.scale)
+        out[starts[req] : starts[req + 1]] = o.transpose(0, 1)
+    return out
+
+
+SHAPES = [
+    # (num_heads, num_kv_heads, head_dim, block_size)
+    (32, 8, 64, 16),
+    (9, 3, 64, 32),
+]
+
+
+# ---------------------------------------------------------------- reference vs dense SDPA
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ref_matches_dense_sdpa(num_heads, num_kv_heads, head_dim, block_size, dtype):
+    # Mixed batch: fresh prefill, chunked prefill with context, two decodes, two padded reqs.
+    case = make_case(
+        [7, 5, 1, 1],
+        [0, 37, 20, 3],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        num_reqs_padded=6,
+        num_tokens_padded=18,
+        max_blocks_per_req=5,
+    )
+    write_kv_cache(case.k, case.v, case.kv_cache, case.slot_mapping)
+    out = paged_attention_ref(
+        case.q,
+        case.kv_cache,
+        case.query_start_loc,
+        case.seq_lens,
+        case.block_table,
+        case.scale,
+        case.num_reqs,
+    )
+    expected = dense_attention(case)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    assert out[14:].abs().sum() == 0, "padded token rows must be zero"
+
+
+def test_write_kv_cache_skips_padded_slots():
+    kv_cache = torch.zeros(2, 3, 4, 1, 2)
+    k = torch.ones(3, 1, 2)
+    v = 2 * torch.ones(3, 1, 2)
+    write_kv_cache(k, v, kv_cache, torch.tensor([5, -1, 8]))
+    written = kv_cache[0].reshape(12, 2)[:, 0]
+    assert written.nonzero().flatten().tolist() == [5, 8]
+    assert kv_cache[1].reshape(12, 2)[8].tolist() == [2.0, 2.0]
+
+
+def test_ref_rejects_bad_kv_cache_shape():
+    with pytest.raises(ValueError, match="kv_cache"):
+        write_kv_cache(torch.zeros(2, 1, 4), torch.zeros(2, 1, 4), torch.zeros(2, 3, 4, 2, 4), torch.zeros(2))
+
+
+# ---------------------------------------------------------------- triton vs reference
+
+triton_only = pytest.mark.skipif(
+    not RUN_TRITON,
+    reason="needs CUDA + triton, or PPRUN_TEST_TRITON_INTERPRET=1 with triton installed",
+)
+
+
+def _run_both(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from pprun.attention.triton_ops import paged_attention
+
+    ref_cache = case.kv_cache.clone()
+    write_kv_cache(case.k, case.v, ref_cache, case.slot_mapping)
+    expected = paged_attention_ref(
+        case.q, ref_cache, case.query_start_loc, case.seq_lens, case.block_table, case.scale, case.num_reqs
+    )
+    tri_cache = case.kv_cache.clone()
+    # NaN-filled: every row, padded ones included, must be written by the kernels.
+    out = torch.full_like(case.q, float("nan"))
+    paged_attention(
+        case.q,
+        case.k,
+        case.v,
+        tri_cache,
+        case.slot_mapping,
+        case.query_start_loc,
+        case.seq_lens,
+        case.block_table,
+        case.scale,
+        out,
+        case.max_query_len,
+    )
+    return out, expected, tri_cache, ref_cache
+
+
+def _check(case: Case, dtype: torch.dtype) -> None:
+    out, expected, tri_cache, ref_cache = _run_both(case)
+    torch.testing.assert_close(tri_cache, ref_cache, atol=0, rtol=0)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@triton_only
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_prefill_mixed_batch(num_heads, num_kv_heads, head_dim, block_size, dtype):
+    # Fresh prefill spanning two query blocks, chunked prefill after context, decodes,
+    # and padding on both requests and tokens.
+    case = make_case(
+        [70, 9, 1, 1],
+        [0, 45, 33, 2],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        device=TRITON_DEVICE,
+        num_reqs_padded=6,
+        num_tokens_padded=84,
+        max_blocks_per_req=7,
+        seed=1,
+    )
+    _check(case, dtype)
+
+
+@triton_only
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_decode(num_heads, num_kv_heads, head_dim, block_size, dtype):
+    case = make_case(
+        [1, 1, 1],
+        [40, 0, 90],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        device=TRITON_DEVICE,
+        num_reqs_padded=4,
+        num_tokens_padded=4,
+        seed=2,
+    )
+    _check(case, dtype)
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_decode_split_context(dtype):
+    from pprun.attention.triton_ops import num_decode_splits
+
+    # A wide block table allows long contexts, so decode splits the context; one request
+    # is longer than a split, one shorter, one padded.
+    max_blocks = 64
+    assert num_decode_splits(3, 1, max_blocks * 16, torch.device(TRITON_DEVICE)) > 1
+    case = make_case(
+        [1, 1],
+        [400, 20],
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
+        device=TRITON_DEVICE,
+        num_reqs_padded=3,
+        num_tokens_padded=3,
+        max_blocks_per_req=max_blocks,
+        seed=3,
+    )
+    _check(case, dtype)
+
+
+@triton_only
+def test_triton_decode_fewer_token_rows_than_requests():
+    # Token padding and request padding need not agree: rows past the tokens do not exist.
+    case = make_case(
+        [1, 1],
+        [5, 17],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+        device=TRITON_DEVICE,
+        num_reqs_padded=4,
+        num_tokens_padded=3,
+        seed=4,
+    )
+    _check(case, torch.float32)
+
+
+@triton_only
+def test_triton_rejects_head_mismatch():
+    from pprun.attention.triton_ops import paged_decode_attention
+
+    q = torch.zeros(2, 6, 64, device=TRITON_DEVICE)
+    kv_cache = torch.zeros(2, 4, 16, 4, 64, device=TRITON_DEVICE)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        paged_decode_attention(
+            q,
+            kv_cache,
+            torch.zeros(2, 1, dtype=torch.int32, device=TRITON_DEVICE),
+            torch.zeros(2, dtype=torch.int32, device=TRITON_DEVICE),
+            0.125,
+            torch.empty_like(q),
+        )
+
+
+@triton_only
+@pytest.mark.parametrize("max_query_len_one", [False, True])
+def test_triton_head_dim_128_block_64(max_query_len_one):
+    # The other supported config: wider heads and pages larger than one key tile's rows.
+    query_lens = [1, 1] if max_query_len_one else [3, 1]
+    case = make_case(
+        query_lens,
+        [70, 130],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=128,
+        block_size=64,
+        dtype=torch.float32,
+        device=TRITON_DEVICE,
+        seed=5,
+    )
+    _check(case, torch.float32)
