@@ -261,6 +261,7 @@ def test_resolve_executor() -> None:
         ({"max_model_len": 4096}, r"model\.max_model_len=4096.*1\.\.2048"),
         ({"max_model_len": 0}, r"model\.max_model_len=0.*1\.\.2048"),
         ({"max_num_seqs": 0}, r"scheduler\.max_num_seqs=0.*>= 1"),
+        ({"max_num_seqs": 2.5}, r"scheduler\.max_num_seqs=2\.5.*integer"),
         ({"max_num_batched_tokens": 0}, r"scheduler\.max_num_batched_tokens=0.*>= 1"),
         ({"block_size": 24}, r"cache\.block_size=24.*8, 16, 32, 64, 128"),
         (
@@ -300,6 +301,11 @@ def test_missing_model_path(tmp_path: Path) -> None:
     missing = tmp_path / "nope"
     with pytest.raises(ValueError, match=rf"model\.model.*{missing.name}"):
         _validate(missing)
+
+
+def test_empty_model_name() -> None:
+    with pytest.raises(ValueError, match=r"model\.model=''"):
+        validate_config(PprunConfig.from_kwargs(model=""), cuda_available=False, env={})
 
 
 def test_model_dir_without_config_json(tmp_path: Path) -> None:

@@ -121,8 +121,9 @@ def _check_choice(field_name: str, value: object, allowed: tuple) -> None:
 
 
 def _check_min(field_name: str, value: object, minimum: float, allowed: str) -> None:
-    """Raise ValueError unless ``value`` is a number >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
+    """Raise ValueError unless ``value`` is a number >= ``minimum`` (an int when ``allowed`` says integer)."""
+    kinds = int if "integer" in allowed else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or value < minimum:
         raise ValueError(f"{field_name}={value!r} is not allowed; it must be {allowed}")
 
 
@@ -182,6 +183,10 @@ def _check_values(cfg: PprunConfig, env: Mapping[str, str]) -> None:
 
 def _resolve_model_dir(name_or_path: str) -> Path:
     """An existing directory as is, else a bundled alias via ``pprun.models.demo.resolve_model``."""
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise ValueError(
+            f"model.model={name_or_path!r} is not allowed; give a model directory or a known alias"
+        )
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path

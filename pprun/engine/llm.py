@@ -40,7 +40,7 @@ class LLM:
         fault_injection = kwargs.pop("_fault_injection", None)
         if config is None:
             if model is not None:
-                kwargs["model"] = model
+                kwargs["model"] = str(model)
             config = PprunConfig.from_kwargs(**kwargs)
         elif model is not None or kwargs:
             raise ValueError("pass either config=PprunConfig(...) or keyword arguments, not both")
@@ -91,7 +91,7 @@ class LLM:
         """Apply the model's chat template to one conversation (or a list) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        if not getattr(tok, "chat_template", None):
+        if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError(f"model {self.config.model.model!r} has no chat template")
         prompts = []
         for conv in conversations:

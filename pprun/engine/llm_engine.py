@@ -64,17 +64,18 @@ class LLMEngine:
     """Owns the scheduler, the tokenizer and the executor of one model."""
 
     def __init__(self, cfg: PprunConfig, *, fault_injection: dict[int, dict] | None = None) -> None:
-        from pprun.config.runner_choice import choose_runner
+        from pprun.config.runner_choice import unsupported_v2_features
         from pprun.config.validate import validate_config
 
         self.cfg = cfg
         self.resolved = validate_config(cfg)
         rc = self.resolved
-        self.runner_name, self.v2_fallback_reasons = choose_runner(cfg, rc.executor)
+        self.runner_name = rc.runner
+        self.v2_fallback_reasons = unsupported_v2_features(cfg, rc.executor)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or str(rc.model_dir))
         self.vocab_size = rc.arch.vocab_size
         self.eos_token_ids = set(rc.arch.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.max_model_len = rc.max_model_len
         logger.info(
@@ -134,6 +135,11 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"{where}: prompt is empty ('')")
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"{where}: a text prompt needs a tokenizer and model {self.cfg.model.model!r} "
+                    "has none; pass {'prompt_token_ids': [...]}"
+                )
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
@@ -297,7 +303,9 @@ class LLMEngine:
         return self._collect_finished([])
 
     def decode(self, token_ids: list[int], params: SamplingParams) -> str:
-        """Token ids to text."""
+        """Token ids to text ("" for a model without a tokenizer)."""
+        if self.tokenizer is None:
+            return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
 
     def shutdown(self) -> None:
@@ -325,9 +333,19 @@ class LLMEngine:
 
 
 def load_tokenizer(path: str):
-    """The model directory's tokenizer (transformers' fast tokenizer, local files only)."""
+    """The model directory's tokenizer (transformers' fast tokenizer, local files only).
+
+    A directory without tokenizer files (test checkpoints) gives ``None``: the engine then takes
+    only ``prompt_token_ids`` prompts and returns empty text.
+    """
+    from pathlib import Path
+
     from transformers import AutoTokenizer
 
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if Path(path).is_dir() and not any((Path(path) / f).exists() for f in files):
+        logger.warning("no tokenizer in %s: token-id prompts only, outputs carry no text", path)
+        return None
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 

@@ -1,12 +1,19 @@
-"""``mp``: one local process per stage (spawned), controlled over local sockets."""
+"""``mp``: one local process per stage, controlled over local sockets.
+
+Stages start as fresh interpreters (``python -m pprun.executor.stage_main``), not through
+``multiprocessing``: a user's script is never re-imported in the children, so it needs no
+``if __name__ == "__main__"`` guard, and no CUDA or thread state is inherited by fork.
+"""
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import os
 import socket
+import subprocess
+import sys
 
 from pprun.distributed.layout import StageLayout
-from pprun.executor.remote import RemoteStagesExecutor, worker_main
+from pprun.executor.remote import RemoteStagesExecutor
 from pprun.worker.worker import WorkerSpec
 
 
@@ -18,7 +25,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class MpExecutor(RemoteStagesExecutor):
-    """Stages as ``multiprocessing`` children (spawn start method: safe with CUDA and threads)."""
+    """Stages as local child processes."""
 
     name = "mp"
 
@@ -26,10 +33,8 @@ class MpExecutor(RemoteStagesExecutor):
         super().__init__(resolved, resolved.cfg.parallel.stage_timeout_s)
         listener = self._listen("127.0.0.1")
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        ctx = mp.get_context("spawn")
-        self.procs: list[mp.Process] = []
-        for rank in range(self.pp_size):
-            spec = WorkerSpec(
+        specs = [
+            WorkerSpec(
                 resolved,
                 StageLayout.from_partition(resolved.layer_partition, rank),
                 runner,
@@ -37,11 +42,20 @@ class MpExecutor(RemoteStagesExecutor):
                 device_index=rank if resolved.device == "cuda" else None,
                 fault_injection=(fault_injection or {}).get(rank),
             )
-            p = ctx.Process(target=worker_main, args=(spec, listener.address, self.authkey), daemon=True, name=f"pprun-stage{rank}")
-            p.start()
-            self.procs.append(p)
+            for rank in range(self.pp_size)
+        ]
+        env = dict(os.environ, PPRUN_AUTHKEY=self.authkey.hex())
+        host, port = listener.address
+        self.procs: list[subprocess.Popen] = [
+            subprocess.Popen(
+                [sys.executable, "-m", "pprun.executor.stage_main", host, str(port), str(rank)],
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+            for rank in range(self.pp_size)
+        ]
         try:
-            self._accept_all(listener)
+            self._accept_all(listener, specs)
             self._setup_stages()
         except BaseException:
             self.shutdown()
@@ -58,13 +72,14 @@ class MpExecutor(RemoteStagesExecutor):
 
     def _check_alive(self) -> None:
         for rank, p in enumerate(self.procs):
-            if p.exitcode is not None:
-                self._fail(f"stage {rank} process exited with code {p.exitcode}")
+            code = p.poll()
+            if code is not None:
+                self._fail(f"stage {rank} process exited with code {code}")
 
     def _stop_processes(self) -> None:
         for p in self.procs:
-            p.join(timeout=5)
-        for p in self.procs:
-            if p.is_alive():
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
                 p.kill()
-                p.join(timeout=5)
+                p.wait(timeout=5)

@@ -74,7 +74,7 @@ class RayExecutor(RemoteStagesExecutor):
                 return ip, free_port("0.0.0.0")
 
             def run(self, spec, address, authkey) -> None:
-                worker_main(spec, address, authkey)
+                worker_main(address, authkey, spec.layout.pp_rank, spec)
 
         self.actors = [
             StageActor.options(

@@ -26,14 +26,19 @@ from pprun.executor.base import Executor, StageFailedError
 logger = logging.getLogger(__name__)
 
 
-def worker_main(spec, address: tuple[str, int], authkey: bytes) -> None:
-    """Body of a stage process: connect to the driver, build the stage, serve steps."""
+def worker_main(address: tuple[str, int], authkey: bytes, rank: int, spec=None) -> None:
+    """Body of a stage process: connect to the driver, build the stage, serve steps.
+
+    ``spec`` (a WorkerSpec) is passed directly by Ray; a plain child process gets it as the
+    driver's first message.
+    """
     from pprun.worker.worker import Worker
 
-    logging.basicConfig(level=spec.resolved.cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     conn = Client(address, authkey=authkey)
-    rank = spec.layout.pp_rank
     conn.send(("hello", rank, os.getpid()))
+    if spec is None:
+        kind, spec = conn.recv()
+    logging.basicConfig(level=spec.resolved.cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     worker = None
     try:
         worker = Worker(spec)
@@ -87,8 +92,11 @@ class RemoteStagesExecutor(Executor):
     def _listen(self, host: str) -> Listener:
         return Listener((host, 0), authkey=self.authkey)
 
-    def _accept_all(self, listener: Listener) -> None:
-        """Accept one connection per stage (bounded by the timeout), keyed by pp rank."""
+    def _accept_all(self, listener: Listener, specs: list | None = None) -> None:
+        """Accept one connection per stage (bounded by the timeout), keyed by pp rank.
+
+        With ``specs``, each stage is sent its WorkerSpec once it connects.
+        """
         deadline = time.monotonic() + max(self.timeout_s, 120.0)
         listener._listener._socket.settimeout(1.0)  # poll so a stage that never starts is seen
         while any(c is None for c in self.conns):
@@ -101,6 +109,8 @@ class RemoteStagesExecutor(Executor):
                 continue
             kind, rank, pid = conn.recv()
             self.conns[rank] = conn
+            if specs is not None:
+                conn.send(("spec", specs[rank]))
             logger.debug("stage %d connected (pid %d)", rank, pid)
         listener.close()
 

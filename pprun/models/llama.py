@@ -115,7 +115,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(
             arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias)
         self.rotary = rotary
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None
