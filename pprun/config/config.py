@@ -2,7 +2,7 @@
 
 One ``PprunConfig`` groups model, parallel, scheduler, cache and compilation settings. It is built
 three ways: ``PprunConfig(...)`` directly, ``PprunConfig.from_kwargs(pipeline_parallel_size=2, ...)``
-with vLLM-style flat keywords (what ``LLM(...)`` takes), or from Hydra YAML under ``conf/`` through
+with vLLM-style flat keywords (what ``LLM(...)`` takes), or from Hydra YAML under ``pprun/conf/`` through
 ``register_configs()`` + ``PprunConfig.from_omegaconf``. Values are checked by
 ``pprun.config.validate.validate_config`` before any process starts; this module imports neither
 torch nor Hydra at import time, so the scheduler can use it.
@@ -85,8 +85,9 @@ class CacheConfig:
     """Exact KV-cache bytes per stage; overrides gpu_memory_utilization and cpu_kv_cache_bytes."""
     gpu_memory_utilization: float = 0.5
     """On GPU, the fraction of free device memory (after loading weights) given to the KV cache."""
-    cpu_kv_cache_bytes: int = 256 * 1024 * 1024
-    """On CPU, KV-cache bytes per stage when kv_cache_memory_bytes is not set (256 MiB)."""
+    cpu_kv_cache_bytes: int = 1024 * 1024 * 1024
+    """On CPU, KV-cache bytes per stage when kv_cache_memory_bytes is not set (1 GiB: the demo
+    model needs ~380 MB for one 8192-token request across its 30 layers)."""
 
 
 @dataclass
@@ -270,14 +271,20 @@ class SamplingAppConfig:
 class GenerateAppConfig(PprunConfig):
     """The ``pprun generate`` app: PprunConfig's keys at top level, plus prompts and sampling."""
 
+    prompt: str | None = None
+    """One prompt to complete (placed before ``prompts``)."""
     prompts: list[str] = field(default_factory=list)
     """Prompts to complete (in addition to input_file's)."""
     input_file: str | None = None
-    """Text file with one prompt per line, or a .jsonl file with a "prompt" field per line."""
+    """JSONL file, one request per line: {"prompt": str} or {"prompt_token_ids": [int]} or
+    {"messages": [chat turns]}, each optionally with "sampling": {field: value} overriding
+    ``sampling`` for that line."""
     output_file: str | None = None
     """Write results as JSON lines here; None prints them."""
     chat: bool = False
     """Wrap each prompt with the tokenizer's chat template."""
+    progress: bool = True
+    """Show a progress bar (when there are more than 8 prompts or stderr is a terminal)."""
     sampling: SamplingAppConfig = field(default_factory=SamplingAppConfig)
     """Sampling options applied to every prompt."""
 
@@ -296,12 +303,18 @@ class BenchAppConfig(PprunConfig):
     """Prompt length in tokens (random token ids)."""
     output_len: int = 128
     """Tokens generated per request (EOS ignored, so every request runs to this length)."""
+    input_file: str | None = None
+    """JSONL workload instead of random prompts: {"prompt": str} or {"prompt_token_ids": [int]} per
+    line, optionally with "max_tokens" (else output_len)."""
+    ignore_eos: bool = True
+    """Generate every request's full length even past end-of-sequence (comparable runs)."""
     num_warmup_prompts: int = 4
     """Requests run once before timing, to warm caches and capture graphs."""
     workload_seed: int = 0
     """Seed for the random prompts."""
-    compare_hf: bool = False
-    """Also time Hugging Face transformers' generate() on the same workload (the peer)."""
+    peer: str = "hf"
+    """hf|none: also time Hugging Face transformers' generate() on the same workload, same
+    process and device, after pprun's engine is shut down."""
     output_json: str | None = None
     """Write the result JSON here as well as printing it."""
 
@@ -313,20 +326,17 @@ class BenchAppConfig(PprunConfig):
 def default_conf_dir() -> Path:
     """The directory holding the Hydra YAML (``generate.yaml``, ``bench.yaml`` and groups).
 
-    A ``conf/`` inside the package (an installed wheel's package data) wins; otherwise the
-    repository's top-level ``conf/`` (a source checkout).
+    It lives inside the package (``pprun/conf``), so a source checkout and an installed wheel
+    (package data) read the same files.
     """
-    package_dir = Path(__file__).resolve().parent.parent
-    for candidate in (package_dir / "conf", package_dir.parent / "conf"):
-        if (candidate / "generate.yaml").is_file():
-            return candidate
-    raise FileNotFoundError(
-        f"no Hydra conf/ directory with generate.yaml under {package_dir} or {package_dir.parent}"
-    )
+    conf_dir = Path(__file__).resolve().parent.parent / "conf"
+    if not (conf_dir / "generate.yaml").is_file():
+        raise FileNotFoundError(f"no Hydra config generate.yaml in {conf_dir}: is pprun installed completely?")
+    return conf_dir
 
 
 def register_configs() -> None:
-    """Store the schemas in Hydra's ConfigStore, so YAML under ``conf/`` is type-checked against them.
+    """Store the schemas in Hydra's ConfigStore, so YAML under ``pprun/conf/`` is type-checked against them.
 
     Names: ``pprun_schema`` (PprunConfig), ``generate_schema`` and ``bench_schema`` (the apps).
     Calling it again is harmless.

@@ -111,6 +111,8 @@ class LLMEngine:
         self.dead: str | None = None
         self._ids = itertools.count()
         self.num_steps = 0
+        self.num_preemptions = 0
+        """Preemptions (by recompute) of requests finished so far."""
 
     def _init_cache(self) -> None:
         cache = self.cfg.cache
@@ -269,6 +271,7 @@ class LLMEngine:
     def _make_output(self, tr: _Tracked) -> RequestOutput:
         req = tr.req
         tr.metrics.finished_time = time.time()
+        self.num_preemptions += req.num_preemptions
         params = req.sampling_params
         if not (req.finish_reason == "stop" and isinstance(req.stop_reason, str)):
             tr.text = self.decode(req.output_token_ids, params)

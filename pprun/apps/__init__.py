@@ -1,0 +1,84 @@
+"""The Hydra apps behind ``pprun generate`` and ``pprun bench``, and the plumbing they share.
+
+Each app module has a ``run(cfg)`` that does the work on a typed app config (callable from Python
+and tests without Hydra) and a ``main()`` that reads ``sys.argv`` as Hydra overrides against the
+YAML in ``pprun/conf/``. ``pprun.cli`` dispatches the subcommands to those ``main()`` functions.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def run_hydra_app(config_name: str, task: Callable[[Any], None]) -> None:
+    """Compose ``pprun/conf/<config_name>.yaml`` with the overrides in ``sys.argv[1:]`` and call
+    ``task(app_config)`` once, or once per job under ``-m`` (multirun).
+
+    ``task`` gets the typed app dataclass (``GenerateAppConfig`` / ``BenchAppConfig``). A
+    ``ValueError`` from it (bad user input) is printed as one line naming the app, and the process
+    exits with status 2; anything else keeps Hydra's report (exit status 1).
+    """
+    import hydra
+    from omegaconf import DictConfig, OmegaConf
+
+    from pprun.config.config import default_conf_dir, register_configs
+
+    register_configs()
+    app_name = f"pprun {config_name}"
+
+    def hydra_task(cfg: DictConfig) -> None:
+        app_cfg = OmegaConf.to_object(cfg)
+        logging.getLogger("pprun").setLevel(str(app_cfg.log_level).upper())
+        try:
+            task(app_cfg)
+        except ValueError as e:
+            print(f"{app_name}: error: {e}", file=sys.stderr)
+            # SystemExit is not an Exception, so Hydra lets it through without a traceback.
+            raise SystemExit(2) from None
+
+    # Hydra names the job after the module defining the task function; keep the app's name.
+    hydra_task.__module__ = f"pprun.apps.{config_name}"
+    hydra.main(config_path=str(default_conf_dir()), config_name=config_name, version_base="1.3")(hydra_task)()
+
+
+def in_multirun() -> bool:
+    """True inside a job of a Hydra sweep (``-m``)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    except ImportError:
+        return False
+
+
+def job_output_path(path: str | None) -> Path | None:
+    """Where to write a user-named output file.
+
+    In a sweep every job would overwrite the same relative path, so there a relative path is put
+    in the job's own sweep folder (``hydra.sweep.dir/<job number>/``); absolute paths, and any
+    path outside a sweep, are used as given.
+    """
+    if path is None:
+        return None
+    out = Path(path).expanduser()
+    if not out.is_absolute() and in_multirun():
+        from hydra.core.hydra_config import HydraConfig
+
+        out = Path(HydraConfig.get().runtime.output_dir) / out
+    return out
+
+
+def job_output_dir() -> Path | None:
+    """The current sweep job's folder, or None outside a sweep."""
+    if not in_multirun():
+        return None
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)

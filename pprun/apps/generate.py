@@ -1,0 +1,293 @@
+"""``pprun generate``: complete prompts from arguments or a JSONL file with one engine.
+
+Prompts come from ``prompt=...``, ``prompts=[...]`` and ``input_file=requests.jsonl`` (in that
+order); with none of them a few built-in chat prompts are answered. Results go to stdout (readable)
+or ``output_file`` (JSONL, one object per prompt), and a summary closes the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from pprun.apps import job_output_path
+from pprun.config.config import GenerateAppConfig
+from pprun.sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_CHATS: list[list[dict[str, str]]] = [
+    [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+    [{"role": "user", "content": "Explain pipeline parallelism in two sentences."}],
+    [{"role": "user", "content": "Write a haiku about a graphics card."}],
+]
+"""What ``pprun generate`` answers when given no prompts."""
+
+PROGRESS_MIN_PROMPTS = 8
+"""More prompts than this show a progress bar even when stderr is not a terminal."""
+
+_LINE_KEYS = ("prompt", "prompt_token_ids", "messages", "sampling", "id")
+_SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name not in ("n", "extra"))
+
+
+@dataclass
+class GenerateRequest:
+    """One unit of work: a prompt (text or token ids) or a chat conversation, with its sampling."""
+
+    where: str
+    """Where it came from, for messages: ``prompts[1]``, ``input_file line 3``, ``builtin[0]``."""
+    sampling: SamplingParams
+    """Sampling for this request (the app's ``sampling`` plus any per-line overrides)."""
+    prompt: str | dict | None = None
+    """A text prompt or ``{"prompt_token_ids": [...], "prompt": text?}``; None for a chat."""
+    messages: list[dict] | None = None
+    """A chat conversation (the model's chat template is applied)."""
+    request_id: Any = None
+    """The input line's ``id``, echoed in the output."""
+
+
+def sampling_params_for(base: dict[str, Any], overrides: dict[str, Any] | None, where: str) -> SamplingParams:
+    """``SamplingParams`` from the app's sampling dict with ``overrides`` (one input line's) applied."""
+    values = dict(base)
+    if overrides is not None:
+        if not isinstance(overrides, dict):
+            raise ValueError(
+                f"{where}: sampling={overrides!r} must be an object of SamplingParams fields, "
+                f'e.g. {{"max_tokens": 16}}'
+            )
+        for key, value in overrides.items():
+            if key not in _SAMPLING_KEYS:
+                close = difflib.get_close_matches(str(key), _SAMPLING_KEYS, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(
+                    f"{where}: sampling key {key!r} is unknown{hint} (allowed: {', '.join(_SAMPLING_KEYS)})"
+                )
+            values[key] = value
+    params = SamplingParams(**values)
+    try:
+        params.validate()
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return params
+
+
+def read_input_file(path: str, base_sampling: dict[str, Any]) -> list[GenerateRequest]:
+    """Parse a JSONL request file (see ``GenerateAppConfig.input_file``); blank lines are skipped."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(f"input_file={path!r} is not a file")
+    requests = []
+    with open(file, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"input_file line {line_no}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{where}: must be a JSON object, got {type(obj).__name__}")
+            unknown = [k for k in obj if k not in _LINE_KEYS]
+            if unknown:
+                raise ValueError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(_LINE_KEYS)})")
+            sampling = sampling_params_for(base_sampling, obj.get("sampling"), where)
+            if "messages" in obj:
+                if "prompt" in obj or "prompt_token_ids" in obj:
+                    raise ValueError(f"{where}: give either 'messages' or a prompt, not both")
+                messages = obj["messages"]
+                if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+                    raise ValueError(f"{where}: messages must be a non-empty list of {{role, content}} objects")
+                requests.append(GenerateRequest(where, sampling, messages=messages, request_id=obj.get("id")))
+            elif "prompt_token_ids" in obj:
+                prompt = {"prompt_token_ids": obj["prompt_token_ids"]}
+                if "prompt" in obj:
+                    prompt["prompt"] = obj["prompt"]
+                requests.append(GenerateRequest(where, sampling, prompt=prompt, request_id=obj.get("id")))
+            elif "prompt" in obj:
+                if not isinstance(obj["prompt"], str):
+                    raise ValueError(f"{where}: prompt must be a string, got {type(obj['prompt']).__name__}")
+                requests.append(GenerateRequest(where, sampling, prompt=obj["prompt"], request_id=obj.get("id")))
+            else:
+                raise ValueError(f"{where}: needs one of 'prompt', 'prompt_token_ids' or 'messages'")
+    if not requests:
+        raise ValueError(f"input_file={path!r} holds no requests")
+    return requests
+
+
+def collect_requests(cfg: GenerateAppConfig) -> list[GenerateRequest]:
+    """Every request of a run, in order: ``prompt``, ``prompts``, then ``input_file``'s lines;
+    the built-in chats when there are none."""
+    base = {f.name: getattr(cfg.sampling, f.name) for f in dataclasses.fields(cfg.sampling)}
+    texts = ([("prompt", cfg.prompt)] if cfg.prompt is not None else []) + [
+        (f"prompts[{i}]", p) for i, p in enumerate(cfg.prompts)
+    ]
+    requests = []
+    for where, text in texts:
+        sampling = sampling_params_for(base, None, where)
+        if cfg.chat:
+            requests.append(GenerateRequest(where, sampling, messages=[{"role": "user", "content": text}]))
+        else:
+            requests.append(GenerateRequest(where, sampling, prompt=text))
+    if cfg.input_file is not None:
+        requests.extend(read_input_file(cfg.input_file, base))
+    if not requests:
+        requests = [
+            GenerateRequest(f"builtin[{i}]", sampling_params_for(base, None, f"builtin[{i}]"), messages=chat)
+            for i, chat in enumerate(BUILTIN_CHATS)
+        ]
+    return requests
+
+
+def run_requests(llm: Any, requests: list[GenerateRequest], use_tqdm: bool) -> list[Any]:
+    """Generate every request (chats through ``LLM.chat``, the rest through ``LLM.generate``);
+    outputs in request order."""
+    chat_idx = [i for i, r in enumerate(requests) if r.messages is not None]
+    plain_idx = [i for i, r in enumerate(requests) if r.messages is None]
+    outputs: list[Any] = [None] * len(requests)
+    if plain_idx:
+        outs = llm.generate(
+            [requests[i].prompt for i in plain_idx], [requests[i].sampling for i in plain_idx], use_tqdm=use_tqdm
+        )
+        for i, out in zip(plain_idx, outs):
+            outputs[i] = out
+    if chat_idx:
+        outs = llm.chat(
+            [requests[i].messages for i in chat_idx], [requests[i].sampling for i in chat_idx], use_tqdm=use_tqdm
+        )
+        for i, out in zip(chat_idx, outs):
+            outputs[i] = out
+    return outputs
+
+
+def result_record(index: int, request: GenerateRequest, output: Any) -> dict[str, Any]:
+    """One output line: the prompt, the completion and the request's metrics."""
+    completion = output.outputs[0]
+    m = output.metrics
+    record: dict[str, Any] = {"index": index}
+    if request.request_id is not None:
+        record["id"] = request.request_id
+    if request.messages is not None:
+        record["messages"] = request.messages
+    record.update(
+        prompt=output.prompt,
+        text=completion.text,
+        token_ids=list(completion.token_ids),
+        finish_reason=completion.finish_reason,
+        metrics={
+            "num_prompt_tokens": len(output.prompt_token_ids),
+            "num_output_tokens": len(completion.token_ids),
+            "time_to_first_token_s": m.time_to_first_token,
+            "time_per_output_token_s": m.time_per_output_token,
+            "latency_s": None if m.finished_time is None else m.finished_time - m.arrival_time,
+        },
+    )
+    if output.error:
+        record["error"] = output.error
+    return record
+
+
+def print_record(record: dict[str, Any], request: GenerateRequest, stream: TextIO) -> None:
+    """A result as a few readable lines."""
+    if request.messages is not None:
+        shown = request.messages[-1].get("content", "")
+    elif record["prompt"] is not None:
+        shown = record["prompt"]
+    else:
+        shown = f"token ids {request.prompt['prompt_token_ids']}"
+    print(f"=== [{record['index']}] {shown}", file=stream)
+    # A model without a tokenizer returns no text; show the ids instead.
+    print(record["text"] if record["text"] else f"token ids {record['token_ids']}", file=stream)
+    m = record["metrics"]
+    print(
+        f"--- {m['num_prompt_tokens']} prompt + {m['num_output_tokens']} output tokens, "
+        f"finish_reason={record['finish_reason']}",
+        file=stream,
+    )
+
+
+def summarize(outputs: list[Any], elapsed_s: float, facts: dict[str, Any]) -> dict[str, Any]:
+    """The run's totals and the engine's configuration facts."""
+    num_prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {
+        "num_requests": len(outputs),
+        "num_prompt_tokens": num_prompt_tokens,
+        "num_output_tokens": num_output_tokens,
+        "elapsed_s": elapsed_s,
+        "output_tokens_per_s": num_output_tokens / elapsed_s if elapsed_s > 0 else None,
+        "runner": facts.get("runner"),
+        "executor": facts.get("executor"),
+        "pipeline_parallel_size": facts.get("pipeline_parallel_size"),
+        "layer_partition": facts.get("layer_partition"),
+        "device": facts.get("device"),
+        "dtype": facts.get("dtype"),
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The closing summary as aligned ``key: value`` lines."""
+    tps = summary["output_tokens_per_s"]
+    rows = [
+        ("requests", summary["num_requests"]),
+        ("prompt tokens", summary["num_prompt_tokens"]),
+        ("output tokens", summary["num_output_tokens"]),
+        ("elapsed", f"{summary['elapsed_s']:.2f} s"),
+        ("output tokens/s", "n/a" if tps is None else f"{tps:.1f}"),
+        ("runner", summary["runner"]),
+        ("executor", summary["executor"]),
+        (
+            "stages",
+            f"{summary['pipeline_parallel_size']} (decoder layers per stage: {summary['layer_partition']})",
+        ),
+        ("device", f"{summary['device']} ({summary['dtype']})"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(["=== summary"] + [f"{k + ':':<{width + 1}} {v}" for k, v in rows])
+
+
+def run(cfg: GenerateAppConfig, stream: TextIO | None = None) -> dict[str, Any]:
+    """Generate for every request of ``cfg``, write or print the results and the summary; return
+    the summary."""
+    from pprun.engine.llm import LLM
+
+    stream = sys.stdout if stream is None else stream
+    requests = collect_requests(cfg)  # before the engine starts: bad input fails fast
+    output_file = job_output_path(cfg.output_file)
+    use_tqdm = cfg.progress and (len(requests) > PROGRESS_MIN_PROMPTS or sys.stderr.isatty())
+    with LLM(config=cfg.pprun_config()) as llm:
+        start = time.perf_counter()
+        outputs = run_requests(llm, requests, use_tqdm)
+        elapsed_s = time.perf_counter() - start
+        facts = llm.describe()
+    records = [result_record(i, r, o) for i, (r, o) in enumerate(zip(requests, outputs))]
+    if output_file is not None:
+        output_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(output_file, "w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        print(f"wrote {len(records)} results to {output_file}", file=stream)
+    else:
+        for record, request in zip(records, requests):
+            print_record(record, request, stream)
+    summary = summarize(outputs, elapsed_s, facts)
+    print(format_summary(summary), file=stream, flush=True)
+    return summary
+
+
+def main() -> None:
+    """Entry point of ``pprun generate``: ``sys.argv[1:]`` are Hydra overrides."""
+    from pprun.apps import run_hydra_app
+
+    run_hydra_app("generate", run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""The ``pprun`` command: ``pprun generate ...`` and ``pprun bench ...``.
+
+The first argument picks the subcommand; everything after it goes to that subcommand's Hydra app
+as overrides (``key=value``, ``group=option``, ``-m`` for sweeps, ``--help``, ``--cfg job``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import sys
+from collections.abc import Sequence
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("pprun.apps.generate", "complete prompts (arguments or a JSONL file) and print a summary"),
+    "bench": ("pprun.apps.bench", "offline throughput/latency as JSON, against transformers' generate()"),
+}
+"""Subcommand -> (module with a ``main()``, one-line description)."""
+
+
+def usage() -> str:
+    """The text of ``pprun --help``."""
+    lines = [
+        "usage: pprun <command> [hydra overrides ...]",
+        "",
+        "Pipeline-parallel transformer inference.",
+        "",
+        "commands:",
+    ]
+    lines += [f"  {name:<10} {desc}" for name, (_, desc) in SUBCOMMANDS.items()]
+    lines += [
+        "",
+        "Overrides are Hydra's: key=value, group=option (e.g. parallel=pp2_ray), -m to sweep",
+        "(e.g. pprun bench -m scheduler.max_num_seqs=1,4). `pprun <command> --help` lists the keys.",
+        "Configs: pprun/conf/*.yaml.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``pprun <command> [overrides]``; returns the exit status (Hydra exits itself on errors)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage(), file=sys.stdout if args else sys.stderr)
+        return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        from pprun import __version__
+
+        print(f"pprun {__version__}")
+        return 0
+    command = args[0]
+    if command not in SUBCOMMANDS:
+        close = difflib.get_close_matches(command, list(SUBCOMMANDS), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        print(f"pprun: unknown command {command!r}{hint} (commands: {', '.join(SUBCOMMANDS)})", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[command][0])
+    # Hydra parses sys.argv itself; present the subcommand as the program name.
+    sys.argv = [f"pprun {command}", *args[1:]]
+    module.main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""``external_launcher``: torchrun started the processes; this rank is one pipeline stage.
+
+Every rank runs the same engine (SPMD): the same prompts, the same scheduler, the same steps. For
+their schedulers to reach the same decisions, every rank must see the same inputs:
+
+* **KV blocks.** Each stage may fit a different number of blocks in its budget (its own layers,
+  its own free memory). The ranks agree on the minimum with one ``all_reduce(MIN)`` on the CPU
+  group before the cache is allocated, so every scheduler manages the same pool.
+* **Sampled tokens.** Only the last stage samples. With pp > 1 it broadcasts each step's
+  ``ModelRunnerOutput`` (a few ints per request, pickled, on the CPU group) to every rank, so
+  ``get_output()`` returns the same object everywhere and the schedulers stay in lockstep.
+
+A step runs synchronously inside ``submit`` (receive from the previous rank, compute, send to the
+next, then the broadcast), so ``max_in_flight = 1``: the pipeline holds one batch at a time. That
+is the price of SPMD without a driver; the ``mp`` and ``ray`` executors keep pp batches in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pprun.distributed.layout import StageLayout
+from pprun.distributed.transport import PipelineTransport
+from pprun.executor.base import Executor, StageFailedError
+from pprun.worker.worker import Worker, WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+
+class ExternalLauncherExecutor(Executor):
+    """This torchrun rank's stage (``pp_rank = RANK``); every rank drives an identical engine."""
+
+    name = "external_launcher"
+    max_in_flight = 1
+
+    def __init__(self, resolved, runner: str, fault_injection: dict[int, dict] | None = None) -> None:
+        self.resolved = resolved
+        self.pp_size = len(resolved.layer_partition)
+        timeout_s = resolved.cfg.parallel.stage_timeout_s
+        self.owns_process_group = not dist.is_initialized()
+        if self.owns_process_group:
+            _init_from_torchrun_env(resolved.device, timeout_s)
+        self.pp_rank = dist.get_rank()
+        world_size = dist.get_world_size()
+        if world_size != self.pp_size:
+            # validate_config checks WORLD_SIZE, but a user may have initialised a larger group.
+            self._destroy_own_group()
+            raise ValueError(
+                f"parallel.pipeline_parallel_size={self.pp_size} but the torch.distributed world has "
+                f"{world_size} ranks; with executor=external_launcher every rank is one stage, so they "
+                "must be equal"
+            )
+        layout = StageLayout.from_partition(resolved.layer_partition, self.pp_rank)
+        device_index = int(os.environ.get("LOCAL_RANK", 0)) if resolved.device == "cuda" else None
+        device = torch.device("cuda", device_index) if device_index is not None else torch.device("cpu")
+        try:
+            self.transport = PipelineTransport.from_existing(
+                layout, device, list(range(self.pp_size)), timeout_s
+            )
+            spec = WorkerSpec(
+                resolved,
+                layout,
+                runner,
+                device_index=device_index,
+                fault_injection=(fault_injection or {}).get(self.pp_rank),
+            )
+            self.worker = Worker(spec, transport=self.transport)
+            num_params = self.worker.load_model()
+            self.stage_params = self._gather_stage_params(num_params)
+            self.num_blocks = self._agree_on_num_blocks(self.worker.num_available_blocks())
+        except BaseException:
+            self.worker = None
+            self._destroy_own_group()
+            raise
+        self.outputs: deque[ModelRunnerOutput] = deque()
+        logger.info(
+            "external_launcher: rank %d of %d runs layers %d..%d; %d KV blocks agreed by every rank",
+            self.pp_rank,
+            self.pp_size,
+            layout.start_layer,
+            layout.end_layer - 1,
+            self.num_blocks,
+        )
+
+    # --- start-up ------------------------------------------------------------------------------
+
+    def _gather_stage_params(self, num_params: int) -> list[int]:
+        """Parameter count of every stage, the same list on every rank."""
+        if self.pp_size == 1:
+            return [num_params]
+        counts: list[int | None] = [None] * self.pp_size
+        dist.all_gather_object(counts, num_params, group=self.transport.cpu_group)
+        return [int(c) for c in counts]
+
+    def _agree_on_num_blocks(self, num_available: int) -> int:
+        """The smallest block count over all ranks: every scheduler must manage the same pool."""
+        if self.pp_size == 1:
+            return num_available
+        count = torch.tensor([num_available], dtype=torch.int64)
+        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.transport.cpu_group)
+        return int(count.item())
+
+    def init_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV blocks (the engine passes the same number on every rank)."""
+        self.num_blocks = num_blocks
+        self.worker.init_cache(num_blocks)
+
+    # --- steps ---------------------------------------------------------------------------------
+
+    def submit(self, so: SchedulerOutput) -> None:
+        """Run this rank's stage of the step now; with pp > 1 the last stage shares its output."""
+        if self.worker is None:
+            raise StageFailedError("the external_launcher executor is shut down")
+        try:
+            out = self.worker.execute_model(so)
+        except Exception as e:  # the other ranks then time out in recv/broadcast: bounded, not a hang
+            raise StageFailedError(
+                f"stage {self.pp_rank} (torchrun rank {self.pp_rank}) failed at step {so.step_id}: {e!r}"
+            ) from e
+        if self.pp_size > 1:
+            try:
+                out = self.transport.broadcast_object(out, src_stage=self.pp_size - 1)
+            except Exception as e:
+                raise StageFailedError(
+                    f"rank {self.pp_rank}: no output of step {so.step_id} from the last stage "
+                    f"(rank {self.pp_size - 1}) within parallel.stage_timeout_s: {e!r}"
+                ) from e
+        if not isinstance(out, ModelRunnerOutput):
+            raise StageFailedError(
+                f"rank {self.pp_rank}: step {so.step_id} produced {type(out).__name__}, "
+                "expected a ModelRunnerOutput from the last stage"
+            )
+        self.outputs.append(out)
+
+    def get_output(self) -> ModelRunnerOutput:
+        """The output of the step run by the last ``submit`` (identical on every rank)."""
+        return self.outputs.popleft()
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Drop the stage; destroy the process group only if this executor created it."""
+        self.worker = None
+        self.outputs = deque()
+        self._destroy_own_group()
+
+    def _destroy_own_group(self) -> None:
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_process_group = False
+
+    def describe(self) -> str:
+        """Executor and this process's place in the job."""
+        return f"external_launcher (torchrun, rank {self.pp_rank} of {self.pp_size})"
+
+
+def _init_from_torchrun_env(device: str, timeout_s: float) -> None:
+    """Join the job torchrun started (``env://``: MASTER_ADDR/PORT, RANK, WORLD_SIZE)."""
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ValueError(
+            f"parallel.executor='external_launcher' needs a process started by torchrun (or an "
+            f"initialised torch.distributed group), but {', '.join(missing)} is not set; run under "
+            "`torchrun --nproc-per-node <pp> ...` or choose executor mp or ray"
+        )
+    if device == "cuda":
+        # Before NCCL initialises, so its communicator binds to this rank's GPU.
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(
+        backend="nccl" if device == "cuda" else "gloo",
+        init_method="env://",
+        timeout=timedelta(seconds=timeout_s),
+    )

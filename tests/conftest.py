@@ -1,0 +1,76 @@
+"""Shared fixtures: tiny random checkpoints, the demo model, one Ray cluster per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests are skipped where no CUDA device is present."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A 4-layer random Llama (untied, fp32) without a tokenizer."""
+    from tiny_models import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), num_layers=4)
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir():
+    """The converted demo model (converted once into the user cache, reused after)."""
+    from pprun.models.demo import resolve_model
+
+    return resolve_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def hf_demo(demo_model_dir):
+    """transformers' model and tokenizer for the demo directory (the parity reference)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One light local Ray cluster for the whole session (2 cores: fractional CPUs)."""
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            object_store_memory=80 * 2**20,
+            _temp_dir="/tmp/ray_pprun_tests",  # short: Ray's socket paths have a length limit
+            configure_logging=False,
+            log_to_driver=False,
+        )
+    yield ray
+    ray.shutdown()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation (stops at EOS like pprun does)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+            pad_token_id=model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else 0,
+        )
+    return out[0, len(prompt_ids):].tolist()

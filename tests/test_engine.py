@@ -1,0 +1,210 @@
+"""The engine end to end on one stage: parity with transformers, batching invariances, bad input."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import hf_greedy
+
+from pprun import LLM, SamplingParams
+
+RUNNERS = ["v1", "v2"]
+
+
+def token_prompts(n: int, vocab: int = 256, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    lengths = [1, 3, 7, 12, 20, 33, 50, 64, 9, 17][:n]
+    return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(L)]} for L in lengths]
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_tiny_greedy_matches_transformers(tiny_llama_dir, hf_tiny, runner):
+    prompts = token_prompts(10)
+    with LLM(str(tiny_llama_dir), runner=runner, dtype="float32", max_num_batched_tokens=64) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf_tiny, p["prompt_token_ids"], 16)
+        assert o.prompt_token_ids == p["prompt_token_ids"]
+        assert o.outputs[0].finish_reason in ("stop", "length")
+
+
+DEMO_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "1, 2, 3, 4,",
+    "def fibonacci(n):",
+    "Once upon a time in a small village there lived",
+    "Hi",
+    "The quick brown fox jumps over the lazy dog because",
+    "What is machine learning? Explain briefly to a child who is five years old and loves dinosaurs.",
+]
+
+
+@pytest.fixture(scope="module")
+def demo_llm(demo_model_dir):
+    with LLM("smollm2-135m-instruct", dtype="float32", max_model_len=1024, runner="v1") as llm:
+        yield llm
+
+
+def test_demo_greedy_matches_transformers(demo_llm, hf_demo):
+    """fp32 on CPU: token-identical to transformers (same converted weights)."""
+    model, tok = hf_demo
+    outs = demo_llm.generate(DEMO_PROMPTS, SamplingParams(temperature=0, max_tokens=24))
+    for text, o in zip(DEMO_PROMPTS, outs):
+        ids = tok.encode(text)
+        assert o.prompt_token_ids == ids
+        assert o.outputs[0].token_ids == hf_greedy(model, ids, 24), text
+        assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids, skip_special_tokens=True)
+        m = o.metrics
+        assert m.time_to_first_token is not None and m.time_to_first_token >= 0
+        if len(o.outputs[0].token_ids) > 1:
+            assert m.time_per_output_token is not None
+
+
+def test_demo_chat_template(demo_llm, hf_demo):
+    _, tok = hf_demo
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    out = demo_llm.chat(msgs, SamplingParams(temperature=0, max_tokens=20))[0]
+    expected = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    if hasattr(expected, "keys"):
+        expected = expected["input_ids"]
+    assert out.prompt_token_ids == list(expected)
+    assert out.outputs[0].text.strip()
+
+
+def test_stop_strings_tokens_and_logprobs(demo_llm):
+    base = demo_llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
+    assert " 6" in base.text
+    cut = demo_llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=20, stop=[" 6"]))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == " 6"
+    assert cut.text == base.text[: base.text.index(" 6")]
+    tok_stop = base.token_ids[2]
+    by_tok = demo_llm.generate(
+        ["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[tok_stop])
+    )[0].outputs[0]
+    assert by_tok.token_ids == base.token_ids[: base.token_ids.index(tok_stop) + 1]
+    assert by_tok.finish_reason == "stop" and by_tok.stop_reason == tok_stop
+    lp = demo_llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=4, logprobs=3))[0].outputs[0]
+    assert len(lp.logprobs) == len(lp.token_ids)
+    for tok_id, entry in zip(lp.token_ids, lp.logprobs):
+        assert entry.top_token_ids[0] == tok_id  # greedy picks the top token
+        assert len(entry.top_logprobs) == 3 and entry.sampled_logprob <= 0
+        assert entry.top_logprobs == sorted(entry.top_logprobs, reverse=True)
+
+
+def test_max_tokens_and_ignore_eos(demo_llm):
+    out = demo_llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 40 and out.outputs[0].finish_reason == "length"
+
+
+def _run_engine(llm, prompts, params, arrivals: list[int]) -> list[list[int]]:
+    """Add request i at engine step arrivals[i]; returns token ids by request."""
+    eng = llm.engine
+    ids: dict[int, str] = {}
+    results: dict[str, list[int]] = {}
+    step = 0
+    while len(results) < len(prompts):
+        for i, at in enumerate(arrivals):
+            if at == step and i not in ids:
+                ids[i] = eng.add_request(prompts[i]["prompt_token_ids"], params[i])
+        for out in eng.step():
+            results[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    return [results[ids[i]] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_staggered_arrivals_and_preemption_give_same_tokens(tiny_llama_dir, runner):
+    prompts = token_prompts(8, seed=1)
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(prompts)
+    alone = []
+    with LLM(str(tiny_llama_dir), runner=runner, dtype="float32") as llm:
+        for p, sp in zip(prompts, params):
+            alone.append(llm.generate([p], sp)[0].outputs[0].token_ids)
+        staggered = _run_engine(llm, prompts, params, arrivals=[0, 0, 1, 3, 3, 5, 8, 13])
+    assert staggered == alone
+    # A cache of ~12 blocks of 16 tokens for 8 requests of up to 88 tokens: preemption must happen.
+    per_block = 2 * 4 * 16 * 2 * 16 * 4  # K and V, 4 layers, block 16, 2 kv heads, dim 16, fp32
+    with LLM(str(tiny_llama_dir), runner=runner, dtype="float32", max_model_len=96,
+             kv_cache_memory_bytes=12 * per_block, max_num_batched_tokens=32) as llm:
+        tight = _run_engine(llm, prompts, params, arrivals=[0] * 8)
+        preemptions = llm.engine.num_preemptions
+    assert tight == alone
+    assert preemptions > 0
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_seeded_request_same_alone_and_in_batch(tiny_llama_dir, runner):
+    prompts = token_prompts(6, seed=2)
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=20, ignore_eos=True)
+    others = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    with LLM(str(tiny_llama_dir), runner=runner, dtype="float32") as llm:
+        alone = llm.generate([prompts[3]], seeded)[0].outputs[0].token_ids
+        batch = llm.generate(prompts, [others, others, others, seeded, others, others])
+        again = llm.generate(prompts[::-1], [others, others, seeded, others, others, others])
+    assert batch[3].outputs[0].token_ids == alone
+    assert again[2].outputs[0].token_ids == alone
+
+
+# --- bad input -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llama_dir):
+    with LLM(str(tiny_llama_dir), dtype="float32", max_model_len=128, runner="v1") as llm:
+        yield llm
+
+
+GOOD = {"prompt_token_ids": [5, 6, 7]}
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ({"prompt_token_ids": []}, SamplingParams(), r"prompts\[1\].*0 tokens"),
+        ({"prompt_token_ids": [5] * 200}, SamplingParams(), r"prompts\[1\].*200 tokens.*max_model_len=128"),
+        ({"prompt_token_ids": [5, 999]}, SamplingParams(), r"prompts\[1\]\.prompt_token_ids\[1\]=999.*vocabulary"),
+        ({"prompt_token_ids": [5, -1]}, SamplingParams(), r"prompt_token_ids\[1\]=-1"),
+        (42, SamplingParams(), r"prompts\[1\]=42 has type int"),
+        ({"prompt_token_ids": "abc"}, SamplingParams(), r"prompts\[1\]\.prompt_token_ids='abc'"),
+        (GOOD, SamplingParams(max_tokens=0), r"sampling_params\[1\].*max_tokens=0"),
+        (GOOD, SamplingParams(temperature=-0.5), r"sampling_params\[1\].*temperature=-0.5"),
+        (GOOD, SamplingParams(top_p=0.0), r"sampling_params\[1\].*top_p=0.0"),
+        (GOOD, SamplingParams(top_p=1.5), r"sampling_params\[1\].*top_p=1.5"),
+        (GOOD, SamplingParams(top_k=-2), r"sampling_params\[1\].*top_k=-2"),
+    ],
+)
+def test_bad_input_fails_the_call_before_any_work(tiny_llm, prompt, params, match):
+    good = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    # A request accepted earlier (still unfinished) must survive the bad call.
+    eng = tiny_llm.engine
+    pending = eng.add_request([9, 10, 11], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    steps_before = eng.num_steps
+    with pytest.raises(ValueError, match=match):
+        tiny_llm.generate([GOOD, prompt, GOOD], [good, params, good])
+    assert eng.num_steps == steps_before  # nothing ran
+    assert eng.scheduler.get_request(pending) is not None  # the accepted request is still queued
+    assert not eng.dead
+    finished = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            finished[o.request_id] = o
+    assert len(finished[pending].outputs[0].token_ids) == 5
+    outs = tiny_llm.generate([GOOD], good)  # the engine still serves new calls
+    assert len(outs[0].outputs[0].token_ids) == 5
+
+
+def test_text_prompt_errors(demo_llm):
+    with pytest.raises(ValueError, match=r"prompts\[0\]: prompt is empty"):
+        demo_llm.generate([""])
+    with pytest.raises(ValueError, match=r"prompts\[0\].*max_model_len=1024"):
+        demo_llm.generate(["word " * 3000])
