@@ -71,8 +71,8 @@ def read_prompts(prompts: list[str], input_file: str | None) -> list[str | dict]
             result.append(row["prompt"])
         else:
             raise ValueError(
-                f"input_file={input_file!r} line {line_no} must be an object with a \"prompt\" string "
-                "or a \"prompt_token_ids\" list"
+                f'input_file={input_file!r} line {line_no} must be an object with a "prompt" string '
+                'or a "prompt_token_ids" list'
             )
     return result
 

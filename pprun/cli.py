@@ -50,9 +50,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     command = args[0]
     if command not in SUBCOMMANDS:
-        close = difflib.get_close_matches(command, list(SUBCOMMANDS), n=1)
+        close = [c for c in SUBCOMMANDS if c.startswith(command)] or difflib.get_close_matches(
+            command, list(SUBCOMMANDS), n=1
+        )
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        print(f"pprun: unknown command {command!r}{hint} (commands: {', '.join(SUBCOMMANDS)})", file=sys.stderr)
+        print(
+            f"pprun: unknown command {command!r}{hint} (commands: {', '.join(SUBCOMMANDS)})", file=sys.stderr
+        )
         return 2
     module = importlib.import_module(SUBCOMMANDS[command][0])
     # Hydra parses sys.argv itself; present the subcommand as the program name.

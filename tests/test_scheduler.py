@@ -576,3 +576,20 @@ def test_two_schedulers_fed_the_same_inputs_agree():
     first, second = run(), run()
     assert len(first) > 10
     assert first == second
+
+
+def test_spread_over_in_flight_gives_every_stage_a_batch():
+    sched = Scheduler(8, 256, max_model_len=64, block_size=4, num_blocks=65, max_in_flight=2,
+                      spread_over_in_flight=True)
+    runner = FakeRunner(4)
+    for i in range(5):
+        sched.add_request(make_req(f"r{i}", 4, max_tokens=8))
+    first = sched.schedule()
+    out_first = runner.execute(first)
+    second = sched.schedule()
+    runner.execute(second)
+    assert list(first.num_scheduled_tokens) == ["r0", "r1", "r2"]
+    assert list(second.num_scheduled_tokens) == ["r3", "r4"]
+    sched.update_from_output(first, out_first)
+    third = sched.schedule()  # the first group comes back as soon as its output is in
+    assert list(third.num_scheduled_tokens) == ["r0", "r1", "r2"]

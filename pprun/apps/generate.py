@@ -103,8 +103,14 @@ def read_input_file(path: str, base_sampling: dict[str, Any]) -> list[GenerateRe
                 if "prompt" in obj or "prompt_token_ids" in obj:
                     raise ValueError(f"{where}: give either 'messages' or a prompt, not both")
                 messages = obj["messages"]
-                if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-                    raise ValueError(f"{where}: messages must be a non-empty list of {{role, content}} objects")
+                if (
+                    not isinstance(messages, list)
+                    or not messages
+                    or not all(isinstance(m, dict) for m in messages)
+                ):
+                    raise ValueError(
+                        f"{where}: messages must be a non-empty list of {{role, content}} objects"
+                    )
                 requests.append(GenerateRequest(where, sampling, messages=messages, request_id=obj.get("id")))
             elif "prompt_token_ids" in obj:
                 prompt = {"prompt_token_ids": obj["prompt_token_ids"]}
@@ -114,7 +120,9 @@ def read_input_file(path: str, base_sampling: dict[str, Any]) -> list[GenerateRe
             elif "prompt" in obj:
                 if not isinstance(obj["prompt"], str):
                     raise ValueError(f"{where}: prompt must be a string, got {type(obj['prompt']).__name__}")
-                requests.append(GenerateRequest(where, sampling, prompt=obj["prompt"], request_id=obj.get("id")))
+                requests.append(
+                    GenerateRequest(where, sampling, prompt=obj["prompt"], request_id=obj.get("id"))
+                )
             else:
                 raise ValueError(f"{where}: needs one of 'prompt', 'prompt_token_ids' or 'messages'")
     if not requests:
@@ -154,13 +162,17 @@ def run_requests(llm: Any, requests: list[GenerateRequest], use_tqdm: bool) -> l
     outputs: list[Any] = [None] * len(requests)
     if plain_idx:
         outs = llm.generate(
-            [requests[i].prompt for i in plain_idx], [requests[i].sampling for i in plain_idx], use_tqdm=use_tqdm
+            [requests[i].prompt for i in plain_idx],
+            [requests[i].sampling for i in plain_idx],
+            use_tqdm=use_tqdm,
         )
         for i, out in zip(plain_idx, outs):
             outputs[i] = out
     if chat_idx:
         outs = llm.chat(
-            [requests[i].messages for i in chat_idx], [requests[i].sampling for i in chat_idx], use_tqdm=use_tqdm
+            [requests[i].messages for i in chat_idx],
+            [requests[i].sampling for i in chat_idx],
+            use_tqdm=use_tqdm,
         )
         for i, out in zip(chat_idx, outs):
             outputs[i] = out

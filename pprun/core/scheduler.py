@@ -54,6 +54,7 @@ class Scheduler:
         num_blocks: int,
         enable_chunked_prefill: bool = True,
         max_in_flight: int = 1,
+        spread_over_in_flight: bool = False,
     ) -> None:
         _positive_int("max_num_seqs", max_num_seqs)
         _positive_int("max_num_batched_tokens", max_num_batched_tokens)
@@ -81,6 +82,9 @@ class Scheduler:
         self.block_size = block_size
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_in_flight = max_in_flight
+        self.spread_over_in_flight = spread_over_in_flight
+        """Cap each step at ceil(unfinished / max_in_flight) requests, so that with pipeline
+        parallelism every stage gets a batch (the engine turns this on for pp > 1)."""
 
         # Unfinished requests by id (dicts keep insertion order: deterministic iteration).
         self._requests: dict[str, Request] = {}
@@ -213,10 +217,11 @@ class Scheduler:
         num_scheduled_tokens: dict[str, int] = {}
         scheduled: list[Request] = []
         preempted_this_step = False
+        step_cap = self._step_request_cap()
 
         # Running requests first, earliest arrival first.
         for req in list(self._running):
-            if token_budget == 0 or len(scheduled) == self.max_num_seqs:
+            if token_budget == 0 or len(scheduled) >= step_cap:
                 break
             if req.status != RequestStatus.RUNNING or req.in_flight:
                 continue  # preempted earlier in this loop, or in an outstanding step
@@ -252,6 +257,7 @@ class Scheduler:
             and self._waiting
             and token_budget > 0
             and len(self._running) < self.max_num_seqs
+            and len(scheduled) < step_cap
         ):
             req = self._waiting[0]
             # A waiting request is never in flight: only requests out of flight are preempted.
@@ -292,6 +298,18 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
             finished_req_ids=finished_req_ids,
         )
+
+    def _step_request_cap(self) -> int:
+        """Most requests one step may take.
+
+        With several steps in flight (pipeline parallelism), the unfinished requests are
+        spread evenly over ``max_in_flight`` steps: one step taking them all would leave the
+        other stages idle, since a request can be in only one step at a time.
+        """
+        if self.max_in_flight == 1 or not self.spread_over_in_flight:
+            return self.max_num_seqs
+        num_unfinished = min(len(self._requests), self.max_num_seqs)
+        return max(1, -(-num_unfinished // self.max_in_flight))
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput

@@ -104,6 +104,7 @@ class LLMEngine:
             num_blocks=self.num_blocks,
             enable_chunked_prefill=sc.enable_chunked_prefill,
             max_in_flight=self.executor.max_in_flight,
+            spread_over_in_flight=True,
         )
         self.tracked: dict[str, _Tracked] = {}
         self.in_flight: deque[SchedulerOutput] = deque()

@@ -17,6 +17,7 @@ is the price of SPMD without a driver; the ``mp`` and ``ray`` executors keep pp 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections import deque
@@ -32,6 +33,9 @@ from pprun.executor.base import Executor, StageFailedError
 from pprun.worker.worker import Worker, WorkerSpec
 
 logger = logging.getLogger(__name__)
+
+_groups_created = itertools.count()
+"""Process groups this module created in this process (numbers their store prefixes)."""
 
 
 class ExternalLauncherExecutor(Executor):
@@ -120,9 +124,12 @@ class ExternalLauncherExecutor(Executor):
             raise StageFailedError("the external_launcher executor is shut down")
         try:
             out = self.worker.execute_model(so)
-        except Exception as e:  # the other ranks then time out in recv/broadcast: bounded, not a hang
+        except Exception as e:
+            # The other ranks then fail in recv/broadcast (peer closed, or the group's timeout):
+            # bounded, never a hang. A rank whose neighbour died reports the transport error.
             raise StageFailedError(
-                f"stage {self.pp_rank} (torchrun rank {self.pp_rank}) failed at step {so.step_id}: {e!r}"
+                f"torchrun rank {self.pp_rank} (stage {self.pp_rank} of {self.pp_size}): step "
+                f"{so.step_id} failed: {e!r}"
             ) from e
         if self.pp_size > 1:
             try:
@@ -162,7 +169,7 @@ class ExternalLauncherExecutor(Executor):
 
 
 def _init_from_torchrun_env(device: str, timeout_s: float) -> None:
-    """Join the job torchrun started (``env://``: MASTER_ADDR/PORT, RANK, WORLD_SIZE)."""
+    """Join the job torchrun started (``env://``: MASTER_ADDR/PORT, RANK, WORLD_SIZE) as the default group."""
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise ValueError(
@@ -173,8 +180,17 @@ def _init_from_torchrun_env(device: str, timeout_s: float) -> None:
     if device == "cuda":
         # Before NCCL initialises, so its communicator binds to this rank's GPU.
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    # destroy_process_group() resets torch's group counter, so a second group made on torchrun's
+    # store (an LLM after an LLM in one job) would reuse the first one's keys and could connect
+    # to its closed sockets. Every rank creates its groups in the same order (SPMD), so a
+    # per-process count gives each group its own key space.
+    store = dist.PrefixStore(f"pprun_external_launcher_{next(_groups_created)}/", store)
     dist.init_process_group(
         backend="nccl" if device == "cuda" else "gloo",
-        init_method="env://",
-        timeout=timedelta(seconds=timeout_s),
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
     )

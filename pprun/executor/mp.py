@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 from pprun.distributed.layout import StageLayout
 from pprun.executor.remote import RemoteStagesExecutor
@@ -61,25 +62,25 @@ class MpExecutor(RemoteStagesExecutor):
             self.shutdown()
             raise
 
-    @property
-    def stage_pids(self) -> list[int]:
-        """Process id of each stage."""
-        return [p.pid for p in self.procs]
-
     def describe(self) -> str:
         """Executor and placement."""
         return f"mp ({self.pp_size} local processes)"
 
-    def _check_alive(self) -> None:
-        for rank, p in enumerate(self.procs):
-            code = p.poll()
-            if code is not None:
-                self._fail(f"stage {rank} process exited with code {code}")
+    def _stage_exits(self) -> list[tuple[int, str]]:
+        return [
+            (rank, f"stage {rank} died (process exited with code {p.poll()})")
+            for rank, p in enumerate(self.procs)
+            if p.poll() is not None
+        ]
 
-    def _stop_processes(self) -> None:
+    def _stop_processes(self, grace_s: float) -> None:
+        deadline = time.monotonic() + grace_s
         for p in self.procs:
             try:
-                p.wait(timeout=5)
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                pass
+        for p in self.procs:
+            if p.poll() is None:
                 p.kill()
-                p.wait(timeout=5)
+            p.wait(timeout=10)

@@ -112,25 +112,31 @@ class RayExecutor(RemoteStagesExecutor):
         """Executor and placement."""
         return f"ray ({self.pp_size} actors)"
 
-    def _check_alive(self) -> None:
-        import ray
-
-        done, _ = ray.wait(self.run_refs, timeout=0, num_returns=len(self.run_refs))
-        for ref in done:
-            rank = self.run_refs.index(ref)
-            try:
-                ray.get(ref)
-                why = "returned early"
-            except Exception as e:  # actor died: RayActorError and friends
-                why = f"died: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            self._fail(f"stage {rank} actor {why}")
-
-    def _stop_processes(self) -> None:
+    def _stage_exits(self) -> list[tuple[int, str]]:
         import ray
 
         refs = getattr(self, "run_refs", [])
-        if refs:
-            ray.wait(refs, timeout=5, num_returns=len(refs))
+        if not refs:
+            return []
+        done, _ = ray.wait(refs, timeout=0, num_returns=len(refs))
+        exits = []
+        for ref in done:
+            rank = refs.index(ref)
+            try:
+                ray.get(ref)
+                why = "returned early"
+            except Exception as e:  # the actor died: RayActorError and friends
+                first = str(e).splitlines()[0] if str(e) else ""
+                why = f"died ({type(e).__name__}: {first})"
+            exits.append((rank, f"stage {rank} actor {why}"))
+        return exits
+
+    def _stop_processes(self, grace_s: float) -> None:
+        import ray
+
+        refs = getattr(self, "run_refs", [])
+        if refs and grace_s > 0:
+            ray.wait(refs, timeout=grace_s, num_returns=len(refs))
         for actor in getattr(self, "actors", []):
             try:
                 ray.kill(actor, no_restart=True)

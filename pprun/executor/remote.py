@@ -86,6 +86,8 @@ class RemoteStagesExecutor(Executor):
         self.inbox: list[deque[tuple]] = [deque() for _ in range(self.pp_size)]
         self.dead = False
         self.stage_params: list[int] = []
+        self.stage_pids: list[int | None] = [None] * self.pp_size
+        """Process id of each stage (reported by the stage itself)."""
 
     # --- start-up ------------------------------------------------------------------------------
 
@@ -109,6 +111,7 @@ class RemoteStagesExecutor(Executor):
                 continue
             kind, rank, pid = conn.recv()
             self.conns[rank] = conn
+            self.stage_pids[rank] = pid
             if specs is not None:
                 conn.send(("spec", specs[rank]))
             logger.debug("stage %d connected (pid %d)", rank, pid)
@@ -142,18 +145,39 @@ class RemoteStagesExecutor(Executor):
             except (EOFError, OSError):
                 self._fail(f"stage {rank} died (its process exited or was killed)")
             if msg[0] == "error":
-                self._fail(f"stage {msg[1]} raised:\n{msg[2]}")
+                # A stage's error is often the echo of a neighbour's death (a broken pipe in
+                # its send); name the dead stage first when there is one.
+                dead = self._dead_stages(exclude=rank)
+                cause = f"{dead}; then " if dead else ""
+                self._fail(f"{cause}stage {msg[1]} raised:\n{msg[2]}")
             self.inbox[rank].append(msg)
         if not ready:
             self._check_alive()
 
     def _fail(self, why: str) -> None:
         self.dead = True
-        self.shutdown()
+        self.shutdown(graceful=False)
         raise StageFailedError(why)
 
     def _check_alive(self) -> None:
-        """Subclasses raise via ``_fail`` when a stage process is gone."""
+        """Raise via ``_fail`` when a stage process is gone."""
+        dead = self._dead_stages()
+        if dead:
+            self._fail(dead)
+
+    def _dead_stages(self, exclude: int | None = None, grace_s: float = 0.5) -> str:
+        """Describe stages whose process is gone ("" if none); waits up to ``grace_s`` for a
+        death that is still being noticed."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = [why for rank, why in self._stage_exits() if rank != exclude]
+            if dead or time.monotonic() >= deadline or exclude is None:
+                return "; ".join(dead)
+            time.sleep(0.05)
+
+    def _stage_exits(self) -> list[tuple[int, str]]:
+        """Subclasses: ``(rank, why)`` for each stage whose process has exited."""
+        return []
 
     def _setup_stages(self) -> None:
         loaded = self._gather("loaded")
@@ -196,8 +220,12 @@ class RemoteStagesExecutor(Executor):
             self._fail(f"last stage answered step {out.step_id}, expected {step_id}")
         return out
 
-    def shutdown(self) -> None:
-        """Ask every stage to stop, then make sure it has (subclasses kill what lingers)."""
+    def shutdown(self, graceful: bool = True) -> None:
+        """Ask every stage to stop, then make sure it has (subclasses kill what lingers).
+
+        After a failure (``graceful=False``) the survivors are killed at once: they may be
+        blocked in a receive from the dead stage.
+        """
         for conn in self.conns:
             if conn is None:
                 continue
@@ -205,11 +233,11 @@ class RemoteStagesExecutor(Executor):
                 conn.send(("shutdown",))
             except OSError:
                 pass
-        self._stop_processes()
+        self._stop_processes(grace_s=5.0 if graceful else 0.0)
         for conn in self.conns:
             if conn is not None:
                 conn.close()
         self.conns = [None] * self.pp_size
 
-    def _stop_processes(self) -> None:
-        """Subclasses: wait briefly, then kill stage processes."""
+    def _stop_processes(self, grace_s: float) -> None:
+        """Subclasses: wait up to ``grace_s`` for the stage processes to exit, then kill them."""

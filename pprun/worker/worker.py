@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
 from pprun.distributed.transport import PipelineTransport
 
@@ -33,7 +34,8 @@ class WorkerSpec:
     device_index: int | None = None
     """CUDA device of this stage; ``None`` on CPU."""
     fault_injection: dict | None = None
-    """Tests only: ``{"raise_at_step": k}`` or ``{"delay_s": d}`` for this stage."""
+    """Tests only: ``{"raise_at_step": k}``, ``{"delay_s": d}`` (sleep each step) or
+    ``{"rename_sent_keys": True}`` (send intermediate tensors under wrong names)."""
 
 
 class Worker:
@@ -129,6 +131,8 @@ class Worker:
         out = self.runner.execute_model(so, received)
         if not self.layout.is_last:
             if num_tokens > 0:
+                if self.spec.fault_injection and self.spec.fault_injection.get("rename_sent_keys"):
+                    out = IntermediateTensors({f"{k}_renamed": v for k, v in out.items()})
                 self.transport.send(out)
             return None
         return out

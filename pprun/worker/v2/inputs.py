@@ -92,7 +92,9 @@ class InputBuffers:
 
     # --- writing -----------------------------------------------------------------------------
 
-    def make_inert(self, num_reqs: int, num_tokens: int, num_reqs_padded: int, num_tokens_padded: int) -> None:
+    def make_inert(
+        self, num_reqs: int, num_tokens: int, num_reqs_padded: int, num_tokens_padded: int
+    ) -> None:
         """Write the padding rows ``[num_reqs:num_reqs_padded]`` / ``[num_tokens:num_tokens_padded]``
         (host side) so that they read and write nothing and change no real row's result."""
         self.input_ids.host[num_tokens:num_tokens_padded] = 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pprun.core.outputs import SchedulerOutput
+from pprun.core.outputs import CachedRequestData
 from pprun.sampling.params import SamplingParams
 from pprun.sampling.sampler import SAMPLING_EPS, SamplingTensors, make_generator
 
@@ -66,23 +66,13 @@ class RequestTable:
 
     # --- deltas ------------------------------------------------------------------------------
 
-    def apply(self, so: SchedulerOutput) -> None:
-        """Apply one step's deltas: free finished rows, add new requests, extend cached ones.
-
-        A finished or preempted id this table never saw (e.g. finished before reaching this
-        stage) is ignored.  A new request whose id is still held (resumed after preemption
-        before its finished id arrived) replaces the old row's contents.
-        """
-        for req_id in so.finished_req_ids:
-            self.remove(req_id)
-        for new in so.scheduled_new_reqs:
-            self.add(new.req_id, new.prompt_token_ids, new.block_ids, new.num_computed_tokens, new.sampling_params)
-        c = so.scheduled_cached_reqs
+    def update_cached(self, c: CachedRequestData, step_id: int) -> None:
+        """Extend the requests this table already holds with their new blocks and tokens."""
         for i, req_id in enumerate(c.req_ids):
             row = self.row_of.get(req_id)
             if row is None:
                 raise RuntimeError(
-                    f"step {so.step_id}: cached request {req_id!r} is unknown to this runner "
+                    f"step {step_id}: cached request {req_id!r} is unknown to this runner "
                     "(it was never sent as a new request, or was dropped as finished)"
                 )
             self._append_blocks(row, req_id, c.new_block_ids[i])
@@ -97,7 +87,11 @@ class RequestTable:
         num_computed_tokens: int,
         params: SamplingParams,
     ) -> int:
-        """Give ``req_id`` a row and write its prompt, blocks and sampling parameters."""
+        """Give ``req_id`` a row and write its prompt, blocks and sampling parameters.
+
+        An id still held (resumed after preemption before its finished id arrived) keeps its
+        row, whose contents are replaced.
+        """
         row = self.row_of.get(req_id)
         if row is None:
             if not self.free_rows:
@@ -122,7 +116,10 @@ class RequestTable:
         return row
 
     def remove(self, req_id: str) -> int | None:
-        """Free ``req_id``'s row (no-op for an unknown id); returns the row freed."""
+        """Free ``req_id``'s row; returns the row freed.
+
+        A finished or preempted id this table never saw is ignored (returns ``None``).
+        """
         row = self.row_of.pop(req_id, None)
         if row is None:
             return None

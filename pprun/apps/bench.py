@@ -1,0 +1,335 @@
+"""``pprun bench``: offline throughput and latency of pprun, and of a peer on the same workload.
+
+The workload is ``num_prompts`` random prompts of ``input_len`` token ids (seeded) generating
+``output_len`` tokens each, greedy and past EOS, or a JSONL file. pprun runs it once to warm up and
+once timed; its engine is then shut down and Hugging Face transformers' ``generate()`` (the peer,
+``peer=hf``) runs the same token ids on the same device and dtype, in batches of ``max_num_seqs``
+prompts of equal length (so nothing is padded). One JSON object is printed: pprun's tokens/s,
+request throughput, TTFT and TPOT percentiles, the configuration facts, the peer's tokens/s and
+the ratio pprun/peer.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pprun.apps import job_output_dir, job_output_path
+from pprun.config.config import BenchAppConfig
+from pprun.sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PEERS = ("hf", "none")
+"""Allowed values of ``peer``."""
+
+WARMUP_MAX_TOKENS = 16
+"""Warm-up requests generate at most this many tokens: enough to run prefill and decode."""
+
+
+@dataclass
+class BenchRequest:
+    """One request of the workload: its prompt token ids and how many tokens to generate."""
+
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def check_bench_config(cfg: BenchAppConfig) -> None:
+    """Reject workload settings no run can use (ValueError naming the field)."""
+    if cfg.peer not in PEERS:
+        raise ValueError(f"peer={cfg.peer!r} is not allowed: choose one of {', '.join(PEERS)}")
+    for name in ("num_prompts", "input_len", "output_len"):
+        value = getattr(cfg, name)
+        if value < 1:
+            raise ValueError(f"{name}={value} must be at least 1")
+    if cfg.num_warmup_prompts < 0:
+        raise ValueError(f"num_warmup_prompts={cfg.num_warmup_prompts} must be at least 0")
+
+
+def random_workload(
+    num_prompts: int, input_len: int, output_len: int, vocab_size: int, seed: int
+) -> list[BenchRequest]:
+    """``num_prompts`` prompts of ``input_len`` uniformly random token ids from a seeded generator."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (num_prompts, input_len), generator=generator)
+    return [BenchRequest(row.tolist(), output_len) for row in ids]
+
+
+def file_workload(path: str, tokenizer: Any, output_len: int, vocab_size: int) -> list[BenchRequest]:
+    """The requests of a JSONL file: ``{"prompt": str}`` or ``{"prompt_token_ids": [int]}`` per
+    line, optionally with ``"max_tokens"`` (else ``output_len``)."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(f"input_file={path!r} is not a file")
+    requests = []
+    with open(file, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"input_file line {line_no}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{where}: must be a JSON object, got {type(obj).__name__}")
+            if "prompt_token_ids" in obj:
+                ids = obj["prompt_token_ids"]
+                if (
+                    not isinstance(ids, list)
+                    or not ids
+                    or not all(
+                        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids
+                    )
+                ):
+                    raise ValueError(
+                        f"{where}: prompt_token_ids must be a non-empty list of ints in [0, {vocab_size})"
+                    )
+            elif isinstance(obj.get("prompt"), str) and obj["prompt"]:
+                if tokenizer is None:
+                    raise ValueError(f"{where}: a text prompt needs a tokenizer and this model has none")
+                ids = list(tokenizer.encode(obj["prompt"]))
+            else:
+                raise ValueError(f"{where}: needs 'prompt' (a non-empty string) or 'prompt_token_ids'")
+            max_tokens = obj.get("max_tokens", output_len)
+            if not isinstance(max_tokens, int) or max_tokens < 1:
+                raise ValueError(f"{where}: max_tokens={max_tokens!r} must be an int of at least 1")
+            requests.append(BenchRequest(ids, max_tokens))
+    if not requests:
+        raise ValueError(f"input_file={path!r} holds no requests")
+    return requests
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (linear interpolation), or None without values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 3)
+
+
+def run_pprun(
+    llm: Any, workload: list[BenchRequest], num_warmup_prompts: int, ignore_eos: bool
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """Warm up, then time ``workload`` through ``llm.generate``: throughput and latency metrics,
+    and each request's output token ids."""
+
+    def params(max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
+    warmup = workload[:num_warmup_prompts]
+    if warmup:
+        llm.generate(prompts[: len(warmup)], [params(min(r.max_tokens, WARMUP_MAX_TOKENS)) for r in warmup])
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, [params(r.max_tokens) for r in workload])
+    elapsed_s = time.perf_counter() - start
+    num_prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
+    num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    ttfts = [o.metrics.time_to_first_token for o in outputs if o.metrics.time_to_first_token is not None]
+    tpots = [o.metrics.time_per_output_token for o in outputs if o.metrics.time_per_output_token is not None]
+    metrics = {
+        "elapsed_s": round(elapsed_s, 4),
+        "num_output_tokens": num_output_tokens,
+        "output_tokens_per_s": round(num_output_tokens / elapsed_s, 2),
+        "total_tokens_per_s": round((num_prompt_tokens + num_output_tokens) / elapsed_s, 2),
+        "requests_per_s": round(len(workload) / elapsed_s, 3),
+        "ttft_ms_p50": _ms(percentile(ttfts, 50)),
+        "ttft_ms_p99": _ms(percentile(ttfts, 99)),
+        "tpot_ms_p50": _ms(percentile(tpots, 50)),
+        "tpot_ms_p99": _ms(percentile(tpots, 99)),
+    }
+    return metrics, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def peer_batches(workload: list[BenchRequest], batch_size: int) -> list[list[BenchRequest]]:
+    """Requests grouped by (prompt length, max_tokens), in chunks of at most ``batch_size``, so each
+    batch runs unpadded and every row generates the same number of tokens."""
+    groups: dict[tuple[int, int], list[BenchRequest]] = {}
+    for r in workload:
+        groups.setdefault((len(r.prompt_token_ids), r.max_tokens), []).append(r)
+    return [g[i : i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
+
+
+def run_hf_peer(
+    model_dir: str,
+    device: str,
+    dtype: str,
+    workload: list[BenchRequest],
+    batch_size: int,
+    num_warmup_prompts: int,
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """Time transformers' ``generate`` (greedy, exactly ``max_tokens`` new tokens) on ``workload``:
+    throughput metrics, and each request's output token ids (in workload order)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch_dtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
+    eos = model.config.eos_token_id
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else eos
+    if isinstance(pad, list):
+        pad = pad[0]
+
+    def generate(batch: list[BenchRequest], max_new_tokens: int) -> Any:
+        ids = torch.tensor([r.prompt_token_ids for r in batch], device=device)
+        # min_new_tokens == max_new_tokens suppresses EOS: every row runs the full length, as
+        # pprun's ignore_eos does.
+        gen_cfg = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            pad_token_id=pad,
+            eos_token_id=eos,
+        )
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen_cfg
+            )
+        return out[:, ids.shape[1] :]
+
+    def sync() -> None:
+        if str(device).startswith("cuda"):
+            torch.cuda.synchronize()
+
+    batches = peer_batches(workload, batch_size)
+    if num_warmup_prompts > 0:
+        first = batches[0][: max(1, min(num_warmup_prompts, batch_size))]
+        generate(first, min(first[0].max_tokens, WARMUP_MAX_TOKENS))
+        sync()
+    start = time.perf_counter()
+    batch_outputs = [generate(b, b[0].max_tokens) for b in batches]
+    sync()
+    elapsed_s = time.perf_counter() - start
+    num_output_tokens = sum(o.numel() for o in batch_outputs)
+    tokens_by_request = {id(r): row.tolist() for b, o in zip(batches, batch_outputs) for r, row in zip(b, o)}
+    num_prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
+    return {
+        "name": "transformers.generate",
+        "elapsed_s": round(elapsed_s, 4),
+        "num_batches": len(batches),
+        "num_output_tokens": num_output_tokens,
+        "output_tokens_per_s": round(num_output_tokens / elapsed_s, 2),
+        "total_tokens_per_s": round((num_prompt_tokens + num_output_tokens) / elapsed_s, 2),
+        "requests_per_s": round(len(workload) / elapsed_s, 3),
+    }, [tokens_by_request[id(r)] for r in workload]
+
+
+def _free_device_memory(device: str) -> None:
+    gc.collect()
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def run(cfg: BenchAppConfig) -> dict[str, Any]:
+    """Benchmark pprun (and the peer) on ``cfg``'s workload; print and return the result object."""
+    from pprun.engine.llm import LLM
+
+    check_bench_config(cfg)
+    llm = LLM(config=cfg.pprun_config())
+    try:
+        engine = llm.engine
+        if cfg.input_file is not None:
+            workload = file_workload(cfg.input_file, engine.tokenizer, cfg.output_len, engine.vocab_size)
+            source = str(cfg.input_file)
+        else:
+            workload = random_workload(
+                cfg.num_prompts, cfg.input_len, cfg.output_len, engine.vocab_size, cfg.workload_seed
+            )
+            source = "random"
+        facts = llm.describe()
+        model_dir = str(engine.resolved.model_dir)
+        logger.info("bench: %d requests (%s), timing pprun", len(workload), source)
+        pprun_result, pprun_tokens = run_pprun(llm, workload, cfg.num_warmup_prompts, cfg.ignore_eos)
+    finally:
+        # The peer loads a second copy of the weights: free pprun's stages (and KV cache) first.
+        llm.shutdown()
+        del llm
+        _free_device_memory(str(cfg.device))
+    result: dict[str, Any] = {
+        "workload": {
+            "source": source,
+            "num_prompts": len(workload),
+            "input_len": cfg.input_len if source == "random" else None,
+            "output_len": cfg.output_len if source == "random" else None,
+            "num_prompt_tokens": sum(len(r.prompt_token_ids) for r in workload),
+            "ignore_eos": cfg.ignore_eos,
+            "seed": cfg.workload_seed if source == "random" else None,
+        },
+        "config": {
+            "model": facts.get("model"),
+            "runner": facts.get("runner"),
+            "executor": facts.get("executor"),
+            "pp": facts.get("pipeline_parallel_size"),
+            "layer_partition": facts.get("layer_partition"),
+            "device": facts.get("device"),
+            "dtype": facts.get("dtype"),
+            "batch": cfg.scheduler.max_num_seqs,
+            # CUDA graphs are only captured on GPU.
+            "cudagraph_mode": cfg.compilation.cudagraph_mode
+            if str(facts.get("device")).startswith("cuda")
+            else "none",
+        },
+        "pprun": pprun_result,
+        "peer": None,
+        "ratio": None,
+    }
+    if cfg.peer == "hf":
+        logger.info("bench: timing the peer (transformers generate, batch %d)", cfg.scheduler.max_num_seqs)
+        peer, peer_tokens = run_hf_peer(
+            model_dir,
+            facts["device"],
+            facts["dtype"],
+            workload,
+            cfg.scheduler.max_num_seqs,
+            cfg.num_warmup_prompts,
+        )
+        _free_device_memory(facts["device"])
+        # Both are greedy on the same ids: a low fraction flags a correctness problem (small
+        # numeric differences can flip a near-tie, so 1.0 is not guaranteed in half precision).
+        peer["greedy_match_fraction"] = round(
+            sum(a == b for a, b in zip(pprun_tokens, peer_tokens)) / len(workload), 3
+        )
+        result["peer"] = peer
+        result["ratio"] = round(pprun_result["output_tokens_per_s"] / peer["output_tokens_per_s"], 3)
+    text = json.dumps(result, indent=2)
+    print(text, flush=True)
+    out_paths = [p for p in (job_output_path(cfg.output_json),) if p is not None]
+    sweep_dir = job_output_dir()
+    if sweep_dir is not None and not out_paths:
+        # A sweep prints one object per job; keep each in its job folder too.
+        out_paths.append(sweep_dir / "bench.json")
+    for path in out_paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+        logger.info("bench: wrote %s", path)
+    return result
+
+
+def main() -> None:
+    """Entry point of ``pprun bench``: ``sys.argv[1:]`` are Hydra overrides."""
+    from pprun.apps import run_hydra_app
+
+    run_hydra_app("bench", run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""The V2 model runner: persistent buffers, per-request state tables, CUDA graphs, async sampling.
+
+Compared with V1 (``pprun.worker.v1.runner``):
+
+- per-request state lives in fixed-size tables (:class:`RequestTable`), updated with the
+  scheduler's deltas only;
+- every input buffer is allocated once at its maximum size (:class:`InputBuffers`) and filled by
+  tensor indexing (:func:`prepare_step`), so eager steps and graph replays read the same addresses;
+- decode steps replay CUDA graphs (``full`` or ``piecewise``, see ``cuda_graphs``), padded up to a
+  captured size with inert padding rows;
+- sampled token ids reach the host through a pinned buffer and an event;
+- whatever one model family needs (multimodal embeddings, encoder lengths) lives in its
+  :class:`ModelState` plug-in, not here.
+
+It samples on the last stage only, so it does not serve SPMD torchrun ranks at pp > 1
+(``unsupported_v2_features``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pprun.distributed.intermediate import IntermediateTensors
+from pprun.distributed.layout import StageLayout
+from pprun.sampling.sampler import Sampler, to_logprobs
+from pprun.worker.model_inputs import build_model_inputs
+from pprun.worker.v2.cuda_graphs import CudaGraphManager, GraphPlan
+from pprun.worker.v2.inputs import InputBuffers, StepBatch, prepare_step
+from pprun.worker.v2.model_state import ModelState, make_model_state
+from pprun.worker.v2.request_state import RequestTable
+
+logger = logging.getLogger(__name__)
+
+
+class V2ModelRunner:
+    """Runner for one pipeline stage (built by the worker once the KV cache is bound)."""
+
+    name = "v2"
+
+    def __init__(
+        self, model: nn.Module, layout: StageLayout, device: torch.device, resolved: Any, num_blocks: int
+    ) -> None:
+        cfg = resolved.cfg
+        self.model = model
+        self.layout = layout
+        self.device = device
+        self.dtype = resolved.dtype
+        self.num_blocks = num_blocks
+        self.block_size = cfg.cache.block_size
+        self.max_num_reqs = cfg.scheduler.max_num_seqs
+        self.max_model_len = resolved.max_model_len
+        self.max_num_blocks_per_req = math.ceil(self.max_model_len / self.block_size)
+        capture_sizes = [s for s in resolved.cudagraph_capture_sizes if s <= self.max_num_reqs]
+        # A full decode graph of N requests holds N tokens, which may exceed the token budget.
+        self.max_num_tokens = max([cfg.scheduler.max_num_batched_tokens, *capture_sizes])
+
+        self.table = RequestTable(
+            self.max_num_reqs,
+            self.max_model_len,
+            self.max_num_blocks_per_req,
+            device,
+            make_generators=layout.is_last,
+        )
+        self.bufs = InputBuffers(
+            self.max_num_tokens, self.max_num_reqs, self.max_num_blocks_per_req, self.block_size, device
+        )
+        self.model_state: ModelState = make_model_state(
+            model, layout, device, self.dtype, self.max_num_reqs, self.max_num_tokens
+        )
+        self.sampler = Sampler()
+        self.sampled_host = torch.zeros(
+            self.max_num_reqs, dtype=torch.int64, pin_memory=device.type == "cuda"
+        )
+        """Pinned landing buffer of the sampled ids' device-to-host copy."""
+        # Graph replays read received hidden states from fixed addresses (contract 2).
+        self.graph_intermediate: IntermediateTensors | None = None
+        if not layout.is_first:
+            self.graph_intermediate = model.make_empty_intermediate_tensors(
+                self.max_num_tokens, self.dtype, device
+            )
+        self.graphs = CudaGraphManager(
+            cfg.compilation.cudagraph_mode if device.type == "cuda" else "none",
+            capture_sizes,
+            device,
+            self.model_state.attention_layers(),
+            self.model_state.full_graph_unsupported_reason(),
+        )
+        self.capture_model()
+
+    # --- state -------------------------------------------------------------------------------
+
+    def update_states(self, so: SchedulerOutput) -> None:
+        """Apply the step's deltas to the request table and the model-state plug-in."""
+        for req_id in so.finished_req_ids:
+            row = self.table.remove(req_id)
+            if row is not None:
+                self.model_state.remove_request(row)
+        for new in so.scheduled_new_reqs:
+            row = self.table.add(
+                new.req_id, new.prompt_token_ids, new.block_ids, new.num_computed_tokens, new.sampling_params
+            )
+            self.model_state.add_request(row, new)
+        self.table.update_cached(so.scheduled_cached_reqs, so.step_id)
+
+    # --- graphs ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def capture_model(self) -> None:
+        """Warm up and capture the configured graphs (no-op on CPU or with cudagraph_mode=none)."""
+        self._capture_extra: tuple[torch.Tensor | None, dict[str, Any]] = (None, {})
+        self.graphs.capture(self._prepare_dummy, self._dummy_forward)
+
+    def _prepare_dummy(self, num_reqs_padded: int, num_tokens_padded: int) -> None:
+        """Make every row of the buffers inert for one capture size: nothing is read from or
+        written to the KV cache, and no request row is touched.  Runs outside capture (host
+        writes, copies and event waits are not capturable, and must not replay)."""
+        self.bufs.wait_for_previous_copies()
+        self.bufs.make_inert(0, 0, num_reqs_padded, num_tokens_padded)
+        self.bufs.to_device(num_reqs_padded, num_tokens_padded, 0)
+        self.bufs.wait_for_previous_copies()
+        if self.graph_intermediate is not None:
+            for t in self.graph_intermediate.values():
+                t[:num_tokens_padded].zero_()
+        self._capture_extra = self.model_state.capture_inputs(num_reqs_padded, num_tokens_padded)
+
+    def _dummy_forward(self, num_reqs_padded: int, num_tokens_padded: int) -> Any:
+        """The stage forward over the buffers :meth:`_prepare_dummy` made inert (captured)."""
+        meta = self.bufs.attn_metadata(0, num_reqs_padded, 0, num_tokens_padded, max_query_len=1)
+        inputs_embeds, extra = self._capture_extra
+        return self._forward(
+            meta, num_tokens_padded, self._graph_intermediate(num_tokens_padded), inputs_embeds, extra
+        )
+
+    def _graph_intermediate(self, num_tokens_padded: int) -> IntermediateTensors | None:
+        if self.graph_intermediate is None:
+            return None
+        return self.graph_intermediate[:num_tokens_padded]  # type: ignore[return-value]
+
+    def _forward(
+        self,
+        meta: Any,
+        num_tokens_padded: int,
+        intermediate_tensors: IntermediateTensors | None,
+        inputs_embeds: torch.Tensor | None,
+        extra: dict[str, Any],
+    ) -> Any:
+        inputs = build_model_inputs(
+            self.model,
+            is_first_stage=self.layout.is_first,
+            input_ids=self.bufs.input_ids.device[:num_tokens_padded],
+            positions=self.bufs.positions.device[:num_tokens_padded],
+            intermediate_tensors=intermediate_tensors,
+            attn_metadata=meta,
+            inputs_embeds=inputs_embeds,
+        )
+        inputs.update(extra)
+        return self.model(**inputs)
+
+    # --- one step ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(
+        self, so: SchedulerOutput, intermediate_tensors: IntermediateTensors | None = None
+    ) -> ModelRunnerOutput | IntermediateTensors | None:
+        """Run one step; non-last stages return what to send, the last returns sampled tokens."""
+        self.update_states(so)
+        if so.is_empty():
+            return ModelRunnerOutput(so.step_id, [], []) if self.layout.is_last else None
+        num_tokens = so.total_num_scheduled_tokens
+        plan = self.graphs.plan(so.num_reqs, num_tokens, max(so.num_scheduled_tokens.values()))
+        self.bufs.wait_for_previous_copies()
+        batch = prepare_step(self.table, so, self.bufs, plan.num_reqs_padded, plan.num_tokens_padded)
+        self.bufs.to_device(plan.num_reqs_padded, plan.num_tokens_padded, batch.num_sampled)
+        meta = self.bufs.attn_metadata(
+            batch.num_reqs, plan.num_reqs_padded, num_tokens, plan.num_tokens_padded, batch.max_query_len
+        )
+        out = self._run_model(plan, batch, meta, intermediate_tensors)
+        if not self.layout.is_last:
+            return out[:num_tokens]
+        return self.sample(so, batch, out)
+
+    def _run_model(
+        self,
+        plan: GraphPlan,
+        batch: StepBatch,
+        meta: Any,
+        intermediate_tensors: IntermediateTensors | None,
+    ) -> Any:
+        if not self.layout.is_first and intermediate_tensors is None:
+            raise ValueError(
+                f"stage {self.layout.pp_rank} is not the first stage and needs intermediate_tensors"
+            )
+        inputs_embeds = None
+        if self.layout.is_first:
+            inputs_embeds = self.model_state.prepare_inputs_embeds(
+                batch, self.bufs.input_ids.device[: plan.num_tokens_padded]
+            )
+        extra = self.model_state.extra_model_kwargs(batch)
+        if plan.mode == "eager":
+            return self._forward(meta, plan.num_tokens_padded, intermediate_tensors, inputs_embeds, extra)
+        if self.graph_intermediate is not None:
+            self.graph_intermediate.copy_from(intermediate_tensors, batch.num_tokens)
+            # Stale rows from an earlier step would be finite, but zeros keep replays reproducible.
+            for t in self.graph_intermediate.values():
+                t[batch.num_tokens : plan.num_tokens_padded].zero_()
+        return self.graphs.replay(plan, meta)
+
+    def sample(self, so: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
+        """Sample for each request whose scheduled tokens reach the end of what it knows."""
+        sampled: list[list[int]] = [[] for _ in batch.req_ids]
+        logprobs: list[Any] = [None] * batch.num_reqs
+        num_sampled = batch.num_sampled
+        if num_sampled:
+            rows = batch.rows[batch.sample_batch_idx]
+            logits = self.model.compute_logits(hidden[self.bufs.logits_indices.device[:num_sampled]])
+            res = self.sampler(logits, self.table.sampling_tensors(rows, self.device))
+            token_ids = self._to_host(res.sampled_token_ids)
+            lps = to_logprobs(res, self.table.num_logprobs_list(rows))
+            for i, tok, lp in zip(batch.sample_batch_idx.tolist(), token_ids, lps):
+                sampled[i] = [tok]
+                logprobs[i] = lp
+        return ModelRunnerOutput(
+            step_id=so.step_id, req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs
+        )
+
+    def _to_host(self, token_ids: torch.Tensor) -> list[int]:
+        """Sampled ids to the host: a non-blocking copy into pinned memory, then wait on its event
+        only (not on the whole device)."""
+        if self.device.type != "cuda":
+            return token_ids.tolist()
+        n = token_ids.shape[0]
+        self.sampled_host[:n].copy_(token_ids, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        return self.sampled_host[:n].tolist()

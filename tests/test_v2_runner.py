@@ -1,0 +1,462 @@
+"""The V2 model runner: input building by tensor indexing, padded rows, parity with V1, CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pprun
+from pprun.attention.backend import get_backend
+from pprun.config.config import PprunConfig
+from pprun.config.validate import validate_config
+from pprun.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from pprun.core.scheduler import Scheduler
+from pprun.distributed.layout import StageLayout
+from pprun.sampling.params import SamplingParams
+from pprun.worker.kv_cache import allocate_kv_caches
+from pprun.worker.model_loader import load_stage_model
+from pprun.worker.v1.runner import V1ModelRunner
+from pprun.worker.v2.cuda_graphs import GraphPlan
+from pprun.worker.v2.inputs import InputBuffers, prepare_step
+from pprun.worker.v2.request_state import RequestTable
+from pprun.worker.v2.runner import V2ModelRunner
+
+BLOCK = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_llama_dir):
+    """The session's 4-layer random Llama (``tests/tiny_models.make_tiny_llama``)."""
+    return tiny_llama_dir
+
+
+def prompts_of(lengths: list[int]) -> list[list[int]]:
+    return [[(7 * i + 3 * j) % 250 + 3 for j in range(n)] for i, n in enumerate(lengths)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Input building (pure host logic)
+# ---------------------------------------------------------------------------------------------
+
+
+def new_req(req_id: str, tokens: list[int], blocks: list[int], num_computed: int = 0) -> NewRequestData:
+    return NewRequestData(req_id, tokens, GREEDY, blocks, num_computed)
+
+
+def python_inputs(reqs: dict[str, tuple[list[int], list[int], int]], sched: dict[str, int]):
+    """V1-style construction: loops over tokens.  ``reqs[id] = (tokens, blocks, num_computed)``."""
+    ids, pos, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
+    for req_id, n in sched.items():
+        tokens, blocks, start = reqs[req_id]
+        for p in range(start, start + n):
+            ids.append(tokens[p])
+            pos.append(p)
+            slots.append(blocks[p // BLOCK] * BLOCK + p % BLOCK)
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(start + n)
+        tables.append(blocks)
+    return ids, pos, slots, qsl, seq_lens, tables
+
+
+def test_prepare_step_matches_python_construction_and_pads_inertly():
+    table = RequestTable(
+        max_num_reqs=6,
+        max_model_len=64,
+        max_num_blocks_per_req=8,
+        device=torch.device("cpu"),
+        make_generators=False,
+    )
+    bufs = InputBuffers(
+        max_num_tokens=48,
+        max_num_reqs=6,
+        max_num_blocks_per_req=8,
+        block_size=BLOCK,
+        device=torch.device("cpu"),
+    )
+    # Dirty the buffers so that stale values would show through if padding were not rewritten.
+    for b in (bufs.input_ids, bufs.positions, bufs.slot_mapping, bufs.seq_lens, bufs.query_start_loc):
+        b.host.fill_(77)
+    bufs.block_table.host.fill_(77)
+    reqs = {
+        "a": (list(range(100, 120)), [5, 9, 2], 8),  # chunk 8..14 of a 20-token prompt
+        "b": (list(range(200, 211)), [3, 4], 10),  # decode: last token of 11
+        "c": (list(range(30, 35)), [7], 0),  # whole 5-token prompt
+    }
+    so = SchedulerOutput(
+        step_id=1,
+        scheduled_new_reqs=[new_req(r, t, b, c) for r, (t, b, c) in reqs.items()],
+        scheduled_cached_reqs=CachedRequestData(),
+        num_scheduled_tokens={"a": 7, "b": 1, "c": 5},
+        total_num_scheduled_tokens=13,
+    )
+    for new in so.scheduled_new_reqs:
+        table.add(
+            new.req_id, new.prompt_token_ids, new.block_ids, new.num_computed_tokens, new.sampling_params
+        )
+    batch = prepare_step(table, so, bufs, num_reqs_padded=5, num_tokens_padded=16)
+    ids, pos, slots, qsl, seq_lens, tables = python_inputs(reqs, so.num_scheduled_tokens)
+
+    assert (batch.num_reqs, batch.num_reqs_padded, batch.num_tokens, batch.num_tokens_padded) == (
+        3,
+        5,
+        13,
+        16,
+    )
+    assert batch.max_query_len == 7
+    assert bufs.input_ids.host[:16].tolist() == ids + [0] * 3
+    assert bufs.positions.host[:16].tolist() == pos + [0] * 3
+    assert bufs.slot_mapping.host[:16].tolist() == slots + [-1] * 3
+    assert bufs.query_start_loc.host[:6].tolist() == qsl + [13, 13]
+    assert bufs.seq_lens.host[:5].tolist() == seq_lens + [0, 0]
+    for i, t in enumerate(tables):
+        assert bufs.block_table.host[i, : len(t)].tolist() == t
+    assert bufs.block_table.host[3:5].eq(0).all()
+    # "a" stops short of its prompt's end: only "b" and "c" sample, from their last token's row.
+    assert batch.sample_batch_idx.tolist() == [1, 2]
+    assert bufs.logits_indices.host[:2].tolist() == [7, 12]
+    meta = bufs.attn_metadata(3, 5, 13, 16, batch.max_query_len)
+    assert meta.slot_mapping.shape == (16,) and meta.seq_lens.shape == (5,)
+    assert meta.query_start_loc.shape == (6,) and meta.block_table.shape == (5, 8)
+
+
+def test_request_table_deltas_rows_and_unknown_finished_ids():
+    table = RequestTable(4, 32, 4, torch.device("cpu"), make_generators=True)
+    table.add("x", [1, 2, 3], [4], 0, SamplingParams(temperature=0.7, top_k=5, seed=3, logprobs=2))
+    row_x = table.row_of["x"]
+    table.update_cached(
+        CachedRequestData(req_ids=["x"], new_block_ids=[[6]], num_computed_tokens=[3], new_token_ids=[[9]]),
+        step_id=2,
+    )
+    assert table.token_ids[row_x, :4].tolist() == [1, 2, 3, 9]
+    assert table.block_table[row_x, :2].tolist() == [4, 6]
+    assert int(table.num_computed_tokens[row_x]) == 3
+    assert table.generators[row_x] is not None
+    assert table.remove("never-seen") is None  # finished/preempted ids may be unknown
+    assert table.remove("x") == row_x and table.num_live_reqs == 0
+    # A reused row holds nothing of its previous owner.
+    assert table.add("y", [5], [2], 0, GREEDY) == row_x
+    assert table.block_table[row_x].tolist() == [2, 0, 0, 0]
+    assert table.generators[row_x] is None
+    with pytest.raises(RuntimeError, match="unknown to this runner"):
+        table.update_cached(
+            CachedRequestData(req_ids=["z"], new_block_ids=[[]], num_computed_tokens=[1], new_token_ids=[[]]),
+            step_id=3,
+        )
+
+
+def test_sampling_tensors_match_build():
+    from pprun.sampling.sampler import SamplingTensors
+
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_k=7, top_p=0.9, seed=1, logprobs=3),
+        SamplingParams(temperature=1.2, min_p=0.1, logprobs=1),
+    ]
+    table = RequestTable(4, 16, 2, torch.device("cpu"), make_generators=False)
+    for i, p in enumerate(params):
+        table.add(str(i), [1], [1], 0, p)
+    rows = torch.tensor([table.row_of[str(i)] for i in (2, 0, 1)])
+    got = table.sampling_tensors(rows, torch.device("cpu"))
+    want = SamplingTensors.build([params[i] for i in (2, 0, 1)], [None] * 3, "cpu")
+    for name in ("temperature", "top_k", "top_p", "min_p"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    for name in ("all_greedy", "all_random", "no_top_k", "no_top_p", "no_min_p", "max_num_logprobs"):
+        assert getattr(got, name) == getattr(want, name), name
+
+
+# ---------------------------------------------------------------------------------------------
+# Runner-level: hand-driven steps (V1 vs V2, padded rows)
+# ---------------------------------------------------------------------------------------------
+
+
+def resolved_for(model_dir, device: str, dtype: str, **kwargs):
+    cfg = PprunConfig.from_kwargs(
+        model=str(model_dir),
+        device=device,
+        dtype=dtype,
+        max_model_len=128,
+        block_size=BLOCK,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        **kwargs,
+    )
+    return validate_config(cfg)
+
+
+def build_runner(kind: str, rc, backend: str = "auto", num_blocks: int = 64):
+    device = torch.device("cuda" if rc.device == "cuda" else "cpu")
+    layout = StageLayout.single(rc.arch.num_hidden_layers)
+    model = load_stage_model(
+        rc.model_dir,
+        rc.arch,
+        layout,
+        device=device,
+        dtype=rc.dtype,
+        max_positions=rc.max_model_len,
+        attn_backend=get_backend(backend, device),
+    )
+    caches = allocate_kv_caches(rc.arch, layout.num_layers, num_blocks, BLOCK, rc.dtype, device)
+    model.bind_kv_caches(caches)
+    if kind == "v1":
+        return V1ModelRunner(model, layout, device, BLOCK), caches
+    return V2ModelRunner(model, layout, device, rc, num_blocks), caches
+
+
+def drive(
+    runner, prompts: list[list[int]], num_decode_steps: int, before_step=None
+) -> tuple[list[list[int]], list]:
+    """Prefill every prompt in one step, then decode; blocks handed out like the scheduler would."""
+    next_block = [1]  # block 0 is the null block
+
+    def blocks_for(n_tokens: int, have: int) -> list[int]:
+        need = -(-n_tokens // BLOCK) - have
+        out = list(range(next_block[0], next_block[0] + need))
+        next_block[0] += need
+        return out
+
+    ids = [f"r{i}" for i in range(len(prompts))]
+    num_blocks = {}
+    new = []
+    for r, p in zip(ids, prompts):
+        b = blocks_for(len(p), 0)
+        num_blocks[r] = len(b)
+        new.append(NewRequestData(r, list(p), GREEDY, b, 0))
+    sched = {r: len(p) for r, p in zip(ids, prompts)}
+    so = SchedulerOutput(0, new, CachedRequestData(), sched, sum(sched.values()))
+    outputs = [[] for _ in prompts]
+    lengths = {r: len(p) for r, p in zip(ids, prompts)}
+    for step in range(num_decode_steps + 1):
+        if before_step is not None:
+            before_step(step, so)
+        out = runner.execute_model(so, None)
+        for i, r in enumerate(ids):
+            outputs[i] += out.sampled_token_ids[out.req_ids.index(r)]
+        cached = CachedRequestData()
+        for i, r in enumerate(ids):
+            cached.req_ids.append(r)
+            cached.num_computed_tokens.append(lengths[r])
+            cached.new_token_ids.append([outputs[i][-1]])
+            lengths[r] += 1
+            b = blocks_for(lengths[r], num_blocks[r])
+            num_blocks[r] += len(b)
+            cached.new_block_ids.append(b)
+        so = SchedulerOutput(step + 1, [], cached, {r: 1 for r in ids}, len(ids))
+    return outputs, next_block[0]
+
+
+def test_v2_matches_v1_step_by_step_cpu(model_dir):
+    rc = resolved_for(model_dir, "cpu", "float32")
+    prompts = prompts_of([5, 13, 3])
+    v1, _ = build_runner("v1", rc)
+    v2, _ = build_runner("v2", rc)
+    want, _ = drive(v1, prompts, 6)
+    got, _ = drive(v2, prompts, 6)
+    assert got == want
+
+
+def test_padded_rows_change_neither_outputs_nor_kv_cache_cpu(model_dir):
+    """Force padding on CPU (eager, reference backend): decode steps of 3 requests run as 5 padded
+    request rows / 7 padded token rows.  Real rows' tokens and the cache must match an unpadded run;
+    slots no request owns (the null block, never-allocated blocks) must stay untouched (zero)."""
+    rc = resolved_for(model_dir, "cpu", "float32")
+    prompts = prompts_of([6, 11, 4])
+    plain, plain_caches = build_runner("v2", rc)
+    padded, padded_caches = build_runner("v2", rc)
+    seen = []
+
+    def pad_plan(num_reqs, num_tokens, max_query_len):
+        if max_query_len == 1:
+            seen.append(num_reqs)
+            return GraphPlan("eager", num_reqs + 2, num_tokens + 4)
+        return GraphPlan("eager", num_reqs, num_tokens)
+
+    padded.graphs.plan = pad_plan
+    want, used_blocks = drive(plain, prompts, 5)
+    got, _ = drive(padded, prompts, 5)
+    assert seen == [3] * 5
+    assert got == want
+    for a, b in zip(plain_caches, padded_caches):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        assert b[:, 0].eq(0).all(), "a padded row wrote into the null block"
+        assert b[:, used_blocks:].eq(0).all(), "a padded row wrote into an unowned block"
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the engine (CPU): greedy and seeded parity, chunked prefill, staggered arrivals, preemption
+# ---------------------------------------------------------------------------------------------
+
+
+def run_engine(model_dir, runner: str, requests, *, stagger: bool, **kwargs) -> tuple[dict, int]:
+    """Run ``requests`` = [(id, prompt, params)]; with ``stagger`` three new requests arrive every
+    other step.  Returns ({id: (token_ids, logprobs)}, number of preemptions)."""
+    preemptions = [0]
+    original = Scheduler._preempt
+
+    def counting(self, req):
+        preemptions[0] += 1
+        return original(self, req)
+
+    Scheduler._preempt = counting
+    try:
+        with pprun.LLM(str(model_dir), runner=runner, dtype="float32", **kwargs) as llm:
+            eng = llm.engine
+            pending = list(requests)
+            results = {}
+            step = 0
+            while pending or eng.has_unfinished_requests():
+                if pending and (not stagger or step % 2 == 0 or not eng.has_unfinished_requests()):
+                    for _ in range(len(pending) if not stagger else 3):
+                        if pending:
+                            rid, prompt, params = pending.pop(0)
+                            eng.add_request(prompt, params, request_id=rid)
+                for out in eng.step():
+                    c = out.outputs[0]
+                    results[out.request_id] = (c.token_ids, c.logprobs, c.finish_reason)
+                step += 1
+    finally:
+        Scheduler._preempt = original
+    return results, preemptions[0]
+
+
+def test_engine_greedy_parity_chunked_staggered_preempted(model_dir):
+    prompts = prompts_of([3, 17, 9, 30, 5, 22, 12, 41, 7])
+    requests = [
+        (f"q{i}", p, SamplingParams(temperature=0.0, max_tokens=8 + i % 4, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
+    # 16-token budget: chunked prefill; 14 blocks of 8 for
+    # requests of up to 52 tokens (7 blocks): preemption.
+    kw = dict(
+        executor="uni",
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+        block_size=BLOCK,
+        max_model_len=64,
+        kv_cache_memory_bytes=14 * 2 * 4 * BLOCK * 2 * 16 * 4,
+    )
+    v1, pre1 = run_engine(model_dir, "v1", requests, stagger=True, **kw)
+    v2, pre2 = run_engine(model_dir, "v2", requests, stagger=True, **kw)
+    assert pre1 > 0 and pre2 > 0, (pre1, pre2)
+    assert set(v1) == {r[0] for r in requests}
+    assert v2 == v1
+    assert all(len(v1[r][0]) == 8 + i % 4 for i, r in enumerate(sorted(v1, key=lambda s: int(s[1:]))))
+
+
+def test_engine_seeded_sampling_and_logprobs_parity(model_dir):
+    prompts = prompts_of([4, 19, 8, 27, 6, 14, 10, 3])
+    requests = [
+        (
+            f"s{i}",
+            p,
+            SamplingParams(
+                temperature=[0.0, 0.7, 1.0, 1.3][i % 4],
+                top_k=[-1, 20, -1, 50][i % 4],
+                top_p=[1.0, 0.9, 0.8, 1.0][i % 4],
+                min_p=0.05 if i == 5 else 0.0,
+                seed=100 + i,
+                max_tokens=8,
+                ignore_eos=True,
+                logprobs=2 if i % 3 == 0 else None,
+            ),
+        )
+        for i, p in enumerate(prompts)
+    ]
+    kw = dict(executor="uni", max_num_batched_tokens=24, max_num_seqs=8, block_size=BLOCK, max_model_len=64)
+    v1, _ = run_engine(model_dir, "v1", requests, stagger=False, **kw)
+    v2, _ = run_engine(model_dir, "v2", requests, stagger=False, **kw)
+    assert v2 == v1
+    assert any(v1[r][1] for r in v1), "no request returned logprobs"
+
+
+@pytest.mark.slow
+def test_engine_pp2_mp_parity(model_dir):
+    prompts = prompts_of([5, 18, 9, 26, 3, 12, 31, 7])
+    requests = [
+        (f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
+    kw = dict(
+        executor="mp",
+        pipeline_parallel_size=2,
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+        block_size=BLOCK,
+        max_model_len=64,
+    )
+    v1, _ = run_engine(model_dir, "v1", requests, stagger=True, **kw)
+    v2, _ = run_engine(model_dir, "v2", requests, stagger=True, **kw)
+    assert v2 == v1 and len(v1) == len(requests)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: CUDA graphs (triton backend, bf16)
+# ---------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["full", "piecewise"])
+def test_graphs_match_eager_and_v1_gpu(model_dir, mode):
+    prompts = prompts_of([6, 11, 4])  # 3 requests: decode steps pad to the captured size 4
+    eager_rc = resolved_for(model_dir, "cuda", "bfloat16", cudagraph_mode="none")
+    graph_rc = resolved_for(
+        model_dir, "cuda", "bfloat16", cudagraph_mode=mode, cudagraph_capture_sizes=[1, 2, 4, 8]
+    )
+    assert graph_rc.cudagraph_capture_sizes == [1, 2, 4, 8]
+    v1, _ = build_runner("v1", eager_rc, backend="triton")
+    eager, eager_caches = build_runner("v2", eager_rc, backend="triton")
+    graphed, graph_caches = build_runner("v2", graph_rc, backend="triton")
+    assert graphed.graphs.mode == mode
+    plans = []
+    original = graphed.graphs.plan
+
+    def recording(*args):
+        plan = original(*args)
+        plans.append(plan)
+        return plan
+
+    graphed.graphs.plan = recording
+    want_v1, _ = drive(v1, prompts, 6)
+    want, used_blocks = drive(eager, prompts, 6)
+    got, _ = drive(graphed, prompts, 6)
+    decode_plans = plans[1:]
+    assert all(p.mode == mode and p.num_tokens_padded == 4 for p in decode_plans), plans
+    assert got == want == want_v1
+    for a, b in zip(eager_caches, graph_caches):
+        torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
+        assert b[:, 0].eq(0).all(), "a padded row wrote into the null block"
+        assert b[:, used_blocks:].eq(0).all(), "a padded row wrote into an unowned block"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_capture_leaves_kv_cache_and_requests_untouched_gpu(model_dir):
+    rc = resolved_for(model_dir, "cuda", "bfloat16", cudagraph_mode="full", cudagraph_capture_sizes=[1, 4, 8])
+    runner, caches = build_runner("v2", rc, backend="triton")
+    assert sorted(runner.graphs.full) == [1, 4, 8]
+    assert all(c.eq(0).all() for c in caches)
+    assert runner.table.num_live_reqs == 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_engine_full_graphs_match_v1_gpu(model_dir):
+    prompts = prompts_of([3, 17, 9, 30, 5, 22, 12, 41, 7])
+    requests = [
+        (f"g{i}", p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
+    kw = dict(
+        executor="uni",
+        device="cuda",
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        block_size=16,
+        max_model_len=128,
+    )
+    v1, _ = run_engine(model_dir, "v1", requests, stagger=True, **kw)
+    v2, _ = run_engine(model_dir, "v2", requests, stagger=True, cudagraph_mode="full", **kw)
+    assert v2 == v1
