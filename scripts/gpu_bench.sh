@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One GPU session: GPU-marked tests, then the 1.1B decode benchmarks (V2 full graphs, V1 eager,
+# transformers' generate as the peer).  Results land in $OUT (or ./gpu_out).
+#   bash scripts/gpu_bench.sh [tests|bench|all]
+set -uo pipefail
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+what=${1:-all}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  timeout 300 python3 -m pytest -q -x -m gpu tests/test_triton_ops.py tests/test_v2_runner.py -p no:cacheprovider 2>&1 \
+    | tail -40 | tee "$OUT/gpu_tests.log"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  [ -d /tmp/llama1b ] || python3 scripts/make_random_llama.py /tmp/llama1b --device cuda
+  common="model.model=/tmp/llama1b input_len=512 output_len=128 hydra.run.dir=/tmp/hy"
+  for B in 1 32; do
+    timeout 200 python3 -m pprun bench $common num_prompts=$B scheduler.max_num_seqs=$B runner=v2 \
+      compilation.cudagraph_mode=full peer=hf output_json="$OUT/v2_full_b$B.json" 2>"$OUT/v2_full_b$B.err" | tail -c 2000
+    timeout 200 python3 -m pprun bench $common num_prompts=$B scheduler.max_num_seqs=$B runner=v1 \
+      compilation.cudagraph_mode=none peer=none output_json="$OUT/v1_b$B.json" 2>"$OUT/v1_b$B.err" | tail -c 1500
+  done
+fi
