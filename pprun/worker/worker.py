@@ -148,6 +148,39 @@ class Worker:
         if fi.get("raise_at_step") == self.step_count:
             raise RuntimeError(f"injected failure in stage {self.layout.pp_rank} at step {self.step_count}")
 
+    def memory_stats(self) -> dict[str, int]:
+        """This stage process's memory: peak and current resident set, weight and KV-cache bytes.
+
+        Read between steps (``executor.call_all("memory_stats")``); the RSS figures are the
+        whole process's (interpreter, torch, gloo buffers included), from /proc/self/status
+        where it exists, else ``getrusage`` (peak only).
+        """
+        import resource
+
+        stats = {
+            "pid": os.getpid(),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "rss_bytes": -1,
+        }
+        try:
+            with open("/proc/self/status", encoding="ascii") as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    if key in ("VmHWM", "VmRSS"):
+                        stats["peak_rss_bytes" if key == "VmHWM" else "rss_bytes"] = int(value.split()[0]) * 1024
+        except OSError:
+            pass  # not Linux: keep getrusage's peak
+        params = list(self.model.parameters()) if self.model is not None else []
+        buffers = list(self.model.buffers()) if self.model is not None else []
+        stats["param_bytes"] = sum(p.numel() * p.element_size() for p in params)
+        # The KV caches are plain attributes of the attention layers (not module buffers).
+        layers = getattr(self.model, "layers", None) or []
+        kv_tensors = [getattr(getattr(layer, "self_attn", None), "kv_cache", None) for layer in layers]
+        kv_tensors = [t for t in kv_tensors if isinstance(t, torch.Tensor)]
+        stats["kv_cache_bytes"] = sum(t.numel() * t.element_size() for t in kv_tensors)
+        stats["buffer_bytes"] = sum(b.numel() * b.element_size() for b in buffers)
+        return stats
+
     def shutdown(self) -> None:
         """Release the pipeline channel."""
         if self.transport is not None and self.spec.init_method is not None:
