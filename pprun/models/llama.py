@@ -24,6 +24,7 @@ from torch import nn
 from pprun.attention.metadata import AttentionMetadata
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
+from pprun.layers import fused_ops_for
 from pprun.models.hf_config import ModelArchConfig
 
 
@@ -39,6 +40,9 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(norm(x + residual), x + residual)``; with no residual, ``x`` is it."""
+        fused = fused_ops_for(x)
+        if fused is not None:  # CUDA: one Triton launch with the same rounding steps
+            return fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
         residual = x
@@ -95,7 +99,14 @@ class RotaryEmbedding:
     def __call__(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q [T, H, D]`` and ``k [T, KVH, D]`` by their token positions."""
+        """Rotate ``q [T, H, D]`` and ``k [T, KVH, D]`` by their token positions.
+
+        On CUDA (fused path) ``q`` and ``k`` are rotated in place and returned; elsewhere new
+        tensors are returned.  Callers pass views they own either way.
+        """
+        fused = fused_ops_for(q)
+        if fused is not None:
+            return fused.rotary_qk(q, k, self.cos, self.sin, positions)
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
@@ -146,7 +157,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``down(silu(gate(x)) * up(x))``."""
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        fused = fused_ops_for(gate_up)
+        if fused is not None:
+            return self.down_proj(fused.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -1,0 +1,442 @@
+"""Pipeline benchmark on this machine: throughput, memory per stage, hop cost, control-path cost.
+
+Prints one JSON object (and writes it to ``--out``).  Four parts, each selectable with
+``--parts``:
+
+``throughput``  ``python -m pprun bench`` (peer=none) for the demo model at pp=1 (uni) and
+                pp=2 (mp, ray); the exact commands are in the output.
+``memory``      resident memory of every stage process (``Worker.memory_stats`` through
+                ``executor.call_all``) with the mp executor at pp=1, 2, 4 and a small KV cache,
+                and a least-squares fit ``rss = fixed + slope * param_bytes`` over all stages.
+``hop``         two gloo processes ping-pong decode-sized IntermediateTensors through
+                ``PipelineTransport.send``/``recv`` (metadata + tensors); one hop = round trip / 2.
+                The same tensors through bare ``dist.send``/``recv`` show the metadata's share.
+``control``     a 2-layer, hidden-64 random model; SchedulerOutputs are fed to the executor
+                directly (``submit`` + ``get_output``, one step in flight): an *empty* step
+                (nothing to compute: the control path alone) and a 1-request decode step, for
+                uni, mp pp=2 and ray pp=2.
+
+    python scripts/bench_pipeline.py --out docs/bench_pipeline_cpu.json
+    python scripts/bench_pipeline.py --parts hop,control
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # run as a file from anywhere, like the other scripts
+DEMO_MODEL = "smollm2-135m-instruct"
+HIDDEN_SIZE = 576
+"""Hidden size of the demo model: the hop benchmark's row width."""
+HOP_NUM_TOKENS = (1, 32, 256)
+HOP_LARGE_BYTES = 64 * 2**20
+MEMORY_KV_BYTES = 64 * 2**20
+"""KV-cache bytes per stage in the memory part: small, so the weights dominate RSS."""
+PARTS = ("throughput", "memory", "hop", "control")
+
+
+def load_info() -> dict[str, Any]:
+    """Machine load when a part starts (other jobs on a 2-core box skew every number)."""
+    one, five, fifteen = os.getloadavg()
+    return {"loadavg_1m": round(one, 2), "loadavg_5m": round(five, 2), "cpus": os.cpu_count()}
+
+
+def _stats_us(samples_s: list[float]) -> dict[str, float]:
+    us = sorted(s * 1e6 for s in samples_s)
+    return {
+        "median_us": round(statistics.median(us), 1),
+        "p10_us": round(us[len(us) // 10], 1),
+        "p90_us": round(us[(len(us) * 9) // 10], 1),
+        "n": len(us),
+    }
+
+
+# --- 1. throughput ------------------------------------------------------------------------------
+
+
+def bench_throughput(num_prompts: int, input_len: int, output_len: int) -> list[dict[str, Any]]:
+    """``pprun bench`` for the demo model at pp=1 (uni), pp=2 (mp) and pp=2 (ray), one subprocess each."""
+    results = []
+    for parallel in ("single", "pp2_mp", "pp2_ray"):
+        with tempfile.TemporaryDirectory() as tmp:
+            out_json = Path(tmp) / "bench.json"
+            cmd = [
+                sys.executable, "-m", "pprun", "bench",
+                f"model.model={DEMO_MODEL}", "model.dtype=float32", "device=cpu",
+                f"parallel={parallel}", "peer=none",
+                f"num_prompts={num_prompts}", f"input_len={input_len}", f"output_len={output_len}",
+                f"output_json={out_json}",
+            ]  # fmt: skip
+            load = load_info()
+            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
+            if proc.returncode != 0:
+                results.append({"parallel": parallel, "command": _shell(cmd), "error": proc.stderr[-2000:]})
+                continue
+            bench = json.loads(out_json.read_text())
+            results.append(
+                {
+                    "parallel": parallel,
+                    "command": _shell(cmd[:1] + cmd[1:-1]).replace(sys.executable, "python"),
+                    "load_before": load,
+                    "executor": bench["config"]["executor"],
+                    "pp": bench["config"]["pp"],
+                    "layer_partition": bench["config"]["layer_partition"],
+                    **{k: bench["pprun"][k] for k in ("elapsed_s", "output_tokens_per_s", "total_tokens_per_s",
+                                                       "ttft_ms_p50", "tpot_ms_p50", "tpot_ms_p99")},
+                }  # fmt: skip
+            )
+    return results
+
+
+def _shell(cmd: list[str]) -> str:
+    return " ".join(cmd)
+
+
+# --- 2. memory per stage ------------------------------------------------------------------------
+
+
+def bench_memory(pp_sizes: tuple[int, ...]) -> dict[str, Any]:
+    """Stage-process RSS with the mp executor at each pp, and the fit rss = fixed + slope*weights."""
+    from pprun.engine.llm import LLM
+    from pprun.sampling.params import SamplingParams
+
+    runs = []
+    for pp in pp_sizes:
+        llm = LLM(
+            DEMO_MODEL,
+            dtype="float32",
+            device="cpu",
+            executor="mp",
+            pipeline_parallel_size=pp,
+            kv_cache_memory_bytes=MEMORY_KV_BYTES,
+            max_num_seqs=16,
+        )
+        try:
+            # Run real steps first so the runner's buffers and gloo's are touched too.
+            llm.generate(
+                [{"prompt_token_ids": list(range(10, 74))}] * 4,
+                SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+            )
+            stages = llm.engine.executor.call_all("memory_stats")
+            partition = list(llm.engine.resolved.layer_partition)
+        finally:
+            llm.shutdown()
+        runs.append({"pp": pp, "layer_partition": partition, "stages": stages})
+    points = [
+        (s["param_bytes"] + s["kv_cache_bytes"], s["peak_rss_bytes"], s["rss_bytes"])
+        for r in runs
+        for s in r["stages"]
+    ]
+    fit_peak = _linear_fit([p[0] for p in points], [p[1] for p in points])
+    fit_rss = _linear_fit([p[0] for p in points], [p[2] for p in points])
+    overhead = [s["rss_bytes"] - s["param_bytes"] - s["kv_cache_bytes"] for r in runs for s in r["stages"]]
+    mib = 2**20
+    return {
+        "executor": "mp",
+        "kv_cache_memory_bytes": MEMORY_KV_BYTES,
+        "runs": runs,
+        "fit_over_stages": "rss = fixed + slope * (param_bytes + kv_cache_bytes), least squares over every stage",
+        "fit_rss": {"fixed_mib": round(fit_rss[0] / mib, 1), "slope": round(fit_rss[1], 3)},
+        "fit_peak_rss": {"fixed_mib": round(fit_peak[0] / mib, 1), "slope": round(fit_peak[1], 3)},
+        "rss_minus_weights_and_kv_mib": {
+            "min": round(min(overhead) / mib, 1),
+            "median": round(statistics.median(overhead) / mib, 1),
+            "max": round(max(overhead) / mib, 1),
+        },
+    }
+
+
+def _linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``y = a + b x``; returns ``(a, b)``."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - b * mx, b
+
+
+# --- 3. one pipeline hop ------------------------------------------------------------------------
+
+
+def bench_hop(iters: int) -> dict[str, Any]:
+    """Start two gloo processes (this script, ``--hop-rank``) and collect rank 0's timings."""
+    from pprun.executor.mp import free_port
+
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--hop-rank", str(rank), "--init-method", init_method, "--iters", str(iters)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    for p in procs:
+        if p.returncode != 0:
+            raise RuntimeError(f"hop benchmark rank exited with {p.returncode}")
+    return json.loads(outs[0])
+
+
+def hop_rank_main(rank: int, init_method: str, iters: int) -> None:
+    """One side of the ping-pong: rank 0 sends and waits for the echo, rank 1 echoes."""
+    import torch
+    import torch.distributed as dist
+
+    from pprun.distributed.intermediate import IntermediateTensors
+    from pprun.distributed.layout import StageLayout
+    from pprun.distributed.transport import PipelineTransport
+
+    cpu = torch.device("cpu")
+    layouts = [StageLayout.from_partition([1, 1], r) for r in (0, 1)]
+    forward = PipelineTransport.init(layouts[rank], cpu, init_method, 120.0)
+    group = forward.cpu_group
+    # The way back: the same group, with the stage order reversed (rank 1 acts as stage 0).
+    backward = PipelineTransport(layouts[1 - rank], cpu, group, group, [1, 0])
+
+    cases = [(f"{n}_tokens", n) for n in HOP_NUM_TOKENS]
+    large_tokens = HOP_LARGE_BYTES // (2 * HIDDEN_SIZE * 4)
+    cases.append((f"{large_tokens}_tokens_64MiB", large_tokens))
+    results: dict[str, Any] = {}
+    for name, num_tokens in cases:
+        tensors = IntermediateTensors(
+            {k: torch.randn(num_tokens, HIDDEN_SIZE) for k in ("hidden_states", "residual")}
+        )
+        buffers = IntermediateTensors({k: torch.empty_like(v) for k, v in tensors.items()})
+        n_iter = iters if num_tokens <= 256 else max(5, iters // 50)
+        n_warm = max(3, n_iter // 10)
+
+        def transport_round() -> None:
+            if rank == 0:
+                forward.send(tensors)
+                backward.recv(buffers, num_tokens)
+            else:
+                forward.recv(buffers, num_tokens)
+                backward.send(buffers)
+
+        def bare_round() -> None:
+            peer = 1 - rank
+            if rank == 0:
+                for v in tensors.values():
+                    dist.send(v, peer, group=group)
+                for v in buffers.values():
+                    dist.recv(v, peer, group=group)
+            else:
+                for v in buffers.values():
+                    dist.recv(v, peer, group=group)
+                for v in buffers.values():
+                    dist.send(v, peer, group=group)
+
+        row: dict[str, Any] = {
+            "num_tokens": num_tokens,
+            "bytes": sum(v.numel() * v.element_size() for v in tensors.values()),
+        }
+        for label, fn in (("transport", transport_round), ("tensors_only", bare_round)):
+            for _ in range(n_warm):
+                fn()
+            samples = []
+            for _ in range(n_iter):
+                t0 = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - t0) / 2)  # one hop = half a round trip
+            row[label] = _stats_us(samples)
+        row["metadata_us"] = round(row["transport"]["median_us"] - row["tensors_only"]["median_us"], 1)
+        row["transport_GBps"] = round(row["bytes"] / (row["transport"]["median_us"] * 1e-6) / 1e9, 3)
+        results[name] = row
+    dist.barrier(group=group)
+    if rank == 0:
+        print(
+            json.dumps(
+                {
+                    "what": "PipelineTransport.send + recv of hidden_states and residual [num_tokens, 576] fp32 "
+                    "over gloo (loopback TCP), ping-pong, µs per hop = round trip / 2",
+                    "cases": results,
+                }
+            ),
+            flush=True,
+        )
+    forward.close()
+
+
+# --- 4. control path ----------------------------------------------------------------------------
+
+
+def make_tiny_model(out_dir: Path) -> None:
+    """A 2-layer, hidden-64 random Llama (fp32): stage compute is tiny next to the control path."""
+    cmd = [
+        sys.executable, str(REPO / "scripts" / "make_random_llama.py"), str(out_dir),
+        "--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+        "--intermediate", "128", "--vocab", "256", "--max-pos", "512", "--dtype", "float32",
+    ]  # fmt: skip
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
+
+
+def bench_control(num_steps: int) -> dict[str, Any]:
+    """Per-step round trip engine -> stages -> engine, with empty steps and 1-request decode steps."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "tiny-llama"
+        make_tiny_model(model_dir)
+        runs = {}
+        for name, executor, pp in (("uni_pp1", "uni", 1), ("mp_pp2", "mp", 2), ("ray_pp2", "ray", 2)):
+            runs[name] = _control_run(model_dir, executor, pp, num_steps)
+    for name in ("mp_pp2", "ray_pp2"):
+        r = runs[name]
+        # Decode step minus the same work done in one process: control path + one hop.
+        r["decode_minus_uni_us"] = round(r["decode_step"]["median_us"] - runs["uni_pp1"]["decode_step"]["median_us"], 1)
+    return {
+        "model": "random Llama, 2 layers, hidden 64, 4 heads / 2 KV heads, vocab 256, fp32",
+        "what": "executor.submit(so) + executor.get_output() per step, one step in flight; empty_step: "
+        "a SchedulerOutput with nothing scheduled (pickle, one socket write per stage, the last stage "
+        "answers an empty ModelRunnerOutput); decode_step: 1 request, 1 token (stage compute, one "
+        "hop at pp=2 and greedy sampling included)",
+        "runs": runs,
+    }
+
+
+def _control_run(model_dir: Path, executor: str, pp: int, num_steps: int) -> dict[str, Any]:
+    from pprun.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+    from pprun.engine.llm import LLM
+    from pprun.sampling.params import SamplingParams
+
+    block_size = 16
+    prompt = list(range(1, 9))
+    max_len = len(prompt) + 2 * num_steps + 8
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        device="cpu",
+        executor=executor,
+        pipeline_parallel_size=pp,
+        kv_cache_memory_bytes=8 * 2**20,
+        max_model_len=512,
+        max_num_seqs=4,
+        block_size=block_size,
+    )
+    load = load_info()
+    try:
+        ex = llm.engine.executor
+        step_ids = iter(range(10**9))
+        block_ids = list(range(1, (max_len + block_size - 1) // block_size + 2))
+        req = "r0"
+        # Engine-free driving: the runner state is keyed by request id, so a hand-made prefill
+        # then decode SchedulerOutputs look exactly like the engine's.
+        prefill = SchedulerOutput(
+            step_id=next(step_ids),
+            scheduled_new_reqs=[
+                NewRequestData(req, prompt, SamplingParams(temperature=0.0, max_tokens=max_len), block_ids, 0)
+            ],
+            scheduled_cached_reqs=CachedRequestData(),
+            num_scheduled_tokens={req: len(prompt)},
+            total_num_scheduled_tokens=len(prompt),
+        )
+        ex.submit(prefill)
+        last_token = ex.get_output().sampled_token_ids[0][-1]
+        num_computed = len(prompt)
+
+        def decode_step() -> None:
+            nonlocal last_token, num_computed
+            so = SchedulerOutput(
+                step_id=next(step_ids),
+                scheduled_new_reqs=[],
+                scheduled_cached_reqs=CachedRequestData([req], [[]], [num_computed], [[last_token]]),
+                num_scheduled_tokens={req: 1},
+                total_num_scheduled_tokens=1,
+            )
+            ex.submit(so)
+            last_token = ex.get_output().sampled_token_ids[0][-1]
+            num_computed += 1
+
+        def empty_step() -> None:
+            ex.submit(SchedulerOutput(next(step_ids), [], CachedRequestData(), {}, 0))
+            ex.get_output()
+
+        result: dict[str, Any] = {"executor": executor, "pp": pp, "load_before": load}
+        for label, fn in (("empty_step", empty_step), ("decode_step", decode_step)):
+            for _ in range(20):
+                fn()
+            samples = []
+            for _ in range(num_steps):
+                t0 = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t0)
+            result[label] = _stats_us(samples)
+        # The engine's own loop on the same model (scheduler, detokenising-free token ids).
+        out = llm.generate(
+            [{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+        )[0]
+        tpot = out.metrics.time_per_output_token
+        result["engine_tpot_us_1_request"] = None if tpot is None else round(tpot * 1e6, 1)
+        return result
+    finally:
+        llm.shutdown()
+
+
+# --- main ---------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    """Run the selected parts and print one JSON object."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, help="also write the JSON here")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--memory-pp", default="1,2,4", help="pipeline sizes of the memory part")
+    ap.add_argument("--hop-iters", type=int, default=500)
+    ap.add_argument("--control-steps", type=int, default=300)
+    ap.add_argument("--hop-rank", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--init-method", help=argparse.SUPPRESS)
+    ap.add_argument("--iters", type=int, default=500, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.hop_rank is not None:
+        hop_rank_main(args.hop_rank, args.init_method, args.iters)
+        return
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    for p in parts:
+        if p not in PARTS:
+            raise ValueError(f"--parts entry {p!r} is unknown; choose from {', '.join(PARTS)}")
+    import torch
+
+    result: dict[str, Any] = {
+        "machine": {
+            **load_info(),
+            "torch": torch.__version__,
+            "torch_num_threads": torch.get_num_threads(),
+            "python": sys.version.split()[0],
+        },
+    }
+    if "throughput" in parts:
+        result["throughput"] = {
+            "model": DEMO_MODEL,
+            "dtype": "float32",
+            "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len},
+            "runs": bench_throughput(args.num_prompts, args.input_len, args.output_len),
+        }
+    if "memory" in parts:
+        result["memory"] = bench_memory(tuple(int(x) for x in args.memory_pp.split(",")))
+    if "hop" in parts:
+        result["hop"] = {"load_before": load_info(), **bench_hop(args.hop_iters)}
+    if "control" in parts:
+        result["control"] = bench_control(args.control_steps)
+    result["machine"]["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
+    text = json.dumps(result, indent=2)
+    print(text, flush=True)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Host cost of one V2 decode step, without a GPU: the runner's own work around the forward.
+
+    python scripts/bench_v2_host.py [--batches 32 128] [--steps 300]
+
+Drives :class:`V2ModelRunner` on CPU with a fake model (its forward and logits cost next to
+nothing), so what is timed is the runner's host work: applying the scheduler's deltas
+(``update_states``), building the step's inputs (``prepare_step`` + the buffer copies), gathering
+the sampling tensors, and the whole ``execute_model``.  Prints one JSON line per batch size and
+parameter mix, in microseconds per step (median over steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from pprun.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from pprun.distributed.layout import StageLayout
+from pprun.sampling.params import SamplingParams
+from pprun.worker.v2.runner import V2ModelRunner
+
+BLOCK = 16
+VOCAB = 64
+HIDDEN = 8
+
+
+class FakeModel(nn.Module):
+    """Returns zeros of the right shape: a forward whose cost is negligible."""
+
+    def forward(self, input_ids, positions, inputs_embeds, intermediate_tensors, attn_metadata):  # noqa: D102
+        return torch.zeros(positions.shape[0], HIDDEN)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return torch.arange(hidden.shape[0] * VOCAB, dtype=torch.float32).reshape(-1, VOCAB) % 17
+
+
+def make_runner(max_num_reqs: int, max_model_len: int) -> V2ModelRunner:
+    cfg = SimpleNamespace(
+        cache=SimpleNamespace(block_size=BLOCK),
+        scheduler=SimpleNamespace(max_num_seqs=max_num_reqs, max_num_batched_tokens=2048),
+        compilation=SimpleNamespace(cudagraph_mode="none"),
+    )
+    resolved = SimpleNamespace(
+        cfg=cfg, dtype=torch.float32, max_model_len=max_model_len, cudagraph_capture_sizes=[]
+    )
+    return V2ModelRunner(FakeModel(), StageLayout.single(1), torch.device("cpu"), resolved, 10**6)
+
+
+def params_for(i: int, mix: str) -> SamplingParams:
+    if mix == "greedy":
+        return SamplingParams(temperature=0.0, max_tokens=10**4, ignore_eos=True)
+    return SamplingParams(
+        temperature=[0.0, 0.7, 1.0][i % 3], top_k=[-1, 20, 40][i % 3], top_p=0.9, seed=i, max_tokens=10**4
+    )
+
+
+def bench(batch: int, steps: int, mix: str, ctx: int = 512) -> dict[str, Any]:
+    runner = make_runner(batch, ctx + steps + 64)
+    ids = [f"r{i}" for i in range(batch)]
+    lengths = {r: ctx for r in ids}
+    blocks = {r: -(-ctx // BLOCK) for r in ids}
+    next_block = [1]
+
+    def take(n: int) -> list[int]:
+        out = list(range(next_block[0], next_block[0] + n))
+        next_block[0] += n
+        return out
+
+    # Requests arrive already decoding (as if resumed): one scheduled token each from step 0.
+    new = [
+        NewRequestData(r, [(7 * i + j) % 50 + 3 for j in range(ctx)], params_for(i, mix), take(blocks[r]), ctx - 1)
+        for i, r in enumerate(ids)
+    ]
+    runner.execute_model(SchedulerOutput(0, new, CachedRequestData(), {r: 1 for r in ids}, batch))
+
+    phases: dict[str, list[float]] = {"update_states": [], "prepare_step": [], "sampling": [], "execute_model": []}
+    gather = getattr(runner, "sampling_tensors", None)
+    for step in range(1, steps + 1):
+        cached = CachedRequestData()
+        for r in ids:
+            cached.req_ids.append(r)
+            cached.num_computed_tokens.append(lengths[r])
+            cached.new_token_ids.append([step % 50 + 3])
+            lengths[r] += 1
+            need = -(-lengths[r] // BLOCK) - blocks[r]
+            blocks[r] += need
+            cached.new_block_ids.append(take(need))
+        so = SchedulerOutput(step, [], cached, {r: 1 for r in ids}, batch)
+        if step % 2:
+            # Odd steps: the phases one by one (the runner's state advances exactly once).
+            t0 = time.perf_counter()
+            runner.update_states(so)
+            t1 = time.perf_counter()
+            plan = runner.graphs.plan(so.num_reqs, batch, 1)
+            runner.bufs.wait_for_previous_copies()
+            from pprun.worker.v2.inputs import prepare_step
+
+            batch_ = prepare_step(runner.table, so, runner.bufs, plan.num_reqs_padded, plan.num_tokens_padded)
+            runner.bufs.to_device(plan.num_reqs_padded, plan.num_tokens_padded, batch_.num_sampled)
+            t2 = time.perf_counter()
+            if gather is not None:
+                gather(batch_)
+            else:
+                runner.table.sampling_tensors(batch_.rows[batch_.sample_batch_idx], runner.device)
+            t3 = time.perf_counter()
+            phases["update_states"].append(t1 - t0)
+            phases["prepare_step"].append(t2 - t1)
+            phases["sampling"].append(t3 - t2)
+        else:
+            t0 = time.perf_counter()
+            runner.execute_model(so)
+            phases["execute_model"].append(time.perf_counter() - t0)
+    result = {"batch": batch, "mix": mix}
+    for name, ts in phases.items():
+        result[f"{name}_us"] = round(statistics.median(ts) * 1e6, 1)
+    return result
+
+
+def main() -> None:
+    """Print one JSON line per (batch, parameter mix)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[32, 128])
+    ap.add_argument("--steps", type=int, default=300)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    for batch in args.batches:
+        for mix in ("greedy", "mixed"):
+            print(json.dumps(bench(batch, args.steps, mix)))
+
+
+if __name__ == "__main__":
+    main()
