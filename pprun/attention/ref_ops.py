@@ -100,6 +100,9 @@ def paged_attention_ref(
     out = torch.zeros_like(q)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    if num_reqs and all(starts[r + 1] - starts[r] == 1 for r in range(num_reqs)):
+        _decode_batched(q, k_cache, v_cache, block_table, lens[:num_reqs], starts, scale, out)
+        return out
     for req in range(num_reqs):
         q_start, q_end, seq_len = starts[req], starts[req + 1], lens[req]
         query_len = q_end - q_start
@@ -115,15 +118,48 @@ def paged_attention_ref(
         # [num_blocks, block_size, kv_heads, d] -> [seq_len, kv_heads, d]
         keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
         values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        keys = keys.repeat_interleave(group, dim=1)
-        values = values.repeat_interleave(group, dim=1)
-
-        query = q[q_start:q_end].float()
-        scores = torch.einsum("qhd,khd->hqk", query, keys) * scale
+        # Query heads grouped by their KV head: no repeated copy of K/V.
+        query = q[q_start:q_end].float().view(query_len, num_kv_heads, group, head_dim)
+        scores = torch.einsum("qhgd,khd->hgqk", query, keys) * scale
         context_len = seq_len - query_len
         q_pos = torch.arange(query_len, device=q.device)[:, None] + context_len
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
         scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
+        ctx = torch.einsum("hgqk,khd->qhgd", probs, values)
+        out[q_start:q_end] = ctx.reshape(query_len, num_heads, head_dim).to(q.dtype)
     return out
+
+
+def _decode_batched(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    lens: list[int],
+    starts: list[int],
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """One query token per request: every request at once, padded to the longest context.
+
+    Same math as the per-request path (fp32, masked softmax), in a handful of batched ops.
+    """
+    num_reqs = len(lens)
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    num_heads = q.shape[1]
+    group = num_heads // num_kv_heads
+    max_len = max(lens)
+    num_blocks = -(-max_len // block_size)
+    blocks = block_table[:num_reqs, :num_blocks].long()
+    keys = k_cache[blocks].reshape(num_reqs, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_len].float()
+    values = v_cache[blocks].reshape(num_reqs, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_len].float()
+    rows = torch.tensor(starts[:num_reqs], device=q.device)
+    query = q[rows].float().view(num_reqs, num_kv_heads, group, head_dim)
+    scores = torch.einsum("rhgd,rkhd->rhgk", query, keys) * scale
+    k_pos = torch.arange(max_len, device=q.device)[None, :]
+    too_far = k_pos >= torch.tensor(lens, device=q.device)[:, None]
+    scores = scores.masked_fill(too_far[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    ctx = torch.einsum("rhgk,rkhd->rhgd", probs, values)
+    out[rows] = ctx.reshape(num_reqs, num_heads, head_dim).to(q.dtype)

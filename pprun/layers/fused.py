@@ -101,17 +101,11 @@ def fused_add_rms_norm(
     if residual is not None:
         _check_rows("residual", residual, 2)
         if residual.shape != x.shape:
-            raise ValueError(
-                f"residual must match x's shape {tuple(x.shape)}, got {tuple(residual.shape)}"
-            )
-        new_residual = torch.empty(
-            x.shape, dtype=torch.result_type(x, residual), device=x.device
-        )
+            raise ValueError(f"residual must match x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+        new_residual = torch.empty(x.shape, dtype=torch.result_type(x, residual), device=x.device)
     else:
         new_residual = x
-    out = torch.empty(
-        x.shape, dtype=torch.promote_types(weight.dtype, new_residual.dtype), device=x.device
-    )
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, new_residual.dtype), device=x.device)
     if num_tokens == 0:
         return out, new_residual
     res_in = residual if residual is not None else x  # unread when HAS_RESIDUAL is False

@@ -1,0 +1,156 @@
+"""GPU speed report for one stage (the GPU-speed issue's figures), as one JSON object.
+
+    python scripts/gpu_speed.py MODEL_DIR [--out result.json]
+
+- matmul_tflops: bf16 8192^3 matmul rate on this GPU (the prefill yardstick);
+- decode_b{1,32}: ms per engine step, ms per bare graph replay, tokens/s, at context ~512;
+- prefill: 2048-token prompts, achieved TFLOP/s (2 * params * tokens + attention) and its share
+  of the matmul rate;
+- memory: weights, KV cache (configured share vs allocated), CUDA-graph pool, and device memory
+  in use before/after 1,000 decode steps (flat = nothing allocated in steady state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from pprun import LLM, SamplingParams
+
+
+def matmul_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(20):
+        a @ b
+    e.record()
+    torch.cuda.synchronize()
+    return 2 * 8192**3 / (s.elapsed_time(e) / 20 / 1e3) / 1e12
+
+
+def until_decoding(eng, batch: int) -> None:
+    for _ in range(10 * batch + 50):
+        eng.step()
+        running = eng.scheduler._running
+        if len(running) == batch and all(r.num_computed_tokens >= len(r.prompt_token_ids) for r in running):
+            return
+
+
+def decode(model: str, batch: int, ctx: int, steps: int, memory_steps: int = 0) -> dict:
+    util = 0.3
+    free_before, total = torch.cuda.mem_get_info()
+    llm = LLM(model, runner="v2", cudagraph_mode="full", max_num_seqs=batch,
+              max_model_len=ctx + steps + memory_steps + 64, gpu_memory_utilization=util)
+    eng = llm.engine
+    runner = eng.executor.worker.runner
+    g = torch.Generator().manual_seed(0)
+    sp = SamplingParams(temperature=0, max_tokens=steps + memory_steps + 32, ignore_eos=True)
+    for _ in range(batch):
+        eng.add_request(torch.randint(10, 30000, (ctx,), generator=g).tolist(), sp)
+    until_decoding(eng, batch)
+    for _ in range(5):
+        eng.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - t0) * 1e3 / steps
+    out = {"batch": batch, "ctx": ctx, "engine_step_ms": round(step_ms, 4),
+           "tokens_per_s": round(batch / step_ms * 1e3, 1)}
+    graphs = runner.graphs
+    if graphs.full:
+        size = min(s for s in graphs.full if s >= batch)
+        graph = graphs.full[size].graph
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(100):
+            graph.replay()
+        e.record()
+        torch.cuda.synchronize()
+        out["graph_replay_ms"] = round(s.elapsed_time(e) / 100, 4)
+        out["host_overhead_ms"] = round(step_ms - out["graph_replay_ms"], 4)
+    if memory_steps:
+        torch.cuda.synchronize()
+        used0 = torch.cuda.memory_allocated()
+        reserved0 = torch.cuda.memory_reserved()
+        free0, _ = torch.cuda.mem_get_info()
+        for _ in range(memory_steps):
+            eng.step()
+        torch.cuda.synchronize()
+        worker = eng.executor.worker
+        kv_bytes = sum(layer.self_attn.kv_cache.numel() * layer.self_attn.kv_cache.element_size()
+                       for layer in worker.model.layers)
+        weight_bytes = sum(p.numel() * p.element_size() for p in worker.model.parameters())
+        pool = getattr(graphs, "pool", None)
+        out["memory"] = {
+            "steps": memory_steps,
+            "allocated_before_bytes": used0,
+            "allocated_after_bytes": torch.cuda.memory_allocated(),
+            "reserved_before_bytes": reserved0,
+            "reserved_after_bytes": torch.cuda.memory_reserved(),
+            "device_free_before_bytes": free0,
+            "device_free_after_bytes": torch.cuda.mem_get_info()[0],
+            "weights_bytes": weight_bytes,
+            "kv_cache_bytes": kv_bytes,
+            "kv_cache_configured_share_bytes": int((free_before - weight_bytes) * util),
+            "cuda_graph_pool_note": "pool shared by all captured sizes" if pool is not None else None,
+        }
+    llm.shutdown()
+    del llm, eng, runner
+    torch.cuda.empty_cache()
+    return out
+
+
+def prefill(model: str, prompt_len: int = 2048, num_prompts: int = 8) -> dict:
+    llm = LLM(model, runner="v2", cudagraph_mode="full", max_num_seqs=num_prompts,
+              max_num_batched_tokens=prompt_len * 2, max_model_len=prompt_len + 16)
+    arch = llm.engine.resolved.arch
+    g = torch.Generator().manual_seed(0)
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prompts = [{"prompt_token_ids": torch.randint(10, 30000, (prompt_len,), generator=g).tolist()}
+               for _ in range(num_prompts)]
+    llm.generate(prompts[:2], sp)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.generate(prompts, sp)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    n_params = sum(p.numel() for p in llm.engine.executor.worker.model.parameters())
+    tokens = prompt_len * num_prompts
+    # Causal attention: QK^T and PV, each 2 * L^2/2 * d per head per layer.
+    attn = 2 * 2 * (prompt_len**2 / 2) * arch.head_dim * arch.num_attention_heads * arch.num_hidden_layers
+    flops = 2 * n_params * tokens + attn * num_prompts
+    llm.shutdown()
+    torch.cuda.empty_cache()
+    return {"prompt_len": prompt_len, "num_prompts": num_prompts, "elapsed_s": round(elapsed, 4),
+            "tokens_per_s": round(tokens / elapsed, 1), "tflops": round(flops / elapsed / 1e12, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--memory-steps", type=int, default=1000)
+    args = ap.parse_args()
+    res = {"device": torch.cuda.get_device_name(), "matmul_tflops": round(matmul_tflops(), 1)}
+    res["decode_b1"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps)
+    res["decode_b32"] = decode(args.model, 32, 512, 100)
+    res["prefill"] = prefill(args.model)
+    res["prefill"]["share_of_matmul_rate"] = round(res["prefill"]["tflops"] / res["matmul_tflops"], 3)
+    text = json.dumps(res, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

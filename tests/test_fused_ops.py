@@ -1,0 +1,237 @@
+"""The fused Triton ops (add+RMSNorm, RoPE, SiLU-and-mul) against the torch code in llama.py.
+
+The reference is the model's own torch path (``RMSNorm``, ``RotaryEmbedding`` with fusion off,
+``F.silu(gate) * up`` as ``MLP.forward`` writes it).  The kernel tests run on CUDA, or on CPU
+under the Triton interpreter when ``PPRUN_TEST_TRITON_INTERPRET=1`` (shapes stay tiny)::
+
+    PPRUN_TEST_TRITON_INTERPRET=1 pytest tests/test_fused_ops.py
+
+The interpreter truncates fp32->bf16 casts instead of rounding to nearest even, so there bf16
+is only checked to a tolerance; on CUDA bf16 norm and SiLU-and-mul must also be (almost
+always) bit-identical to torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pprun.layers
+from pprun.models.hf_config import load_arch_config
+from pprun.models.llama import RMSNorm, RotaryEmbedding
+
+HAS_CUDA = torch.cuda.is_available()
+USE_INTERPRETER = (
+    not HAS_CUDA
+    and os.environ.get("PPRUN_TEST_TRITON_INTERPRET") == "1"
+    and importlib.util.find_spec("triton") is not None
+)
+if USE_INTERPRETER:
+    # triton.jit reads this when a kernel is decorated, i.e. when pprun.layers.fused is imported.
+    os.environ["TRITON_INTERPRET"] = "1"
+RUN_TRITON = importlib.util.find_spec("triton") is not None and (HAS_CUDA or USE_INTERPRETER)
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+triton_only = pytest.mark.skipif(
+    not RUN_TRITON, reason="needs CUDA, or PPRUN_TEST_TRITON_INTERPRET=1 for the interpreter"
+)
+# bf16: one ulp is 2**-8..2**-7 relative.  The interpreter truncates at each of up to three
+# fp32->bf16 roundings, so it may land up to three ulps away.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2 if HAS_CUDA else 3e-2}
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """Force llama.py's plain torch code even for CUDA tensors (the reference)."""
+    monkeypatch.setattr(pprun.layers, "FUSED_ENABLED", False)
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, *, bit_exact_on_cuda: bool) -> None:
+    """Within the dtype's tolerance; on CUDA bf16, also at most one ulp off and nearly all equal."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    tol = TOLERANCE[expected.dtype]
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol)
+    if bit_exact_on_cuda and HAS_CUDA and expected.dtype == torch.bfloat16:
+        # Same rounding steps as torch; only fp32 sum order / exp / rsqrt last bits may differ.
+        ulp_gap = (actual.view(torch.int16).int() - expected.view(torch.int16).int()).abs()
+        assert ulp_gap.max().item() <= 1
+        assert (ulp_gap == 0).float().mean().item() >= 0.99
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 80])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_fused_add_rms_norm(torch_path, dtype, hidden, with_residual):
+    from pprun.layers.fused import fused_add_rms_norm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(hidden, eps=1e-5).to(device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    # x is a strided view (every other row of a wider buffer), as a row slice would be.
+    x = (torch.randn(5, 2 * hidden, device=DEVICE) * 3).to(dtype)[:, :hidden]
+    residual = torch.randn(5, hidden, device=DEVICE).to(dtype) if with_residual else None
+    with torch.no_grad():
+        want_out, want_res = norm(x, residual)
+        got_out, got_res = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+    assert_matches(got_out, want_out, bit_exact_on_cuda=True)
+    if with_residual:
+        if HAS_CUDA or dtype == torch.float32:
+            assert torch.equal(got_res, want_res)  # one add, rounded once like torch's
+        else:
+            assert_matches(got_res, want_res, bit_exact_on_cuda=True)  # interpreter truncates
+    else:
+        assert got_res is x
+
+
+@triton_only
+def test_fused_add_rms_norm_rejects_bad_weight():
+    from pprun.layers.fused import fused_add_rms_norm
+
+    x = torch.randn(2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="weight"):
+        fused_add_rms_norm(x, None, torch.ones(8, device=DEVICE), 1e-6)
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,rope_scaling",
+    [
+        (4, 2, 16, None),
+        # Odd head counts make a head group straddle q and k; half = 10 is not a power of two.
+        (
+            3,
+            1,
+            20,
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ],
+)
+def test_rotary_qk_in_place_on_qkv_views(
+    torch_path, tiny_llama_dir, dtype, num_heads, num_kv_heads, head_dim, rope_scaling
+):
+    from pprun.layers.fused import rotary_qk
+
+    arch = dataclasses.replace(
+        load_arch_config(tiny_llama_dir),
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        rope_scaling=rope_scaling,
+    )
+    rotary = RotaryEmbedding(arch, max_positions=128, device=torch.device(DEVICE))
+    num_tokens = 6
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    torch.manual_seed(0)
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, device=DEVICE).to(dtype)
+    positions = torch.tensor([0, 1, 2, 37, 90, 127], device=DEVICE)
+    # Exactly what Attention.forward hands the rotary: strided views of the qkv output.
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(num_tokens, num_heads, head_dim)
+    k = k.view(num_tokens, num_kv_heads, head_dim)
+    want_q, want_k = rotary(positions, q, k)
+    v_before = v.clone()
+
+    got_q, got_k = rotary_qk(q, k, rotary.cos, rotary.sin, positions)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()
+    assert_matches(got_q, want_q, bit_exact_on_cuda=False)
+    assert_matches(got_k, want_k, bit_exact_on_cuda=False)
+    assert torch.equal(v, v_before)  # in place on q and k only
+
+
+@triton_only
+def test_rotary_qk_rejects_odd_head_dim():
+    from pprun.layers.fused import rotary_qk
+
+    q = torch.randn(2, 2, 5, device=DEVICE)
+    table = torch.randn(8, 5, device=DEVICE)
+    with pytest.raises(ValueError, match="head_dim"):
+        rotary_qk(q, q.clone(), table, table, torch.zeros(2, dtype=torch.long, device=DEVICE))
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter", [48, 1536])  # 1536: several column blocks, a ragged last one
+def test_silu_and_mul(dtype, inter):
+    from pprun.layers.fused import silu_and_mul
+
+    torch.manual_seed(0)
+    gate_up = (torch.randn(3, 2 * inter, device=DEVICE) * 4).to(dtype)
+    gate, up = gate_up.split(inter, dim=-1)
+    want = F.silu(gate) * up  # as MLP.forward writes it
+    assert_matches(silu_and_mul(gate_up), want, bit_exact_on_cuda=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiny_llama_fused_matches_torch_path(monkeypatch, tiny_llama_dir, dtype):
+    """A whole model on CUDA: fused ops on vs off (reference attention both times)."""
+    from test_model_parity import BLOCK, prefill_batch
+
+    from pprun.attention.backend import reference_backend
+    from pprun.distributed.layout import StageLayout
+    from pprun.layers import fused
+    from pprun.worker.kv_cache import allocate_kv_caches
+    from pprun.worker.model_loader import load_stage_model
+
+    device = torch.device("cuda")
+    arch = load_arch_config(tiny_llama_dir)
+    ids, pos, meta, num_blocks = prefill_batch([[5, 9, 3, 200, 17, 42, 8], [1, 2, 3]])
+    meta = dataclasses.replace(
+        meta,
+        **{
+            f.name: getattr(meta, f.name).to(device)
+            for f in dataclasses.fields(meta)
+            if isinstance(getattr(meta, f.name), torch.Tensor)
+        },
+    )
+    layout = StageLayout.from_partition([arch.num_hidden_layers], 0)
+    model = load_stage_model(
+        tiny_llama_dir,
+        arch,
+        layout,
+        device=device,
+        dtype=dtype,
+        max_positions=256,
+        attn_backend=reference_backend,
+    )
+    calls = {"norm": 0, "rotary": 0, "silu": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(fused, "fused_add_rms_norm", counted("norm", fused.fused_add_rms_norm))
+    monkeypatch.setattr(fused, "rotary_qk", counted("rotary", fused.rotary_qk))
+    monkeypatch.setattr(fused, "silu_and_mul", counted("silu", fused.silu_and_mul))
+
+    def logits(enabled: bool) -> torch.Tensor:
+        monkeypatch.setattr(pprun.layers, "FUSED_ENABLED", enabled)
+        model.bind_kv_caches(allocate_kv_caches(arch, layout.num_layers, num_blocks, BLOCK, dtype, device))
+        with torch.inference_mode():
+            h = model(ids.to(device), pos.to(device), None, None, meta)
+            return model.compute_logits(h).float()
+
+    want = logits(False)
+    assert calls == {"norm": 0, "rotary": 0, "silu": 0}
+    got = logits(True)
+    num_layers = arch.num_hidden_layers
+    assert calls == {"norm": 2 * num_layers + 1, "rotary": num_layers, "silu": num_layers}
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
