@@ -157,12 +157,89 @@ def test_sampling_tensors_match_build():
     for i, p in enumerate(params):
         table.add(str(i), [1], [1], 0, p)
     rows = torch.tensor([table.row_of[str(i)] for i in (2, 0, 1)])
-    got = table.sampling_tensors(rows, torch.device("cpu"))
+    got = table.sampling_tensors(rows)
     want = SamplingTensors.build([params[i] for i in (2, 0, 1)], [None] * 3, "cpu")
     for name in ("temperature", "top_k", "top_p", "min_p"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     for name in ("all_greedy", "all_random", "no_top_k", "no_top_p", "no_min_p", "max_num_logprobs"):
         assert getattr(got, name) == getattr(want, name), name
+
+
+def test_update_cached_writes_every_request_at_once():
+    """Several requests, uneven deltas (none, one, several tokens/blocks) in one vectorised write;
+    each lands after its own row's entries and nowhere else."""
+    table = RequestTable(4, 16, 4, torch.device("cpu"), make_generators=False)
+    table.add("a", [1, 2], [5], 0, GREEDY)
+    table.add("b", [3], [6], 0, GREEDY)
+    table.add("c", [4, 4, 4], [7], 0, GREEDY)
+    table.update_cached(
+        CachedRequestData(
+            req_ids=["c", "a", "b"],
+            new_block_ids=[[], [8, 9], [10]],
+            num_computed_tokens=[3, 2, 1],
+            new_token_ids=[[11, 12, 13], [], [14]],
+        ),
+        step_id=1,
+    )
+    ra, rb, rc = (table.row_of[r] for r in "abc")
+    assert table.token_ids[ra, :3].tolist() == [1, 2, 0] and int(table.num_tokens[ra]) == 2
+    assert table.token_ids[rb, :3].tolist() == [3, 14, 0] and int(table.num_tokens[rb]) == 2
+    assert table.token_ids[rc, :7].tolist() == [4, 4, 4, 11, 12, 13, 0] and int(table.num_tokens[rc]) == 6
+    assert table.block_table[ra].tolist() == [5, 8, 9, 0]
+    assert table.block_table[rb].tolist() == [6, 10, 0, 0]
+    assert table.block_table[rc].tolist() == [7, 0, 0, 0]
+    assert [int(table.num_computed_tokens[r]) for r in (ra, rb, rc)] == [2, 1, 3]
+    with pytest.raises(RuntimeError, match="'b' would hold 17 tokens, more than max_model_len=16"):
+        table.update_cached(
+            CachedRequestData(["a", "b"], [[], []], [2, 2], [[1], list(range(15))]), step_id=2
+        )
+
+
+def test_input_buffers_are_disjoint_views_and_ranges_merge():
+    from pprun.worker.v2.inputs import merge_ranges
+
+    bufs = InputBuffers(max_num_tokens=10, max_num_reqs=3, max_num_blocks_per_req=4, block_size=BLOCK,
+                        device=torch.device("cpu"))
+    fields = [bufs.query_start_loc, bufs.seq_lens, bufs.logits_indices, bufs.sample_rows,
+              bufs.input_ids, bufs.positions, bufs.slot_mapping, bufs.block_table]
+    for i, f in enumerate(fields):
+        f.host.fill_(i + 1)
+    for i, f in enumerate(fields):
+        assert f.host.eq(i + 1).all() and f.device.eq(i + 1).all(), i
+    assert merge_ranges([(0, 8), (8, 8), (10, 20), (100, 120), (124, 130)], max_gap=4) == [
+        (0, 20),
+        (100, 130),
+    ]
+
+
+def test_table_sampling_tensors_sample_like_build_seeded_mixed_batch():
+    """Host hints (greedy rows, largest top-k) change no token: the same seeded draws as tensors
+    from ``SamplingTensors.build``, for top-k alone and with top-p."""
+    from pprun.sampling.sampler import Sampler, SamplingTensors, make_generator
+
+    for top_p in (1.0, 0.9):
+        params = [
+            SamplingParams(temperature=0.0, top_k=3, seed=1),
+            SamplingParams(temperature=0.9, top_k=5, top_p=top_p, seed=2),
+            SamplingParams(temperature=1.1, top_k=9, top_p=top_p, seed=3),
+            SamplingParams(temperature=0.7, top_k=-1, top_p=top_p, seed=4),
+        ]
+        logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(0))
+        for drop_disabled in (False, True):
+            # Fresh generators for both sides; without request 3 no row has top-k disabled.
+            table = RequestTable(4, 16, 2, torch.device("cpu"), make_generators=True)
+            for i, p in enumerate(params):
+                table.add(str(i), [1], [1], 0, p)
+            pick = [0, 2, 1] if drop_disabled else [3, 0, 2, 1]
+            got_t = table.sampling_tensors(torch.tensor([table.row_of[str(i)] for i in pick]))
+            assert got_t.is_greedy_host == [params[i].temperature == 0.0 for i in pick]
+            assert got_t.top_k_max_host == (9 if drop_disabled else 0)
+            want_t = SamplingTensors.build(
+                [params[i] for i in pick], [make_generator(params[i].seed, "cpu") for i in pick], "cpu"
+            )
+            got = Sampler()(logits[: len(pick)].clone(), got_t).sampled_token_ids
+            want = Sampler()(logits[: len(pick)].clone(), want_t).sampled_token_ids
+            assert got.tolist() == want.tolist(), (top_p, drop_disabled)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -66,6 +66,13 @@ class SamplingTensors:
     no_min_p: bool
     max_num_logprobs: int | None
     """Largest ``logprobs`` asked by any row, ``None`` when no row asked."""
+    is_greedy_host: list[bool] | None = None
+    """Optional host copy of ``temperature < SAMPLING_EPS`` per row; when given, a batch mixing
+    greedy and seeded rows does not read it back from the device (a sync)."""
+    top_k_max_host: int | None = None
+    """Optional host copy of the largest ``top_k`` over all rows, ``0`` when some row has top-k
+    disabled (keeps the whole vocabulary); when given, top-k alone does not read the device's
+    maximum back (a sync)."""
 
     @property
     def num_reqs(self) -> int:
@@ -137,19 +144,24 @@ class SamplerOutput:
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    max_k: int | None = None,
 ) -> torch.Tensor:
     """Mask (to ``-inf``, in place) tokens outside each row's top-k, then outside its nucleus.
 
     ``top_k`` must already be in ``[1, vocab]``. Tokens tied with the k-th largest are kept.
     The nucleus is the smallest set of most-likely tokens (after top-k) whose probability
-    reaches ``top_p``; the top token is always kept.
+    reaches ``top_p``; the top token is always kept.  ``max_k``, when the caller knows it on
+    the host, must equal ``top_k.max()`` (saves reading it from the device).
     """
     if top_p is None:
         if top_k is None:
             return logits
         # Top-k alone needs only the k-th largest value per row, not a full sort.
-        max_k = int(top_k.max())
+        if max_k is None:
+            max_k = int(top_k.max())
         kth_largest = logits.topk(max_k, dim=-1).values.gather(1, (top_k - 1).unsqueeze(1))
         return logits.masked_fill_(logits < kth_largest, float("-inf"))
 
@@ -208,7 +220,12 @@ class Sampler:
             # 0/-1 (disabled, when build() did not know the vocab) and oversize k keep all.
             top_k = torch.where((t.top_k <= 0) | (t.top_k > vocab_size), vocab_size, t.top_k)
         top_p = None if t.no_top_p else t.top_p
-        scaled = apply_top_k_top_p(scaled, top_k, top_p)
+        max_k = None
+        if top_k is not None and t.top_k_max_host is not None:
+            # The same value as ``top_k.max()`` above: disabled or oversize k count as vocab.
+            k = t.top_k_max_host
+            max_k = vocab_size if k <= 0 or k > vocab_size else k
+        scaled = apply_top_k_top_p(scaled, top_k, top_p, max_k)
 
         probs = scaled.softmax(dim=-1)
         if not t.no_min_p:
@@ -230,7 +247,9 @@ class Sampler:
         q = torch.empty_like(probs).exponential_()
         seeded_rows = [i for i, g in enumerate(t.generators) if g is not None]
         if seeded_rows:
-            greedy_rows = is_greedy.tolist() if not t.all_random else None
+            greedy_rows = None
+            if not t.all_random:
+                greedy_rows = t.is_greedy_host if t.is_greedy_host is not None else is_greedy.tolist()
             vocab_size = probs.shape[-1]
             for i in seeded_rows:
                 if greedy_rows is not None and greedy_rows[i]:

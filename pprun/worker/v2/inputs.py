@@ -9,31 +9,90 @@ very same device buffers, so a captured graph sees each step's values at fixed a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pprun.attention.metadata import AttentionMetadata
 from pprun.core.outputs import SchedulerOutput
 from pprun.worker.v2.request_state import RequestTable
 
+MERGE_GAP_BYTES = 128 * 1024
+"""Two used ranges of the staging arena closer than this go in one copy, unused gap included:
+copying a few more bytes costs the copy engine less than another copy costs the host."""
+_ALIGN = 64
+
 
 class HostDeviceBuffer:
-    """One persistent buffer with a host staging copy (pinned on CUDA) and its device twin.
+    """One persistent buffer: a host staging view (pinned on CUDA) and its device twin.
 
-    On CPU both are the same tensor and :meth:`to_device` copies nothing.
+    Both are views into :class:`InputBuffers`' arenas, so a step's fields reach the device in one
+    copy.  On CPU both are the same tensor and nothing is copied.  ``np`` is a NumPy view of
+    ``host`` (host-side writes go through it: far less dispatch cost than torch indexing).
     """
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        pin = device.type == "cuda"
-        self.host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-        self.device = self.host if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
+    def __init__(self, host: torch.Tensor, device: torch.Tensor, offset: int) -> None:
+        self.host = host
+        self.device = device
+        self.np = host.numpy()
+        self.offset = offset
+        """Byte offset of this buffer in its arena."""
+        self.row_bytes = host[0].numel() * host.element_size() if host.dim() else host.element_size()
 
     def to_device(self, num_rows: int) -> torch.Tensor:
         """Copy the first ``num_rows`` rows host -> device (asynchronously); returns the device view."""
         if self.device is not self.host:
             self.device[:num_rows].copy_(self.host[:num_rows], non_blocking=True)
         return self.device[:num_rows]
+
+
+class _Arena:
+    """Fields packed into one host byte buffer (pinned on CUDA) and one device byte buffer at the
+    same offsets, each field aligned to 64 bytes."""
+
+    def __init__(self, specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> None:
+        layout = []
+        total = 0
+        for shape, dtype in specs:
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            layout.append((shape, dtype, total, nbytes))
+            total += -(-nbytes // _ALIGN) * _ALIGN
+        self.host = torch.zeros(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.device = self.host if device.type == "cpu" else torch.zeros(total, dtype=torch.uint8, device=device)
+        self.fields = [
+            HostDeviceBuffer(
+                self.host[off : off + nbytes].view(dtype).view(shape),
+                self.device[off : off + nbytes].view(dtype).view(shape),
+                off,
+            )
+            for shape, dtype, off, nbytes in layout
+        ]
+
+    def copy_ranges(self, ranges: list[tuple[int, int]]) -> int:
+        """Copy the byte ranges ``[start, end)`` (sorted by start) host -> device, merged by
+        :func:`merge_ranges`; returns the number of copies issued."""
+        if self.device is self.host:
+            return 0
+        merged = merge_ranges(ranges, MERGE_GAP_BYTES)
+        for start, end in merged:
+            self.device[start:end].copy_(self.host[start:end], non_blocking=True)
+        return len(merged)
+
+
+def merge_ranges(ranges: list[tuple[int, int]], max_gap: int) -> list[tuple[int, int]]:
+    """Merge ``[start, end)`` ranges sorted by start whose gap is at most ``max_gap``; empty
+    ranges are dropped."""
+    merged: list[tuple[int, int]] = []
+    for start, end in ranges:
+        if end <= start:
+            continue
+        if merged and start - merged[-1][1] <= max_gap:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 @dataclass
@@ -43,16 +102,16 @@ class StepBatch:
     req_ids: list[str]
     """Scheduled requests in batch order (the order of ``num_scheduled_tokens``)."""
     rows: torch.Tensor
-    """[num_reqs] int64: each request's row in the :class:`RequestTable`."""
+    """[num_reqs] int64 (host): each request's row in the :class:`RequestTable`."""
     num_scheduled_tokens: torch.Tensor
-    """[num_reqs] int64: tokens each request computes this step."""
+    """[num_reqs] int64 (host): tokens each request computes this step."""
     num_reqs: int
     num_reqs_padded: int
     num_tokens: int
     num_tokens_padded: int
     max_query_len: int
     sample_batch_idx: torch.Tensor
-    """[num_sampled] int64: batch positions of the requests that sample this step (their
+    """[num_sampled] int64 (host): batch positions of the requests that sample this step (their
     scheduled tokens reach the end of what the runner knows of them)."""
 
     @property
@@ -62,7 +121,8 @@ class StepBatch:
 
 
 class InputBuffers:
-    """All per-step input buffers of one stage, at their maximum sizes."""
+    """All per-step input buffers of one stage, at their maximum sizes, packed into one arena so
+    that a step's inputs reach the device in one copy (see :meth:`to_device`)."""
 
     def __init__(
         self,
@@ -76,14 +136,37 @@ class InputBuffers:
         self.max_num_reqs = max_num_reqs
         self.block_size = block_size
         self.device = device
-        self.input_ids = HostDeviceBuffer((max_num_tokens,), torch.int64, device)
-        self.positions = HostDeviceBuffer((max_num_tokens,), torch.int64, device)
-        self.slot_mapping = HostDeviceBuffer((max_num_tokens,), torch.int64, device)
-        self.query_start_loc = HostDeviceBuffer((max_num_reqs + 1,), torch.int32, device)
-        self.seq_lens = HostDeviceBuffer((max_num_reqs,), torch.int32, device)
-        self.block_table = HostDeviceBuffer((max_num_reqs, max_num_blocks_per_req), torch.int32, device)
-        self.logits_indices = HostDeviceBuffer((max_num_reqs,), torch.int64, device)
-        """Rows of the step's hidden states whose logits are sampled."""
+        # Arena order: small per-request fields, per-token fields, then the block table, whose
+        # used rows start at its region's beginning.  A decode step's used ranges then sit close
+        # together and merge into one copy.
+        self._arena = _Arena(
+            [
+                ((max_num_reqs + 1,), torch.int32),
+                ((max_num_reqs,), torch.int32),
+                ((max_num_reqs,), torch.int64),
+                ((max_num_reqs,), torch.int64),
+                ((max_num_tokens,), torch.int64),
+                ((max_num_tokens,), torch.int64),
+                ((max_num_tokens,), torch.int64),
+                ((max_num_reqs, max_num_blocks_per_req), torch.int32),
+            ],
+            device,
+        )
+        (
+            self.query_start_loc,
+            self.seq_lens,
+            self.logits_indices,
+            self.sample_rows,
+            self.input_ids,
+            self.positions,
+            self.slot_mapping,
+            self.block_table,
+        ) = self._arena.fields
+        """``logits_indices``: rows of the step's hidden states whose logits are sampled;
+        ``sample_rows``: the sampling requests' :class:`RequestTable` rows (the sampler gathers
+        their parameters on the device with it)."""
+        self.num_copies_last_step = 0
+        """Host-to-device copies :meth:`to_device` issued last (1 for a typical step)."""
         # The host staging buffers are rewritten every step while the previous step's
         # non_blocking copies may still be reading them: wait for those first.
         self._copies_done: torch.cuda.Event | None = None
@@ -97,13 +180,15 @@ class InputBuffers:
     ) -> None:
         """Write the padding rows ``[num_reqs:num_reqs_padded]`` / ``[num_tokens:num_tokens_padded]``
         (host side) so that they read and write nothing and change no real row's result."""
-        self.input_ids.host[num_tokens:num_tokens_padded] = 0
-        self.positions.host[num_tokens:num_tokens_padded] = 0
-        self.slot_mapping.host[num_tokens:num_tokens_padded] = -1
-        # Padded requests have an empty query: every boundary after the real ones equals num_tokens.
-        self.query_start_loc.host[num_reqs + 1 : num_reqs_padded + 1] = num_tokens
-        self.seq_lens.host[num_reqs:num_reqs_padded] = 0
-        self.block_table.host[num_reqs:num_reqs_padded] = 0
+        if num_tokens_padded > num_tokens:
+            self.input_ids.np[num_tokens:num_tokens_padded] = 0
+            self.positions.np[num_tokens:num_tokens_padded] = 0
+            self.slot_mapping.np[num_tokens:num_tokens_padded] = -1
+        if num_reqs_padded > num_reqs:
+            # Padded requests have an empty query: every boundary after the real ones equals num_tokens.
+            self.query_start_loc.np[num_reqs + 1 : num_reqs_padded + 1] = num_tokens
+            self.seq_lens.np[num_reqs:num_reqs_padded] = 0
+            self.block_table.np[num_reqs:num_reqs_padded] = 0
 
     def wait_for_previous_copies(self) -> None:
         """Block until the last :meth:`to_device` copies finished reading the host buffers."""
@@ -112,14 +197,21 @@ class InputBuffers:
             self._copies_done = None
 
     def to_device(self, num_reqs_padded: int, num_tokens_padded: int, num_sampled: int) -> None:
-        """Copy the step's rows (real and padding) to the device buffers."""
-        self.input_ids.to_device(num_tokens_padded)
-        self.positions.to_device(num_tokens_padded)
-        self.slot_mapping.to_device(num_tokens_padded)
-        self.query_start_loc.to_device(num_reqs_padded + 1)
-        self.seq_lens.to_device(num_reqs_padded)
-        self.block_table.to_device(num_reqs_padded)
-        self.logits_indices.to_device(num_sampled)
+        """Copy the step's rows (real and padding) to the device buffers: non-blocking from pinned
+        memory, normally one copy (used ranges merged, see :data:`MERGE_GAP_BYTES`), no sync."""
+        used = (
+            (self.query_start_loc, num_reqs_padded + 1),
+            (self.seq_lens, num_reqs_padded),
+            (self.logits_indices, num_sampled),
+            (self.sample_rows, num_sampled),
+            (self.input_ids, num_tokens_padded),
+            (self.positions, num_tokens_padded),
+            (self.slot_mapping, num_tokens_padded),
+            (self.block_table, num_reqs_padded),
+        )
+        self.num_copies_last_step = self._arena.copy_ranges(
+            [(b.offset, b.offset + n * b.row_bytes) for b, n in used]
+        )
         if self.device.type == "cuda":
             self._copies_done = torch.cuda.Event()
             self._copies_done.record()
@@ -150,7 +242,8 @@ def prepare_step(
     num_reqs_padded: int,
     num_tokens_padded: int,
 ) -> StepBatch:
-    """Fill the host buffers for ``so`` from the request table, by tensor indexing.
+    """Fill the host buffers for ``so`` from the request table, by array indexing (NumPy views of
+    the pinned buffers; no device work, no sync).
 
     Token ``t`` of batch request ``i`` (row ``r``) sits at position
     ``num_computed_tokens[r] + t - query_start[i]``; its id is gathered from the token table and
@@ -167,52 +260,61 @@ def prepare_step(
             f"num_tokens_padded={num_tokens_padded} must be in [{num_tokens}, {bufs.max_num_tokens}]"
         )
     bs = bufs.block_size
-    rows = torch.tensor([table.row_of[r] for r in req_ids], dtype=torch.int64)
-    num_scheduled = torch.tensor(list(so.num_scheduled_tokens.values()), dtype=torch.int64)
-    cu_num_tokens = torch.cumsum(num_scheduled, 0)
+    row_of = table.row_of
+    rows = np.fromiter((row_of[r] for r in req_ids), dtype=np.int64, count=num_reqs)
+    num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
+    cu_num_tokens = np.cumsum(num_scheduled)
     if int(cu_num_tokens[-1]) != num_tokens:
         raise ValueError(
             f"step {so.step_id}: total_num_scheduled_tokens={num_tokens} but the per-request counts "
             f"sum to {int(cu_num_tokens[-1])}"
         )
 
-    # Per token: its request's batch index, its offset in that request's query, its position.
-    batch_idx = torch.repeat_interleave(torch.arange(num_reqs), num_scheduled)
-    offsets = torch.arange(num_tokens) - (cu_num_tokens - num_scheduled)[batch_idx]
-    num_computed = table.num_computed_tokens[rows]
-    positions = num_computed[batch_idx] + offsets
-    token_rows = rows[batch_idx]
+    num_computed = table.num_computed_tokens_np[rows]
     seq_lens = num_computed + num_scheduled
-    known = table.num_tokens[rows]
-    if bool((seq_lens > known).any()):
-        bad = int(torch.nonzero(seq_lens > known)[0, 0])
+    known = table.num_tokens_np[rows]
+    beyond = seq_lens > known
+    if beyond.any():
+        bad = int(np.flatnonzero(beyond)[0])
         raise RuntimeError(
             f"step {so.step_id}: request {req_ids[bad]!r} is scheduled up to token {int(seq_lens[bad])} "
             f"but the runner knows only {int(known[bad])} of its tokens"
         )
+    max_query_len = int(num_scheduled.max())
+    if max_query_len == 1:
+        # Decode: one token per request, at its first uncomputed position.
+        token_rows = rows
+        positions = num_computed
+    else:
+        # Per token: its request's row and its position (query offset + computed tokens).
+        token_rows = np.repeat(rows, num_scheduled)
+        positions = np.arange(num_tokens) + np.repeat(num_computed - (cu_num_tokens - num_scheduled), num_scheduled)
 
-    bufs.input_ids.host[:num_tokens] = table.token_ids[token_rows, positions]
-    bufs.positions.host[:num_tokens] = positions
-    block_ids = table.block_table[token_rows, positions // bs].to(torch.int64)
-    bufs.slot_mapping.host[:num_tokens] = block_ids * bs + positions % bs
-    bufs.query_start_loc.host[0] = 0
-    bufs.query_start_loc.host[1 : num_reqs + 1] = cu_num_tokens
-    bufs.seq_lens.host[:num_reqs] = seq_lens
-    bufs.block_table.host[:num_reqs] = table.block_table[rows]
+    bufs.input_ids.np[:num_tokens] = table.token_ids_np[token_rows, positions]
+    bufs.positions.np[:num_tokens] = positions
+    block_ids = table.block_table_np[token_rows, positions // bs].astype(np.int64)
+    bufs.slot_mapping.np[:num_tokens] = block_ids * bs + positions % bs
+    bufs.query_start_loc.np[0] = 0
+    bufs.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens
+    bufs.seq_lens.np[:num_reqs] = seq_lens
+    bufs.block_table.np[:num_reqs] = table.block_table_np[rows]
     bufs.make_inert(num_reqs, num_tokens, num_reqs_padded, num_tokens_padded)
 
     # A request samples when this step's tokens reach the end of what is known of it (a
     # prefill chunk that stops short of the prompt's end samples nothing).
-    sample_batch_idx = torch.nonzero(seq_lens == known).flatten()
-    bufs.logits_indices.host[: sample_batch_idx.numel()] = cu_num_tokens[sample_batch_idx] - 1
+    samples = seq_lens == known
+    sample_batch_idx = np.arange(num_reqs) if samples.all() else np.flatnonzero(samples)
+    num_sampled = len(sample_batch_idx)
+    bufs.logits_indices.np[:num_sampled] = cu_num_tokens[sample_batch_idx] - 1
+    bufs.sample_rows.np[:num_sampled] = rows[sample_batch_idx]
     return StepBatch(
         req_ids=req_ids,
-        rows=rows,
-        num_scheduled_tokens=num_scheduled,
+        rows=torch.from_numpy(rows),
+        num_scheduled_tokens=torch.from_numpy(num_scheduled),
         num_reqs=num_reqs,
         num_reqs_padded=num_reqs_padded,
         num_tokens=num_tokens,
         num_tokens_padded=num_tokens_padded,
-        max_query_len=int(num_scheduled.max()),
-        sample_batch_idx=sample_batch_idx,
+        max_query_len=max_query_len,
+        sample_batch_idx=torch.from_numpy(sample_batch_idx.astype(np.int64, copy=False)),
     )

@@ -3,23 +3,47 @@
 The scheduler sends only deltas (new requests, appended block ids, newly sampled tokens, finished
 ids); this module applies them to fixed-size host tables so that each step's inputs can be built
 by tensor indexing (see ``pprun.worker.v2.inputs``) instead of Python loops over tokens.
+
+Host-cost notes (this runs between GPU steps, while the device may idle):
+
+- the token/block tables are CPU tensors with NumPy views; a step's deltas for all cached
+  requests land in one fancy-indexed assignment each, not one torch call per request (a torch
+  call costs microseconds of dispatch, a NumPy one a fraction of that);
+- sampling parameters live per row on the device (written once per request, one small copy);
+  a step gathers its rows there with an index tensor that arrives in the step's input copy, and
+  the batch-wide flags come from per-row host bit masks, so building the sampler's tensors
+  neither copies nor waits.
 """
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 
 from pprun.core.outputs import CachedRequestData
 from pprun.sampling.params import SamplingParams
 from pprun.sampling.sampler import SAMPLING_EPS, SamplingTensors, make_generator
 
+# Per-row sampling flags (host); a row's top-k/top-p/min-p bits are set only for non-greedy rows,
+# since greedy rows ignore those filters (the sampler's flags consider non-greedy rows only).
+_GREEDY = 1
+_TOP_K = 2
+_TOP_P = 4
+_MIN_P = 8
+
+# Rows of the packed per-row sampling-parameter table (float32; top-k is exact below 2**24, and
+# any larger value exceeds every vocabulary, i.e. keeps all either way).
+_TEMPERATURE, _TOP_P_ROW, _MIN_P_ROW, _TOP_K_ROW = range(4)
+
 
 class RequestTable:
     """Rows of per-request state: tokens, progress, blocks and sampling parameters.
 
-    All tables live on the host (cheap to update with small deltas); the runner gathers a step's
-    rows from them and copies the result into device buffers.  Row ``r`` is free or owned by
-    exactly one request id.
+    Token/progress/block tables live on the host (cheap to update with small deltas); the runner
+    gathers a step's rows from them into its pinned input buffers.  Sampling parameters live on
+    ``device`` (plus host flags).  Row ``r`` is free or owned by exactly one request id.
     """
 
     def __init__(
@@ -49,35 +73,117 @@ class RequestTable:
         self.block_table = torch.zeros((max_num_reqs, max_num_blocks_per_req), dtype=torch.int32)
         """KV blocks of each request, in order (unused entries 0, the null block)."""
         self.num_blocks = torch.zeros(max_num_reqs, dtype=torch.int64)
+        # NumPy views of the same memory: the per-step host paths index through these.
+        self.token_ids_np = self.token_ids.numpy()
+        self.num_tokens_np = self.num_tokens.numpy()
+        self.num_computed_tokens_np = self.num_computed_tokens.numpy()
+        self.block_table_np = self.block_table.numpy()
+        self.num_blocks_np = self.num_blocks.numpy()
 
-        self.temperature = torch.zeros(max_num_reqs, dtype=torch.float32)
-        self.top_k = torch.zeros(max_num_reqs, dtype=torch.int64)
-        """0 keeps all (``SamplingTensors.build`` without a vocab size does the same)."""
-        self.top_p = torch.ones(max_num_reqs, dtype=torch.float32)
-        self.min_p = torch.zeros(max_num_reqs, dtype=torch.float32)
-        self.num_logprobs = torch.full((max_num_reqs,), -1, dtype=torch.int64)
+        pin = device.type == "cuda"
+        self.sampling_params_host = torch.zeros((4, max_num_reqs), dtype=torch.float32, pin_memory=pin)
+        """[4, max_num_reqs] temperature, top_p, min_p, top_k (float32) per row; staged here
+        (pinned) and copied to :attr:`sampling_params_device` once per step that added requests."""
+        self.sampling_params_host[_TOP_P_ROW] = 1.0
+        self.sampling_params_device = (
+            self.sampling_params_host if not pin else self.sampling_params_host.to(device)
+        )
+        self._sampling_params_np = self.sampling_params_host.numpy()
+        self._sampling_params_dirty = False
+        self.sampling_flags_np = np.zeros(max_num_reqs, dtype=np.int64)
+        """Per-row ``_GREEDY | _TOP_K | _TOP_P | _MIN_P`` bits (host)."""
+        self.num_logprobs_np = np.full(max_num_reqs, -1, dtype=np.int64)
         """-1: the request asked for no logprobs."""
         self.generators: list[torch.Generator | None] = [None] * max_num_reqs
+        self.num_seeded = 0
+        """Live rows holding a generator (0: skip building the per-row generator list)."""
 
     @property
     def num_live_reqs(self) -> int:
         """Requests currently holding a row."""
         return len(self.row_of)
 
+    # Column views, for callers that read one parameter (host copies on CUDA).
+    @property
+    def temperature(self) -> torch.Tensor:
+        """[max_num_reqs] float32 temperatures (host)."""
+        return self.sampling_params_host[_TEMPERATURE]
+
+    @property
+    def top_k(self) -> torch.Tensor:
+        """[max_num_reqs] int64 top-k, 0 where disabled (host)."""
+        return self.sampling_params_host[_TOP_K_ROW].to(torch.int64)
+
     # --- deltas ------------------------------------------------------------------------------
 
     def update_cached(self, c: CachedRequestData, step_id: int) -> None:
-        """Extend the requests this table already holds with their new blocks and tokens."""
-        for i, req_id in enumerate(c.req_ids):
-            row = self.row_of.get(req_id)
-            if row is None:
-                raise RuntimeError(
-                    f"step {step_id}: cached request {req_id!r} is unknown to this runner "
-                    "(it was never sent as a new request, or was dropped as finished)"
-                )
-            self._append_blocks(row, req_id, c.new_block_ids[i])
-            self._append_tokens(row, req_id, c.new_token_ids[i])
-            self.num_computed_tokens[row] = c.num_computed_tokens[i]
+        """Extend the requests this table already holds with their new blocks and tokens.
+
+        All requests at once: one indexed write for the tokens, one for the blocks.
+        """
+        if not c.req_ids:
+            return
+        row_of = self.row_of
+        try:
+            rows_list = [row_of[r] for r in c.req_ids]
+        except KeyError as e:
+            raise RuntimeError(
+                f"step {step_id}: cached request {e.args[0]!r} is unknown to this runner "
+                "(it was never sent as a new request, or was dropped as finished)"
+            ) from None
+        rows = np.array(rows_list, dtype=np.int64)
+        self._append(
+            rows,
+            c.req_ids,
+            c.new_block_ids,
+            self.block_table_np,
+            self.num_blocks_np,
+            self.max_num_blocks_per_req,
+            "would own {end} KV blocks, more than "
+            f"ceil(max_model_len / block_size)={self.max_num_blocks_per_req}",
+        )
+        self._append(
+            rows,
+            c.req_ids,
+            c.new_token_ids,
+            self.token_ids_np,
+            self.num_tokens_np,
+            self.max_model_len,
+            f"would hold {{end}} tokens, more than max_model_len={self.max_model_len}",
+        )
+        self.num_computed_tokens_np[rows] = c.num_computed_tokens
+
+    @staticmethod
+    def _append(
+        rows: np.ndarray,
+        req_ids: list[str],
+        values: list[list[int]],
+        table: np.ndarray,
+        counts: np.ndarray,
+        capacity: int,
+        too_many: str,
+    ) -> None:
+        """Append ``values[i]`` to row ``rows[i]`` of ``table`` (after its ``counts`` entries)."""
+        lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+        total = int(lengths.sum())
+        if total == 0:
+            return
+        starts = counts[rows]
+        ends = starts + lengths
+        over = ends > capacity
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            raise RuntimeError(f"request {req_ids[i]!r} " + too_many.format(end=int(ends[i])))
+        flat = np.fromiter(itertools.chain.from_iterable(values), dtype=table.dtype, count=total)
+        if total == len(values) and int(lengths.min()) == 1:
+            # The decode step: exactly one new entry per request.
+            table[rows, starts] = flat
+        else:
+            # Entry j of the flat list goes to column start[i] + (j - first_j[i]) of row rows[i].
+            first = np.cumsum(lengths) - lengths
+            cols = np.arange(total) + np.repeat(starts - first, lengths)
+            table[np.repeat(rows, lengths), cols] = flat
+        counts[rows] = ends
 
     def add(
         self,
@@ -90,7 +196,8 @@ class RequestTable:
         """Give ``req_id`` a row and write its prompt, blocks and sampling parameters.
 
         An id still held (resumed after preemption before its finished id arrived) keeps its
-        row, whose contents are replaced.
+        row, whose contents are replaced.  The parameters reach the device with the next
+        :meth:`flush_sampling_params`.
         """
         row = self.row_of.get(req_id)
         if row is None:
@@ -101,19 +208,51 @@ class RequestTable:
                 )
             row = self.free_rows.pop()
             self.row_of[req_id] = row
-        self.num_tokens[row] = 0
-        self.num_blocks[row] = 0
-        self.block_table[row].zero_()
-        self._append_tokens(row, req_id, token_ids)
-        self._append_blocks(row, req_id, block_ids)
-        self.num_computed_tokens[row] = num_computed_tokens
-        self.temperature[row] = float(params.temperature)
-        self.top_k[row] = params.top_k if params.top_k > 0 else 0
-        self.top_p[row] = float(params.top_p)
-        self.min_p[row] = float(params.min_p)
-        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
-        self.generators[row] = make_generator(params.seed, self.device) if self.make_generators else None
+        if len(token_ids) > self.max_model_len:
+            raise RuntimeError(
+                f"request {req_id!r} would hold {len(token_ids)} tokens, more than "
+                f"max_model_len={self.max_model_len}"
+            )
+        if len(block_ids) > self.max_num_blocks_per_req:
+            raise RuntimeError(
+                f"request {req_id!r} would own {len(block_ids)} KV blocks, more than "
+                f"ceil(max_model_len / block_size)={self.max_num_blocks_per_req}"
+            )
+        self.token_ids_np[row, : len(token_ids)] = token_ids
+        self.num_tokens_np[row] = len(token_ids)
+        self.block_table_np[row] = 0
+        self.block_table_np[row, : len(block_ids)] = block_ids
+        self.num_blocks_np[row] = len(block_ids)
+        self.num_computed_tokens_np[row] = num_computed_tokens
+        self._set_sampling_params(row, params)
         return row
+
+    def _set_sampling_params(self, row: int, params: SamplingParams) -> None:
+        temperature = float(params.temperature)
+        top_k = params.top_k if params.top_k > 0 else 0
+        p = self._sampling_params_np
+        p[_TEMPERATURE, row] = temperature
+        p[_TOP_P_ROW, row] = float(params.top_p)
+        p[_MIN_P_ROW, row] = float(params.min_p)
+        p[_TOP_K_ROW, row] = top_k
+        self._sampling_params_dirty = True
+        if temperature < SAMPLING_EPS:
+            flags = _GREEDY
+        else:
+            flags = (
+                (_TOP_K if top_k > 0 else 0)
+                | (_TOP_P if params.top_p < 1.0 else 0)
+                | (_MIN_P if params.min_p > 0.0 else 0)
+            )
+        self.sampling_flags_np[row] = flags
+        self.num_logprobs_np[row] = -1 if params.logprobs is None else params.logprobs
+        self._set_generator(
+            row, make_generator(params.seed, self.device) if self.make_generators else None
+        )
+
+    def _set_generator(self, row: int, generator: torch.Generator | None) -> None:
+        self.num_seeded += (generator is not None) - (self.generators[row] is not None)
+        self.generators[row] = generator
 
     def remove(self, req_id: str) -> int | None:
         """Free ``req_id``'s row; returns the row freed.
@@ -123,65 +262,76 @@ class RequestTable:
         row = self.row_of.pop(req_id, None)
         if row is None:
             return None
-        self.generators[row] = None
+        self._set_generator(row, None)
         self.free_rows.append(row)
         return row
 
-    def _append_tokens(self, row: int, req_id: str, token_ids: list[int]) -> None:
-        if not token_ids:
-            return
-        start = int(self.num_tokens[row])
-        end = start + len(token_ids)
-        if end > self.max_model_len:
-            raise RuntimeError(
-                f"request {req_id!r} would hold {end} tokens, more than max_model_len={self.max_model_len}"
-            )
-        self.token_ids[row, start:end] = torch.tensor(token_ids, dtype=torch.int64)
-        self.num_tokens[row] = end
-
-    def _append_blocks(self, row: int, req_id: str, block_ids: list[int]) -> None:
-        if not block_ids:
-            return
-        start = int(self.num_blocks[row])
-        end = start + len(block_ids)
-        if end > self.max_num_blocks_per_req:
-            raise RuntimeError(
-                f"request {req_id!r} would own {end} KV blocks, more than "
-                f"ceil(max_model_len / block_size)={self.max_num_blocks_per_req}"
-            )
-        self.block_table[row, start:end] = torch.tensor(block_ids, dtype=torch.int32)
-        self.num_blocks[row] = end
-
     # --- sampling ----------------------------------------------------------------------------
 
-    def sampling_tensors(self, rows: torch.Tensor, device: torch.device) -> SamplingTensors:
-        """The sampler's per-row tensors for ``rows`` (host int64), gathered from the tables.
+    def flush_sampling_params(self) -> bool:
+        """Copy the per-row sampling parameters to the device if a request was added since the
+        last flush (one small non-blocking copy from pinned memory); returns whether it copied.
 
-        Same values and flags as ``SamplingTensors.build`` on the rows' ``SamplingParams``
-        (so V1 and V2 draw identical tokens), without a Python loop over parameter objects.
+        The caller must not rewrite the host table (:meth:`add`) before this copy has finished
+        reading it: the V2 runner waits on its input-copy event before applying a step's deltas.
         """
-        temperature = self.temperature[rows]
-        top_k = self.top_k[rows]
-        top_p = self.top_p[rows]
-        min_p = self.min_p[rows]
-        num_logprobs = self.num_logprobs[rows]
-        is_greedy = temperature < SAMPLING_EPS
-        is_random = ~is_greedy
-        asked = num_logprobs[num_logprobs >= 0]
+        if not self._sampling_params_dirty:
+            return False
+        self._sampling_params_dirty = False
+        if self.sampling_params_device is not self.sampling_params_host:
+            self.sampling_params_device.copy_(self.sampling_params_host, non_blocking=True)
+        return True
+
+    def sampling_tensors(self, rows: torch.Tensor, device_rows: torch.Tensor | None = None) -> SamplingTensors:
+        """The sampler's per-row tensors for ``rows``, gathered from the device table.
+
+        ``rows``: host int64 rows (the flags and generators come from host state);
+        ``device_rows``: the same rows already on the device (the runner passes its copy from
+        the step's input buffers); ``None`` copies ``rows`` (tests, CPU).  Same values and flags
+        as ``SamplingTensors.build`` on the rows' ``SamplingParams`` (so V1 and V2 draw
+        identical tokens).  Needs :meth:`flush_sampling_params` after the last :meth:`add`.
+        """
+        rows_np = rows.numpy()
+        if device_rows is None:
+            self.flush_sampling_params()
+            device_rows = rows.to(self.sampling_params_device.device)
+        params = self.sampling_params_device[:, device_rows]
+        flags = self.sampling_flags_np[rows_np]
+        # Over no rows these are 0 and -1 (all bits): the same flags ``build`` gives for [].
+        any_flags = int(np.bitwise_or.reduce(flags))
+        all_flags = int(np.bitwise_and.reduce(flags))
+        max_num_logprobs = int(self.num_logprobs_np[rows_np].max()) if rows_np.size else -1
+        if self.num_seeded:
+            generators = [self.generators[r] for r in rows_np.tolist()]
+        else:
+            generators = [None] * len(rows_np)
+        all_greedy = bool(all_flags & _GREEDY)
+        all_random = not any_flags & _GREEDY
+        no_top_k = not any_flags & _TOP_K
+        # Host copies that spare the sampler a device read-back, computed only where it reads them.
+        is_greedy_host = None
+        if self.num_seeded and not all_greedy and not all_random:
+            is_greedy_host = ((flags & _GREEDY) != 0).tolist()
+        top_k_max_host = None
+        if not all_greedy and not no_top_k:
+            top_k = self._sampling_params_np[_TOP_K_ROW, rows_np]
+            top_k_max_host = int(top_k.max()) if top_k.min() > 0 else 0
         return SamplingTensors(
-            temperature=temperature.to(device),
-            top_k=top_k.to(device),
-            top_p=top_p.to(device),
-            min_p=min_p.to(device),
-            generators=[self.generators[r] for r in rows.tolist()],
-            all_greedy=bool(is_greedy.all()),
-            all_random=not bool(is_greedy.any()),
-            no_top_k=bool((top_k[is_random] <= 0).all()),
-            no_top_p=bool((top_p[is_random] >= 1.0).all()),
-            no_min_p=bool((min_p[is_random] <= 0.0).all()),
-            max_num_logprobs=int(asked.max()) if asked.numel() else None,
+            temperature=params[_TEMPERATURE],
+            top_k=params[_TOP_K_ROW].to(torch.int64),
+            top_p=params[_TOP_P_ROW],
+            min_p=params[_MIN_P_ROW],
+            generators=generators,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            no_top_k=no_top_k,
+            no_top_p=not any_flags & _TOP_P,
+            no_min_p=not any_flags & _MIN_P,
+            max_num_logprobs=max_num_logprobs if max_num_logprobs >= 0 else None,
+            is_greedy_host=is_greedy_host,
+            top_k_max_host=top_k_max_host,
         )
 
     def num_logprobs_list(self, rows: torch.Tensor) -> list[int | None]:
         """Each row's requested logprob count (``None`` where it asked for none)."""
-        return [None if n < 0 else n for n in self.num_logprobs[rows].tolist()]
+        return [None if n < 0 else n for n in self.num_logprobs_np[rows.numpy()].tolist()]

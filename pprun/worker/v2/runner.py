@@ -28,7 +28,7 @@ from torch import nn
 from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
-from pprun.sampling.sampler import Sampler, to_logprobs
+from pprun.sampling.sampler import Sampler, SamplingTensors, to_logprobs
 from pprun.worker.model_inputs import build_model_inputs
 from pprun.worker.v2.cuda_graphs import CudaGraphManager, GraphPlan
 from pprun.worker.v2.inputs import InputBuffers, StepBatch, prepare_step
@@ -168,14 +168,22 @@ class V2ModelRunner:
     def execute_model(
         self, so: SchedulerOutput, intermediate_tensors: IntermediateTensors | None = None
     ) -> ModelRunnerOutput | IntermediateTensors | None:
-        """Run one step; non-last stages return what to send, the last returns sampled tokens."""
+        """Run one step; non-last stages return what to send, the last returns sampled tokens.
+
+        Host work never waits on the device here except for the previous step's input copies
+        (finished long before, they precede its forward) and, on the last stage, the sampled ids.
+        """
+        # The deltas rewrite pinned staging memory (sampling parameters) that the previous
+        # step's non-blocking copies may still be reading.
+        self.bufs.wait_for_previous_copies()
         self.update_states(so)
         if so.is_empty():
             return ModelRunnerOutput(so.step_id, [], []) if self.layout.is_last else None
         num_tokens = so.total_num_scheduled_tokens
         plan = self.graphs.plan(so.num_reqs, num_tokens, max(so.num_scheduled_tokens.values()))
-        self.bufs.wait_for_previous_copies()
         batch = prepare_step(self.table, so, self.bufs, plan.num_reqs_padded, plan.num_tokens_padded)
+        if self.layout.is_last:
+            self.table.flush_sampling_params()
         self.bufs.to_device(plan.num_reqs_padded, plan.num_tokens_padded, batch.num_sampled)
         meta = self.bufs.attn_metadata(
             batch.num_reqs, plan.num_reqs_padded, num_tokens, plan.num_tokens_padded, batch.max_query_len
@@ -211,20 +219,37 @@ class V2ModelRunner:
                 t[batch.num_tokens : plan.num_tokens_padded].zero_()
         return self.graphs.replay(plan, meta)
 
+    def sampling_tensors(self, batch: StepBatch) -> SamplingTensors:
+        """The sampler's tensors for the batch's sampling requests: their parameters gathered on
+        the device by the rows copied with the step's inputs (no copy, no sync)."""
+        rows = batch.rows[batch.sample_batch_idx]
+        return self.table.sampling_tensors(rows, self.bufs.sample_rows.device[: batch.num_sampled])
+
     def sample(self, so: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
         """Sample for each request whose scheduled tokens reach the end of what it knows."""
-        sampled: list[list[int]] = [[] for _ in batch.req_ids]
-        logprobs: list[Any] = [None] * batch.num_reqs
         num_sampled = batch.num_sampled
-        if num_sampled:
-            rows = batch.rows[batch.sample_batch_idx]
+        logprobs: list[Any] = [None] * batch.num_reqs
+        if not num_sampled:
+            sampled: list[list[int]] = [[] for _ in batch.req_ids]
+        else:
             logits = self.model.compute_logits(hidden[self.bufs.logits_indices.device[:num_sampled]])
-            res = self.sampler(logits, self.table.sampling_tensors(rows, self.device))
+            tensors = self.sampling_tensors(batch)
+            res = self.sampler(logits, tensors)
             token_ids = self._to_host(res.sampled_token_ids)
-            lps = to_logprobs(res, self.table.num_logprobs_list(rows))
-            for i, tok, lp in zip(batch.sample_batch_idx.tolist(), token_ids, lps):
-                sampled[i] = [tok]
-                logprobs[i] = lp
+            if num_sampled == batch.num_reqs:
+                # Every request samples (decode): batch order is sampling order.
+                sampled = [[tok] for tok in token_ids]
+                sample_idx = range(num_sampled)
+            else:
+                sampled = [[] for _ in batch.req_ids]
+                sample_idx = batch.sample_batch_idx.tolist()
+                for i, tok in zip(sample_idx, token_ids):
+                    sampled[i] = [tok]
+            # Logprobs cost extra device-to-host copies: only when some request asked.
+            if tensors.max_num_logprobs is not None:
+                rows = batch.rows[batch.sample_batch_idx]
+                for i, lp in zip(sample_idx, to_logprobs(res, self.table.num_logprobs_list(rows))):
+                    logprobs[i] = lp
         return ModelRunnerOutput(
             step_id=so.step_id, req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs
         )
