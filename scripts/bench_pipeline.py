@@ -68,7 +68,11 @@ def _stats_us(samples_s: list[float]) -> dict[str, float]:
 def bench_throughput(num_prompts: int, input_len: int, output_len: int) -> list[dict[str, Any]]:
     """``pprun bench`` for the demo model at pp=1 (uni), pp=2 (mp) and pp=2 (ray), one subprocess each."""
     results = []
-    for parallel in ("single", "pp2_mp", "pp2_ray"):
+    # Ray gives each actor OMP_NUM_THREADS=1 (its CPU share); mp stages inherit the default
+    # (every core), so two mp stages on two cores run four spinning OpenMP threads: the
+    # OMP_NUM_THREADS=1 mp run shows what that oversubscription costs.
+    runs = (("single", {}), ("pp2_mp", {}), ("pp2_mp", {"OMP_NUM_THREADS": "1"}), ("pp2_ray", {}))
+    for parallel, env_extra in runs:
         with tempfile.TemporaryDirectory() as tmp:
             out_json = Path(tmp) / "bench.json"
             cmd = [
@@ -79,7 +83,9 @@ def bench_throughput(num_prompts: int, input_len: int, output_len: int) -> list[
                 f"output_json={out_json}",
             ]  # fmt: skip
             load = load_info()
-            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
+            proc = subprocess.run(
+                cmd, cwd=REPO, env={**_child_env(), **env_extra}, capture_output=True, text=True, timeout=1800
+            )
             if proc.returncode != 0:
                 results.append({"parallel": parallel, "command": _shell(cmd), "error": proc.stderr[-2000:]})
                 continue
@@ -87,16 +93,31 @@ def bench_throughput(num_prompts: int, input_len: int, output_len: int) -> list[
             results.append(
                 {
                     "parallel": parallel,
-                    "command": _shell(cmd[:1] + cmd[1:-1]).replace(sys.executable, "python"),
+                    "command": " ".join([f"{k}={v}" for k, v in env_extra.items()] + ["python", *cmd[1:-1]]),
                     "load_before": load,
                     "executor": bench["config"]["executor"],
                     "pp": bench["config"]["pp"],
                     "layer_partition": bench["config"]["layer_partition"],
-                    **{k: bench["pprun"][k] for k in ("elapsed_s", "output_tokens_per_s", "total_tokens_per_s",
-                                                       "ttft_ms_p50", "tpot_ms_p50", "tpot_ms_p99")},
+                    **{
+                        k: bench["pprun"][k]
+                        for k in (
+                            "elapsed_s",
+                            "output_tokens_per_s",
+                            "total_tokens_per_s",
+                            "ttft_ms_p50",
+                            "tpot_ms_p50",
+                            "tpot_ms_p99",
+                        )
+                    },
                 }  # fmt: skip
             )
     return results
+
+
+def _child_env() -> dict[str, str]:
+    """The environment of child scripts: this checkout first on the import path."""
+    path = os.environ.get("PYTHONPATH")
+    return dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{path}" if path else str(REPO))
 
 
 def _shell(cmd: list[str]) -> str:
@@ -120,6 +141,7 @@ def bench_memory(pp_sizes: tuple[int, ...]) -> dict[str, Any]:
             executor="mp",
             pipeline_parallel_size=pp,
             kv_cache_memory_bytes=MEMORY_KV_BYTES,
+            max_model_len=512,  # 64 MiB holds a 512-token request even at pp=1
             max_num_seqs=16,
         )
         try:
@@ -143,8 +165,10 @@ def bench_memory(pp_sizes: tuple[int, ...]) -> dict[str, Any]:
     overhead = [s["rss_bytes"] - s["param_bytes"] - s["kv_cache_bytes"] for r in runs for s in r["stages"]]
     mib = 2**20
     return {
+        "bare_process_rss_mib": _bare_process_rss_mib(),
         "executor": "mp",
         "kv_cache_memory_bytes": MEMORY_KV_BYTES,
+        "max_model_len": 512,
         "runs": runs,
         "fit_over_stages": "rss = fixed + slope * (param_bytes + kv_cache_bytes), least squares over every stage",
         "fit_rss": {"fixed_mib": round(fit_rss[0] / mib, 1), "slope": round(fit_rss[1], 3)},
@@ -155,6 +179,24 @@ def bench_memory(pp_sizes: tuple[int, ...]) -> dict[str, Any]:
             "max": round(max(overhead) / mib, 1),
         },
     }
+
+
+def _bare_process_rss_mib() -> dict[str, float]:
+    """RSS of a fresh interpreter after ``import torch`` and after also joining a 1-rank gloo group."""
+    from pprun.executor.mp import free_port
+
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "def rss():\n"
+        "    for line in open('/proc/self/status'):\n"
+        "        if line.startswith('VmRSS:'): return int(line.split()[1]) / 1024\n"
+        "a = rss()\n"
+        f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{free_port()}', world_size=1, rank=0)\n"
+        "print(a, rss())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    torch_only, with_gloo = (float(x) for x in out.split())
+    return {"python_import_torch": round(torch_only, 1), "plus_gloo_group": round(with_gloo, 1)}
 
 
 def _linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -175,8 +217,18 @@ def bench_hop(iters: int) -> dict[str, Any]:
     init_method = f"tcp://127.0.0.1:{free_port()}"
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, "--hop-rank", str(rank), "--init-method", init_method, "--iters", str(iters)],
+            [
+                sys.executable,
+                __file__,
+                "--hop-rank",
+                str(rank),
+                "--init-method",
+                init_method,
+                "--iters",
+                str(iters),
+            ],
             cwd=REPO,
+            env=_child_env(),
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -217,7 +269,7 @@ def hop_rank_main(rank: int, init_method: str, iters: int) -> None:
         n_iter = iters if num_tokens <= 256 else max(5, iters // 50)
         n_warm = max(3, n_iter // 10)
 
-        def transport_round() -> None:
+        def transport_round(tensors=tensors, buffers=buffers, num_tokens=num_tokens) -> None:
             if rank == 0:
                 forward.send(tensors)
                 backward.recv(buffers, num_tokens)
@@ -225,7 +277,7 @@ def hop_rank_main(rank: int, init_method: str, iters: int) -> None:
                 forward.recv(buffers, num_tokens)
                 backward.send(buffers)
 
-        def bare_round() -> None:
+        def bare_round(tensors=tensors, buffers=buffers) -> None:
             peer = 1 - rank
             if rank == 0:
                 for v in tensors.values():
@@ -277,31 +329,52 @@ def make_tiny_model(out_dir: Path) -> None:
     cmd = [
         sys.executable, str(REPO / "scripts" / "make_random_llama.py"), str(out_dir),
         "--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
-        "--intermediate", "128", "--vocab", "256", "--max-pos", "512", "--dtype", "float32",
+        "--intermediate", "128", "--vocab", "256", "--max-pos", "2048", "--dtype", "float32",
     ]  # fmt: skip
-    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
+    subprocess.run(cmd, cwd=REPO, env=_child_env(), check=True, capture_output=True)
 
 
 def bench_control(num_steps: int) -> dict[str, Any]:
     """Per-step round trip engine -> stages -> engine, with empty steps and 1-request decode steps."""
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "tiny-llama"
-        make_tiny_model(model_dir)
-        runs = {}
-        for name, executor, pp in (("uni_pp1", "uni", 1), ("mp_pp2", "mp", 2), ("ray_pp2", "ray", 2)):
-            runs[name] = _control_run(model_dir, executor, pp, num_steps)
+    import torch
+
+    # One intra-op thread everywhere: on a tiny model extra OpenMP threads only spin against
+    # the other stage processes for the same cores.  Stage processes inherit the variable.
+    saved = (os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads())
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        runs = _control_runs(num_steps)
+    finally:
+        if saved[0] is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved[0]
+        torch.set_num_threads(saved[1])
     for name in ("mp_pp2", "ray_pp2"):
         r = runs[name]
         # Decode step minus the same work done in one process: control path + one hop.
-        r["decode_minus_uni_us"] = round(r["decode_step"]["median_us"] - runs["uni_pp1"]["decode_step"]["median_us"], 1)
+        r["decode_minus_uni_us"] = round(
+            r["decode_step"]["median_us"] - runs["uni_pp1"]["decode_step"]["median_us"], 1
+        )
     return {
-        "model": "random Llama, 2 layers, hidden 64, 4 heads / 2 KV heads, vocab 256, fp32",
+        "model": "random Llama, 2 layers, hidden 64, 4 heads / 2 KV heads, vocab 256, fp32; OMP_NUM_THREADS=1",
         "what": "executor.submit(so) + executor.get_output() per step, one step in flight; empty_step: "
         "a SchedulerOutput with nothing scheduled (pickle, one socket write per stage, the last stage "
         "answers an empty ModelRunnerOutput); decode_step: 1 request, 1 token (stage compute, one "
         "hop at pp=2 and greedy sampling included)",
         "runs": runs,
     }
+
+
+def _control_runs(num_steps: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "tiny-llama"
+        make_tiny_model(model_dir)
+        runs = {}
+        for name, executor, pp in (("uni_pp1", "uni", 1), ("mp_pp2", "mp", 2), ("ray_pp2", "ray", 2)):
+            runs[name] = _control_run(model_dir, executor, pp, num_steps)
+    return runs
 
 
 def _control_run(model_dir: Path, executor: str, pp: int, num_steps: int) -> dict[str, Any]:
@@ -311,7 +384,8 @@ def _control_run(model_dir: Path, executor: str, pp: int, num_steps: int) -> dic
 
     block_size = 16
     prompt = list(range(1, 9))
-    max_len = len(prompt) + 2 * num_steps + 8
+    num_warmup_steps = 20
+    max_len = len(prompt) + num_warmup_steps + num_steps + 1  # only decode steps add tokens
     llm = LLM(
         str(model_dir),
         dtype="float32",
@@ -319,7 +393,7 @@ def _control_run(model_dir: Path, executor: str, pp: int, num_steps: int) -> dic
         executor=executor,
         pipeline_parallel_size=pp,
         kv_cache_memory_bytes=8 * 2**20,
-        max_model_len=512,
+        max_model_len=1024,
         max_num_seqs=4,
         block_size=block_size,
     )
@@ -327,7 +401,7 @@ def _control_run(model_dir: Path, executor: str, pp: int, num_steps: int) -> dic
     try:
         ex = llm.engine.executor
         step_ids = iter(range(10**9))
-        block_ids = list(range(1, (max_len + block_size - 1) // block_size + 2))
+        block_ids = list(range(1, (max_len + block_size - 1) // block_size + 1))
         req = "r0"
         # Engine-free driving: the runner state is keyed by request id, so a hand-made prefill
         # then decode SchedulerOutputs look exactly like the engine's.
@@ -363,7 +437,7 @@ def _control_run(model_dir: Path, executor: str, pp: int, num_steps: int) -> dic
 
         result: dict[str, Any] = {"executor": executor, "pp": pp, "load_before": load}
         for label, fn in (("empty_step", empty_step), ("decode_step", decode_step)):
-            for _ in range(20):
+            for _ in range(num_warmup_steps):
                 fn()
             samples = []
             for _ in range(num_steps):
@@ -421,7 +495,11 @@ def main() -> None:
         result["throughput"] = {
             "model": DEMO_MODEL,
             "dtype": "float32",
-            "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len},
+            "workload": {
+                "num_prompts": args.num_prompts,
+                "input_len": args.input_len,
+                "output_len": args.output_len,
+            },
             "runs": bench_throughput(args.num_prompts, args.input_len, args.output_len),
         }
     if "memory" in parts:

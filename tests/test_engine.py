@@ -51,7 +51,7 @@ DEMO_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def demo_llm(demo_model_dir):
-    with LLM("smollm2-135m-instruct", dtype="float32", max_model_len=1024, runner="v1") as llm:
+    with LLM("smollm2-135m-instruct", dtype="float32", max_model_len=1024) as llm:
         yield llm
 
 
@@ -160,7 +160,7 @@ def test_seeded_request_same_alone_and_in_batch(tiny_llama_dir, runner):
 
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_llama_dir):
-    with LLM(str(tiny_llama_dir), dtype="float32", max_model_len=128, runner="v1") as llm:
+    with LLM(str(tiny_llama_dir), dtype="float32", max_model_len=128) as llm:
         yield llm
 
 
@@ -208,3 +208,25 @@ def test_text_prompt_errors(demo_llm):
         demo_llm.generate([""])
     with pytest.raises(ValueError, match=r"prompts\[0\].*max_model_len=1024"):
         demo_llm.generate(["word " * 3000])
+
+
+def test_async_scheduling_gives_the_same_outputs(demo_model_dir):
+    """Async steps (V2, one stage) overshoot a stopping request by one dropped token: the
+    outputs, stops and finish reasons are those of synchronous steps."""
+    prompts = DEMO_PROMPTS[:6]
+    params = [
+        SamplingParams(temperature=0, max_tokens=30),  # natural EOS stops
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, stop=["\n"]),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=12),
+        SamplingParams(temperature=0, max_tokens=1),
+        SamplingParams(temperature=0, max_tokens=30, min_tokens=5),
+    ]
+    got = {}
+    for async_on in (False, True):
+        with LLM("smollm2-135m-instruct", dtype="float32", max_model_len=512, async_scheduling=async_on) as llm:
+            assert llm.engine.async_scheduling is async_on
+            outs = llm.generate(prompts, params)
+            got[async_on] = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
+                              o.outputs[0].stop_reason) for o in outs]
+    assert got[True] == got[False]

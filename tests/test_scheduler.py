@@ -593,3 +593,40 @@ def test_spread_over_in_flight_gives_every_stage_a_batch():
     sched.update_from_output(first, out_first)
     third = sched.schedule()  # the first group comes back as soon as its output is in
     assert list(third.num_scheduled_tokens) == ["r0", "r1", "r2"]
+
+
+def test_async_scheduling_joins_the_next_step_and_drops_overshoot():
+    sched = Scheduler(4, 64, max_model_len=64, block_size=4, num_blocks=33, max_in_flight=2,
+                      async_scheduling=True)
+    eos = 2
+    req = make_req("a", 4, max_tokens=10)
+    req.eos_token_ids = {eos}
+    sched.add_request(req)
+    s1 = sched.schedule()  # prefill: samples token 5
+    assert s1.num_scheduled_tokens == {"a": 4}
+    s2 = sched.schedule()  # joins while s1 is in flight: computes the pending sample's KV
+    assert s2.num_scheduled_tokens == {"a": 1}
+    assert s2.scheduled_cached_reqs.new_token_ids == [[]]  # the token is still on the device
+    assert req.num_computed_tokens == 5 and req.num_pending_samples == 2
+    with pytest.raises(RuntimeError):
+        sched.schedule()  # two steps in flight
+    sched.update_from_output(s1, ModelRunnerOutput(s1.step_id, ["a"], [[7]]))
+    s3 = sched.schedule()  # s1's token now known and sent; s2 still in flight
+    assert s3.num_scheduled_tokens == {"a": 1}
+    assert s3.scheduled_cached_reqs.new_token_ids == [[7]]
+    sched.update_from_output(s2, ModelRunnerOutput(s2.step_id, ["a"], [[eos]]))  # stops here
+    assert req.is_finished and req.output_token_ids == [7, eos]
+    sched.update_from_output(s3, ModelRunnerOutput(s3.step_id, ["a"], [[9]]))  # overshoot: dropped
+    assert req.output_token_ids == [7, eos]
+    assert sched.block_manager.num_free_blocks == 32
+
+
+def test_async_scheduling_stops_at_max_tokens_without_overshoot():
+    sched = Scheduler(4, 64, max_model_len=64, block_size=4, num_blocks=33, max_in_flight=2,
+                      async_scheduling=True)
+    req = make_req("a", 4, max_tokens=1)
+    sched.add_request(req)
+    s1 = sched.schedule()
+    assert sched.schedule().is_empty()  # the pending token is already the last one
+    sched.update_from_output(s1, ModelRunnerOutput(s1.step_id, ["a"], [[7]]))
+    assert req.is_finished and req.finish_reason == "length"

@@ -442,7 +442,17 @@ def test_engine_seeded_sampling_and_logprobs_parity(model_dir):
     kw = dict(executor="uni", max_num_batched_tokens=24, max_num_seqs=8, block_size=BLOCK, max_model_len=64)
     v1, _ = run_engine(model_dir, "v1", requests, stagger=False, **kw)
     v2, _ = run_engine(model_dir, "v2", requests, stagger=False, **kw)
-    assert v2 == v1
+    # Tokens, top ids and finish reasons are identical; logprob values may differ in the last
+    # float bits when the runners batch a step differently (matmul shapes change the rounding).
+    assert set(v2) == set(v1)
+    for r in v1:
+        (tok1, lp1, fin1), (tok2, lp2, fin2) = v1[r], v2[r]
+        assert (tok2, fin2) == (tok1, fin1), r
+        assert (lp1 is None) == (lp2 is None)
+        for a, b in zip(lp1 or [], lp2 or []):
+            assert a.top_token_ids == b.top_token_ids
+            assert a.sampled_logprob == pytest.approx(b.sampled_logprob, abs=1e-5)
+            assert a.top_logprobs == pytest.approx(b.top_logprobs, abs=1e-5)
     assert any(v1[r][1] for r in v1), "no request returned logprobs"
 
 

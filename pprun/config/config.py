@@ -73,6 +73,11 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     """Split long prompts over several steps so decodes keep running; when off, a prompt must fit
     ``max_num_batched_tokens`` whole."""
+    async_scheduling: bool = True
+    """With one stage in process (executor uni) and the V2 runner, schedule step N+1 while step N
+    still runs on the device; the runner feeds step N's sampled ids to step N+1 on the device, so
+    the host's per-step work hides behind the device's.  A request that stops at step N has then
+    computed one extra token, which is dropped."""
 
 
 @dataclass

@@ -69,13 +69,22 @@ class Request:
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended the request; ``None`` for EOS, length,
     abort and error (as in vLLM)."""
-    in_flight: bool = False
-    """Scheduled in a step whose output has not come back yet."""
+    num_steps_in_flight: int = 0
+    """Steps this request is scheduled in whose output has not come back yet (at most 2, and
+    2 only with async scheduling)."""
+    num_pending_samples: int = 0
+    """In-flight steps that will sample a token for this request: with async scheduling the
+    next step may already compute that token's KV before the host knows the token."""
     num_preemptions: int = 0
     num_output_tokens_sent: int = 0
     """Output tokens the runners already hold (sent in a prompt on resume or as new tokens)."""
     arrival_index: int = -1
     """Position in the scheduler's arrival order (set by ``Scheduler.add_request``)."""
+
+    @property
+    def in_flight(self) -> bool:
+        """Scheduled in a step whose output has not come back yet."""
+        return self.num_steps_in_flight > 0
 
     @property
     def all_token_ids(self) -> list[int]:

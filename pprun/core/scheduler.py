@@ -55,6 +55,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         max_in_flight: int = 1,
         spread_over_in_flight: bool = False,
+        async_scheduling: bool = False,
     ) -> None:
         _positive_int("max_num_seqs", max_num_seqs)
         _positive_int("max_num_batched_tokens", max_num_batched_tokens)
@@ -83,6 +84,14 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_in_flight = max_in_flight
         self.spread_over_in_flight = spread_over_in_flight
+        self.async_scheduling = async_scheduling
+        """Let a decoding request join the next step while its current step is still in flight
+        (pp = 1 with a runner that feeds the token sampled on the device into the next step's
+        input): the host's scheduling and bookkeeping then overlap the device's compute.  The
+        cost: a request that stops in step N has already computed one token in step N+1, whose
+        output is dropped."""
+        if async_scheduling and max_in_flight != 2:
+            raise ValueError(f"async_scheduling needs max_in_flight=2, got {max_in_flight}")
         """Cap each step at ceil(unfinished / max_in_flight) requests, so that with pipeline
         parallelism every stage gets a batch (the engine turns this on for pp > 1)."""
 
@@ -97,6 +106,9 @@ class Scheduler:
         self._pending_finished_req_ids: dict[str, None] = {}
         # Non-empty steps whose output has not come back: step_id -> the requests scheduled.
         self._steps_in_flight: dict[int, list[Request]] = {}
+        # Per in-flight step: ids of the requests it samples for.
+        self._step_samples: dict[int, list[str]] = {}
+        self._samples_this_step: list[str] = []
 
     # ------------------------------------------------------------------ queries
 
@@ -195,6 +207,7 @@ class Scheduler:
         for req in failed:
             self._finish(req, RequestStatus.FINISHED_ERROR, reason)
         self._steps_in_flight.clear()
+        self._step_samples.clear()
         return failed
 
     # ------------------------------------------------------------------ scheduling
@@ -216,6 +229,7 @@ class Scheduler:
         cached_reqs = CachedRequestData()
         num_scheduled_tokens: dict[str, int] = {}
         scheduled: list[Request] = []
+        self._samples_this_step = []
         preempted_this_step = False
         step_cap = self._step_request_cap()
 
@@ -223,9 +237,11 @@ class Scheduler:
         for req in list(self._running):
             if token_budget == 0 or len(scheduled) >= step_cap:
                 break
-            if req.status != RequestStatus.RUNNING or req.in_flight:
+            if req.status != RequestStatus.RUNNING or not self._can_join_step(req):
                 continue  # preempted earlier in this loop, or in an outstanding step
-            num_new_tokens = min(req.num_tokens - req.num_computed_tokens, token_budget)
+            num_new_tokens = min(
+                req.num_tokens + req.num_pending_samples - req.num_computed_tokens, token_budget
+            )
             if num_new_tokens <= 0:
                 continue
             new_block_ids = None
@@ -288,6 +304,7 @@ class Scheduler:
         self._next_step_id += 1
         if scheduled:
             self._steps_in_flight[step_id] = scheduled
+            self._step_samples[step_id] = self._samples_this_step
         finished_req_ids = set(self._pending_finished_req_ids)
         self._pending_finished_req_ids = {}
         return SchedulerOutput(
@@ -328,8 +345,11 @@ class Scheduler:
         step_reqs = self._steps_in_flight.pop(scheduler_output.step_id, None)
         if step_reqs is None:
             return []  # an empty step, or one failed by fail_all
+        samples = set(self._step_samples.pop(scheduler_output.step_id, ()))
         for req in step_reqs:
-            req.in_flight = False
+            req.num_steps_in_flight -= 1
+            if req.req_id in samples:
+                req.num_pending_samples -= 1
         # Keyed by the objects scheduled, not by looking ids up: an aborted id may already be
         # reused by a new request.  Aborted or failed ones are no longer RUNNING.
         live_reqs = {req.req_id: req for req in step_reqs if req.status == RequestStatus.RUNNING}
@@ -344,7 +364,11 @@ class Scheduler:
                     break
             updated.append(req)
         for req in live_reqs.values():
-            if not req.is_finished and req.num_computed_tokens >= req.num_tokens:
+            if (
+                not req.is_finished
+                and not req.in_flight
+                and req.num_computed_tokens >= req.num_tokens
+            ):
                 self._finish(req, RequestStatus.FINISHED_ERROR, "error")
                 updated.append(req)
         return updated
@@ -379,8 +403,25 @@ class Scheduler:
         num_scheduled_tokens[req.req_id] = num_new_tokens
         req.num_computed_tokens += num_new_tokens
         # Set now, so a later preemption in this same step cannot pick it.
-        req.in_flight = True
+        req.num_steps_in_flight += 1
+        if req.num_computed_tokens >= req.num_tokens + req.num_pending_samples:
+            # This step ends at the last known (or pending) token: it samples the next one.
+            req.num_pending_samples += 1
+            self._samples_this_step.append(req.req_id)
         scheduled.append(req)
+
+    def _can_join_step(self, req: Request) -> bool:
+        """Not in flight; or, with async scheduling, in exactly one step that samples for it
+        (its next token's KV can be computed from the device-side sample), with room left."""
+        if not req.in_flight:
+            return True
+        if not self.async_scheduling or req.num_steps_in_flight > 1 or req.num_pending_samples != 1:
+            return False
+        params = req.sampling_params
+        num_outputs_after = req.num_output_tokens + req.num_pending_samples + 1
+        if params.max_tokens is not None and num_outputs_after > params.max_tokens:
+            return False  # the pending token already is the last one
+        return req.num_tokens + req.num_pending_samples < self.max_model_len
 
     def _pick_preemption_victim(self) -> Request | None:
         """The most recently arrived running request that is not in flight."""
@@ -408,7 +449,8 @@ class Scheduler:
         del self._requests[req.req_id]
         req.status = status
         req.finish_reason = finish_reason
-        req.in_flight = False
+        req.num_steps_in_flight = 0
+        req.num_pending_samples = 0
         # Runners must tolerate ids they never held (a request aborted while waiting).
         self._pending_finished_req_ids[req.req_id] = None
 

@@ -90,6 +90,7 @@ class LLMEngine:
             str(rc.dtype).removeprefix("torch."),
         )
         self.executor = make_executor(rc, self.runner_name, fault_injection)
+        self.async_scheduling = bool(getattr(self.executor, "async_steps", False))
         try:
             self._init_cache()
         except BaseException:
@@ -104,7 +105,10 @@ class LLMEngine:
             num_blocks=self.num_blocks,
             enable_chunked_prefill=sc.enable_chunked_prefill,
             max_in_flight=self.executor.max_in_flight,
-            spread_over_in_flight=True,
+            # pp > 1: a batch per stage.  One stage with async steps: every request in each step,
+            # the next step computing on the device-side samples of the previous one.
+            spread_over_in_flight=not self.async_scheduling,
+            async_scheduling=self.async_scheduling,
         )
         self.tracked: dict[str, _Tracked] = {}
         self.in_flight: deque[SchedulerOutput] = deque()

@@ -18,6 +18,9 @@ class UniExecutor(Executor):
 
     def __init__(self, resolved, runner: str, fault_injection: dict | None = None) -> None:
         layout = StageLayout.single(resolved.arch.num_hidden_layers)
+        self.async_steps = runner == "v2" and resolved.cfg.scheduler.async_scheduling
+        """Submit returns before the device finishes (V2's pending outputs): two steps in flight."""
+        self.max_in_flight = 2 if self.async_steps else 1
         self.worker = Worker(WorkerSpec(resolved, layout, runner, fault_injection=fault_injection))
         self.stage_params = [self.worker.load_model()]
         self.num_blocks = self.worker.num_available_blocks()
@@ -31,13 +34,20 @@ class UniExecutor(Executor):
     def submit(self, so: SchedulerOutput) -> None:
         """Run the step now."""
         try:
-            self.outputs.append(self.worker.execute_model(so))
+            if self.async_steps:
+                self.outputs.append(self.worker.execute_model_async(so))
+            else:
+                self.outputs.append(self.worker.execute_model(so))
         except Exception as e:  # a failing step ends the engine like a dead stage does
             raise StageFailedError(f"stage 0 failed at step {so.step_id}: {e!r}") from e
 
     def get_output(self) -> ModelRunnerOutput:
-        """The step run by the last ``submit``."""
-        return self.outputs.popleft()
+        """The oldest submitted step's output (waits for the device when it is still pending)."""
+        out = self.outputs.popleft()
+        try:
+            return out.result() if hasattr(out, "result") else out
+        except Exception as e:
+            raise StageFailedError(f"stage 0 failed: {e!r}") from e
 
     def shutdown(self) -> None:
         """Nothing to stop in process."""

@@ -137,6 +137,16 @@ class Worker:
             return None
         return out
 
+    def execute_model_async(self, so: SchedulerOutput):
+        """The only stage's step, returning before the device finishes when the runner can
+        (V2: a ``PendingOutput``); used by the in-process executor for async scheduling."""
+        if self.layout.pp_size != 1:
+            raise ValueError("execute_model_async serves a single-stage pipeline only")
+        self.step_count += 1
+        self._inject_faults()
+        run = getattr(self.runner, "execute_model_async", None)
+        return run(so, None) if run is not None else self.runner.execute_model(so, None)
+
     def _inject_faults(self) -> None:
         fi = self.spec.fault_injection
         if not fi:
@@ -167,7 +177,8 @@ class Worker:
                 for line in f:
                     key, _, value = line.partition(":")
                     if key in ("VmHWM", "VmRSS"):
-                        stats["peak_rss_bytes" if key == "VmHWM" else "rss_bytes"] = int(value.split()[0]) * 1024
+                        name = "peak_rss_bytes" if key == "VmHWM" else "rss_bytes"
+                        stats[name] = int(value.split()[0]) * 1024
         except OSError:
             pass  # not Linux: keep getrusage's peak
         params = list(self.model.parameters()) if self.model is not None else []

@@ -113,6 +113,9 @@ class StepBatch:
     sample_batch_idx: torch.Tensor
     """[num_sampled] int64 (host): batch positions of the requests that sample this step (their
     scheduled tokens reach the end of what the runner knows of them)."""
+    num_pending: int = 0
+    """Input tokens that are the previous step's samples, not yet known on the host (async
+    scheduling): ``bufs.pending_token_idx[:num_pending]`` is filled on the device."""
 
     @property
     def num_sampled(self) -> int:
@@ -149,6 +152,8 @@ class InputBuffers:
                 ((max_num_tokens,), torch.int64),
                 ((max_num_tokens,), torch.int64),
                 ((max_num_reqs, max_num_blocks_per_req), torch.int32),
+                ((max_num_reqs,), torch.int64),
+                ((max_num_reqs,), torch.int64),
             ],
             device,
         )
@@ -161,10 +166,14 @@ class InputBuffers:
             self.positions,
             self.slot_mapping,
             self.block_table,
+            self.pending_token_idx,
+            self.pending_sample_idx,
         ) = self._arena.fields
         """``logits_indices``: rows of the step's hidden states whose logits are sampled;
         ``sample_rows``: the sampling requests' :class:`RequestTable` rows (the sampler gathers
-        their parameters on the device with it)."""
+        their parameters on the device with it); ``pending_token_idx`` / ``pending_sample_idx``:
+        with async scheduling, which input tokens are the previous step's samples, still on the
+        device, and where they are in its sampled ids."""
         self.num_copies_last_step = 0
         """Host-to-device copies :meth:`to_device` issued last (1 for a typical step)."""
         # The host staging buffers are rewritten every step while the previous step's
@@ -196,7 +205,9 @@ class InputBuffers:
             self._copies_done.synchronize()
             self._copies_done = None
 
-    def to_device(self, num_reqs_padded: int, num_tokens_padded: int, num_sampled: int) -> None:
+    def to_device(
+        self, num_reqs_padded: int, num_tokens_padded: int, num_sampled: int, num_pending: int = 0
+    ) -> None:
         """Copy the step's rows (real and padding) to the device buffers: non-blocking from pinned
         memory, normally one copy (used ranges merged, see :data:`MERGE_GAP_BYTES`), no sync."""
         used = (
@@ -208,6 +219,8 @@ class InputBuffers:
             (self.positions, num_tokens_padded),
             (self.slot_mapping, num_tokens_padded),
             (self.block_table, num_reqs_padded),
+            (self.pending_token_idx, num_pending),
+            (self.pending_sample_idx, num_pending),
         )
         self.num_copies_last_step = self._arena.copy_ranges(
             [(b.offset, b.offset + n * b.row_bytes) for b, n in used]
@@ -241,6 +254,7 @@ def prepare_step(
     bufs: InputBuffers,
     num_reqs_padded: int,
     num_tokens_padded: int,
+    prev_sample_index: dict[str, int] | None = None,
 ) -> StepBatch:
     """Fill the host buffers for ``so`` from the request table, by array indexing (NumPy views of
     the pinned buffers; no device work, no sync).
@@ -274,12 +288,21 @@ def prepare_step(
     seq_lens = num_computed + num_scheduled
     known = table.num_tokens_np[rows]
     beyond = seq_lens > known
+    num_pending = 0
     if beyond.any():
-        bad = int(np.flatnonzero(beyond)[0])
-        raise RuntimeError(
-            f"step {so.step_id}: request {req_ids[bad]!r} is scheduled up to token {int(seq_lens[bad])} "
-            f"but the runner knows only {int(known[bad])} of its tokens"
-        )
+        # Async scheduling: a decode whose input is the token the previous step sampled for the
+        # request, still on the device.  Anything else beyond the known tokens is a bug.
+        pending = np.flatnonzero(beyond)
+        prev = prev_sample_index or {}
+        for i in pending.tolist():
+            if seq_lens[i] != known[i] + 1 or num_scheduled[i] != 1 or req_ids[i] not in prev:
+                raise RuntimeError(
+                    f"step {so.step_id}: request {req_ids[i]!r} is scheduled up to token "
+                    f"{int(seq_lens[i])} but the runner knows only {int(known[i])} of its tokens"
+                )
+        num_pending = len(pending)
+        bufs.pending_token_idx.np[:num_pending] = cu_num_tokens[pending] - 1
+        bufs.pending_sample_idx.np[:num_pending] = [prev[req_ids[i]] for i in pending.tolist()]
     max_query_len = int(num_scheduled.max())
     if max_query_len == 1:
         # Decode: one token per request, at its first uncomputed position.
@@ -290,6 +313,8 @@ def prepare_step(
         token_rows = np.repeat(rows, num_scheduled)
         positions = np.arange(num_tokens) + np.repeat(num_computed - (cu_num_tokens - num_scheduled), num_scheduled)
 
+    # (A pending token's position is one past the known ones: the gather reads a stale id there,
+    # which the runner overwrites on the device.)
     bufs.input_ids.np[:num_tokens] = table.token_ids_np[token_rows, positions]
     bufs.positions.np[:num_tokens] = positions
     block_ids = table.block_table_np[token_rows, positions // bs].astype(np.int64)
@@ -302,7 +327,7 @@ def prepare_step(
 
     # A request samples when this step's tokens reach the end of what is known of it (a
     # prefill chunk that stops short of the prompt's end samples nothing).
-    samples = seq_lens == known
+    samples = seq_lens >= known
     sample_batch_idx = np.arange(num_reqs) if samples.all() else np.flatnonzero(samples)
     num_sampled = len(sample_batch_idx)
     bufs.logits_indices.np[:num_sampled] = cu_num_tokens[sample_batch_idx] - 1
@@ -317,4 +342,5 @@ def prepare_step(
         num_tokens_padded=num_tokens_padded,
         max_query_len=max_query_len,
         sample_batch_idx=torch.from_numpy(sample_batch_idx.astype(np.int64, copy=False)),
+        num_pending=num_pending,
     )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,6 +37,21 @@ from pprun.worker.v2.model_state import ModelState, make_model_state
 from pprun.worker.v2.request_state import RequestTable
 
 logger = logging.getLogger(__name__)
+
+
+class PendingOutput:
+    """A step's output whose device-to-host copy may still be running; ``result()`` waits."""
+
+    def __init__(self, build: Callable[[], ModelRunnerOutput]) -> None:
+        self._build: Callable[[], ModelRunnerOutput] | None = build
+        self._value: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        """The ModelRunnerOutput (built once)."""
+        if self._build is not None:
+            self._value = self._build()
+            self._build = None
+        return self._value  # type: ignore[return-value]
 
 
 class V2ModelRunner:
@@ -74,10 +90,17 @@ class V2ModelRunner:
             model, layout, device, self.dtype, self.max_num_reqs, self.max_num_tokens
         )
         self.sampler = Sampler()
-        self.sampled_host = torch.zeros(
-            self.max_num_reqs, dtype=torch.int64, pin_memory=device.type == "cuda"
-        )
-        """Pinned landing buffer of the sampled ids' device-to-host copy."""
+        self.sampled_host = [
+            torch.zeros(self.max_num_reqs, dtype=torch.int64, pin_memory=device.type == "cuda")
+            for _ in range(3)
+        ]
+        """Pinned landing buffers of the sampled ids' device-to-host copies (a ring: with async
+        scheduling two steps' copies are outstanding at once)."""
+        self._host_slot = 0
+        self.prev_sampled: torch.Tensor | None = None
+        """The last step's sampled ids, on the device (async scheduling reads them)."""
+        self.prev_sample_index: dict[str, int] = {}
+        """Request id -> its row in :attr:`prev_sampled`."""
         # Graph replays read received hidden states from fixed addresses (contract 2).
         self.graph_intermediate: IntermediateTensors | None = None
         if not layout.is_first:
@@ -168,6 +191,14 @@ class V2ModelRunner:
     def execute_model(
         self, so: SchedulerOutput, intermediate_tensors: IntermediateTensors | None = None
     ) -> ModelRunnerOutput | IntermediateTensors | None:
+        """Run one step and wait for its result (see :meth:`execute_model_async`)."""
+        out = self.execute_model_async(so, intermediate_tensors)
+        return out.result() if isinstance(out, PendingOutput) else out
+
+    @torch.inference_mode()
+    def execute_model_async(
+        self, so: SchedulerOutput, intermediate_tensors: IntermediateTensors | None = None
+    ) -> PendingOutput | IntermediateTensors | None:
         """Run one step; non-last stages return what to send, the last returns sampled tokens.
 
         Host work never waits on the device here except for the previous step's input copies
@@ -181,10 +212,18 @@ class V2ModelRunner:
             return ModelRunnerOutput(so.step_id, [], []) if self.layout.is_last else None
         num_tokens = so.total_num_scheduled_tokens
         plan = self.graphs.plan(so.num_reqs, num_tokens, max(so.num_scheduled_tokens.values()))
-        batch = prepare_step(self.table, so, self.bufs, plan.num_reqs_padded, plan.num_tokens_padded)
+        batch = prepare_step(
+            self.table, so, self.bufs, plan.num_reqs_padded, plan.num_tokens_padded, self.prev_sample_index
+        )
         if self.layout.is_last:
             self.table.flush_sampling_params()
-        self.bufs.to_device(plan.num_reqs_padded, plan.num_tokens_padded, batch.num_sampled)
+        self.bufs.to_device(plan.num_reqs_padded, plan.num_tokens_padded, batch.num_sampled, batch.num_pending)
+        if batch.num_pending:
+            # Async scheduling: these inputs are what the previous step sampled, still on the
+            # device (stream order makes this read wait for that step, not the host).
+            n = batch.num_pending
+            ids = self.bufs.input_ids.device
+            ids[self.bufs.pending_token_idx.device[:n]] = self.prev_sampled[self.bufs.pending_sample_idx.device[:n]]
         meta = self.bufs.attn_metadata(
             batch.num_reqs, plan.num_reqs_padded, num_tokens, plan.num_tokens_padded, batch.max_query_len
         )
@@ -225,43 +264,57 @@ class V2ModelRunner:
         rows = batch.rows[batch.sample_batch_idx]
         return self.table.sampling_tensors(rows, self.bufs.sample_rows.device[: batch.num_sampled])
 
-    def sample(self, so: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
-        """Sample for each request whose scheduled tokens reach the end of what it knows."""
+    def sample(self, so: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor) -> PendingOutput:
+        """Sample for each request whose scheduled tokens reach the end of what it knows.
+
+        Returns at once: the sampled ids are copied to pinned host memory behind an event, and
+        the output is built when :meth:`PendingOutput.result` is called.
+        """
         num_sampled = batch.num_sampled
-        logprobs: list[Any] = [None] * batch.num_reqs
         if not num_sampled:
-            sampled: list[list[int]] = [[] for _ in batch.req_ids]
-        else:
-            logits = self.model.compute_logits(hidden[self.bufs.logits_indices.device[:num_sampled]])
-            tensors = self.sampling_tensors(batch)
-            res = self.sampler(logits, tensors)
-            token_ids = self._to_host(res.sampled_token_ids)
+            self.prev_sample_index = {}
+            empty = ModelRunnerOutput(so.step_id, batch.req_ids, [[] for _ in batch.req_ids], [None] * batch.num_reqs)
+            return PendingOutput(lambda: empty)
+        logits = self.model.compute_logits(hidden[self.bufs.logits_indices.device[:num_sampled]])
+        tensors = self.sampling_tensors(batch)
+        res = self.sampler(logits, tensors)
+        self.prev_sampled = res.sampled_token_ids
+        sample_idx_list = batch.sample_batch_idx.tolist()
+        self.prev_sample_index = {batch.req_ids[i]: j for j, i in enumerate(sample_idx_list)}
+        host_ids, done = self._copy_to_host(res.sampled_token_ids)
+
+        def build() -> ModelRunnerOutput:
+            if done is not None:
+                done.synchronize()
+            token_ids = host_ids.tolist()
+            logprobs: list[Any] = [None] * batch.num_reqs
             if num_sampled == batch.num_reqs:
                 # Every request samples (decode): batch order is sampling order.
                 sampled = [[tok] for tok in token_ids]
-                sample_idx = range(num_sampled)
             else:
                 sampled = [[] for _ in batch.req_ids]
-                sample_idx = batch.sample_batch_idx.tolist()
-                for i, tok in zip(sample_idx, token_ids):
+                for i, tok in zip(sample_idx_list, token_ids):
                     sampled[i] = [tok]
             # Logprobs cost extra device-to-host copies: only when some request asked.
             if tensors.max_num_logprobs is not None:
                 rows = batch.rows[batch.sample_batch_idx]
-                for i, lp in zip(sample_idx, to_logprobs(res, self.table.num_logprobs_list(rows))):
+                for i, lp in zip(sample_idx_list, to_logprobs(res, self.table.num_logprobs_list(rows))):
                     logprobs[i] = lp
-        return ModelRunnerOutput(
-            step_id=so.step_id, req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs
-        )
+            return ModelRunnerOutput(
+                step_id=so.step_id, req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs
+            )
 
-    def _to_host(self, token_ids: torch.Tensor) -> list[int]:
-        """Sampled ids to the host: a non-blocking copy into pinned memory, then wait on its event
-        only (not on the whole device)."""
+        return PendingOutput(build)
+
+    def _copy_to_host(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start the sampled ids' copy to pinned host memory; returns the host view and the event
+        to wait on.  Pinned buffers rotate, so two steps in flight never share one."""
         if self.device.type != "cuda":
-            return token_ids.tolist()
+            return token_ids, None
         n = token_ids.shape[0]
-        self.sampled_host[:n].copy_(token_ids, non_blocking=True)
+        self._host_slot = (self._host_slot + 1) % len(self.sampled_host)
+        host = self.sampled_host[self._host_slot][:n]
+        host.copy_(token_ids, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        done.synchronize()
-        return self.sampled_host[:n].tolist()
+        return host, done
