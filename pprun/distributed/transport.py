@@ -19,6 +19,10 @@ from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
 
 
+META_BYTES = 1024
+"""Size of the fixed metadata message that precedes each send (keys, shapes, dtypes)."""
+
+
 class PipelineTransport:
     """Point-to-point channel of one stage to its neighbours.
 
@@ -39,6 +43,8 @@ class PipelineTransport:
         self.cpu_group = cpu_group
         self.device_group = device_group
         self.global_ranks = global_ranks
+        self._meta_out = torch.zeros(META_BYTES, dtype=torch.uint8)
+        self._meta_in = torch.zeros(META_BYTES, dtype=torch.uint8)
 
     @classmethod
     def init(
@@ -86,21 +92,22 @@ class PipelineTransport:
     def send(self, tensors: IntermediateTensors) -> None:
         """Send to the next stage: metadata on the CPU group, then each tensor."""
         dst = self.global_ranks[self.layout.pp_rank + 1]
-        meta = [(k, tuple(v.shape), str(v.dtype)) for k, v in tensors.items()]
-        payload = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8)
-        dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst, group=self.cpu_group)
-        dist.send(payload, dst, group=self.cpu_group)
+        meta = pickle.dumps([(k, tuple(v.shape), str(v.dtype)) for k, v in tensors.items()])
+        if len(meta) > META_BYTES - 4:
+            raise ValueError(f"intermediate tensor metadata is {len(meta)} bytes; at most {META_BYTES - 4}")
+        # One fixed-size message: its length first, then the pickle (one send, not two).
+        self._meta_out[:4] = torch.tensor([len(meta)], dtype=torch.int32).view(torch.uint8)
+        self._meta_out[4 : 4 + len(meta)] = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
+        dist.send(self._meta_out, dst, group=self.cpu_group)
         for _, v in tensors.items():
             dist.send(v.contiguous(), dst, group=self.device_group)
 
     def recv(self, buffers: IntermediateTensors, num_tokens: int) -> IntermediateTensors:
         """Receive from the previous stage into ``buffers[:num_tokens]`` (persistent buffers)."""
         src = self.global_ranks[self.layout.pp_rank - 1]
-        size = torch.empty(1, dtype=torch.int64)
-        dist.recv(size, src, group=self.cpu_group)
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        dist.recv(payload, src, group=self.cpu_group)
-        meta = pickle.loads(payload.numpy().tobytes())
+        dist.recv(self._meta_in, src, group=self.cpu_group)
+        size = int(self._meta_in[:4].view(torch.int32).item())
+        meta = pickle.loads(self._meta_in[4 : 4 + size].numpy().tobytes())
         check_received_metadata(meta, buffers, num_tokens, self.layout.pp_rank)
         view = buffers[:num_tokens]
         for key, _, _ in meta:

@@ -53,6 +53,10 @@ class Worker:
         else:
             self.device = torch.device("cpu")
         torch.manual_seed(rc.cfg.model.seed)
+        if self.device.type == "cpu" and self.layout.pp_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+            # Stages share the host's cores: one thread pool per core each would oversubscribe
+            # them (measured: 4x slower decode with 2 stages on 2 cores).
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.layout.pp_size))
         self.transport = transport
         if transport is None and self.layout.pp_size > 1:
             self.transport = PipelineTransport.init(
