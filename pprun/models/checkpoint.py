@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -115,6 +115,25 @@ class CheckpointIndex:
             raise ValueError(f"tensor {name!r} in {file_name} has unsupported dtype {code}")
         return _SAFETENSORS_DTYPES[code]
 
+    def iter_tensors(
+        self,
+        names: Iterable[str],
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, tensor)`` one at a time (each file opened once), so a loader can copy
+        each tensor into place before the next is read: peak memory stays near the weights."""
+        names_by_file: dict[str, list[str]] = defaultdict(list)
+        for name in names:
+            names_by_file[self.file_of(name)].append(name)
+        for file_name, file_names in names_by_file.items():
+            with safe_open(str(self.model_dir / file_name), framework="pt", device="cpu") as f:
+                for name in file_names:
+                    tensor = f.get_tensor(name)
+                    if dtype is not None and tensor.is_floating_point():
+                        tensor = tensor.to(dtype)
+                    yield name, tensor.to(device)
+
     def load(
         self,
         names: Iterable[str],
@@ -122,18 +141,7 @@ class CheckpointIndex:
         dtype: torch.dtype | None = None,
     ) -> dict[str, torch.Tensor]:
         """Read only ``names`` (each file opened once), cast floating tensors to ``dtype``, move to ``device``."""
-        names_by_file: dict[str, list[str]] = defaultdict(list)
-        for name in names:
-            names_by_file[self.file_of(name)].append(name)
-        tensors: dict[str, torch.Tensor] = {}
-        for file_name, file_names in names_by_file.items():
-            with safe_open(str(self.model_dir / file_name), framework="pt", device="cpu") as f:
-                for name in file_names:
-                    tensor = f.get_tensor(name)
-                    if dtype is not None and tensor.is_floating_point():
-                        tensor = tensor.to(dtype)
-                    tensors[name] = tensor.to(device)
-        return tensors
+        return dict(self.iter_tensors(names, device, dtype))
 
 
 def validate_checkpoint(

@@ -47,8 +47,7 @@ def load_stage_model(
     )
     names = model.checkpoint_names()
     index = CheckpointIndex.open(model_dir)
-    tensors = index.load(names, device=device, dtype=dtype)
-    loaded = model.load_weights(tensors.items())
+    loaded = model.load_weights(index.iter_tensors(names, device=device, dtype=dtype))
     missing = sorted(set(names) - loaded)
     if missing:
         raise ValueError(f"stage {layout.pp_rank}: checkpoint tensors not loaded: {missing[:8]}")
