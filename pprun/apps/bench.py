@@ -17,10 +17,9 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from pprun.apps import job_output_dir, job_output_path
+from pprun.apps import iter_jsonl, job_output_dir, job_output_path
 from pprun.config.config import BenchAppConfig
 from pprun.sampling.params import SamplingParams
 
@@ -67,43 +66,30 @@ def random_workload(
 def file_workload(path: str, tokenizer: Any, output_len: int, vocab_size: int) -> list[BenchRequest]:
     """The requests of a JSONL file: ``{"prompt": str}`` or ``{"prompt_token_ids": [int]}`` per
     line, optionally with ``"max_tokens"`` (else ``output_len``)."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise ValueError(f"input_file={path!r} is not a file")
     requests = []
-    with open(file, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"input_file line {line_no}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{where}: must be a JSON object, got {type(obj).__name__}")
-            if "prompt_token_ids" in obj:
-                ids = obj["prompt_token_ids"]
-                if (
-                    not isinstance(ids, list)
-                    or not ids
-                    or not all(
-                        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids
-                    )
-                ):
-                    raise ValueError(
-                        f"{where}: prompt_token_ids must be a non-empty list of ints in [0, {vocab_size})"
-                    )
-            elif isinstance(obj.get("prompt"), str) and obj["prompt"]:
-                if tokenizer is None:
-                    raise ValueError(f"{where}: a text prompt needs a tokenizer and this model has none")
-                ids = list(tokenizer.encode(obj["prompt"]))
-            else:
-                raise ValueError(f"{where}: needs 'prompt' (a non-empty string) or 'prompt_token_ids'")
-            max_tokens = obj.get("max_tokens", output_len)
-            if not isinstance(max_tokens, int) or max_tokens < 1:
-                raise ValueError(f"{where}: max_tokens={max_tokens!r} must be an int of at least 1")
-            requests.append(BenchRequest(ids, max_tokens))
+    for where, obj in iter_jsonl(path):
+        if "prompt_token_ids" in obj:
+            ids = obj["prompt_token_ids"]
+            if (
+                not isinstance(ids, list)
+                or not ids
+                or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids
+                )
+            ):
+                raise ValueError(
+                    f"{where}: prompt_token_ids must be a non-empty list of ints in [0, {vocab_size})"
+                )
+        elif isinstance(obj.get("prompt"), str) and obj["prompt"]:
+            if tokenizer is None:
+                raise ValueError(f"{where}: a text prompt needs a tokenizer and this model has none")
+            ids = list(tokenizer.encode(obj["prompt"]))
+        else:
+            raise ValueError(f"{where}: needs 'prompt' (a non-empty string) or 'prompt_token_ids'")
+        max_tokens = obj.get("max_tokens", output_len)
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"{where}: max_tokens={max_tokens!r} must be an int of at least 1")
+        requests.append(BenchRequest(ids, max_tokens))
     if not requests:
         raise ValueError(f"input_file={path!r} holds no requests")
     return requests

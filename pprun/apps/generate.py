@@ -14,10 +14,9 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TextIO
 
-from pprun.apps import job_output_path
+from pprun.apps import iter_jsonl, job_output_path
 from pprun.config.config import GenerateAppConfig
 from pprun.sampling.params import SamplingParams
 
@@ -80,51 +79,38 @@ def sampling_params_for(base: dict[str, Any], overrides: dict[str, Any] | None, 
 
 def read_input_file(path: str, base_sampling: dict[str, Any]) -> list[GenerateRequest]:
     """Parse a JSONL request file (see ``GenerateAppConfig.input_file``); blank lines are skipped."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise ValueError(f"input_file={path!r} is not a file")
     requests = []
-    with open(file, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"input_file line {line_no}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{where}: must be a JSON object, got {type(obj).__name__}")
-            unknown = [k for k in obj if k not in _LINE_KEYS]
-            if unknown:
-                raise ValueError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(_LINE_KEYS)})")
-            sampling = sampling_params_for(base_sampling, obj.get("sampling"), where)
-            if "messages" in obj:
-                if "prompt" in obj or "prompt_token_ids" in obj:
-                    raise ValueError(f"{where}: give either 'messages' or a prompt, not both")
-                messages = obj["messages"]
-                if (
-                    not isinstance(messages, list)
-                    or not messages
-                    or not all(isinstance(m, dict) for m in messages)
-                ):
-                    raise ValueError(
-                        f"{where}: messages must be a non-empty list of {{role, content}} objects"
-                    )
-                requests.append(GenerateRequest(where, sampling, messages=messages, request_id=obj.get("id")))
-            elif "prompt_token_ids" in obj:
-                prompt = {"prompt_token_ids": obj["prompt_token_ids"]}
-                if "prompt" in obj:
-                    prompt["prompt"] = obj["prompt"]
-                requests.append(GenerateRequest(where, sampling, prompt=prompt, request_id=obj.get("id")))
-            elif "prompt" in obj:
-                if not isinstance(obj["prompt"], str):
-                    raise ValueError(f"{where}: prompt must be a string, got {type(obj['prompt']).__name__}")
-                requests.append(
-                    GenerateRequest(where, sampling, prompt=obj["prompt"], request_id=obj.get("id"))
+    for where, obj in iter_jsonl(path):
+        unknown = [k for k in obj if k not in _LINE_KEYS]
+        if unknown:
+            raise ValueError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(_LINE_KEYS)})")
+        sampling = sampling_params_for(base_sampling, obj.get("sampling"), where)
+        if "messages" in obj:
+            if "prompt" in obj or "prompt_token_ids" in obj:
+                raise ValueError(f"{where}: give either 'messages' or a prompt, not both")
+            messages = obj["messages"]
+            if (
+                not isinstance(messages, list)
+                or not messages
+                or not all(isinstance(m, dict) for m in messages)
+            ):
+                raise ValueError(
+                    f"{where}: messages must be a non-empty list of {{role, content}} objects"
                 )
-            else:
-                raise ValueError(f"{where}: needs one of 'prompt', 'prompt_token_ids' or 'messages'")
+            requests.append(GenerateRequest(where, sampling, messages=messages, request_id=obj.get("id")))
+        elif "prompt_token_ids" in obj:
+            prompt = {"prompt_token_ids": obj["prompt_token_ids"]}
+            if "prompt" in obj:
+                prompt["prompt"] = obj["prompt"]
+            requests.append(GenerateRequest(where, sampling, prompt=prompt, request_id=obj.get("id")))
+        elif "prompt" in obj:
+            if not isinstance(obj["prompt"], str):
+                raise ValueError(f"{where}: prompt must be a string, got {type(obj['prompt']).__name__}")
+            requests.append(
+                GenerateRequest(where, sampling, prompt=obj["prompt"], request_id=obj.get("id"))
+            )
+        else:
+            raise ValueError(f"{where}: needs one of 'prompt', 'prompt_token_ids' or 'messages'")
     if not requests:
         raise ValueError(f"input_file={path!r} holds no requests")
     return requests

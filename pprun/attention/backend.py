@@ -8,7 +8,8 @@ num_kv_heads, head_dim]``, ``kv_cache [2, num_blocks, block_size, num_kv_heads, 
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 

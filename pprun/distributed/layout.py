@@ -37,12 +37,12 @@ class StageLayout:
         return range(self.start_layer, self.end_layer)
 
     @classmethod
-    def from_partition(cls, partition: list[int], pp_rank: int) -> "StageLayout":
+    def from_partition(cls, partition: list[int], pp_rank: int) -> StageLayout:
         """Layout of stage ``pp_rank`` given per-stage layer counts."""
         start = sum(partition[:pp_rank])
         return cls(pp_rank, len(partition), start, start + partition[pp_rank])
 
     @classmethod
-    def single(cls, num_layers: int) -> "StageLayout":
+    def single(cls, num_layers: int) -> StageLayout:
         """The whole model in one stage."""
         return cls(0, 1, 0, num_layers)

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
 
-
 META_BYTES = 1024
 """Size of the fixed metadata message that precedes each send (keys, shapes, dtypes)."""
 
@@ -53,7 +52,7 @@ class PipelineTransport:
         device: torch.device,
         init_method: str,
         timeout_s: float,
-    ) -> "PipelineTransport":
+    ) -> PipelineTransport:
         """Join a fresh process group of ``pp_size`` ranks (pprun's own executors)."""
         timeout = timedelta(seconds=timeout_s)
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -73,7 +72,7 @@ class PipelineTransport:
     @classmethod
     def from_existing(
         cls, layout: StageLayout, device: torch.device, global_ranks: list[int], timeout_s: float
-    ) -> "PipelineTransport":
+    ) -> PipelineTransport:
         """Use an already initialised default group (torchrun); makes the stage's subgroups."""
         timeout = timedelta(seconds=timeout_s)
         backend = "nccl" if device.type == "cuda" else "gloo"

@@ -155,7 +155,7 @@ class LLM:
         """Stop every stage process and free their memory; idempotent."""
         self.engine.shutdown()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -14,8 +14,7 @@ intermediate_tensors, attn_metadata)``; a non-last stage returns ``IntermediateT
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
