@@ -49,6 +49,8 @@ class ExternalLauncherExecutor(Executor):
         self.pp_size = len(resolved.layer_partition)
         timeout_s = resolved.cfg.parallel.stage_timeout_s
         self.owns_process_group = not dist.is_initialized()
+        self.failed = False
+        """A step failed: peers may be gone, so shutdown skips the closing barrier."""
         if self.owns_process_group:
             _init_from_torchrun_env(resolved.device, timeout_s)
         self.pp_rank = dist.get_rank()
@@ -125,6 +127,7 @@ class ExternalLauncherExecutor(Executor):
         try:
             out = self.worker.execute_model(so)
         except Exception as e:
+            self.failed = True
             # The other ranks then fail in recv/broadcast (peer closed, or the group's timeout):
             # bounded, never a hang. A rank whose neighbour died reports the transport error.
             raise StageFailedError(
@@ -135,6 +138,7 @@ class ExternalLauncherExecutor(Executor):
             try:
                 out = self.transport.broadcast_object(out, src_stage=self.pp_size - 1)
             except Exception as e:
+                self.failed = True
                 raise StageFailedError(
                     f"rank {self.pp_rank}: no output of step {so.step_id} from the last stage "
                     f"(rank {self.pp_size - 1}) within parallel.stage_timeout_s: {e!r}"
@@ -160,6 +164,14 @@ class ExternalLauncherExecutor(Executor):
 
     def _destroy_own_group(self) -> None:
         if self.owns_process_group and dist.is_initialized():
+            if not self.failed:
+                # Every rank must be done with the gloo pairs before any tears them down: a
+                # rank destroying its group while a peer still drains a send aborts the process
+                # ("terminate called without an active exception").
+                try:
+                    dist.barrier()
+                except Exception:  # a peer is gone: nothing left to wait for
+                    pass
             dist.destroy_process_group()
         self.owns_process_group = False
 
