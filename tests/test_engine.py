@@ -230,3 +230,53 @@ def test_async_scheduling_gives_the_same_outputs(demo_model_dir):
             got[async_on] = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
                               o.outputs[0].stop_reason) for o in outs]
     assert got[True] == got[False]
+
+
+def test_async_logprobs_survive_row_reuse(tiny_llama_dir):
+    """A request that stops while its next step is in flight frees its runner row; a request
+    admitted into that row with more logprobs must not change how the old step is read."""
+    p = [1, 2, 3, 4, 5]
+    with LLM(str(tiny_llama_dir), dtype="float32", max_model_len=64, max_num_seqs=1) as llm:
+        assert llm.engine.async_scheduling
+        first = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=3))[0]
+        stop_at = first.outputs[0].token_ids[0]
+        a = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at], logprobs=1)
+        b = SamplingParams(temperature=0, max_tokens=3, logprobs=5)
+        outs = llm.generate([{"prompt_token_ids": p}, {"prompt_token_ids": [7, 8, 9]}], [a, b])
+    assert outs[0].outputs[0].token_ids == [stop_at] and outs[0].outputs[0].finish_reason == "stop"
+    assert len(outs[0].outputs[0].logprobs[0].top_token_ids) == 1
+    assert all(len(lp.top_token_ids) == 5 for lp in outs[1].outputs[0].logprobs)
+
+
+def test_interrupt_while_waiting_keeps_the_engine_usable(tiny_llama_dir, monkeypatch):
+    import pprun.worker.v2.runner as v2
+
+    original = v2.PendingOutput.result
+    calls = {"n": 0}
+
+    def interrupted_once(self):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt  # Ctrl-C while the host waits for the device
+        return original(self)
+
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(tiny_llama_dir), dtype="float32", max_model_len=64) as llm:
+        ref = llm.generate([{"prompt_token_ids": [4, 5, 6]}], sp)[0].outputs[0].token_ids
+        monkeypatch.setattr(v2.PendingOutput, "result", interrupted_once)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([{"prompt_token_ids": [1, 2, 3]}], sp)
+        monkeypatch.setattr(v2.PendingOutput, "result", original)
+        for _ in range(2):
+            assert llm.generate([{"prompt_token_ids": [4, 5, 6]}], sp)[0].outputs[0].token_ids == ref
+        assert not llm.engine.dead
+        assert llm.engine.scheduler.num_running == 0 and llm.engine.scheduler.num_waiting == 0
+
+
+def test_stop_string_on_the_last_allowed_token_wins(demo_llm):
+    base = demo_llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
+    # Allow exactly the tokens up to the one completing " 6": the stop string still applies.
+    n = next(i for i in range(1, 21) if " 6" in demo_llm.engine.decode(base.token_ids[:i], SamplingParams()))
+    out = demo_llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=n, stop=[" 6"]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == " 6"
+    assert out.text == base.text[: base.text.index(" 6")]

@@ -347,6 +347,8 @@ class Scheduler:
             return []  # an empty step, or one failed by fail_all
         samples = set(self._step_samples.pop(scheduler_output.step_id, ()))
         for req in step_reqs:
+            if req.is_finished:
+                continue  # _finish already cleared its counters
             req.num_steps_in_flight -= 1
             if req.req_id in samples:
                 req.num_pending_samples -= 1

@@ -106,6 +106,11 @@ class PipelineTransport:
         src = self.global_ranks[self.layout.pp_rank - 1]
         dist.recv(self._meta_in, src, group=self.cpu_group)
         size = int(self._meta_in[:4].view(torch.int32).item())
+        if not 0 < size <= META_BYTES - 4:
+            raise ValueError(
+                f"stage {self.layout.pp_rank}: malformed intermediate-tensor metadata from stage "
+                f"{self.layout.pp_rank - 1} (length {size}; expected 1..{META_BYTES - 4})"
+            )
         meta = pickle.loads(self._meta_in[4 : 4 + size].numpy().tobytes())
         check_received_metadata(meta, buffers, num_tokens, self.layout.pp_rank)
         view = buffers[:num_tokens]

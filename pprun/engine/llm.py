@@ -135,6 +135,14 @@ class LLM:
                     raise GenerationFailedError(
                         str(e), [results[i] for i in ids if i in results]
                     ) from e
+                except BaseException:
+                    # Interrupted (Ctrl-C): end this call's requests so a later call does not
+                    # compute them for nobody.
+                    if not self.engine.dead:
+                        for i in ids:
+                            if i not in results:
+                                self.engine.abort_request(i)
+                    raise
                 for out in finished:
                     if out.request_id in wanted:
                         results[out.request_id] = out

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from pprun.config.config import PprunConfig
 from pprun.core.outputs import SchedulerOutput
-from pprun.core.request import Request
+from pprun.core.request import Request, RequestStatus
 from pprun.core.scheduler import Scheduler, min_blocks_for_one_request
 from pprun.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pprun.executor.base import StageFailedError
@@ -97,19 +97,11 @@ class LLMEngine:
             self.executor.shutdown()
             raise
         sc = cfg.scheduler
-        self.scheduler = Scheduler(
-            max_num_seqs=sc.max_num_seqs,
-            max_num_batched_tokens=sc.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            block_size=cfg.cache.block_size,
-            num_blocks=self.num_blocks,
-            enable_chunked_prefill=sc.enable_chunked_prefill,
-            max_in_flight=self.executor.max_in_flight,
-            # pp > 1: a batch per stage.  One stage with async steps: every request in each step,
-            # the next step computing on the device-side samples of the previous one.
-            spread_over_in_flight=not self.async_scheduling,
-            async_scheduling=self.async_scheduling,
-        )
+        try:
+            self.scheduler = self._make_scheduler(sc)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.tracked: dict[str, _Tracked] = {}
         self.in_flight: deque[SchedulerOutput] = deque()
         self.carry_finished: set[str] = set()
@@ -118,6 +110,22 @@ class LLMEngine:
         self.num_steps = 0
         self.num_preemptions = 0
         """Preemptions (by recompute) of requests finished so far."""
+
+    def _make_scheduler(self, sc) -> Scheduler:
+        """The scheduler for this engine's executor (steps in flight, async or spread)."""
+        return Scheduler(
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=self.cfg.cache.block_size,
+            num_blocks=self.num_blocks,
+            enable_chunked_prefill=sc.enable_chunked_prefill,
+            max_in_flight=self.executor.max_in_flight,
+            # pp > 1: a batch per stage.  One stage with async steps: every request in each step,
+            # the next step computing on the device-side samples of the previous one.
+            spread_over_in_flight=not self.async_scheduling,
+            async_scheduling=self.async_scheduling,
+        )
 
     def _init_cache(self) -> None:
         cache = self.cfg.cache
@@ -189,6 +197,8 @@ class LLMEngine:
         if self.dead:
             raise StageFailedError(f"the engine has failed ({self.dead}); start a new LLM")
         req_id = request_id or str(next(self._ids))
+        if req_id in self.tracked:
+            raise ValueError(f"request_id={req_id!r} is invalid: a request with this id is not yet collected")
         req = Request(
             req_id,
             prompt_token_ids,
@@ -234,6 +244,11 @@ class LLMEngine:
         except StageFailedError as e:
             self._fail(str(e))
             raise
+        except BaseException as e:
+            if getattr(self.executor, "dead", False):
+                # The executor gave up on its stages (interrupted mid-step): so does the engine.
+                self._fail(f"interrupted: {type(e).__name__}")
+            raise
         so = self.in_flight.popleft()
         updated = self.scheduler.update_from_output(so, out)
         now = time.time()
@@ -252,18 +267,28 @@ class LLMEngine:
         return self._collect_finished(updated)
 
     def _check_stop_strings(self, tr: _Tracked) -> None:
-        stops = tr.req.sampling_params.stop
-        if not stops or tr.req.is_finished:
+        """End a request whose text contains a stop string (the text is cut before it).
+
+        Also checked when the token that completed the string was the last one allowed
+        (finish_reason "length"): the stop string wins, as in vLLM.
+        """
+        req = tr.req
+        stops = req.sampling_params.stop
+        if not stops or (req.is_finished and req.finish_reason != "length"):
             return
-        if len(tr.req.output_token_ids) < tr.req.sampling_params.min_tokens:
+        if len(req.output_token_ids) < req.sampling_params.min_tokens:
             return
-        text = self.decode(tr.req.output_token_ids, tr.req.sampling_params)
+        text = self.decode(req.output_token_ids, req.sampling_params)
         hits = [(text.find(s), s) for s in stops if s in text]
         if hits:
             pos, s = min(hits)
             tr.text = text[:pos]
-            self.scheduler.abort_requests([tr.req.req_id], finish_reason="stop")
-            tr.req.stop_reason = s
+            if req.is_finished:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.finish_reason = "stop"
+            else:
+                self.scheduler.abort_requests([req.req_id], finish_reason="stop")
+            req.stop_reason = s
 
     def _collect_finished(self, updated: list[Request]) -> list[RequestOutput]:
         done = []

@@ -61,7 +61,16 @@ class RayExecutor(RemoteStagesExecutor):
         bundle = {"GPU": 1, "CPU": cpus} if on_gpu else {"CPU": cpus}
         self.pg = placement_group([dict(bundle) for _ in range(self.pp_size)], strategy="PACK")
         self._remove_pg = remove_placement_group
-        ray.get(self.pg.ready(), timeout=par.stage_timeout_s + 60)
+        self.actors = []
+        try:
+            ray.get(self.pg.ready(), timeout=par.stage_timeout_s + 60)
+        except ray.exceptions.GetTimeoutError:
+            self.shutdown(graceful=False)
+            raise ValueError(
+                f"Ray could not place {self.pp_size} stages of {bundle} within "
+                f"{par.stage_timeout_s + 60:.0f}s: the cluster lacks the resources "
+                f"(ray.cluster_resources()={ray.cluster_resources()})"
+            ) from None
 
         @ray.remote
         class StageActor:

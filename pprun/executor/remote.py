@@ -214,7 +214,16 @@ class RemoteStagesExecutor(Executor):
     def get_output(self) -> ModelRunnerOutput:
         """The oldest outstanding step's output from the last stage."""
         step_id = self.pending.popleft()
-        msg = self._recv(self.pp_size - 1, "output", self.timeout_s)
+        try:
+            msg = self._recv(self.pp_size - 1, "output", self.timeout_s)
+        except StageFailedError:
+            raise
+        except BaseException:
+            # Interrupted mid-read (Ctrl-C): the socket stream may be cut inside a message, so
+            # the pipeline cannot be trusted any more; stop it and let the interrupt through.
+            self.dead = True
+            self.shutdown(graceful=False)
+            raise
         out: ModelRunnerOutput = msg[1]
         if out.step_id != step_id:
             self._fail(f"last stage answered step {out.step_id}, expected {step_id}")

@@ -43,11 +43,15 @@ class UniExecutor(Executor):
 
     def get_output(self) -> ModelRunnerOutput:
         """The oldest submitted step's output (waits for the device when it is still pending)."""
-        out = self.outputs.popleft()
+        out = self.outputs[0]
         try:
-            return out.result() if hasattr(out, "result") else out
+            result = out.result() if hasattr(out, "result") else out
         except Exception as e:
             raise StageFailedError(f"stage 0 failed: {e!r}") from e
+        # Popped only once the result is in: an interrupt while waiting (Ctrl-C) leaves the
+        # step queued, and the next get_output waits for it again.
+        self.outputs.popleft()
+        return result
 
     def shutdown(self) -> None:
         """Nothing to stop in process."""

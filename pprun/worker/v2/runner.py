@@ -282,6 +282,11 @@ class V2ModelRunner:
         sample_idx_list = batch.sample_batch_idx.tolist()
         self.prev_sample_index = {batch.req_ids[i]: j for j, i in enumerate(sample_idx_list)}
         host_ids, done = self._copy_to_host(res.sampled_token_ids)
+        # Read the table now: by the time the output is built, a finished request's row may
+        # already belong to a request admitted in a later step.
+        num_logprobs = None
+        if tensors.max_num_logprobs is not None:
+            num_logprobs = self.table.num_logprobs_list(batch.rows[batch.sample_batch_idx])
 
         def build() -> ModelRunnerOutput:
             if done is not None:
@@ -296,9 +301,8 @@ class V2ModelRunner:
                 for i, tok in zip(sample_idx_list, token_ids):
                     sampled[i] = [tok]
             # Logprobs cost extra device-to-host copies: only when some request asked.
-            if tensors.max_num_logprobs is not None:
-                rows = batch.rows[batch.sample_batch_idx]
-                for i, lp in zip(sample_idx_list, to_logprobs(res, self.table.num_logprobs_list(rows))):
+            if num_logprobs is not None:
+                for i, lp in zip(sample_idx_list, to_logprobs(res, num_logprobs)):
                     logprobs[i] = lp
             return ModelRunnerOutput(
                 step_id=so.step_id, req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs
