@@ -26,6 +26,10 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 # reduce pass than it wins in parallelism.
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 32
+# Decode launch settings; scripts/tune_decode.py sweeps them on a GPU.
+_DECODE_BLOCK_N = 64
+_DECODE_NUM_WARPS = 4
+_DECODE_NUM_STAGES = 2
 # The CPU interpreter multiplies bf16/fp16 dot operands as raw bits; it gets fp32 dots.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -356,7 +360,7 @@ def paged_decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     # tl.dot needs M >= 16; the padded group rows are masked out.
     block_g = max(16, triton.next_power_of_2(group))
-    block_n = max(64, page_size)
+    block_n = max(_DECODE_BLOCK_N, page_size)
     num_splits = num_decode_splits(num_reqs_padded, num_kv_heads, block_table.shape[1] * page_size, q.device)
     if num_splits > 1:
         part_m = torch.empty(num_reqs_padded * num_heads * num_splits, dtype=torch.float32, device=q.device)
@@ -393,8 +397,8 @@ def paged_decode_attention(
         PAGE_SIZE=page_size,
         NUM_SPLITS=num_splits,
         DOT_F32=_dot_in_fp32(q.dtype),
-        num_warps=4,
-        num_stages=2,
+        num_warps=_DECODE_NUM_WARPS,
+        num_stages=_DECODE_NUM_STAGES,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_reqs_padded, num_heads)](
