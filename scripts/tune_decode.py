@@ -49,7 +49,9 @@ def main() -> None:
             ops._DECODE_BLOCK_N, ops._DECODE_NUM_WARPS, ops._DECODE_NUM_STAGES = bn, warps, stages
             ops._MIN_TOKENS_PER_SPLIT = min_split
             try:
-                fn = lambda: ops.paged_decode_attention(q, kv, table, seq_lens, dim**-0.5, out)  # noqa: E731
+                def fn(q=q, kv=kv, table=table, seq_lens=seq_lens, out=out) -> None:
+                    ops.paged_decode_attention(q, kv, table, seq_lens, dim**-0.5, out)
+
                 fn()
                 err = (out.float() - ref.float()).abs().max().item()
                 results.append((time_us(fn), bn, warps, stages, min_split, err))
