@@ -14,28 +14,15 @@ always) bit-identical to torch.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_env import DEVICE, HAS_CUDA, RUN_TRITON  # noqa: E402  (sets TRITON_INTERPRET)
 
 import pprun.layers
 from pprun.models.hf_config import load_arch_config
 from pprun.models.llama import RMSNorm, RotaryEmbedding
-
-HAS_CUDA = torch.cuda.is_available()
-USE_INTERPRETER = (
-    not HAS_CUDA
-    and os.environ.get("PPRUN_TEST_TRITON_INTERPRET") == "1"
-    and importlib.util.find_spec("triton") is not None
-)
-if USE_INTERPRETER:
-    # triton.jit reads this when a kernel is decorated, i.e. when pprun.layers.fused is imported.
-    os.environ["TRITON_INTERPRET"] = "1"
-RUN_TRITON = importlib.util.find_spec("triton") is not None and (HAS_CUDA or USE_INTERPRETER)
-DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 triton_only = pytest.mark.skipif(
     not RUN_TRITON, reason="needs CUDA, or PPRUN_TEST_TRITON_INTERPRET=1 for the interpreter"

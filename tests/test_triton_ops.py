@@ -8,27 +8,16 @@ Triton interpreter when ``PPRUN_TEST_TRITON_INTERPRET=1`` (slow: shapes stay tin
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_env import DEVICE, RUN_TRITON  # noqa: E402  (sets TRITON_INTERPRET)
 
 from pprun.attention.ref_ops import paged_attention_ref, write_kv_cache
 
-HAS_CUDA = torch.cuda.is_available()
-USE_INTERPRETER = (
-    not HAS_CUDA
-    and os.environ.get("PPRUN_TEST_TRITON_INTERPRET") == "1"
-    and importlib.util.find_spec("triton") is not None
-)
-if USE_INTERPRETER:
-    # triton.jit reads this when a kernel is decorated, i.e. when triton_ops is imported.
-    os.environ["TRITON_INTERPRET"] = "1"
-RUN_TRITON = importlib.util.find_spec("triton") is not None and (HAS_CUDA or USE_INTERPRETER)
-TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
+TRITON_DEVICE = DEVICE
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
