@@ -137,3 +137,31 @@ def test_stage_owns_only_its_tensors(tmp_path):
     assert not any(n.startswith(f"model.layers.{i}.") for n in names[1] for i in (0, 1))
     # The tied embedding is read by both ends; everything else by exactly one stage.
     assert names[0] & names[1] == {"model.embed_tokens.weight"}
+
+
+# Measured on the demo model (CPU): fp32 max |diff| 4.6e-5, bf16 0.625 on logits up to ~34
+# (bf16 keeps ~3 significant digits: an ulp there is 0.125-0.25). Both pick the same tokens.
+DEMO_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1.0}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_demo_model_logits_per_dtype(demo_model_dir, dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time in a small village there lived"]
+    prompts = [tok.encode(t) for t in texts]
+    arch = load_arch_config(demo_model_dir)
+    ids, pos, meta, num_blocks = prefill_batch(prompts)
+    model = load_stage_model(demo_model_dir, arch, StageLayout.single(arch.num_hidden_layers),
+                             device=torch.device("cpu"), dtype=dtype, max_positions=256,
+                             attn_backend=reference_backend)
+    model.bind_kv_caches(allocate_kv_caches(arch, arch.num_hidden_layers, num_blocks, BLOCK, dtype, torch.device("cpu")))
+    with torch.inference_mode():
+        h = model(input_ids=ids, positions=pos, inputs_embeds=None, intermediate_tensors=None, attn_metadata=meta)
+        ours = model.compute_logits(h[meta.query_start_loc[1:].long() - 1]).float()
+    hf = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=dtype).eval()
+    with torch.no_grad():
+        ref = torch.stack([hf(torch.tensor([p])).logits[0, -1].float() for p in prompts])
+    assert (ours - ref).abs().max().item() <= DEMO_TOLERANCE[dtype]
+    assert ours.argmax(-1).tolist() == ref.argmax(-1).tolist()
