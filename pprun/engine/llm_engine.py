@@ -278,6 +278,14 @@ class LLMEngine:
             return
         if len(req.output_token_ids) < req.sampling_params.min_tokens:
             return
+        # Earlier steps found no stop string, so a new one ends in the newest token and spans
+        # at most 4 bytes (tokens) per character: decode that tail first, and the whole output
+        # only on a hit (no quadratic re-decoding of long outputs).
+        window = 4 * max(len(s) for s in stops) + 8
+        if len(req.output_token_ids) > window:
+            tail = self.decode(req.output_token_ids[-window:], req.sampling_params)
+            if not any(s in tail for s in stops):
+                return
         text = self.decode(req.output_token_ids, req.sampling_params)
         hits = [(text.find(s), s) for s in stops if s in text]
         if hits:
