@@ -21,6 +21,11 @@ Layouts (shared with ``triton_ops``):
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+_SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+"""torch >= 2.5: SDPA takes grouped K/V heads directly (one fused kernel, about twice as fast
+as the einsums on CPU; the same fp32 math up to summation order)."""
 
 
 def check_kv_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
@@ -118,15 +123,24 @@ def paged_attention_ref(
         # [num_blocks, block_size, kv_heads, d] -> [seq_len, kv_heads, d]
         keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
         values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        # Query heads grouped by their KV head: no repeated copy of K/V.
-        query = q[q_start:q_end].float().view(query_len, num_kv_heads, group, head_dim)
-        scores = torch.einsum("qhgd,khd->hgqk", query, keys) * scale
         context_len = seq_len - query_len
         q_pos = torch.arange(query_len, device=q.device)[:, None] + context_len
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        ctx = torch.einsum("hgqk,khd->qhgd", probs, values)
+        if _SDPA_HAS_GQA:
+            ctx = F.scaled_dot_product_attention(
+                q[q_start:q_end].float().transpose(0, 1)[None],
+                keys.transpose(0, 1)[None],
+                values.transpose(0, 1)[None],
+                attn_mask=(k_pos <= q_pos)[None, None],
+                scale=scale,
+                enable_gqa=True,
+            )[0].transpose(0, 1)
+        else:
+            # Query heads grouped by their KV head: no repeated copy of K/V.
+            query = q[q_start:q_end].float().view(query_len, num_kv_heads, group, head_dim)
+            scores = torch.einsum("qhgd,khd->hgqk", query, keys) * scale
+            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+            ctx = torch.einsum("hgqk,khd->qhgd", torch.softmax(scores, dim=-1), values)
         out[q_start:q_end] = ctx.reshape(query_len, num_heads, head_dim).to(q.dtype)
     return out
 
@@ -155,11 +169,23 @@ def _decode_batched(
     keys = k_cache[blocks].reshape(num_reqs, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_len].float()
     values = v_cache[blocks].reshape(num_reqs, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_len].float()
     rows = torch.tensor(starts[:num_reqs], device=q.device)
-    query = q[rows].float().view(num_reqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("rhgd,rkhd->rhgk", query, keys) * scale
     k_pos = torch.arange(max_len, device=q.device)[None, :]
     too_far = k_pos >= torch.tensor(lens, device=q.device)[:, None]
-    scores = scores.masked_fill(too_far[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    ctx = torch.einsum("rhgk,rkhd->rhgd", probs, values)
+    if _SDPA_HAS_GQA:
+        # One fused kernel (about twice as fast as the einsums on CPU; same fp32 math up to
+        # summation order).
+        ctx = F.scaled_dot_product_attention(
+            q[rows].float().view(num_reqs, num_heads, 1, head_dim),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=~too_far[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+    else:
+        query = q[rows].float().view(num_reqs, num_kv_heads, group, head_dim)
+        scores = torch.einsum("rhgd,rkhd->rhgk", query, keys) * scale
+        scores = scores.masked_fill(too_far[:, None, None, :], float("-inf"))
+        ctx = torch.einsum("rhgk,rkhd->rhgd", torch.softmax(scores, dim=-1), values)
     out[rows] = ctx.reshape(num_reqs, num_heads, head_dim).to(q.dtype)
+
