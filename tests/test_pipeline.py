@@ -123,44 +123,46 @@ def test_batches_overlap_across_stages(tiny_llama_dir):
     assert elapsed > 0.9 * overlapped
 
 
-@pytest.mark.parametrize("executor", ["mp", "ray"])
-def test_stage_that_raises_becomes_an_error(tiny_llama_dir, executor, request):
+def pipeline_llm(model_dir, executor: str, request, **kwargs) -> LLM:
+    """A two-stage V1 pipeline of the tiny model (the Ray cluster fixture joined when needed)."""
     if executor == "ray":
         request.getfixturevalue("ray_cluster")
-    llm = LLM(str(tiny_llama_dir), dtype="float32", executor=executor, pipeline_parallel_size=2,
-              runner="v1", _fault_injection={1: {"raise_at_step": 3}})
-    pids = list(llm.engine.executor.stage_pids)
-    t0 = time.perf_counter()
-    with pytest.raises(StageFailedError, match="injected failure in stage 1") as info:
-        llm.generate(TOKEN_PROMPTS, GREEDY)
+    return LLM(str(model_dir), dtype="float32", executor=executor, pipeline_parallel_size=2, runner="v1", **kwargs)
+
+
+def assert_failed_cleanly(info, pids: list[int], t0: float, model_dir, executor: str, request) -> None:
+    """Error within 30 s, every request ended with "error", no stage left, a new LLM starts."""
     assert time.perf_counter() - t0 < 30
     outs = info.value.outputs
     assert len(outs) == len(TOKEN_PROMPTS)
     assert all(o.outputs[0].finish_reason == "error" and o.error for o in outs)
     assert pids_gone(pids)
-    llm.shutdown()
-    with LLM(str(tiny_llama_dir), dtype="float32", executor=executor, pipeline_parallel_size=2, runner="v1") as again:
+    with pipeline_llm(model_dir, executor, request) as again:
         assert len(again.generate(TOKEN_PROMPTS[:1], GREEDY)[0].outputs[0].token_ids) == 12
 
 
 @pytest.mark.parametrize("executor", ["mp", "ray"])
+def test_stage_that_raises_becomes_an_error(tiny_llama_dir, executor, request):
+    llm = pipeline_llm(tiny_llama_dir, executor, request, _fault_injection={1: {"raise_at_step": 3}})
+    pids = list(llm.engine.executor.stage_pids)
+    t0 = time.perf_counter()
+    with pytest.raises(StageFailedError, match="injected failure in stage 1") as info:
+        llm.generate(TOKEN_PROMPTS, GREEDY)
+    llm.shutdown()
+    assert_failed_cleanly(info, pids, t0, tiny_llama_dir, executor, request)
+
+
+@pytest.mark.parametrize("executor", ["mp", "ray"])
 def test_killed_stage_becomes_an_error(tiny_llama_dir, executor, request):
-    if executor == "ray":
-        request.getfixturevalue("ray_cluster")
-    llm = LLM(str(tiny_llama_dir), dtype="float32", executor=executor, pipeline_parallel_size=2,
-              runner="v1", _fault_injection={0: {"delay_s": 0.05}})
+    llm = pipeline_llm(tiny_llama_dir, executor, request, _fault_injection={0: {"delay_s": 0.05}})
     pids = list(llm.engine.executor.stage_pids)
     killer = threading.Timer(1.5, lambda: os.kill(pids[1], signal.SIGKILL))
     killer.start()
     t0 = time.perf_counter()
     with pytest.raises(StageFailedError, match="stage 1") as info:
         llm.generate(TOKEN_PROMPTS, SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
-    assert time.perf_counter() - t0 < 30
-    assert all(o.outputs[0].finish_reason == "error" for o in info.value.outputs)
-    assert pids_gone(pids)
     llm.shutdown()
-    with LLM(str(tiny_llama_dir), dtype="float32", executor=executor, pipeline_parallel_size=2, runner="v1") as again:
-        assert len(again.generate(TOKEN_PROMPTS[:1], GREEDY)[0].outputs[0].token_ids) == 12
+    assert_failed_cleanly(info, pids, t0, tiny_llama_dir, executor, request)
 
 
 def test_mismatched_intermediate_keys_are_a_clear_error(tiny_llama_dir):

@@ -103,6 +103,8 @@ class LLMEngine:
             self.executor.shutdown()
             raise
         self.tracked: dict[str, _Tracked] = {}
+        self._aborted: list[str] = []
+        """Ids aborted by the user since the last collection (their outputs are due)."""
         self.in_flight: deque[SchedulerOutput] = deque()
         self.carry_finished: set[str] = set()
         self.dead: str | None = None
@@ -214,6 +216,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """End a request; its output reports finish_reason "abort"."""
         self.scheduler.abort_requests([request_id])
+        self._aborted.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request waits, runs or has a step in flight."""
@@ -239,7 +242,7 @@ class LLMEngine:
                 self.in_flight.append(so)
                 self.num_steps += 1
             if not self.in_flight:
-                return self._collect_finished([])
+                return self._collect_finished([])  # user aborts only
             out = self.executor.get_output()
         except StageFailedError as e:
             self._fail(str(e))
@@ -264,7 +267,7 @@ class LLMEngine:
             if tr.logprobs is not None:
                 tr.logprobs.append(lp_by_req.get(req.req_id))
             self._check_stop_strings(tr)
-        return self._collect_finished(updated)
+        return self._collect_finished([r.req_id for r in updated])
 
     def _check_stop_strings(self, tr: _Tracked) -> None:
         """End a request whose text contains a stop string (the text is cut before it).
@@ -298,10 +301,17 @@ class LLMEngine:
                 self.scheduler.abort_requests([req.req_id], finish_reason="stop")
             req.stop_reason = s
 
-    def _collect_finished(self, updated: list[Request]) -> list[RequestOutput]:
+    def _collect_finished(self, req_ids: list[str]) -> list[RequestOutput]:
+        """Outputs of the finished requests among ``req_ids`` and those aborted by the user.
+
+        Only the step's candidates are looked at, not every tracked request: with thousands
+        queued, a per-step scan of all of them would be the engine's hot loop.
+        """
+        candidates, self._aborted = req_ids + self._aborted, []
         done = []
-        for req_id, tr in list(self.tracked.items()):
-            if tr.req.is_finished:
+        for req_id in candidates:
+            tr = self.tracked.get(req_id)
+            if tr is not None and tr.req.is_finished:
                 done.append(self._make_output(tr))
                 del self.tracked[req_id]
         return done
@@ -341,7 +351,7 @@ class LLMEngine:
 
     def drain_failed(self) -> list[RequestOutput]:
         """Outputs (finish_reason "error") of every request ended by a failure."""
-        return self._collect_finished([])
+        return self._collect_finished(list(self.tracked))
 
     def decode(self, token_ids: list[int], params: SamplingParams) -> str:
         """Token ids to text ("" for a model without a tokenizer)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pprun.core.outputs import Logprobs
 
@@ -57,4 +57,3 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     """Why the request ended with finish_reason "error"."""
-    extra: dict = field(default_factory=dict)

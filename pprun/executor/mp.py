@@ -7,6 +7,7 @@ Stages start as fresh interpreters (``python -m pprun.executor.stage_main``), no
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -16,6 +17,8 @@ import time
 from pprun.distributed.layout import StageLayout
 from pprun.executor.remote import RemoteStagesExecutor
 from pprun.worker.worker import WorkerSpec
+
+logger = logging.getLogger(__name__)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -47,15 +50,16 @@ class MpExecutor(RemoteStagesExecutor):
         ]
         env = dict(os.environ, PPRUN_AUTHKEY=self.authkey.hex())
         host, port = listener.address
-        self.procs: list[subprocess.Popen] = [
-            subprocess.Popen(
-                [sys.executable, "-m", "pprun.executor.stage_main", host, str(port), str(rank)],
-                env=env,
-                stdin=subprocess.DEVNULL,
-            )
-            for rank in range(self.pp_size)
-        ]
+        self.procs: list[subprocess.Popen] = []
         try:
+            for rank in range(self.pp_size):
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "pprun.executor.stage_main", host, str(port), str(rank)],
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                    )
+                )
             self._accept_all(listener, specs)
             self._setup_stages()
         except BaseException:
@@ -83,4 +87,7 @@ class MpExecutor(RemoteStagesExecutor):
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
-            p.wait(timeout=10)
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # stuck in the kernel: reported, not waited for
+                logger.warning("stage process %d did not exit after SIGKILL", p.pid)

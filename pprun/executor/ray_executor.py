@@ -57,7 +57,8 @@ class RayExecutor(RemoteStagesExecutor):
         par = resolved.cfg.parallel
         on_gpu = resolved.device == "cuda"
         cpus = par.ray_num_cpus_per_stage
-        self.started_ray = ensure_ray(par.ray_address, cpus * self.pp_size)
+        # A local cluster started here stays up for the process (a later LLM reuses it).
+        ensure_ray(par.ray_address, cpus * self.pp_size)
         bundle = {"GPU": 1, "CPU": cpus} if on_gpu else {"CPU": cpus}
         self.pg = placement_group([dict(bundle) for _ in range(self.pp_size)], strategy="PACK")
         self._remove_pg = remove_placement_group

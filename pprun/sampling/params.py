@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -39,8 +39,6 @@ class SamplingParams:
     """Return the sampled token's log-probability and the top ``logprobs`` alternatives."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the decoded text."""
-    extra: dict = field(default_factory=dict)
-    """Reserved for future options; unused."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

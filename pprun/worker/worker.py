@@ -126,8 +126,7 @@ class Worker:
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """One step of this stage: receive, compute, send (or sample on the last stage)."""
-        self.step_count += 1
-        self._inject_faults()
+        self._begin_step()
         received = None
         num_tokens = so.total_num_scheduled_tokens
         if not self.layout.is_first and num_tokens > 0:
@@ -146,12 +145,13 @@ class Worker:
         (V2: a ``PendingOutput``); used by the in-process executor for async scheduling."""
         if self.layout.pp_size != 1:
             raise ValueError("execute_model_async serves a single-stage pipeline only")
-        self.step_count += 1
-        self._inject_faults()
+        self._begin_step()
         run = getattr(self.runner, "execute_model_async", None)
         return run(so, None) if run is not None else self.runner.execute_model(so, None)
 
-    def _inject_faults(self) -> None:
+    def _begin_step(self) -> None:
+        """Count the step; in tests, apply the injected delay or failure."""
+        self.step_count += 1
         fi = self.spec.fault_injection
         if not fi:
             return
