@@ -44,7 +44,8 @@ def until_decoding(eng, batch: int) -> None:
             return
 
 
-def decode(model: str, batch: int, ctx: int, steps: int, memory_steps: int = 0) -> dict:
+def decode(model: str, batch: int, ctx: int, steps: int, memory_steps: int = 0,
+           measure_memory: bool = True) -> dict:
     util = 0.3
     free_before, total = torch.cuda.mem_get_info()
     llm = LLM(model, runner="v2", cudagraph_mode="full", max_num_seqs=batch,
@@ -78,7 +79,7 @@ def decode(model: str, batch: int, ctx: int, steps: int, memory_steps: int = 0) 
         torch.cuda.synchronize()
         out["graph_replay_ms"] = round(s.elapsed_time(e) / 100, 4)
         out["host_overhead_ms"] = round(step_ms - out["graph_replay_ms"], 4)
-    if memory_steps:
+    if memory_steps and measure_memory:
         torch.cuda.synchronize()
         used0 = torch.cuda.memory_allocated()
         reserved0 = torch.cuda.memory_reserved()
@@ -140,12 +141,28 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--memory-steps", type=int, default=1000)
+    ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--ab", action="store_true",
+                    help="also run decode with each fast path off: cuBLAS for decode-sized matmuls "
+                         "(PPRUN_DISABLE_SKINNY_GEMM), separate rotary/cache-write/attention kernels "
+                         "(PPRUN_DISABLE_FUSED_DECODE)")
     args = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "matmul_tflops": round(matmul_tflops(), 1)}
     res["decode_b1"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps)
     res["decode_b32"] = decode(args.model, 32, 512, 100)
-    res["prefill"] = prefill(args.model)
-    res["prefill"]["share_of_matmul_rate"] = round(res["prefill"]["tflops"] / res["matmul_tflops"], 3)
+    if args.ab:
+        import pprun.layers
+
+        for flag in ("SKINNY_ENABLED", "FUSED_DECODE_ENABLED"):
+            setattr(pprun.layers, flag, False)
+            # Same max_model_len as the runs above (it sets the decode split count).
+            res[f"decode_b1_without_{flag}"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps,
+                                                      measure_memory=False)
+            res[f"decode_b32_without_{flag}"] = decode(args.model, 32, 512, 100)
+            setattr(pprun.layers, flag, True)
+    if not args.no_prefill:
+        res["prefill"] = prefill(args.model)
+        res["prefill"]["share_of_matmul_rate"] = round(res["prefill"]["tflops"] / res["matmul_tflops"], 3)
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:

@@ -195,6 +195,8 @@ def test_tiny_llama_fused_matches_torch_path(monkeypatch, tiny_llama_dir, dtype)
         max_positions=256,
         attn_backend=reference_backend,
     )
+    # The elementwise kernels only: decode-sized matmuls keep cuBLAS (and silu_and_mul) here.
+    monkeypatch.setattr(pprun.layers, "SKINNY_ENABLED", False)
     calls = {"norm": 0, "rotary": 0, "silu": 0}
 
     def counted(name, fn):
@@ -222,3 +224,57 @@ def test_tiny_llama_fused_matches_torch_path(monkeypatch, tiny_llama_dir, dtype)
     assert calls == {"norm": 2 * num_layers + 1, "rotary": num_layers, "silu": num_layers}
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+def test_tiny_llama_skinny_matmuls_match_cublas(monkeypatch, tiny_llama_dir):
+    """A whole bf16 model on CUDA with a one-token batch: split-K matmuls (SwiGLU folded into
+    gate_up) vs cuBLAS + silu_and_mul."""
+    from test_model_parity import BLOCK, prefill_batch
+
+    from pprun.attention.backend import reference_backend
+    from pprun.distributed.layout import StageLayout
+    from pprun.layers import skinny
+    from pprun.worker.kv_cache import allocate_kv_caches
+    from pprun.worker.model_loader import load_stage_model
+
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    arch = load_arch_config(tiny_llama_dir)
+    # One token: the row count that pprun.layers.linear sends to the split-K kernels.
+    ids, pos, meta, num_blocks = prefill_batch([[42]])
+    meta = dataclasses.replace(
+        meta,
+        **{
+            f.name: getattr(meta, f.name).to(device)
+            for f in dataclasses.fields(meta)
+            if isinstance(getattr(meta, f.name), torch.Tensor)
+        },
+    )
+    layout = StageLayout.from_partition([arch.num_hidden_layers], 0)
+    model = load_stage_model(
+        tiny_llama_dir, arch, layout, device=device, dtype=dtype, max_positions=256,
+        attn_backend=reference_backend,
+    )
+    calls = {"plain": 0, "swiglu": 0}
+    original = skinny.skinny_linear
+
+    def counted(*args, **kwargs):
+        calls["swiglu" if kwargs.get("swiglu") else "plain"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(skinny, "skinny_linear", counted)
+
+    def logits(enabled: bool) -> torch.Tensor:
+        monkeypatch.setattr(pprun.layers, "SKINNY_ENABLED", enabled)
+        model.bind_kv_caches(allocate_kv_caches(arch, layout.num_layers, num_blocks, BLOCK, dtype, device))
+        with torch.inference_mode():
+            h = model(ids.to(device), pos.to(device), None, None, meta)
+            return model.compute_logits(h).float()
+
+    want = logits(False)
+    assert calls == {"plain": 0, "swiglu": 0}
+    got = logits(True)
+    num_layers = arch.num_hidden_layers
+    # qkv, o_proj and down per layer plus the LM head; gate_up with its activation.
+    assert calls == {"plain": 3 * num_layers + 1, "swiglu": num_layers}
+    torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)

@@ -361,3 +361,122 @@ def test_triton_head_dim_128_block_64(max_query_len_one):
         seed=5,
     )
     _check(case, torch.float32)
+
+
+# ---------------------------------------------------------------- decode with rotary folded in
+
+
+def _rope_tables(max_positions: int, head_dim: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    # The model's torch path (HF's formula): tables cast to x's dtype, then three ops.
+    c = cos[positions].to(x.dtype).unsqueeze(1)
+    s = sin[positions].to(x.dtype).unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * c + torch.cat((-x2, x1), dim=-1) * s
+
+
+def _check_rope_decode(case: Case, dtype: torch.dtype, *, rope: bool = True, repeats: int = 1) -> None:
+    from pprun.attention.triton_ops import paged_decode_attention_rope
+
+    seq_lens = case.seq_lens.cpu()
+    # A decode token sits at the end of its context; padded rows get position 0.
+    positions = torch.clamp(seq_lens - 1, min=0).long()
+    positions = torch.cat([positions, torch.zeros(case.q.shape[0] - positions.shape[0], dtype=torch.long)])[
+        : case.q.shape[0]
+    ].to(case.q.device)
+    cos = sin = None
+    q, k = case.q, case.k
+    if rope:
+        from pprun.layers.fused import rotary_qk
+
+        cos, sin = _rope_tables(int(seq_lens.max()) + 1, case.q.shape[2], case.q.device.type)
+        # The kernels this one replaces: rotary_qk, then the cache write and attention.  Its
+        # rotation rounds like the torch formula (checked here too), so the cache must match
+        # rotary_qk's bit for bit.
+        q, k = rotary_qk(case.q.clone(), case.k.clone(), cos, sin, positions)
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(q, _rotate(case.q, cos, sin, positions), atol=tol, rtol=tol)
+    ref_cache = case.kv_cache.clone()
+    write_kv_cache(k, case.v, ref_cache, case.slot_mapping)
+    expected = paged_attention_ref(
+        q, ref_cache, case.query_start_loc, case.seq_lens, case.block_table, case.scale, case.num_reqs
+    )
+    q_before, k_before = case.q.clone(), case.k.clone()
+    for _ in range(repeats):  # the split counters must come back to zero after every launch
+        tri_cache = case.kv_cache.clone()
+        out = torch.full_like(case.q, float("nan"))
+        paged_decode_attention_rope(
+            case.q, case.k, case.v, cos, sin, positions, tri_cache, case.slot_mapping,
+            case.block_table, case.seq_lens, case.scale, out,
+        )
+        torch.testing.assert_close(tri_cache, ref_cache, atol=0, rtol=0)
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    assert torch.equal(case.q, q_before) and torch.equal(case.k, k_before)  # inputs untouched
+
+
+@triton_only
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_rope_decode_matches_rotary_then_reference(num_heads, num_kv_heads, head_dim, block_size, dtype):
+    # Context 0 (the new token alone), one shorter than a tile, one longer; one padded row.
+    case = make_case(
+        [1, 1, 1], [40, 0, 90], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, dtype=dtype, device=TRITON_DEVICE, num_reqs_padded=4,
+        num_tokens_padded=4, seed=6,
+    )
+    _check_rope_decode(case, dtype)
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_rope_decode_split_context_merged_in_kernel(dtype):
+    from pprun.attention.triton_ops import num_decode_splits
+
+    max_blocks = 64
+    assert num_decode_splits(3, 1, max_blocks * 16, torch.device(TRITON_DEVICE)) > 1
+    # 400 cached tokens spread over several splits, 20 in the first split only (the last
+    # split then holds just the new token), 256 ending on a split edge; one padded row.
+    case = make_case(
+        [1, 1, 1], [400, 20, 255], num_heads=4, num_kv_heads=1, head_dim=64, block_size=16,
+        dtype=dtype, device=TRITON_DEVICE, num_reqs_padded=4, num_tokens_padded=4,
+        max_blocks_per_req=max_blocks, seed=7,
+    )
+    _check_rope_decode(case, dtype, repeats=2)
+
+
+@triton_only
+def test_triton_rope_decode_without_rotary_and_fewer_token_rows():
+    # A model without rotary (cos/sin None) takes q and k as they are; token rows past the
+    # request rows (padding) come out zero.
+    case = make_case(
+        [1, 1], [5, 17], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+        dtype=torch.float32, device=TRITON_DEVICE, num_reqs_padded=2, num_tokens_padded=3, seed=8,
+    )
+    _check_rope_decode(case, torch.float32, rope=False)
+
+
+@triton_only
+def test_triton_rope_decode_rejects_mismatched_tables():
+    from pprun.attention.triton_ops import paged_decode_attention_rope
+
+    case = make_case([1], [3], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                     dtype=torch.float32, device=TRITON_DEVICE)
+    cos, _ = _rope_tables(8, 32, TRITON_DEVICE)  # half the head_dim
+    positions = torch.zeros(1, dtype=torch.long, device=TRITON_DEVICE)
+    with pytest.raises(ValueError, match=r"cos must be a \[max_positions, 64\]"):
+        paged_decode_attention_rope(
+            case.q, case.k, case.v, cos, cos, positions, case.kv_cache, case.slot_mapping,
+            case.block_table, case.seq_lens, case.scale, torch.empty_like(case.q),
+        )
+    with pytest.raises(ValueError, match="together"):
+        paged_decode_attention_rope(
+            case.q, case.k, case.v, cos, None, positions, case.kv_cache, case.slot_mapping,
+            case.block_table, case.seq_lens, case.scale, torch.empty_like(case.q),
+        )

@@ -248,11 +248,11 @@ def test_table_sampling_tensors_sample_like_build_seeded_mixed_batch():
 
 
 def resolved_for(model_dir, device: str, dtype: str, **kwargs):
+    kwargs.setdefault("max_model_len", 128)
     cfg = PprunConfig.from_kwargs(
         model=str(model_dir),
         device=device,
         dtype=dtype,
-        max_model_len=128,
         block_size=BLOCK,
         max_num_seqs=8,
         max_num_batched_tokens=64,
@@ -516,6 +516,41 @@ def test_graphs_match_eager_and_v1_gpu(model_dir, mode):
         torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
         assert b[:, 0].eq(0).all(), "a padded row wrote into the null block"
         assert b[:, used_blocks:].eq(0).all(), "a padded row wrote into an unowned block"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fused_decode_matches_separate_kernels_gpu(model_dir, monkeypatch):
+    """Decode with rotary + cache write + split merge in one kernel (replayed from full graphs)
+    against rotary, cache write and attention as separate kernels (eager)."""
+    import pprun.layers
+    from pprun.attention import triton_ops
+
+    calls = [0]
+    fused_fn = triton_ops.paged_decode_attention_rope
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return fused_fn(*args, **kwargs)
+
+    monkeypatch.setattr(triton_ops, "paged_decode_attention_rope", counted)
+    prompts = prompts_of([6, 30, 20])
+    # A long max_model_len makes the decode launch split each context (merged in-kernel).
+    kw = dict(max_model_len=1024)
+    separate_rc = resolved_for(model_dir, "cuda", "float32", cudagraph_mode="none", **kw)
+    fused_rc = resolved_for(model_dir, "cuda", "float32", cudagraph_mode="full", cudagraph_capture_sizes=[4], **kw)
+    monkeypatch.setattr(pprun.layers, "FUSED_DECODE_ENABLED", False)
+    separate, separate_caches = build_runner("v2", separate_rc, backend="triton", num_blocks=160)
+    want, _ = drive(separate, prompts, 8)
+    assert calls[0] == 0
+    monkeypatch.setattr(pprun.layers, "FUSED_DECODE_ENABLED", True)
+    fused, fused_caches = build_runner("v2", fused_rc, backend="triton", num_blocks=160)
+    assert triton_ops.num_decode_splits(4, fused.model.arch.num_key_value_heads, 1024, torch.device("cuda")) > 1
+    got, _ = drive(fused, prompts, 8)
+    assert calls[0] > 0
+    assert got == want
+    for a, b in zip(separate_caches, fused_caches):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

@@ -4,6 +4,11 @@ A backend is one function ``forward(q, k, v, kv_cache, meta, scale) -> out`` tha
 step's keys and values into the paged cache and attends over it.  Layouts:
 ``q [num_tokens_padded, num_heads, head_dim]``, ``k``/``v`` ``[num_tokens_padded,
 num_kv_heads, head_dim]``, ``kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]``.
+
+A backend may also carry a ``rope_decode`` attribute: a function that does a pure decode step
+(``meta.max_query_len == 1``) with the rotary embedding folded in, from the un-rotated q and k
+(see :func:`triton_rope_decode`).  Attention layers call it when present, and otherwise rotate
+q and k themselves before calling the backend.
 """
 
 from __future__ import annotations
@@ -75,6 +80,41 @@ def triton_backend(
         meta.max_query_len,
     )
     return out
+
+
+def triton_rope_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    positions: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """A decode step in one kernel: rotary, cache write, attention and split merge (CUDA)."""
+    from pprun.attention.triton_ops import paged_decode_attention_rope
+
+    if meta.max_query_len != 1:
+        raise ValueError(f"rope_decode serves decode steps only, got max_query_len={meta.max_query_len}")
+    return paged_decode_attention_rope(
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        positions,
+        kv_cache,
+        meta.slot_mapping,
+        meta.block_table,
+        meta.seq_lens,
+        scale,
+        torch.empty_like(q),
+    )
+
+
+triton_backend.rope_decode = triton_rope_decode  # type: ignore[attr-defined]
 
 
 def get_backend(name: str, device: torch.device) -> Callable[..., torch.Tensor]:

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from pprun.attention.ref_ops import check_kv_cache
+from pprun.layers.skinny import arrival_counters
 
 LOG2_E = 1.4426950408889634
 # Stands in for -inf as the running max so that a fully masked tile gives
@@ -32,6 +33,8 @@ _DECODE_NUM_WARPS = 4
 _DECODE_NUM_STAGES = 2
 # The CPU interpreter multiplies bf16/fp16 dot operands as raw bits; it gets fp32 dots.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# The rotary products are rounded one by one, as torch does them (see pprun.layers.fused).
+_NO_FMA = {} if _INTERPRETED else {"enable_fp_fusion": False}
 
 
 def _dot_in_fp32(dtype: torch.dtype) -> bool:
@@ -415,6 +418,315 @@ def paged_decode_attention(
             BLOCK_S=triton.next_power_of_2(num_splits),
             num_warps=4,
         )
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Decode with the rotary embedding, the cache write and the split reduce folded in
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rope_row(x_ptr, partner_ptr, mask, cos_row_ptr, sin_row_ptr, offs_d, HALF: tl.constexpr):
+    """``x * cos + rotate_half(x) * sin`` for rows ``x`` (last dim at ``offs_d``), rounding each
+    product and the sum to the activation dtype exactly as ``fused.rotary_qk`` does."""
+    x = tl.load(x_ptr, mask=mask, other=0.0)
+    partner = tl.load(partner_ptr, mask=mask, other=0.0)
+    dtype = x.dtype
+    d_mask = offs_d < 2 * HALF
+    c = tl.load(cos_row_ptr + offs_d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
+    s = tl.load(sin_row_ptr + offs_d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
+    rot = tl.where(offs_d < HALF, -(partner.to(tl.float32)), partner.to(tl.float32))
+    a = (x.to(tl.float32) * c).to(dtype)
+    b = (rot * s).to(dtype)
+    return (a.to(tl.float32) + b.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _decode_rope_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    slot_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    counter_ptr,
+    scale_log2,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_cos,
+    stride_sin,
+    stride_o_tok,
+    stride_o_head,
+    stride_bt_req,
+    stride_c_blk,
+    stride_c_off,
+    stride_c_head,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    # One program per (request, kv head, context split).  The request's new token (its
+    # position is seq_len - 1) is never read back from the cache: the last split takes it
+    # from registers, and the same program writes it to the cache, so no program races
+    # the write.
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    has_new = seq_len > 0
+    cached = tl.maximum(seq_len - 1, 0)
+    split_len = tl.cdiv(tl.cdiv(cached, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, cached)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    qd_mask = g_mask[:, None] & d_mask[None, :]
+    q_rows = q_ptr + req * stride_q_tok + heads[:, None] * stride_q_head
+    k_row = k_ptr + req * stride_k_tok + kv_head * stride_k_head
+    if HAS_ROPE:
+        partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
+        pos = tl.load(pos_ptr + req).to(tl.int64)
+        cos_row = cos_ptr + pos * stride_cos
+        sin_row = sin_ptr + pos * stride_sin
+        q = _rope_row(q_rows + offs_d[None, :], q_rows + partner[None, :], qd_mask, cos_row, sin_row, offs_d, HALF)
+    else:
+        q = tl.load(q_rows + offs_d[None, :], mask=qd_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    if (split == NUM_SPLITS - 1) & has_new:
+        # The new token first: its loads do not wait behind the cache loop.  The running
+        # max starts at its score, so its weight is exactly 1 until rescaled.
+        if HAS_ROPE:
+            k_new = _rope_row(k_row + offs_d, k_row + partner, d_mask, cos_row, sin_row, offs_d, HALF)
+        else:
+            k_new = tl.load(k_row + offs_d, mask=d_mask, other=0.0)
+        v_new = tl.load(v_ptr + req * stride_v_tok + kv_head * stride_v_head + offs_d, mask=d_mask, other=0.0)
+        slot = tl.load(slot_ptr + req).to(tl.int64)
+        if slot >= 0:
+            dst = (slot // PAGE_SIZE) * stride_c_blk + (slot % PAGE_SIZE) * stride_c_off + kv_head * stride_c_head
+            tl.store(k_cache_ptr + dst + offs_d, k_new.to(k_cache_ptr.dtype.element_ty), mask=d_mask)
+            tl.store(v_cache_ptr + dst + offs_d, v_new.to(v_cache_ptr.dtype.element_ty), mask=d_mask)
+        # The cache's dtype is what the other tokens are multiplied in.
+        k_new = k_new.to(k_cache_ptr.dtype.element_ty).to(tl.float32)
+        v_new = v_new.to(v_cache_ptr.dtype.element_ty).to(tl.float32)
+        m_i = tl.sum(q.to(tl.float32) * k_new[None, :], 1) * scale_log2
+        l_i = tl.full([BLOCK_G], 1.0, tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + v_new[None, :]
+    bt_row = block_table_ptr + req * stride_bt_req
+    for n0 in range(start, end, BLOCK_N):
+        n_pos = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n_pos < end
+        blk = tl.load(bt_row + n_pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        kv_off = blk * stride_c_blk + (n_pos % PAGE_SIZE) * stride_c_off + kv_head * stride_c_head
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(n_mask[None, :], qk * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out_rows = out_ptr + req * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=qd_mask)
+    else:
+        # Partials laid out [num_reqs_padded, num_heads, NUM_SPLITS(, BLOCK_D)]; the last
+        # program of this (request, kv head) to finish merges them (no second launch).
+        row = (req * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(part_m_ptr + row, m_i, mask=g_mask)
+        tl.store(part_l_ptr + row, l_i, mask=g_mask)
+        tl.store(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=qd_mask)
+        # Every thread's stores are issued before the release below.
+        tl.debug_barrier()
+        counter = counter_ptr + req * NUM_KV_HEADS + kv_head
+        done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if done == NUM_SPLITS - 1:
+            m_max = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
+            total = tl.zeros([BLOCK_G], tl.float32)
+            merged = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+            base = (req * NUM_HEADS + heads) * NUM_SPLITS
+            for s in range(NUM_SPLITS):
+                # .cg: read from L2, where the other programs' stores landed.
+                m_s = tl.load(part_m_ptr + base + s, mask=g_mask, other=_NEG_BIG, cache_modifier=".cg")
+                l_s = tl.load(part_l_ptr + base + s, mask=g_mask, other=0.0, cache_modifier=".cg")
+                a_s = tl.load(
+                    part_acc_ptr + (base + s)[:, None] * BLOCK_D + offs_d[None, :],
+                    mask=qd_mask,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                m_next = tl.maximum(m_max, m_s)
+                w_old = tl.exp2(m_max - m_next)
+                w_s = tl.exp2(m_s - m_next)
+                total = total * w_old + l_s * w_s
+                merged = merged * w_old[:, None] + a_s * w_s[:, None]
+                m_max = m_next
+            out = merged / tl.where(total > 0, total, 1.0)[:, None]
+            tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=qd_mask)
+            # Ready for the next launch (and the next graph replay).
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+def paged_decode_attention_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    positions: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """A decode step's attention in one launch: rotary on q and k, the new K/V written to the
+    cache, flash-decoding over the cache, and the context splits merged in the same kernel.
+
+    Equals ``rotary_qk`` then :func:`paged_attention` with ``max_query_len == 1`` (rounding
+    aside: the new token's score is summed outside the tile dot).  ``q``/``k``/``v`` are the
+    un-rotated ``[num_tokens_padded, heads, head_dim]`` views of the qkv projection (left
+    unchanged); ``cos``/``sin`` the fp32 ``[max_positions, head_dim]`` tables, or both
+    ``None`` for a model without rotary embeddings; ``positions``, ``slot_mapping``
+    ``[num_tokens_padded]``.  Token ``r`` is request ``r``'s; padded requests (seq_len 0)
+    write nothing and get zeros, as do token rows past the requests.  Returns ``out``.
+    """
+    num_heads, num_kv_heads, head_dim, num_reqs_padded = _check_attention_inputs(
+        q, kv_cache, block_table, seq_lens, out
+    )
+    num_tokens_padded = q.shape[0]
+    if k.shape != (num_tokens_padded, num_kv_heads, head_dim) or v.shape != k.shape:
+        raise ValueError(
+            f"k and v must be [{num_tokens_padded}, {num_kv_heads}, {head_dim}], "
+            f"got k={tuple(k.shape)} v={tuple(v.shape)}"
+        )
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if t.shape != (num_tokens_padded,):
+            raise ValueError(f"{name} must have shape ({num_tokens_padded},), got {tuple(t.shape)}")
+    has_rope = cos is not None
+    if has_rope != (sin is not None):
+        raise ValueError("cos and sin must be given together (or both None: no rotary)")
+    if has_rope:
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotate_half, got {head_dim}")
+        for name, table in (("cos", cos), ("sin", sin)):
+            if table.dim() != 2 or table.shape[1] != head_dim or table.stride(1) != 1:
+                raise ValueError(
+                    f"{name} must be a [max_positions, {head_dim}] table contiguous in its "
+                    f"last dim, got shape {tuple(table.shape)}"
+                )
+    for name, t in (("k", k), ("v", v)):
+        _check_last_dim_contiguous(name, t)
+    num_rows = min(num_tokens_padded, num_reqs_padded)
+    if num_rows < num_tokens_padded:
+        out[num_rows:].zero_()
+    if num_rows == 0:
+        return out
+    group = num_heads // num_kv_heads
+    page_size = kv_cache.shape[2]
+    block_d = triton.next_power_of_2(head_dim)
+    block_g = max(16, triton.next_power_of_2(group))
+    block_n = max(_DECODE_BLOCK_N, page_size)
+    num_splits = num_decode_splits(num_rows, num_kv_heads, block_table.shape[1] * page_size, q.device)
+    counter = arrival_counters(q.device, num_rows * num_kv_heads)
+    if num_splits > 1:
+        part_m = torch.empty(num_rows * num_heads * num_splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(part_m.shape[0], block_d, dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = out  # unused by the kernel when NUM_SPLITS == 1
+    table = cos if has_rope else q  # placeholders when there is no rotary: never read
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _decode_rope_kernel[(num_rows, num_kv_heads, num_splits)](
+        q,
+        k,
+        v,
+        table,
+        sin if has_rope else q,
+        positions,
+        slot_mapping,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        out,
+        part_m,
+        part_l,
+        part_acc,
+        counter,
+        scale * LOG2_E,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        table.stride(0),
+        (sin if has_rope else q).stride(0),
+        out.stride(0),
+        out.stride(1),
+        block_table.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HALF=head_dim // 2,
+        HAS_ROPE=has_rope,
+        BLOCK_G=block_g,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        PAGE_SIZE=page_size,
+        NUM_SPLITS=num_splits,
+        DOT_F32=_dot_in_fp32(q.dtype),
+        num_warps=_DECODE_NUM_WARPS,
+        num_stages=_DECODE_NUM_STAGES,
+        **_NO_FMA,
+    )
     return out
 
 

@@ -13,9 +13,17 @@ import os
 from types import ModuleType
 
 import torch
+from torch import nn
 
 FUSED_ENABLED: bool = os.environ.get("PPRUN_DISABLE_FUSED", "") in ("", "0")
 """False when ``PPRUN_DISABLE_FUSED`` is set (to anything but ``0``); tests may flip it."""
+
+FUSED_DECODE_ENABLED: bool = os.environ.get("PPRUN_DISABLE_FUSED_DECODE", "") in ("", "0")
+"""False when ``PPRUN_DISABLE_FUSED_DECODE`` is set: decode steps then rotate q/k, write the
+cache and attend in separate kernels (the A/B switch of ``scripts/gpu_speed.py``)."""
+
+SKINNY_ENABLED: bool = os.environ.get("PPRUN_DISABLE_SKINNY_GEMM", "") in ("", "0")
+"""False when ``PPRUN_DISABLE_SKINNY_GEMM`` is set: decode-sized matmuls then go to cuBLAS."""
 
 _fused_module: ModuleType | None = None
 _fused_import_failed = False
@@ -39,3 +47,36 @@ def fused_ops_for(t: torch.Tensor) -> ModuleType | None:
     if not FUSED_ENABLED or not t.is_cuda:
         return None
     return _load_fused()
+
+
+def fused_decode_enabled(t: torch.Tensor) -> bool:
+    """Whether a decode step on ``t``'s device may fold rotary and cache write into attention."""
+    return FUSED_DECODE_ENABLED and fused_ops_for(t) is not None
+
+
+def _skinny_for(x: torch.Tensor):
+    """``pprun.layers.skinny`` when ``x`` is a decode-sized bf16/fp16 CUDA batch, else None."""
+    if not SKINNY_ENABLED or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if fused_ops_for(x) is None:
+        return None
+    from pprun.layers import skinny
+
+    return skinny if x.shape[0] <= skinny.DISPATCH_MAX_M else None
+
+
+def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)``; decode-sized CUDA batches take the split-K kernels of ``skinny``."""
+    skinny = _skinny_for(x)
+    if skinny is None:
+        return layer(x)
+    return skinny.skinny_linear(x, layer.weight, layer.bias)
+
+
+def linear_swiglu(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` of ``layer(x)`` (rows ``[gate; up]``) in one launch for decode-sized
+    CUDA batches, or None: the caller then runs the matmul and activation itself."""
+    skinny = _skinny_for(x)
+    if skinny is None:
+        return None
+    return skinny.skinny_linear(x, layer.weight, layer.bias, swiglu=True)

@@ -23,7 +23,7 @@ from torch import nn
 from pprun.attention.metadata import AttentionMetadata
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
-from pprun.layers import fused_ops_for
+from pprun.layers import fused_decode_enabled, fused_ops_for, linear, linear_swiglu
 from pprun.models.hf_config import ModelArchConfig
 
 
@@ -136,13 +136,18 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Attend ``x [T, hidden]`` over the request contexts described by ``meta``."""
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = linear(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        out = self.backend(q, k, v, self.kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        rope_decode = getattr(self.backend, "rope_decode", None)
+        if rope_decode is not None and meta.max_query_len == 1 and fused_decode_enabled(q):
+            # One kernel: rotary, cache write, attention (see pprun.attention.backend).
+            out = rope_decode(q, k, v, self.rotary.cos, self.rotary.sin, positions, self.kv_cache, meta, self.scale)
+        else:
+            q, k = self.rotary(positions, q, k)
+            out = self.backend(q, k, v, self.kv_cache, meta, self.scale)
+        return linear(self.o_proj, out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
@@ -156,6 +161,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``down(silu(gate(x)) * up(x))``."""
+        act = linear_swiglu(self.gate_up_proj, x)
+        if act is not None:
+            return linear(self.down_proj, act)
         gate_up = self.gate_up_proj(x)
         fused = fused_ops_for(gate_up)
         if fused is not None:
@@ -265,7 +273,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """LM-head logits for the given (last stage) hidden states."""
-        return self.lm_head(hidden_states)
+        return linear(self.lm_head, hidden_states)
 
     def make_empty_intermediate_tensors(
         self, num_tokens: int, dtype: torch.dtype, device: torch.device

@@ -1,0 +1,278 @@
+"""Matmuls for decode-sized batches (a few rows of activations against a large weight).
+
+At decode a linear layer reads its whole weight to produce a handful of rows: the work is a
+matrix-vector product bound by memory bandwidth.  cuBLAS reaches 1.6-2.5 TB/s on the small
+q/k/v and o_proj weights of a 1B model and ~3.4 TB/s on ``down`` (``scripts/layer_bench.py``
+on an H200); these kernels split the reduction dimension (K) across programs so that even
+an 8 MB weight keeps every SM streaming, which brings them to 2.7-4.6 TB/s.
+
+- ``out = x @ weight.T (+ bias)`` for ``x [M, K]`` with ``M <= MAX_M``;
+- optional SwiGLU epilogue: with ``weight = [gate; up]`` (``2 * inter`` rows) the kernel
+  returns ``silu(x @ gate.T) * (x @ up.T)`` directly, ``[M, inter]`` — the ``silu_and_mul``
+  launch and the ``gate_up`` round trip through memory disappear;
+- split-K partial sums are merged **inside the same launch**, in a fixed order, by the last
+  program of each column block to finish (a per-block arrival counter that the merging
+  program resets): deterministic, no second launch, no atomics on the data;
+- capture-safe (grids from shapes, scratch from ``torch.empty``, counters persistent).
+
+Rounding follows the torch path: fp32 accumulation, one rounding of the (biased) sum to the
+activation dtype; the SwiGLU epilogue rounds gate and up first, then as ``fused.silu_and_mul``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+MAX_M = 32
+"""Largest row count these kernels accept."""
+
+DISPATCH_MAX_M = 1
+"""Largest row count ``pprun.layers.linear`` sends here (more go to cuBLAS).  Measured on an
+H200 (``scripts/layer_bench.py``): at one row these kernels beat cuBLAS on every 1.1B shape
+(qkv 4.2 vs 5.2 us, o_proj 3.8 vs 5.0, down 7.6 vs 10.3, gate_up + SwiGLU 18.1 vs 19.9, LM
+head 31.8 vs 34.2); at 8 and 32 rows cuBLAS's tensor-core kernels are as fast or faster."""
+
+
+@triton.jit
+def _tile_product(x, w, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
+    """``x [BLOCK_M, BLOCK_K] @ w[BLOCK_N, BLOCK_K].T`` in fp32 (one return: Triton compiles
+    every statement after a constexpr-if ``return``)."""
+    if USE_DOT:
+        if DOT_F32:
+            p = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            p = tl.dot(x, tl.trans(w))
+    else:
+        # One row: a multiply and a row sum beat a padded 16-row dot.
+        p = tl.sum(x.to(tl.float32) * w.to(tl.float32), 1)[None, :]
+    return p
+
+
+@triton.jit
+def _epilogue(acc, acc_up, bias_ptr, offs_n, n_mask, N_OUT, dtype, HAS_BIAS: tl.constexpr,
+              SWIGLU: tl.constexpr, PRECISE_EXP: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if SWIGLU:
+            acc_up += tl.load(bias_ptr + N_OUT + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y = acc.to(dtype)
+    if SWIGLU:
+        # As torch: gate and up rounded, silu in fp32 rounded, the product rounded.
+        g = y.to(tl.float32)
+        if PRECISE_EXP:
+            e = libdevice.exp(-g)
+        else:
+            e = tl.exp(-g)
+        silu = tl.math.div_rn(g, 1.0 + e).to(dtype)
+        y = (silu.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
+    return y
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    counter_ptr,
+    M,
+    K,
+    N_OUT,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    K_PER,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISE_EXP: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N_OUT
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    up_rows = w_ptr + (offs_n + N_OUT).to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_begin = pid_k * K_PER
+    k_end = tl.minimum(k_begin + K_PER, K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        wk_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows + offs_k[None, :], mask=wk_mask, other=0.0)
+        acc += _tile_product(x, w, USE_DOT, DOT_F32)
+        if SWIGLU:
+            wu = tl.load(up_rows + offs_k[None, :], mask=wk_mask, other=0.0)
+            acc_up += _tile_product(x, wu, USE_DOT, DOT_F32)
+
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    dtype = out_ptr.dtype.element_ty
+    if SPLIT_K == 1:
+        y = _epilogue(acc, acc_up, bias_ptr, offs_n, n_mask, N_OUT, dtype, HAS_BIAS, SWIGLU, PRECISE_EXP)
+        tl.store(out_ptrs, y, mask=out_mask)
+    else:
+        # Partials [SPLIT_K, (2,) M, N_OUT] in fp32; the last program of this column block
+        # to arrive sums them in split order and writes the output.
+        width = N_OUT * (2 if SWIGLU else 1)
+        part_rows = part_ptr + offs_m.to(tl.int64)[:, None] * width + offs_n[None, :]
+        split_stride = M * width
+        tl.store(part_rows + pid_k * split_stride, acc, mask=out_mask)
+        if SWIGLU:
+            tl.store(part_rows + pid_k * split_stride + N_OUT, acc_up, mask=out_mask)
+        tl.debug_barrier()
+        done = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            total_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(part_rows + s * split_stride, mask=out_mask, other=0.0, cache_modifier=".cg")
+                if SWIGLU:
+                    total_up += tl.load(
+                        part_rows + s * split_stride + N_OUT, mask=out_mask, other=0.0, cache_modifier=".cg"
+                    )
+            y = _epilogue(total, total_up, bias_ptr, offs_n, n_mask, N_OUT, dtype, HAS_BIAS, SWIGLU, PRECISE_EXP)
+            tl.store(out_ptrs, y, mask=out_mask)
+            tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """Launch settings: column tile, K tile, K splits, warps."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+
+
+@functools.lru_cache(maxsize=64)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def default_config(m: int, n_out: int, k: int, swiglu: bool, device: torch.device) -> SkinnyConfig:
+    """Launch settings from ``scripts/layer_bench.py`` sweeps on an H200 at one row (the 1.1B
+    model's shapes): 8-row column tiles over 512-wide K tiles, one program per column tile
+    (enough programs to fill the GPU, no merge), except for long K (``down``, K = 8192), which
+    splits K into 1024-wide pieces; the SwiGLU form reads gate and up rows, 16 of each."""
+    long_k = k > 4096
+    block_n = 16 if (swiglu or long_k) else 8
+    block_k = 256 if long_k else 512
+    if m > 1:  # the dot path: 16-32 padded rows per tile (not the tuned case, see DISPATCH_MAX_M)
+        block_n, block_k = 32, 128
+    block_k = min(block_k, triton.next_power_of_2(k))
+    split = max(1, k // 1024) if long_k else 1
+    return SkinnyConfig(block_n, block_k, split)
+
+
+_counters: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def arrival_counters(device: torch.device, numel: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for in-kernel split merges (shared by every kernel here and
+    the fused decode attention; launches run one after another on a stage's stream and each
+    leaves the counters it used at zero).  Persistent, because CUDA graphs keep the address;
+    a larger request makes a new tensor and keeps the old ones for graphs captured with them."""
+    held = _counters.setdefault(device, [])
+    if not held or held[-1].numel() < numel:
+        held.append(torch.zeros(max(numel, 4096), dtype=torch.int32, device=device))
+    return held[-1]
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    swiglu: bool = False,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``, or with ``swiglu`` ``silu(gate) * up`` of that product.
+
+    Args:
+        x: ``[M, K]`` with ``M <= MAX_M``, contiguous in its last dim.
+        weight: ``[N, K]`` contiguous (an ``nn.Linear`` weight); with ``swiglu``, ``[gate; up]``
+            with ``N`` even.
+        bias: ``[N]`` or None.
+        config: launch settings (default: :func:`default_config`).
+
+    Returns a new ``[M, N]`` (``[M, N // 2]`` with ``swiglu``) tensor in ``x``'s dtype.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x must be [M, K] and weight [N, K], got x={tuple(x.shape)} weight={tuple(weight.shape)}")
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > MAX_M:
+        raise ValueError(f"x has {m} rows; skinny_linear serves at most MAX_M={MAX_M}")
+    if x.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError(f"x needs a contiguous last dim and weight must be contiguous, got strides {x.stride()}, {weight.stride()}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x is {x.dtype} but weight is {weight.dtype}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    if swiglu and n % 2:
+        raise ValueError(f"swiglu needs an even number of weight rows (gate | up), got {n}")
+    n_out = n // 2 if swiglu else n
+    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    cfg = config or default_config(m, n_out, k, swiglu, x.device)
+    block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
+    col_blocks = triton.cdiv(n_out, cfg.block_n)
+    k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per)
+    counters = arrival_counters(x.device, col_blocks)
+    if split > 1:
+        part = torch.empty(split * m * n_out * (2 if swiglu else 1), dtype=torch.float32, device=x.device)
+    else:
+        part = out  # unused when SPLIT_K == 1
+    _skinny_kernel[(col_blocks, split)](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        part,
+        counters,
+        m,
+        k,
+        n_out,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        k_per,
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        SPLIT_K=split,
+        HAS_BIAS=bias is not None,
+        SWIGLU=swiglu,
+        USE_DOT=block_m > 1,
+        DOT_F32=x.dtype == torch.float32 or _INTERPRETED,
+        PRECISE_EXP=not _INTERPRETED,
+        num_warps=cfg.num_warps,
+    )
+    return out

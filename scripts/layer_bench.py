@@ -1,0 +1,149 @@
+"""Per-part timings of one decode layer of the 1.1B model on this GPU, graph-replayed (JSON).
+
+    python scripts/layer_bench.py [--out result.json]
+
+- ``attention``: a decode step's attention part per layer at context 512 — rotary, cache write,
+  decode kernel and split reduce as separate launches vs the one fused launch;
+- ``skinny``: the split-K kernels of ``pprun.layers.skinny`` (default launch settings, and the
+  best of a sweep) against cuBLAS, at batch 1, 8 and 32; gate_up includes the SwiGLU.
+
+Synthetic tensors; no model directory is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import json
+from pathlib import Path
+
+import torch
+
+from pprun.attention.triton_ops import paged_attention, paged_decode_attention_rope
+from pprun.layers.fused import rotary_qk, silu_and_mul
+from pprun.layers.skinny import SkinnyConfig, default_config, skinny_linear
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 2048, 32, 8, 64, 8192, 32000
+SHAPES = {
+    "qkv": (HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM),
+    "o_proj": (HEADS * HEAD_DIM, HIDDEN),
+    "gate_up": (HIDDEN, 2 * INTER),
+    "down": (INTER, HIDDEN),
+    "lm_head": (HIDDEN, VOCAB),
+}
+
+
+def time_us(fn, reps: int = 20, iters: int = 10) -> float:
+    """Mean µs per call of ``fn`` replayed from one CUDA graph holding ``reps`` calls."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(iters):
+        g.replay()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) * 1e3 / (reps * iters)
+
+
+def bench_skinny(sweep: bool = True) -> dict:
+    """Split-K kernels (``pprun.layers.skinny``): the default config and the best of a sweep,
+    against cuBLAS (+ ``silu_and_mul`` for gate_up, which the kernel folds in)."""
+    out: dict = {}
+    sweeps = {
+        1: itertools.product((8, 16, 32), (256, 512, 1024), (1, 2, 4, 8)),
+        32: itertools.product((16, 32, 64), (64, 128, 256), (1, 2, 4, 8)),
+    }
+    for m in (1, 8, 32):
+        candidates = list(sweeps.get(m, ())) if sweep else []
+        for name, (k, n) in SHAPES.items():
+            swiglu = name == "gate_up"
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            if swiglu:
+                cublas_us = time_us(functools.partial(_cublas_swiglu, x, w))
+            else:
+                cublas_us = time_us(functools.partial(torch.nn.functional.linear, x, w))
+            default = default_config(m, n // 2 if swiglu else n, k, swiglu, x.device)
+            row = {"cublas_us": round(cublas_us, 2),
+                   "default": {**dataclasses.asdict(default),
+                               "us": round(time_us(functools.partial(skinny_linear, x, w, swiglu=swiglu, config=default)), 2)}}
+            best = None
+            for block_n, block_k, split in candidates:
+                if block_k > k or k // split < block_k:
+                    continue
+                cfg = SkinnyConfig(block_n, block_k, split)
+                us = time_us(functools.partial(skinny_linear, x, w, swiglu=swiglu, config=cfg))
+                if best is None or us < best["us"]:
+                    best = {**dataclasses.asdict(cfg), "us": round(us, 2)}
+            if best is not None:
+                row["best"] = best
+            row["default_tb_s"] = round(w.numel() * 2 / row["default"]["us"] / 1e6, 2)
+            out[f"{name}/b{m}"] = row
+    return out
+
+
+def _cublas_swiglu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul(torch.nn.functional.linear(x, w))
+
+
+def bench_attention(ctx: int = 512, max_len: int = 2048, block: int = 16) -> dict:
+    out: dict = {}
+    for batch in (1, 32):
+        blocks_per_req = max_len // block
+        num_blocks = batch * blocks_per_req + 1
+        kv = torch.randn(2, num_blocks, block, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        table = (torch.randperm(num_blocks - 1, device="cuda")[: batch * blocks_per_req] + 1).view(batch, -1).int()
+        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        pos = (seq_lens - 1).long()
+        slots = (table[:, (ctx - 1) // block].long() * block + (ctx - 1) % block)
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+        q = q.view(batch, HEADS, HEAD_DIM)
+        k = k.view(batch, KV_HEADS, HEAD_DIM)
+        v = v.view(batch, KV_HEADS, HEAD_DIM)
+        inv = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, device="cuda").float() / HEAD_DIM))
+        freqs = torch.outer(torch.arange(max_len, device="cuda").float(), inv)
+        cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+        o = torch.empty_like(q)
+
+        def separate(q=q, k=k, v=v, cos=cos, sin=sin, pos=pos, kv=kv, slots=slots, qsl=qsl, seq_lens=seq_lens,
+                     table=table, o=o):
+            rotary_qk(q, k, cos, sin, pos)
+            paged_attention(q, k, v, kv, slots, qsl, seq_lens, table, HEAD_DIM**-0.5, o, 1)
+
+        def fused(q=q, k=k, v=v, cos=cos, sin=sin, pos=pos, kv=kv, slots=slots, seq_lens=seq_lens, table=table, o=o):
+            paged_decode_attention_rope(q, k, v, cos, sin, pos, kv, slots, table, seq_lens, HEAD_DIM**-0.5, o)
+
+        kv_bytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2
+        for name, fn in (("separate", separate), ("fused", fused)):
+            us = time_us(fn)
+            out[f"b{batch}/{name}"] = {"us": round(us, 2), "kv_tb_s": round(kv_bytes / us / 1e6, 2)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--no-sweep", action="store_true", help="time the default launch settings only")
+    args = ap.parse_args()
+    res = {"device": torch.cuda.get_device_name()}
+    res["attention"] = bench_attention()
+    res["skinny"] = bench_skinny(sweep=not args.no_sweep)
+    text = json.dumps(res, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

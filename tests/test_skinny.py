@@ -1,0 +1,103 @@
+"""Split-K matmuls for decode-sized batches (``pprun.layers.skinny``) against torch.
+
+Runs on CUDA, or on CPU under the Triton interpreter with ``PPRUN_TEST_TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triton_env import DEVICE, HAS_CUDA, RUN_TRITON  # noqa: E402  (sets TRITON_INTERPRET)
+
+triton_only = pytest.mark.skipif(
+    not RUN_TRITON, reason="needs CUDA + triton, or PPRUN_TEST_TRITON_INTERPRET=1 with triton installed"
+)
+# The interpreter's low-precision dots are not faithful: it runs fp32 only.
+DTYPES = [torch.float32, torch.bfloat16] if HAS_CUDA else [torch.float32]
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def _inputs(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=g).to(dtype).to(DEVICE) if bias else None
+    return x, w, b
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_matches_torch(dtype, m, split_k, bias):
+    from pprun.layers.skinny import SkinnyConfig, arrival_counters, skinny_linear
+
+    # Ragged everywhere: 100 columns over 16-wide tiles, K = 200 over 64-wide tiles and 3 splits.
+    x, w, b = _inputs(m, 100, 200, dtype, bias)
+    cfg = SkinnyConfig(block_n=16, block_k=64, split_k=split_k)
+    want = F.linear(x, w, b)
+    for _ in range(2):  # the arrival counters must be back at zero after each launch
+        got = skinny_linear(x, w, b, config=cfg)
+        torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert got.dtype == dtype and got.shape == (m, 100)
+    assert not arrival_counters(x.device, 1).any()
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_swiglu_matches_linear_then_silu_and_mul(dtype, m, split_k, bias):
+    from pprun.layers.skinny import SkinnyConfig, skinny_linear
+
+    inter = 40
+    x, w, b = _inputs(m, 2 * inter, 256, dtype, bias, seed=1)
+    gate, up = F.linear(x, w, b).split(inter, dim=-1)
+    want = F.silu(gate) * up
+    got = skinny_linear(x, w, b, swiglu=True, config=SkinnyConfig(block_n=16, block_k=64, split_k=split_k))
+    assert got.shape == (m, inter)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@triton_only
+def test_skinny_default_config_splits_long_k():
+    from pprun.layers.skinny import default_config, skinny_linear
+
+    cfg = default_config(1, 2048, 8192, False, torch.device(DEVICE))
+    assert cfg.split_k > 1  # K = 8192 is split
+    x, w, _ = _inputs(2, 64, 1024, torch.float32, False)
+    torch.testing.assert_close(skinny_linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-4)
+
+
+@triton_only
+def test_skinny_rejects_bad_shapes():
+    from pprun.layers.skinny import MAX_M, skinny_linear
+
+    x, w, _ = _inputs(MAX_M + 1, 16, 32, torch.float32, False)
+    with pytest.raises(ValueError, match="MAX_M"):
+        skinny_linear(x, w)
+    with pytest.raises(ValueError, match=r"weight \[N, K\]"):
+        skinny_linear(x[:2], w[:, :16])
+    with pytest.raises(ValueError, match="even number"):
+        skinny_linear(x[:2], w[:15], swiglu=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA (shapes too large for the interpreter)")
+@pytest.mark.parametrize("m", [1, 8, 32])
+@pytest.mark.parametrize("name,n,k", [("qkv", 3072, 2048), ("o_proj", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192)])
+def test_skinny_default_configs_at_1b_shapes_gpu(m, name, n, k):
+    from pprun.layers.skinny import skinny_linear
+
+    x, w, _ = _inputs(m, n, k, torch.bfloat16, False, seed=2)
+    if name == "gate_up":
+        gate, up = F.linear(x, w).split(n // 2, dim=-1)
+        want = F.silu(gate) * up
+        got = skinny_linear(x, w, swiglu=True)
+    else:
+        want = F.linear(x, w)
+        got = skinny_linear(x, w)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
