@@ -143,23 +143,26 @@ def main() -> None:
     ap.add_argument("--memory-steps", type=int, default=1000)
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--ab", action="store_true",
-                    help="also run decode with each fast path off: cuBLAS for decode-sized matmuls "
-                         "(PPRUN_DISABLE_SKINNY_GEMM), separate rotary/cache-write/attention kernels "
-                         "(PPRUN_DISABLE_FUSED_DECODE)")
+                    help="also run decode with each fast path off in turn: split-K matmuls "
+                         "(PPRUN_DISABLE_SKINNY_GEMM), the fused decode attention "
+                         "(PPRUN_DISABLE_FUSED_DECODE), programmatic dependent launch (PPRUN_DISABLE_PDL)")
     args = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "matmul_tflops": round(matmul_tflops(), 1)}
     res["decode_b1"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps)
     res["decode_b32"] = decode(args.model, 32, 512, 100)
     if args.ab:
         import pprun.layers
+        import pprun.layers.triton_utils
 
-        for flag in ("SKINNY_ENABLED", "FUSED_DECODE_ENABLED"):
-            setattr(pprun.layers, flag, False)
+        switches = [(pprun.layers, "SKINNY_ENABLED"), (pprun.layers, "FUSED_DECODE_ENABLED"),
+                    (pprun.layers.triton_utils, "PDL_ENABLED")]
+        for module, flag in switches:
+            setattr(module, flag, False)
             # Same max_model_len as the runs above (it sets the decode split count).
             res[f"decode_b1_without_{flag}"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps,
                                                       measure_memory=False)
             res[f"decode_b32_without_{flag}"] = decode(args.model, 32, 512, 100)
-            setattr(pprun.layers, flag, True)
+            setattr(module, flag, True)
     if not args.no_prefill:
         res["prefill"] = prefill(args.model)
         res["prefill"]["share_of_matmul_rate"] = round(res["prefill"]["tflops"] / res["matmul_tflops"], 3)

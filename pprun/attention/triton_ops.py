@@ -10,7 +10,6 @@ where they bound runtime loops.  Accumulation is fp32; fp32 inputs use IEEE dot 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -18,6 +17,9 @@ import triton.language as tl
 
 from pprun.attention.ref_ops import check_kv_cache
 from pprun.layers.skinny import arrival_counters
+from pprun.layers.triton_utils import INTERPRETED as _INTERPRETED
+from pprun.layers.triton_utils import NO_FMA as _NO_FMA
+from pprun.layers.triton_utils import gdc_launch_dependents, gdc_wait, pdl_launch
 
 LOG2_E = 1.4426950408889634
 # Stands in for -inf as the running max so that a fully masked tile gives
@@ -32,9 +34,7 @@ _DECODE_BLOCK_N = 64
 _DECODE_NUM_WARPS = 4
 _DECODE_NUM_STAGES = 2
 # The CPU interpreter multiplies bf16/fp16 dot operands as raw bits; it gets fp32 dots.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# The rotary products are rounded one by one, as torch does them (see pprun.layers.fused).
-_NO_FMA = {} if _INTERPRETED else {"enable_fp_fusion": False}
+# The rotary products are rounded one by one, as torch does them (see pprun.layers.fused): NO_FMA.
 
 
 def _dot_in_fp32(dtype: torch.dtype) -> bool:
@@ -495,7 +495,11 @@ def _decode_rope_kernel(
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # Step metadata and the cache's older tokens were written before this step's kernels
+    # ran; q/k/v come from the kernel just before (PDL: wait for it first).
     seq_len = tl.load(seq_lens_ptr + req)
+    gdc_wait()
+    gdc_launch_dependents()
     has_new = seq_len > 0
     cached = tl.maximum(seq_len - 1, 0)
     split_len = tl.cdiv(tl.cdiv(cached, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -726,6 +730,7 @@ def paged_decode_attention_rope(
         num_warps=_DECODE_NUM_WARPS,
         num_stages=_DECODE_NUM_STAGES,
         **_NO_FMA,
+        **pdl_launch(q.device),
     )
     return out
 

@@ -17,17 +17,16 @@ CPU-only runs.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from pprun.layers.triton_utils import INTERPRETED as _INTERPRETED
+from pprun.layers.triton_utils import NO_FMA as _NO_FMA
+from pprun.layers.triton_utils import gdc_launch_dependents, gdc_wait, pdl_launch
+
 # The CPU interpreter has no libdevice; it gets tl.exp (tests there use a bf16 tolerance anyway).
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Compile option, passed at launch: no mul+add -> fma contraction (torch rounds in between).
-_NO_FMA = {} if _INTERPRETED else {"enable_fp_fusion": False}
 
 
 def _check_rows(name: str, t: torch.Tensor, ndim: int) -> None:
@@ -63,6 +62,9 @@ def _add_rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)  # a weight: readable before the wait (PDL)
+    gdc_wait()
+    gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
@@ -73,7 +75,6 @@ def _add_rms_norm_kernel(
     # torch's CUDA mean multiplies the fp32 sum by 1/N (itself an fp32 constant).
     var = tl.sum(h * h, axis=0) * inv_hidden
     normed = (h * tl.math.rsqrt(var + eps)).to(x.dtype)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     out = w.to(tl.float32) * normed.to(tl.float32)
     tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -126,6 +127,7 @@ def fused_add_rms_norm(
         BLOCK=triton.next_power_of_2(hidden),
         num_warps=4 if hidden <= 4096 else 8,
         **_NO_FMA,
+        **pdl_launch(x.device),
     )
     return out, new_residual
 

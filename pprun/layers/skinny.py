@@ -22,7 +22,6 @@ activation dtype; the SwiGLU epilogue rounds gate and up first, then as ``fused.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +29,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from pprun.layers.triton_utils import INTERPRETED as _INTERPRETED
+from pprun.layers.triton_utils import gdc_launch_dependents, gdc_wait, pdl_launch
 
 MAX_M = 32
 """Largest row count these kernels accept."""
@@ -111,11 +111,24 @@ def _skinny_kernel(
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     up_rows = w_ptr + (offs_n + N_OUT).to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_begin = pid_k * K_PER
     k_end = tl.minimum(k_begin + K_PER, K)
-    for k0 in range(k_begin, k_end, BLOCK_K):
+    # The first weight tile is loaded before waiting for the previous kernel (PDL): no
+    # kernel writes weights, and the load overlaps that kernel's tail.
+    offs_k = k_begin + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < k_end
+    wk_mask = n_mask[:, None] & k_mask[None, :]
+    w = tl.load(w_rows + offs_k[None, :], mask=wk_mask, other=0.0)
+    if SWIGLU:
+        wu = tl.load(up_rows + offs_k[None, :], mask=wk_mask, other=0.0)
+    gdc_wait()
+    gdc_launch_dependents()
+    x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    acc = _tile_product(x, w, USE_DOT, DOT_F32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWIGLU:
+        acc_up = _tile_product(x, wu, USE_DOT, DOT_F32)
+    for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -274,5 +287,6 @@ def skinny_linear(
         DOT_F32=x.dtype == torch.float32 or _INTERPRETED,
         PRECISE_EXP=not _INTERPRETED,
         num_warps=cfg.num_warps,
+        **pdl_launch(x.device),
     )
     return out
