@@ -152,10 +152,11 @@ def main() -> None:
     res["decode_b32"] = decode(args.model, 32, 512, 100)
     if args.ab:
         import pprun.layers
+        import pprun.layers.skinny
         import pprun.layers.triton_utils
 
         switches = [(pprun.layers, "SKINNY_ENABLED"), (pprun.layers, "FUSED_DECODE_ENABLED"),
-                    (pprun.layers.triton_utils, "PDL_ENABLED")]
+                    (pprun.layers.triton_utils, "PDL_ENABLED"), (pprun.layers.skinny, "PREFETCH_FIRST_TILE")]
         for module, flag in switches:
             setattr(module, flag, False)
             # Same max_model_len as the runs above (it sets the decode split count).
@@ -163,6 +164,9 @@ def main() -> None:
                                                       measure_memory=False)
             res[f"decode_b32_without_{flag}"] = decode(args.model, 32, 512, 100)
             setattr(module, flag, True)
+        # Everything on again: the spread between this and the first run is the noise.
+        res["decode_b1_again"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps, measure_memory=False)
+        res["decode_b32_again"] = decode(args.model, 32, 512, 100)
     if not args.no_prefill:
         res["prefill"] = prefill(args.model)
         res["prefill"]["share_of_matmul_rate"] = round(res["prefill"]["tflops"] / res["matmul_tflops"], 3)
