@@ -143,7 +143,7 @@ def main() -> None:
     ap.add_argument("--memory-steps", type=int, default=1000)
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--ab", action="store_true",
-                    help="also run decode with each fast path off in turn: split-K matmuls "
+                    help="also run decode with each switch flipped in turn: split-K matmuls "
                          "(PPRUN_DISABLE_SKINNY_GEMM), the fused decode attention "
                          "(PPRUN_DISABLE_FUSED_DECODE), programmatic dependent launch (PPRUN_DISABLE_PDL)")
     args = ap.parse_args()
@@ -157,13 +157,14 @@ def main() -> None:
 
         switches = [(pprun.layers, "SKINNY_ENABLED"), (pprun.layers, "FUSED_DECODE_ENABLED"),
                     (pprun.layers.triton_utils, "PDL_ENABLED"), (pprun.layers.skinny, "PREFETCH_FIRST_TILE")]
+        defaults = {flag: getattr(module, flag) for module, flag in switches}
         for module, flag in switches:
-            setattr(module, flag, False)
+            setattr(module, flag, not defaults[flag])
             # Same max_model_len as the runs above (it sets the decode split count).
-            res[f"decode_b1_without_{flag}"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps,
+            res[f"decode_b1_{flag}={not defaults[flag]}"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps,
                                                       measure_memory=False)
-            res[f"decode_b32_without_{flag}"] = decode(args.model, 32, 512, 100)
-            setattr(module, flag, True)
+            res[f"decode_b32_{flag}={not defaults[flag]}"] = decode(args.model, 32, 512, 100)
+            setattr(module, flag, defaults[flag])
         # Everything on again: the spread between this and the first run is the noise.
         res["decode_b1_again"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps, measure_memory=False)
         res["decode_b32_again"] = decode(args.model, 32, 512, 100)

@@ -35,7 +35,7 @@ from pprun.layers.triton_utils import gdc_launch_dependents, gdc_wait, pdl_launc
 MAX_M = 32
 """Largest row count these kernels accept."""
 
-PREFETCH_FIRST_TILE = True
+PREFETCH_FIRST_TILE = False
 """Peel the first K tile and load its weights before waiting on the previous kernel (PDL)."""
 
 DISPATCH_MAX_M = 1
