@@ -101,3 +101,29 @@ def test_skinny_default_configs_at_1b_shapes_gpu(m, name, n, k):
         want = F.linear(x, w)
         got = skinny_linear(x, w)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_linear_dispatch_falls_back_for_what_the_kernel_cannot_take():
+    import pprun.layers as layers
+    from pprun.layers import skinny
+
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    x = torch.randn(1, 64, device="cuda", dtype=torch.bfloat16)
+    plain = torch.nn.Linear(64, 32, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    assert layers._skinny_for(plain, x) is skinny
+    assert layers._skinny_for(plain, torch.randn(2, 64, device="cuda", dtype=torch.bfloat16)) is None  # > 1 row
+    sub = Scaled(64, 32, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    assert layers._skinny_for(sub, x) is None
+    torch.testing.assert_close(layers.linear(sub, x), sub(x))  # its own forward ran
+    hooked = torch.nn.Linear(64, 32, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    hooked.register_forward_hook(lambda m, i, o: o + 1)
+    assert layers._skinny_for(hooked, x) is None
+    other_dtype = torch.nn.Linear(64, 32, device="cuda", dtype=torch.float16).requires_grad_(False)
+    assert layers._skinny_for(other_dtype, x) is None
+    trained = torch.nn.Linear(64, 32, device="cuda", dtype=torch.bfloat16)  # requires grad, grad mode on
+    assert layers._skinny_for(trained, x) is None

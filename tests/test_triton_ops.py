@@ -480,3 +480,13 @@ def test_triton_rope_decode_rejects_mismatched_tables():
             case.q, case.k, case.v, cos, None, positions, case.kv_cache, case.slot_mapping,
             case.block_table, case.seq_lens, case.scale, torch.empty_like(case.q),
         )
+    with pytest.raises(ValueError, match="k must have q's dtype"):
+        paged_decode_attention_rope(
+            case.q, case.k.double(), case.v, None, None, positions, case.kv_cache, case.slot_mapping,
+            case.block_table, case.seq_lens, case.scale, torch.empty_like(case.q),
+        )
+    with pytest.raises(ValueError, match="positions must be int32 or int64"):
+        paged_decode_attention_rope(
+            case.q, case.k, case.v, None, None, positions.float(), case.kv_cache, case.slot_mapping,
+            case.block_table, case.seq_lens, case.scale, torch.empty_like(case.q),
+        )

@@ -19,7 +19,7 @@ from pprun.attention.ref_ops import check_kv_cache
 from pprun.layers.skinny import arrival_counters
 from pprun.layers.triton_utils import INTERPRETED as _INTERPRETED
 from pprun.layers.triton_utils import NO_FMA as _NO_FMA
-from pprun.layers.triton_utils import gdc_launch_dependents, gdc_wait, pdl_launch
+from pprun.layers.triton_utils import pdl_options, pdl_sync
 
 LOG2_E = 1.4426950408889634
 # Stands in for -inf as the running max so that a fully masked tile gives
@@ -487,6 +487,7 @@ def _decode_rope_kernel(
     PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One program per (request, kv head, context split).  The request's new token (its
     # position is seq_len - 1) is never read back from the cache: the last split takes it
@@ -495,11 +496,9 @@ def _decode_rope_kernel(
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # Step metadata and the cache's older tokens were written before this step's kernels
-    # ran; q/k/v come from the kernel just before (PDL: wait for it first).
+    # q/k/v come from the kernel just before (PDL: wait for it before reading anything).
+    pdl_sync(USE_PDL)
     seq_len = tl.load(seq_lens_ptr + req)
-    gdc_wait()
-    gdc_launch_dependents()
     has_new = seq_len > 0
     cached = tl.maximum(seq_len - 1, 0)
     split_len = tl.cdiv(tl.cdiv(cached, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -646,9 +645,14 @@ def paged_decode_attention_rope(
             f"k and v must be [{num_tokens_padded}, {num_kv_heads}, {head_dim}], "
             f"got k={tuple(k.shape)} v={tuple(v.shape)}"
         )
+    for name, t in (("k", k), ("v", v), ("out", out)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
     for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
         if t.shape != (num_tokens_padded,):
             raise ValueError(f"{name} must have shape ({num_tokens_padded},), got {tuple(t.shape)}")
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
     has_rope = cos is not None
     if has_rope != (sin is not None):
         raise ValueError("cos and sin must be given together (or both None: no rotary)")
@@ -659,7 +663,7 @@ def paged_decode_attention_rope(
             if table.dim() != 2 or table.shape[1] != head_dim or table.stride(1) != 1:
                 raise ValueError(
                     f"{name} must be a [max_positions, {head_dim}] table contiguous in its "
-                    f"last dim, got shape {tuple(table.shape)}"
+                    f"last dim, got shape {tuple(table.shape)} with strides {table.stride()}"
                 )
     for name, t in (("k", k), ("v", v)):
         _check_last_dim_contiguous(name, t)
@@ -674,13 +678,13 @@ def paged_decode_attention_rope(
     block_g = max(16, triton.next_power_of_2(group))
     block_n = max(_DECODE_BLOCK_N, page_size)
     num_splits = num_decode_splits(num_rows, num_kv_heads, block_table.shape[1] * page_size, q.device)
-    counter = arrival_counters(q.device, num_rows * num_kv_heads)
     if num_splits > 1:
+        counter = arrival_counters(q.device, num_rows * num_kv_heads)
         part_m = torch.empty(num_rows * num_heads * num_splits, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty(part_m.shape[0], block_d, dtype=torch.float32, device=q.device)
     else:
-        part_m = part_l = part_acc = out  # unused by the kernel when NUM_SPLITS == 1
+        part_m = part_l = part_acc = counter = out  # unused by the kernel when NUM_SPLITS == 1
     table = cos if has_rope else q  # placeholders when there is no rotary: never read
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _decode_rope_kernel[(num_rows, num_kv_heads, num_splits)](
@@ -730,7 +734,7 @@ def paged_decode_attention_rope(
         num_warps=_DECODE_NUM_WARPS,
         num_stages=_DECODE_NUM_STAGES,
         **_NO_FMA,
-        **pdl_launch(q.device),
+        **pdl_options(q.device),
     )
     return out
 

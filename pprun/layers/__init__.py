@@ -54,20 +54,33 @@ def fused_decode_enabled(t: torch.Tensor) -> bool:
     return FUSED_DECODE_ENABLED and fused_ops_for(t) is not None
 
 
-def _skinny_for(x: torch.Tensor):
-    """``pprun.layers.skinny`` when ``x`` is a decode-sized bf16/fp16 CUDA batch, else None."""
+def _skinny_for(layer: nn.Linear, x: torch.Tensor):
+    """``pprun.layers.skinny`` when ``layer(x)`` can take it: a plain ``nn.Linear`` (no subclass,
+    no hooks, no autograd) on a decode-sized bf16/fp16 CUDA batch whose weight, bias and input
+    the kernel reads as they are.  Anything else gets None and runs ``layer(x)``."""
     if not SKINNY_ENABLED or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
         return None
     if fused_ops_for(x) is None:
         return None
     from pprun.layers import skinny
 
-    return skinny if x.shape[0] <= skinny.DISPATCH_MAX_M else None
+    if x.shape[0] > skinny.DISPATCH_MAX_M or x.stride(1) != 1:
+        return None
+    if type(layer) is not nn.Linear or layer._forward_hooks or layer._forward_pre_hooks:
+        return None
+    weight, bias = layer.weight, layer.bias
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return None
+    if weight.dtype != x.dtype or weight.device != x.device or not weight.is_contiguous():
+        return None
+    if bias is not None and (bias.dtype != x.dtype or bias.device != x.device or bias.stride(0) != 1):
+        return None
+    return skinny
 
 
 def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)``; decode-sized CUDA batches take the split-K kernels of ``skinny``."""
-    skinny = _skinny_for(x)
+    skinny = _skinny_for(layer, x)
     if skinny is None:
         return layer(x)
     return skinny.skinny_linear(x, layer.weight, layer.bias)
@@ -76,7 +89,7 @@ def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def linear_swiglu(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
     """``silu(gate) * up`` of ``layer(x)`` (rows ``[gate; up]``) in one launch for decode-sized
     CUDA batches, or None: the caller then runs the matmul and activation itself."""
-    skinny = _skinny_for(x)
-    if skinny is None:
+    skinny = _skinny_for(layer, x)
+    if skinny is None or layer.weight.shape[0] % 2:
         return None
     return skinny.skinny_linear(x, layer.weight, layer.bias, swiglu=True)

@@ -24,7 +24,7 @@ from triton.language.extra import libdevice
 
 from pprun.layers.triton_utils import INTERPRETED as _INTERPRETED
 from pprun.layers.triton_utils import NO_FMA as _NO_FMA
-from pprun.layers.triton_utils import gdc_launch_dependents, gdc_wait, pdl_launch
+from pprun.layers.triton_utils import pdl_options, pdl_sync
 
 # The CPU interpreter has no libdevice; it gets tl.exp (tests there use a bf16 tolerance anyway).
 
@@ -58,13 +58,13 @@ def _add_rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)  # a weight: readable before the wait (PDL)
-    gdc_wait()
-    gdc_launch_dependents()
+    pdl_sync(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
@@ -127,7 +127,7 @@ def fused_add_rms_norm(
         BLOCK=triton.next_power_of_2(hidden),
         num_warps=4 if hidden <= 4096 else 8,
         **_NO_FMA,
-        **pdl_launch(x.device),
+        **pdl_options(x.device),
     )
     return out, new_residual
 

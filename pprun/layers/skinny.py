@@ -30,7 +30,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from pprun.layers.triton_utils import INTERPRETED as _INTERPRETED
-from pprun.layers.triton_utils import gdc_launch_dependents, gdc_wait, pdl_launch
+from pprun.layers.triton_utils import pdl_options, pdl_sync
 
 MAX_M = 32
 """Largest row count these kernels accept."""
@@ -106,6 +106,7 @@ def _skinny_kernel(
     DOT_F32: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
     PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -127,8 +128,7 @@ def _skinny_kernel(
         w = tl.load(w_rows + offs_k[None, :], mask=wk_mask, other=0.0)
         if SWIGLU:
             wu = tl.load(up_rows + offs_k[None, :], mask=wk_mask, other=0.0)
-        gdc_wait()
-        gdc_launch_dependents()
+        pdl_sync(USE_PDL)
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc = _tile_product(x, w, USE_DOT, DOT_F32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -136,8 +136,7 @@ def _skinny_kernel(
             acc_up = _tile_product(x, wu, USE_DOT, DOT_F32)
         loop_begin = k_begin + BLOCK_K
     else:
-        gdc_wait()
-        gdc_launch_dependents()
+        pdl_sync(USE_PDL)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         loop_begin = k_begin
@@ -215,15 +214,21 @@ def default_config(m: int, n_out: int, k: int, swiglu: bool, device: torch.devic
     return SkinnyConfig(block_n, block_k, split)
 
 
-_counters: dict[torch.device, list[torch.Tensor]] = {}
+_counters: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
 
 
 def arrival_counters(device: torch.device, numel: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for in-kernel split merges (shared by every kernel here and
-    the fused decode attention; launches run one after another on a stage's stream and each
-    leaves the counters it used at zero).  Persistent, because CUDA graphs keep the address;
-    a larger request makes a new tensor and keeps the old ones for graphs captured with them."""
-    held = _counters.setdefault(device, [])
+    """Zeroed int32 arrival counters for in-kernel split merges, one set per (device, stream).
+
+    Shared by every kernel here and the fused decode attention: launches on one stream run one
+    after another and each leaves the counters it used at zero, while launches on different
+    streams (another engine in the process, a graph being captured) get their own.  Persistent,
+    because CUDA graphs keep the address; a larger request makes a new tensor and keeps the old
+    ones for graphs captured with them.  Made under capture, the zero-fill is part of the graph
+    and runs at each replay.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    held = _counters.setdefault((device, stream), [])
     if not held or held[-1].numel() < numel:
         held.append(torch.zeros(max(numel, 4096), dtype=torch.int32, device=device))
     return held[-1]
@@ -254,12 +259,17 @@ def skinny_linear(
     n = weight.shape[0]
     if m > MAX_M:
         raise ValueError(f"x has {m} rows; skinny_linear serves at most MAX_M={MAX_M}")
-    if x.stride(1) != 1 or not weight.is_contiguous():
-        raise ValueError(f"x needs a contiguous last dim and weight must be contiguous, got strides {x.stride()}, {weight.stride()}")
-    if x.dtype != weight.dtype:
-        raise ValueError(f"x is {x.dtype} but weight is {weight.dtype}")
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    if x.stride(1) != 1:
+        raise ValueError(f"x must be contiguous in its last dim, got strides {x.stride()}")
+    if not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous, got strides {weight.stride()}")
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(
+            f"weight and bias must have x's dtype {x.dtype}, got weight {weight.dtype}"
+            + (f", bias {bias.dtype}" if bias is not None else "")
+        )
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous ({n},) tensor, got shape {tuple(bias.shape)}, strides {bias.stride()}")
     if swiglu and n % 2:
         raise ValueError(f"swiglu needs an even number of weight rows (gate | up), got {n}")
     n_out = n // 2 if swiglu else n
@@ -271,11 +281,11 @@ def skinny_linear(
     col_blocks = triton.cdiv(n_out, cfg.block_n)
     k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per)
-    counters = arrival_counters(x.device, col_blocks)
     if split > 1:
+        counters = arrival_counters(x.device, col_blocks)
         part = torch.empty(split * m * n_out * (2 if swiglu else 1), dtype=torch.float32, device=x.device)
     else:
-        part = out  # unused when SPLIT_K == 1
+        part = counters = out  # unused when SPLIT_K == 1
     _skinny_kernel[(col_blocks, split)](
         x,
         weight,
@@ -301,6 +311,6 @@ def skinny_linear(
         PRECISE_EXP=not _INTERPRETED,
         PREFETCH=PREFETCH_FIRST_TILE,
         num_warps=cfg.num_warps,
-        **pdl_launch(x.device),
+        **pdl_options(x.device),
     )
     return out

@@ -5,19 +5,22 @@ PDL (Hopper and later): a kernel launched with ``launch_pdl=True`` may be schedu
 kernel before it on the stream is still running.  It must call :func:`gdc_wait` before it
 reads anything an earlier kernel wrote or writes anything an earlier kernel may still read;
 what it does before that (address arithmetic, loading weights, which no kernel writes) overlaps
-the previous kernel's tail and the launch gap.  Each kernel calls :func:`gdc_launch_dependents`
-early so that the next one can be scheduled.  ``gdc_wait`` is a no-op for a kernel launched
-without PDL, so switching PDL off (``PPRUN_DISABLE_PDL=1``, the A/B switch of
-``scripts/gpu_speed.py``) changes only the launch.  The CPU interpreter gets no-ops.
+the previous kernel's tail and the launch gap.  Each kernel calls :func:`pdl_sync` (wait, then
+let the next kernel be scheduled) under a ``USE_PDL`` constexpr that :func:`pdl_options` sets
+together with the launch flag, so GPUs before sm_90 never see the instructions.  Switching PDL
+off (``PPRUN_DISABLE_PDL=1``, the A/B switch of ``scripts/gpu_speed.py``) changes only the
+launch.  The CPU interpreter gets no-ops.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 import triton
-import triton.language as tl  # noqa: F401  (the interpreter wants it visible to jit functions)
+import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 """True under the Triton CPU interpreter (tests)."""
@@ -46,18 +49,46 @@ except ImportError:
         """No-op stand-in (interpreter, or a Triton without grid dependency control)."""
 
 
-def pdl_launch(device: torch.device) -> dict[str, bool]:
-    """Launch options for a kernel written for PDL: ``{"launch_pdl": True}`` while a CUDA graph
-    is being captured on a GPU that supports it (compute capability 9.0+), else none.
+@triton.jit
+def pdl_sync(USE_PDL: tl.constexpr):
+    """Wait for the previous kernel, then let the next one be scheduled (PDL).  Compiled in only
+    when ``USE_PDL``: the ``griddepcontrol`` instructions exist on sm_90 and later only."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+_force_pdl = False
+
+
+@contextlib.contextmanager
+def force_pdl() -> Iterator[None]:
+    """Launch PDL kernels eagerly too (CUDA-graph warm-up: the PDL variants are compiled and
+    loaded before capture, not during it)."""
+    global _force_pdl
+    previous, _force_pdl = _force_pdl, True
+    try:
+        yield
+    finally:
+        _force_pdl = previous
+
+
+def pdl_options(device: torch.device) -> dict[str, bool]:
+    """Launch keyword arguments for a kernel with a ``USE_PDL`` constexpr: PDL on while a CUDA
+    graph is being captured (or under :func:`force_pdl`) on a GPU that supports it (compute
+    capability 9.0+), off otherwise.
 
     Only under capture: there the overlap is baked into the graph once, while eager PDL
     launches measured slower on the host (the engine step at batch 1 rose from ~0.92 to
     ~1.3 ms with the LM head launched eagerly with PDL after each replay)."""
-    if not (PDL_ENABLED and _HAS_GDC and device.type == "cuda"):
-        return {}
-    if not torch.cuda.is_current_stream_capturing():
-        return {}
-    return {"launch_pdl": True} if _capability(device) >= 9 else {}
+    on = (
+        PDL_ENABLED
+        and _HAS_GDC
+        and device.type == "cuda"
+        and (_force_pdl or torch.cuda.is_current_stream_capturing())
+        and _capability(device) >= 9
+    )
+    return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
 
 
 _capabilities: dict[int, int] = {}

@@ -12,7 +12,10 @@ lengths, so any batch — prefill included — works) into that buffer, replays 
 on.  The sizes are then token counts: any batch of at most the largest size is padded up.
 
 All graphs share one memory pool; each size is warmed up eagerly first (Triton kernels compile
-on their first call, which cannot happen under capture).  Capture reads only the runner's
+on their first call, which cannot happen under capture), once more with programmatic dependent
+launch forced on (the captured launches' compiled variant, see ``pprun.layers.triton_utils``).
+Piecewise graphs keep rotary, cache write and attention as separate kernels (the attention
+between segments runs eagerly over already-rotated q and k).  Capture reads only the runner's
 persistent buffers, made inert beforehand (slot -1, sequence length 0), so it writes no KV cache
 and touches no request state.
 """
@@ -211,9 +214,15 @@ class CudaGraphManager:
         """
         if self.mode == "none":
             return
+        from pprun.layers.triton_utils import force_pdl
+
         for size in reversed(self.sizes):
             prepare(size, size)
             for _ in range(NUM_WARMUPS):
+                forward(size, size)
+            # Captured Triton kernels launch with PDL, a separate compiled variant: compile and
+            # load it here, where nothing is being captured.
+            with force_pdl():
                 forward(size, size)
             torch.cuda.synchronize(self.device)
             if self.mode == "full":
