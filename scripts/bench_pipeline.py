@@ -18,6 +18,12 @@ Prints one JSON object (and writes it to ``--out``).  Four parts, each selectabl
 
     python scripts/bench_pipeline.py --out docs/bench_pipeline_cpu.json
     python scripts/bench_pipeline.py --parts hop,control
+
+On a machine with two GPUs (the GPU-speed issue's pp=2 figures; not yet run there)::
+
+    python scripts/make_random_llama.py /tmp/llama1b --device cuda
+    python scripts/bench_pipeline.py --device cuda --model /tmp/llama1b --parts throughput,hop,control \
+        --num-prompts 64 --input-len 512 --output-len 128
 """
 
 from __future__ import annotations
@@ -65,22 +71,33 @@ def _stats_us(samples_s: list[float]) -> dict[str, float]:
 # --- 1. throughput ------------------------------------------------------------------------------
 
 
-def bench_throughput(num_prompts: int, input_len: int, output_len: int) -> list[dict[str, Any]]:
-    """``pprun bench`` for the demo model at pp=1 (uni), pp=2 (mp) and pp=2 (ray), one subprocess each."""
+def bench_throughput(
+    num_prompts: int, input_len: int, output_len: int, device: str = "cpu", model: str = DEMO_MODEL
+) -> list[dict[str, Any]]:
+    """``pprun bench`` at pp=1 (uni), pp=2 (mp) and pp=2 (ray), one subprocess each.
+
+    On ``cuda`` the model runs in bf16 with every prompt in one batch (``max_num_seqs =
+    num_prompts``), one GPU per stage; the last entry is the pp=2 / pp=1 throughput ratio.
+    """
     results = []
-    # Ray gives each actor OMP_NUM_THREADS=1 (its CPU share); mp stages inherit the default
-    # (every core), so two mp stages on two cores run four spinning OpenMP threads: the
-    # OMP_NUM_THREADS=1 mp run shows what that oversubscription costs.
-    runs = (("single", {}), ("pp2_mp", {}), ("pp2_mp", {"OMP_NUM_THREADS": "1"}), ("pp2_ray", {}))
+    if device == "cpu":
+        # Ray gives each actor OMP_NUM_THREADS=1 (its CPU share); mp stages inherit the default
+        # (every core), so two mp stages on two cores run four spinning OpenMP threads: the
+        # OMP_NUM_THREADS=1 mp run shows what that oversubscription costs.
+        runs = (("single", {}), ("pp2_mp", {}), ("pp2_mp", {"OMP_NUM_THREADS": "1"}), ("pp2_ray", {}))
+        extra = ["model.dtype=float32"]
+    else:
+        runs = (("single", {}), ("pp2_mp", {}), ("pp2_ray", {}))
+        extra = ["model.dtype=bfloat16", f"scheduler.max_num_seqs={num_prompts}"]
     for parallel, env_extra in runs:
         with tempfile.TemporaryDirectory() as tmp:
             out_json = Path(tmp) / "bench.json"
             cmd = [
                 sys.executable, "-m", "pprun", "bench",
-                f"model.model={DEMO_MODEL}", "model.dtype=float32", "device=cpu",
+                f"model.model={model}", *extra, f"device={device}",
                 f"parallel={parallel}", "peer=none",
                 f"num_prompts={num_prompts}", f"input_len={input_len}", f"output_len={output_len}",
-                f"output_json={out_json}",
+                f"hydra.run.dir={tmp}/hydra", f"output_json={out_json}",
             ]  # fmt: skip
             load = load_info()
             proc = subprocess.run(
@@ -93,6 +110,7 @@ def bench_throughput(num_prompts: int, input_len: int, output_len: int) -> list[
             results.append(
                 {
                     "parallel": parallel,
+                    "label": parallel + "".join(f" {k}={v}" for k, v in env_extra.items()),
                     "command": " ".join([f"{k}={v}" for k, v in env_extra.items()] + ["python", *cmd[1:-1]]),
                     "load_before": load,
                     "executor": bench["config"]["executor"],
@@ -111,6 +129,15 @@ def bench_throughput(num_prompts: int, input_len: int, output_len: int) -> list[
                     },
                 }  # fmt: skip
             )
+    rates = {r["label"]: r.get("output_tokens_per_s") for r in results if "error" not in r}
+    if rates.get("single"):
+        results.append(
+            {
+                "pp2_over_pp1": {
+                    k: round(v / rates["single"], 3) for k, v in rates.items() if k != "single" and v
+                }
+            }
+        )
     return results
 
 
@@ -210,8 +237,9 @@ def _linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 # --- 3. one pipeline hop ------------------------------------------------------------------------
 
 
-def bench_hop(iters: int) -> dict[str, Any]:
-    """Start two gloo processes (this script, ``--hop-rank``) and collect rank 0's timings."""
+def bench_hop(iters: int, device: str = "cpu", hidden: int = HIDDEN_SIZE) -> dict[str, Any]:
+    """Start two processes (this script, ``--hop-rank``) and collect rank 0's timings: gloo on
+    CPU, NCCL between GPU 0 and GPU 1 on ``cuda`` (bf16 tensors, metadata still on gloo)."""
     from pprun.executor.mp import free_port
 
     init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -226,6 +254,10 @@ def bench_hop(iters: int) -> dict[str, Any]:
                 init_method,
                 "--iters",
                 str(iters),
+                "--device",
+                device,
+                "--hidden",
+                str(hidden),
             ],
             cwd=REPO,
             env=_child_env(),
@@ -241,7 +273,7 @@ def bench_hop(iters: int) -> dict[str, Any]:
     return json.loads(outs[0])
 
 
-def hop_rank_main(rank: int, init_method: str, iters: int) -> None:
+def hop_rank_main(rank: int, init_method: str, iters: int, device_type: str = "cpu", hidden: int = HIDDEN_SIZE) -> None:
     """One side of the ping-pong: rank 0 sends and waits for the echo, rank 1 echoes."""
     import torch
     import torch.distributed as dist
@@ -250,20 +282,29 @@ def hop_rank_main(rank: int, init_method: str, iters: int) -> None:
     from pprun.distributed.layout import StageLayout
     from pprun.distributed.transport import PipelineTransport
 
-    cpu = torch.device("cpu")
+    if device_type == "cuda":
+        device, dtype = torch.device("cuda", rank), torch.bfloat16
+        torch.cuda.set_device(device)
+    else:
+        device, dtype = torch.device("cpu"), torch.float32
     layouts = [StageLayout.from_partition([1, 1], r) for r in (0, 1)]
-    forward = PipelineTransport.init(layouts[rank], cpu, init_method, 120.0)
-    group = forward.cpu_group
-    # The way back: the same group, with the stage order reversed (rank 1 acts as stage 0).
-    backward = PipelineTransport(layouts[1 - rank], cpu, group, group, [1, 0])
+    forward = PipelineTransport.init(layouts[rank], device, init_method, 120.0)
+    group = forward.device_group
+    # The way back: the same groups, with the stage order reversed (rank 1 acts as stage 0).
+    backward = PipelineTransport(layouts[1 - rank], device, forward.cpu_group, group, [1, 0])
 
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    element = torch.empty((), dtype=dtype).element_size()
     cases = [(f"{n}_tokens", n) for n in HOP_NUM_TOKENS]
-    large_tokens = HOP_LARGE_BYTES // (2 * HIDDEN_SIZE * 4)
+    large_tokens = HOP_LARGE_BYTES // (2 * hidden * element)
     cases.append((f"{large_tokens}_tokens_64MiB", large_tokens))
     results: dict[str, Any] = {}
     for name, num_tokens in cases:
         tensors = IntermediateTensors(
-            {k: torch.randn(num_tokens, HIDDEN_SIZE) for k in ("hidden_states", "residual")}
+            {k: torch.randn(num_tokens, hidden, device=device).to(dtype) for k in ("hidden_states", "residual")}
         )
         buffers = IntermediateTensors({k: torch.empty_like(v) for k, v in tensors.items()})
         n_iter = iters if num_tokens <= 256 else max(5, iters // 50)
@@ -276,6 +317,7 @@ def hop_rank_main(rank: int, init_method: str, iters: int) -> None:
             else:
                 forward.recv(buffers, num_tokens)
                 backward.send(buffers)
+            sync()
 
         def bare_round(tensors=tensors, buffers=buffers) -> None:
             peer = 1 - rank
@@ -289,6 +331,7 @@ def hop_rank_main(rank: int, init_method: str, iters: int) -> None:
                     dist.recv(v, peer, group=group)
                 for v in buffers.values():
                     dist.send(v, peer, group=group)
+            sync()
 
         row: dict[str, Any] = {
             "num_tokens": num_tokens,
@@ -306,13 +349,14 @@ def hop_rank_main(rank: int, init_method: str, iters: int) -> None:
         row["metadata_us"] = round(row["transport"]["median_us"] - row["tensors_only"]["median_us"], 1)
         row["transport_GBps"] = round(row["bytes"] / (row["transport"]["median_us"] * 1e-6) / 1e9, 3)
         results[name] = row
-    dist.barrier(group=group)
+    dist.barrier(group=forward.cpu_group)
     if rank == 0:
+        link = "NCCL between GPU 0 and GPU 1, metadata on gloo" if device.type == "cuda" else "gloo (loopback TCP)"
         print(
             json.dumps(
                 {
-                    "what": "PipelineTransport.send + recv of hidden_states and residual [num_tokens, 576] fp32 "
-                    "over gloo (loopback TCP), ping-pong, µs per hop = round trip / 2",
+                    "what": f"PipelineTransport.send + recv of hidden_states and residual [num_tokens, {hidden}] "
+                    f"{str(dtype).removeprefix('torch.')} over {link}, ping-pong, µs per hop = round trip / 2",
                     "cases": results,
                 }
             ),
@@ -334,7 +378,7 @@ def make_tiny_model(out_dir: Path) -> None:
     subprocess.run(cmd, cwd=REPO, env=_child_env(), check=True, capture_output=True)
 
 
-def bench_control(num_steps: int) -> dict[str, Any]:
+def bench_control(num_steps: int, device: str = "cpu") -> dict[str, Any]:
     """Per-step round trip engine -> stages -> engine, with empty steps and 1-request decode steps."""
     import torch
 
@@ -344,7 +388,7 @@ def bench_control(num_steps: int) -> dict[str, Any]:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
-        runs = _control_runs(num_steps)
+        runs = _control_runs(num_steps, device)
     finally:
         if saved[0] is None:
             os.environ.pop("OMP_NUM_THREADS", None)
@@ -367,17 +411,17 @@ def bench_control(num_steps: int) -> dict[str, Any]:
     }
 
 
-def _control_runs(num_steps: int) -> dict[str, Any]:
+def _control_runs(num_steps: int, device: str = "cpu") -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "tiny-llama"
         make_tiny_model(model_dir)
         runs = {}
         for name, executor, pp in (("uni_pp1", "uni", 1), ("mp_pp2", "mp", 2), ("ray_pp2", "ray", 2)):
-            runs[name] = _control_run(model_dir, executor, pp, num_steps)
+            runs[name] = _control_run(model_dir, executor, pp, num_steps, device)
     return runs
 
 
-def _control_run(model_dir: Path, executor: str, pp: int, num_steps: int) -> dict[str, Any]:
+def _control_run(model_dir: Path, executor: str, pp: int, num_steps: int, device: str = "cpu") -> dict[str, Any]:
     from pprun.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
     from pprun.engine.llm import LLM
     from pprun.sampling.params import SamplingParams
@@ -389,7 +433,7 @@ def _control_run(model_dir: Path, executor: str, pp: int, num_steps: int) -> dic
     llm = LLM(
         str(model_dir),
         dtype="float32",
-        device="cpu",
+        device=device,
         executor=executor,
         pipeline_parallel_size=pp,
         kv_cache_memory_bytes=8 * 2**20,
@@ -470,12 +514,18 @@ def main() -> None:
     ap.add_argument("--memory-pp", default="1,2,4", help="pipeline sizes of the memory part")
     ap.add_argument("--hop-iters", type=int, default=500)
     ap.add_argument("--control-steps", type=int, default=300)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: throughput with one GPU per stage, hop over NCCL between GPUs 0 and 1, "
+                         "control path with stages on GPUs (needs two GPUs)")
+    ap.add_argument("--model", default=DEMO_MODEL, help="model of the throughput part")
+    ap.add_argument("--hidden", type=int, help=f"hop row width (default {HIDDEN_SIZE}; 2048 on cuda)")
     ap.add_argument("--hop-rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--init-method", help=argparse.SUPPRESS)
     ap.add_argument("--iters", type=int, default=500, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    hidden = args.hidden or (2048 if args.device == "cuda" else HIDDEN_SIZE)
     if args.hop_rank is not None:
-        hop_rank_main(args.hop_rank, args.init_method, args.iters)
+        hop_rank_main(args.hop_rank, args.init_method, args.iters, args.device, hidden)
         return
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     for p in parts:
@@ -493,21 +543,22 @@ def main() -> None:
     }
     if "throughput" in parts:
         result["throughput"] = {
-            "model": DEMO_MODEL,
-            "dtype": "float32",
+            "model": args.model,
+            "device": args.device,
+            "dtype": "float32" if args.device == "cpu" else "bfloat16",
             "workload": {
                 "num_prompts": args.num_prompts,
                 "input_len": args.input_len,
                 "output_len": args.output_len,
             },
-            "runs": bench_throughput(args.num_prompts, args.input_len, args.output_len),
+            "runs": bench_throughput(args.num_prompts, args.input_len, args.output_len, args.device, args.model),
         }
     if "memory" in parts:
         result["memory"] = bench_memory(tuple(int(x) for x in args.memory_pp.split(",")))
     if "hop" in parts:
-        result["hop"] = {"load_before": load_info(), **bench_hop(args.hop_iters)}
+        result["hop"] = {"load_before": load_info(), **bench_hop(args.hop_iters, args.device, hidden)}
     if "control" in parts:
-        result["control"] = bench_control(args.control_steps)
+        result["control"] = bench_control(args.control_steps, args.device)
     result["machine"]["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
     text = json.dumps(result, indent=2)
     print(text, flush=True)
