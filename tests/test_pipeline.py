@@ -183,3 +183,47 @@ def test_non_first_stage_gets_no_token_inputs(tiny_llama_dir):
     kw = build_model_inputs(torch.nn.Module(), is_first_stage=False, input_ids=torch.tensor([1, 2, 3]),
                             positions=torch.arange(3), intermediate_tensors=its, attn_metadata=None)
     assert kw["input_ids"] is None and kw["inputs_embeds"] is None and kw["intermediate_tensors"] is its
+
+
+def test_transport_sends_metadata_once_and_rejects_later_changes(monkeypatch):
+    """The metadata message travels with the first send only; a later send whose keys, widths or
+    dtypes differ from what was announced fails on the sending side (the receiver would wait)."""
+    import torch.distributed as dist
+
+    from pprun.distributed.intermediate import IntermediateTensors
+    from pprun.distributed.layout import StageLayout
+    from pprun.distributed.transport import META_BYTES, PipelineTransport
+
+    wire: list[torch.Tensor] = []
+    monkeypatch.setattr(dist, "send", lambda t, dst, group=None: wire.append(t.clone()))
+    sender = PipelineTransport(StageLayout.from_partition([1, 1], 0), torch.device("cpu"), None, None, [0, 1])
+
+    def its(n: int, width: int = 4, keys=("hidden_states", "residual"), dtype=torch.float32):
+        return IntermediateTensors({k: torch.full((n, width), float(i), dtype=dtype) for i, k in enumerate(keys)})
+
+    sender.send(its(3))
+    assert [t.numel() for t in wire] == [META_BYTES, 12, 12]  # metadata, then the tensors
+    wire.clear()
+    sender.send(its(1))  # another step, another token count: tensors only
+    assert [t.numel() for t in wire] == [4, 4]
+    for bad in (its(2, width=5), its(2, keys=("hidden_states", "other")), its(2, dtype=torch.float16)):
+        with pytest.raises(ValueError, match="stage 0: intermediate tensors changed after the first send"):
+            sender.send(bad)
+
+    # The receiving side: the first recv reads and checks the metadata, later ones only tensors.
+    receiver = PipelineTransport(StageLayout.from_partition([1, 1], 1), torch.device("cpu"), None, None, [0, 1])
+    wire.clear()
+    sender2 = PipelineTransport(StageLayout.from_partition([1, 1], 0), torch.device("cpu"), None, None, [0, 1])
+    sender2.send(its(3))
+    sender2.send(its(2))
+    queue = list(wire)
+
+    def fake_recv(t, src, group=None):
+        t.copy_(queue.pop(0).view(t.dtype).reshape(t.shape))
+
+    monkeypatch.setattr(dist, "recv", fake_recv)
+    buffers = IntermediateTensors({k: torch.zeros(8, 4) for k in ("hidden_states", "residual")})
+    got = receiver.recv(buffers, 3)
+    assert got["residual"].eq(1.0).all() and got["hidden_states"].shape == (3, 4)
+    got = receiver.recv(buffers, 2)
+    assert got["residual"].shape == (2, 4) and not queue
