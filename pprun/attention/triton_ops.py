@@ -138,138 +138,6 @@ def reshape_and_cache(
 # --------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _decode_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_table_ptr,
-    seq_lens_ptr,
-    out_ptr,
-    part_m_ptr,
-    part_l_ptr,
-    part_acc_ptr,
-    scale_log2,
-    stride_q_tok,
-    stride_q_head,
-    stride_o_tok,
-    stride_o_head,
-    stride_bt_req,
-    stride_c_blk,
-    stride_c_off,
-    stride_c_head,
-    NUM_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    DOT_F32: tl.constexpr,
-):
-    req = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + req)
-    # Splits are sized from the runtime seq_len so every split has work for long
-    # contexts; the split count itself is a shape-derived constant (capture-safe).
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
-
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    heads = kv_head * GROUP + offs_g
-    g_mask = offs_g < GROUP
-    d_mask = offs_d < HEAD_DIM
-    qd_mask = g_mask[:, None] & d_mask[None, :]
-    # All query heads of the KV group together: K/V are read once per group.
-    q = tl.load(
-        q_ptr + req * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :],
-        mask=qd_mask,
-        other=0.0,
-    )
-
-    m_i = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    bt_row = block_table_ptr + req * stride_bt_req
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        n_mask = pos < end
-        blk = tl.load(bt_row + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        kv_off = blk * stride_c_blk + (pos % PAGE_SIZE) * stride_c_off + kv_head * stride_c_head
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if DOT_F32:
-            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(n_mask[None, :], qk * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if DOT_F32:
-            # Round p as the low-precision path does, then multiply exactly in fp32.
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-
-    if NUM_SPLITS == 1:
-        # seq_len 0 (padded request) leaves l_i at 0: write zeros, not nan.
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(
-            out_ptr + req * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=qd_mask,
-        )
-    else:
-        # Partials laid out [num_reqs_padded, num_heads, NUM_SPLITS(, BLOCK_D)].
-        row = (req * NUM_HEADS + heads) * NUM_SPLITS + split
-        tl.store(part_m_ptr + row, m_i, mask=g_mask)
-        tl.store(part_l_ptr + row, l_i, mask=g_mask)
-        tl.store(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=qd_mask)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    part_m_ptr,
-    part_l_ptr,
-    part_acc_ptr,
-    out_ptr,
-    stride_o_tok,
-    stride_o_head,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    req = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
-    row = (req * NUM_HEADS + head) * NUM_SPLITS + offs_s
-    m = tl.load(part_m_ptr + row, mask=s_mask, other=_NEG_BIG)
-    l_part = tl.load(part_l_ptr + row, mask=s_mask, other=0.0)
-    acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-    m_max = tl.max(m, 0)
-    w = tl.exp2(m - m_max)  # empty splits have l_part == 0 and acc == 0, so their weight is moot
-    total = tl.sum(w * l_part, 0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(
-        out_ptr + req * stride_o_tok + head * stride_o_head + offs_d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=offs_d < HEAD_DIM,
-    )
-
-
 @functools.lru_cache(maxsize=8)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
@@ -284,7 +152,7 @@ def num_decode_splits(
 
     Splitting pays when (request, kv head) programs alone cannot fill the GPU, e.g. batch 1
     with 8 KV heads on 132 SMs; each split keeps at least a few hundred tokens of the
-    longest possible context so the reduce pass stays cheap.
+    longest possible context so the in-kernel merge stays cheap.
     """
     num_programs = num_reqs_padded * num_kv_heads
     target = 2 * _num_sms(device)
@@ -328,101 +196,9 @@ def _check_attention_inputs(
     return num_heads, num_kv_heads, head_dim, num_reqs_padded
 
 
-def paged_decode_attention(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor,
-) -> torch.Tensor:
-    """Attention for one query token per request over the paged cache, written into ``out``.
-
-    Args:
-        q: ``[num_reqs_padded, num_heads, head_dim]``; row ``r`` is request ``r``'s token.
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (already holding
-            this step's K/V).
-        block_table: ``[num_reqs_padded, max_num_blocks_per_req]`` int32.
-        seq_lens: ``[num_reqs_padded]`` int32 context lengths (0 for padded rows, which get
-            zeros).
-        scale: softmax scale.
-        out: like ``q``; returned.
-    """
-    num_heads, num_kv_heads, head_dim, num_reqs_padded = _check_attention_inputs(
-        q, kv_cache, block_table, seq_lens, out
-    )
-    if q.shape[0] != num_reqs_padded:
-        raise ValueError(
-            f"decode q must have one row per request: q.shape[0]={q.shape[0]}, "
-            f"num_reqs_padded={num_reqs_padded}"
-        )
-    if num_reqs_padded == 0:
-        return out
-    group = num_heads // num_kv_heads
-    page_size = kv_cache.shape[2]
-    block_d = triton.next_power_of_2(head_dim)
-    # tl.dot needs M >= 16; the padded group rows are masked out.
-    block_g = max(16, triton.next_power_of_2(group))
-    block_n = max(_DECODE_BLOCK_N, page_size)
-    num_splits = num_decode_splits(num_reqs_padded, num_kv_heads, block_table.shape[1] * page_size, q.device)
-    if num_splits > 1:
-        part_m = torch.empty(num_reqs_padded * num_heads * num_splits, dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(part_m.shape[0], block_d, dtype=torch.float32, device=q.device)
-    else:
-        part_m = part_l = part_acc = out  # unused by the kernel when NUM_SPLITS == 1
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _decode_kernel[(num_reqs_padded, num_kv_heads, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        out,
-        part_m,
-        part_l,
-        part_acc,
-        scale * LOG2_E,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_table.stride(0),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        NUM_HEADS=num_heads,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_G=block_g,
-        BLOCK_D=block_d,
-        BLOCK_N=block_n,
-        PAGE_SIZE=page_size,
-        NUM_SPLITS=num_splits,
-        DOT_F32=_dot_in_fp32(q.dtype),
-        num_warps=_DECODE_NUM_WARPS,
-        num_stages=_DECODE_NUM_STAGES,
-    )
-    if num_splits > 1:
-        _decode_reduce_kernel[(num_reqs_padded, num_heads)](
-            part_m,
-            part_l,
-            part_acc,
-            out,
-            out.stride(0),
-            out.stride(1),
-            NUM_HEADS=num_heads,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=4,
-        )
-    return out
-
-
 # --------------------------------------------------------------------------------------
-# Decode with the rotary embedding, the cache write and the split reduce folded in
+# Decode: flash-decoding over the paged cache, context splits merged in the same launch;
+# optionally with the new token's rotary embedding and cache write folded in
 # --------------------------------------------------------------------------------------
 
 
@@ -443,7 +219,7 @@ def _rope_row(x_ptr, partner_ptr, mask, cos_row_ptr, sin_row_ptr, offs_d, HALF: 
 
 
 @triton.jit
-def _decode_rope_kernel(
+def _decode_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -480,6 +256,7 @@ def _decode_rope_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
+    NEW_TOKEN: tl.constexpr,
     HAS_ROPE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -489,18 +266,20 @@ def _decode_rope_kernel(
     DOT_F32: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    # One program per (request, kv head, context split).  The request's new token (its
-    # position is seq_len - 1) is never read back from the cache: the last split takes it
-    # from registers, and the same program writes it to the cache, so no program races
-    # the write.
+    # One program per (request, kv head, context split).  With NEW_TOKEN the request's new
+    # token (position seq_len - 1) is never read back from the cache: the last split takes it
+    # from registers, and the same program writes it to the cache, so no program races the
+    # write.  Without it the cache already holds every token (k/v/rotary/slot unused).
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     # q/k/v come from the kernel just before (PDL: wait for it before reading anything).
     pdl_sync(USE_PDL)
     seq_len = tl.load(seq_lens_ptr + req)
-    has_new = seq_len > 0
-    cached = tl.maximum(seq_len - 1, 0)
+    if NEW_TOKEN:
+        cached = tl.maximum(seq_len - 1, 0)
+    else:
+        cached = seq_len
     split_len = tl.cdiv(tl.cdiv(cached, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, cached)
@@ -525,25 +304,26 @@ def _decode_rope_kernel(
     m_i = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    if (split == NUM_SPLITS - 1) & has_new:
-        # The new token first: its loads do not wait behind the cache loop.  The running
-        # max starts at its score, so its weight is exactly 1 until rescaled.
-        if HAS_ROPE:
-            k_new = _rope_row(k_row + offs_d, k_row + partner, d_mask, cos_row, sin_row, offs_d, HALF)
-        else:
-            k_new = tl.load(k_row + offs_d, mask=d_mask, other=0.0)
-        v_new = tl.load(v_ptr + req * stride_v_tok + kv_head * stride_v_head + offs_d, mask=d_mask, other=0.0)
-        slot = tl.load(slot_ptr + req).to(tl.int64)
-        if slot >= 0:
-            dst = (slot // PAGE_SIZE) * stride_c_blk + (slot % PAGE_SIZE) * stride_c_off + kv_head * stride_c_head
-            tl.store(k_cache_ptr + dst + offs_d, k_new.to(k_cache_ptr.dtype.element_ty), mask=d_mask)
-            tl.store(v_cache_ptr + dst + offs_d, v_new.to(v_cache_ptr.dtype.element_ty), mask=d_mask)
-        # The cache's dtype is what the other tokens are multiplied in.
-        k_new = k_new.to(k_cache_ptr.dtype.element_ty).to(tl.float32)
-        v_new = v_new.to(v_cache_ptr.dtype.element_ty).to(tl.float32)
-        m_i = tl.sum(q.to(tl.float32) * k_new[None, :], 1) * scale_log2
-        l_i = tl.full([BLOCK_G], 1.0, tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + v_new[None, :]
+    if NEW_TOKEN:
+        if (split == NUM_SPLITS - 1) & (seq_len > 0):
+            # The new token first: its loads do not wait behind the cache loop.  The running
+            # max starts at its score, so its weight is exactly 1 until rescaled.
+            if HAS_ROPE:
+                k_new = _rope_row(k_row + offs_d, k_row + partner, d_mask, cos_row, sin_row, offs_d, HALF)
+            else:
+                k_new = tl.load(k_row + offs_d, mask=d_mask, other=0.0)
+            v_new = tl.load(v_ptr + req * stride_v_tok + kv_head * stride_v_head + offs_d, mask=d_mask, other=0.0)
+            slot = tl.load(slot_ptr + req).to(tl.int64)
+            if slot >= 0:
+                dst = (slot // PAGE_SIZE) * stride_c_blk + (slot % PAGE_SIZE) * stride_c_off + kv_head * stride_c_head
+                tl.store(k_cache_ptr + dst + offs_d, k_new.to(k_cache_ptr.dtype.element_ty), mask=d_mask)
+                tl.store(v_cache_ptr + dst + offs_d, v_new.to(v_cache_ptr.dtype.element_ty), mask=d_mask)
+            # The cache's dtype is what the other tokens are multiplied in.
+            k_new = k_new.to(k_cache_ptr.dtype.element_ty).to(tl.float32)
+            v_new = v_new.to(v_cache_ptr.dtype.element_ty).to(tl.float32)
+            m_i = tl.sum(q.to(tl.float32) * k_new[None, :], 1) * scale_log2
+            l_i = tl.full([BLOCK_G], 1.0, tl.float32)
+            acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + v_new[None, :]
     bt_row = block_table_ptr + req * stride_bt_req
     for n0 in range(start, end, BLOCK_N):
         n_pos = n0 + tl.arange(0, BLOCK_N)
@@ -611,6 +391,124 @@ def _decode_rope_kernel(
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
+def _launch_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    num_reqs_padded: int,
+    new_token: tuple[torch.Tensor, ...] | None = None,
+) -> torch.Tensor:
+    """Launch :func:`_decode_kernel` over ``min(q rows, num_reqs_padded)`` rows (inputs checked
+    by the caller); ``new_token`` is ``(k, v, cos, sin, positions, slot_mapping)`` (cos/sin may
+    be None) or None when the cache already holds every token.  Token rows past the request
+    rows are zeroed."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, page_size = kv_cache.shape[3], kv_cache.shape[2]
+    num_rows_padded = min(q.shape[0], num_reqs_padded)
+    if num_rows_padded < q.shape[0]:
+        out[num_rows_padded:].zero_()
+    if num_rows_padded == 0:
+        return out
+    block_d = triton.next_power_of_2(head_dim)
+    num_splits = num_decode_splits(num_rows_padded, num_kv_heads, block_table.shape[1] * page_size, q.device)
+    if num_splits > 1:
+        counter = arrival_counters(q.device, num_rows_padded * num_kv_heads)
+        part_m = torch.empty(num_rows_padded * num_heads * num_splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(part_m.shape[0], block_d, dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = counter = out  # unused by the kernel when NUM_SPLITS == 1
+    # Placeholders (never read) for what a launch without a new token or rotary lacks.
+    k, v, cos, sin, positions, slot_mapping = new_token or (q, q, None, None, seq_lens, seq_lens)
+    has_rope = cos is not None
+    cos, sin = (cos, sin) if has_rope else (q, q)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _decode_kernel[(num_rows_padded, num_kv_heads, num_splits)](
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        positions,
+        slot_mapping,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        out,
+        part_m,
+        part_l,
+        part_acc,
+        counter,
+        scale * LOG2_E,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        out.stride(0),
+        out.stride(1),
+        block_table.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        HALF=head_dim // 2,
+        NEW_TOKEN=new_token is not None,
+        HAS_ROPE=has_rope,
+        # tl.dot needs M >= 16; the padded group rows are masked out.
+        BLOCK_G=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
+        BLOCK_D=block_d,
+        BLOCK_N=max(_DECODE_BLOCK_N, page_size),
+        PAGE_SIZE=page_size,
+        NUM_SPLITS=num_splits,
+        DOT_F32=_dot_in_fp32(q.dtype),
+        num_warps=_DECODE_NUM_WARPS,
+        num_stages=_DECODE_NUM_STAGES,
+        **(_NO_FMA if has_rope else {}),
+        **pdl_options(q.device),
+    )
+    return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Attention for one query token per request over the paged cache, written into ``out``.
+
+    Args:
+        q: ``[num_reqs_padded, num_heads, head_dim]``; row ``r`` is request ``r``'s token.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (already holding
+            this step's K/V).
+        block_table: ``[num_reqs_padded, max_num_blocks_per_req]`` int32.
+        seq_lens: ``[num_reqs_padded]`` int32 context lengths (0 for padded rows, which get
+            zeros).
+        scale: softmax scale.
+        out: like ``q``; returned.
+    """
+    _, _, _, num_reqs_padded = _check_attention_inputs(q, kv_cache, block_table, seq_lens, out)
+    if q.shape[0] != num_reqs_padded:
+        raise ValueError(
+            f"decode q must have one row per request: q.shape[0]={q.shape[0]}, "
+            f"num_reqs_padded={num_reqs_padded}"
+        )
+    return _launch_decode(q, kv_cache, block_table, seq_lens, scale, out, num_reqs_padded)
+
+
 def paged_decode_attention_rope(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -667,76 +565,10 @@ def paged_decode_attention_rope(
                 )
     for name, t in (("k", k), ("v", v)):
         _check_last_dim_contiguous(name, t)
-    num_rows = min(num_tokens_padded, num_reqs_padded)
-    if num_rows < num_tokens_padded:
-        out[num_rows:].zero_()
-    if num_rows == 0:
-        return out
-    group = num_heads // num_kv_heads
-    page_size = kv_cache.shape[2]
-    block_d = triton.next_power_of_2(head_dim)
-    block_g = max(16, triton.next_power_of_2(group))
-    block_n = max(_DECODE_BLOCK_N, page_size)
-    num_splits = num_decode_splits(num_rows, num_kv_heads, block_table.shape[1] * page_size, q.device)
-    if num_splits > 1:
-        counter = arrival_counters(q.device, num_rows * num_kv_heads)
-        part_m = torch.empty(num_rows * num_heads * num_splits, dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(part_m.shape[0], block_d, dtype=torch.float32, device=q.device)
-    else:
-        part_m = part_l = part_acc = counter = out  # unused by the kernel when NUM_SPLITS == 1
-    table = cos if has_rope else q  # placeholders when there is no rotary: never read
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _decode_rope_kernel[(num_rows, num_kv_heads, num_splits)](
-        q,
-        k,
-        v,
-        table,
-        sin if has_rope else q,
-        positions,
-        slot_mapping,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        out,
-        part_m,
-        part_l,
-        part_acc,
-        counter,
-        scale * LOG2_E,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        table.stride(0),
-        (sin if has_rope else q).stride(0),
-        out.stride(0),
-        out.stride(1),
-        block_table.stride(0),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        NUM_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        HALF=head_dim // 2,
-        HAS_ROPE=has_rope,
-        BLOCK_G=block_g,
-        BLOCK_D=block_d,
-        BLOCK_N=block_n,
-        PAGE_SIZE=page_size,
-        NUM_SPLITS=num_splits,
-        DOT_F32=_dot_in_fp32(q.dtype),
-        num_warps=_DECODE_NUM_WARPS,
-        num_stages=_DECODE_NUM_STAGES,
-        **_NO_FMA,
-        **pdl_options(q.device),
+    return _launch_decode(
+        q, kv_cache, block_table, seq_lens, scale, out, num_reqs_padded,
+        new_token=(k, v, cos, sin, positions, slot_mapping),
     )
-    return out
 
 
 # --------------------------------------------------------------------------------------
