@@ -162,21 +162,19 @@ def test_silu_and_mul(dtype, inter):
     assert_matches(silu_and_mul(gate_up), want, bit_exact_on_cuda=True)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tiny_llama_fused_matches_torch_path(monkeypatch, tiny_llama_dir, dtype):
-    """A whole model on CUDA: fused ops on vs off (reference attention both times)."""
+def _tiny_llama_on_cuda(tiny_llama_dir, dtype: torch.dtype, prompts: list[list[int]]):
+    """The tiny model on CUDA with the reference attention, and ``logits()`` of one prefill
+    step over ``prompts`` (fresh KV caches each call)."""
     from test_model_parity import BLOCK, prefill_batch
 
     from pprun.attention.backend import reference_backend
     from pprun.distributed.layout import StageLayout
-    from pprun.layers import fused
     from pprun.worker.kv_cache import allocate_kv_caches
     from pprun.worker.model_loader import load_stage_model
 
     device = torch.device("cuda")
     arch = load_arch_config(tiny_llama_dir)
-    ids, pos, meta, num_blocks = prefill_batch([[5, 9, 3, 200, 17, 42, 8], [1, 2, 3]])
+    ids, pos, meta, num_blocks = prefill_batch(prompts)
     meta = dataclasses.replace(
         meta,
         **{
@@ -187,14 +185,26 @@ def test_tiny_llama_fused_matches_torch_path(monkeypatch, tiny_llama_dir, dtype)
     )
     layout = StageLayout.from_partition([arch.num_hidden_layers], 0)
     model = load_stage_model(
-        tiny_llama_dir,
-        arch,
-        layout,
-        device=device,
-        dtype=dtype,
-        max_positions=256,
+        tiny_llama_dir, arch, layout, device=device, dtype=dtype, max_positions=256,
         attn_backend=reference_backend,
     )
+
+    def logits() -> torch.Tensor:
+        model.bind_kv_caches(allocate_kv_caches(arch, layout.num_layers, num_blocks, BLOCK, dtype, device))
+        with torch.inference_mode():
+            h = model(ids.to(device), pos.to(device), None, None, meta)
+            return model.compute_logits(h).float()
+
+    return arch, logits
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiny_llama_fused_matches_torch_path(monkeypatch, tiny_llama_dir, dtype):
+    """A whole model on CUDA: fused ops on vs off (reference attention both times)."""
+    from pprun.layers import fused
+
+    arch, model_logits = _tiny_llama_on_cuda(tiny_llama_dir, dtype, [[5, 9, 3, 200, 17, 42, 8], [1, 2, 3]])
     # The elementwise kernels only: decode-sized matmuls keep cuBLAS (and silu_and_mul) here.
     monkeypatch.setattr(pprun.layers, "SKINNY_ENABLED", False)
     calls = {"norm": 0, "rotary": 0, "silu": 0}
@@ -212,10 +222,7 @@ def test_tiny_llama_fused_matches_torch_path(monkeypatch, tiny_llama_dir, dtype)
 
     def logits(enabled: bool) -> torch.Tensor:
         monkeypatch.setattr(pprun.layers, "FUSED_ENABLED", enabled)
-        model.bind_kv_caches(allocate_kv_caches(arch, layout.num_layers, num_blocks, BLOCK, dtype, device))
-        with torch.inference_mode():
-            h = model(ids.to(device), pos.to(device), None, None, meta)
-            return model.compute_logits(h).float()
+        return model_logits()
 
     want = logits(False)
     assert calls == {"norm": 0, "rotary": 0, "silu": 0}
@@ -230,31 +237,10 @@ def test_tiny_llama_fused_matches_torch_path(monkeypatch, tiny_llama_dir, dtype)
 def test_tiny_llama_skinny_matmuls_match_cublas(monkeypatch, tiny_llama_dir):
     """A whole bf16 model on CUDA with a one-token batch: split-K matmuls (SwiGLU folded into
     gate_up) vs cuBLAS + silu_and_mul."""
-    from test_model_parity import BLOCK, prefill_batch
-
-    from pprun.attention.backend import reference_backend
-    from pprun.distributed.layout import StageLayout
     from pprun.layers import skinny
-    from pprun.worker.kv_cache import allocate_kv_caches
-    from pprun.worker.model_loader import load_stage_model
 
-    device, dtype = torch.device("cuda"), torch.bfloat16
-    arch = load_arch_config(tiny_llama_dir)
     # One token: the row count that pprun.layers.linear sends to the split-K kernels.
-    ids, pos, meta, num_blocks = prefill_batch([[42]])
-    meta = dataclasses.replace(
-        meta,
-        **{
-            f.name: getattr(meta, f.name).to(device)
-            for f in dataclasses.fields(meta)
-            if isinstance(getattr(meta, f.name), torch.Tensor)
-        },
-    )
-    layout = StageLayout.from_partition([arch.num_hidden_layers], 0)
-    model = load_stage_model(
-        tiny_llama_dir, arch, layout, device=device, dtype=dtype, max_positions=256,
-        attn_backend=reference_backend,
-    )
+    arch, model_logits = _tiny_llama_on_cuda(tiny_llama_dir, torch.bfloat16, [[42]])
     calls = {"plain": 0, "swiglu": 0}
     original = skinny.skinny_linear
 
@@ -266,10 +252,7 @@ def test_tiny_llama_skinny_matmuls_match_cublas(monkeypatch, tiny_llama_dir):
 
     def logits(enabled: bool) -> torch.Tensor:
         monkeypatch.setattr(pprun.layers, "SKINNY_ENABLED", enabled)
-        model.bind_kv_caches(allocate_kv_caches(arch, layout.num_layers, num_blocks, BLOCK, dtype, device))
-        with torch.inference_mode():
-            h = model(ids.to(device), pos.to(device), None, None, meta)
-            return model.compute_logits(h).float()
+        return model_logits()
 
     want = logits(False)
     assert calls == {"plain": 0, "swiglu": 0}

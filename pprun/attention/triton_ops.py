@@ -26,7 +26,7 @@ LOG2_E = 1.4426950408889634
 # exp2(-inf - m) = 0 instead of exp2(-inf + inf) = nan.
 _NEG_BIG = tl.constexpr(-1.0e30)
 # Below this many tokens of (possible) context per split, a split costs more in the
-# reduce pass than it wins in parallelism.
+# merge than it wins in parallelism.
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 32
 # Decode launch settings; scripts/tune_decode.py sweeps them on a GPU.
