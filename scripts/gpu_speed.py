@@ -152,11 +152,10 @@ def main() -> None:
     res["decode_b32"] = decode(args.model, 32, 512, 100)
     if args.ab:
         import pprun.layers
-        import pprun.layers.skinny
         import pprun.layers.triton_utils
 
         switches = [(pprun.layers, "SKINNY_ENABLED"), (pprun.layers, "FUSED_DECODE_ENABLED"),
-                    (pprun.layers.triton_utils, "PDL_ENABLED"), (pprun.layers.skinny, "PREFETCH_FIRST_TILE")]
+                    (pprun.layers.triton_utils, "PDL_ENABLED")]
         defaults = {flag: getattr(module, flag) for module, flag in switches}
         for module, flag in switches:
             setattr(module, flag, not defaults[flag])

@@ -35,9 +35,6 @@ from pprun.layers.triton_utils import pdl_options, pdl_sync
 MAX_M = 32
 """Largest row count these kernels accept."""
 
-PREFETCH_FIRST_TILE = False
-"""Peel the first K tile and load its weights before waiting on the previous kernel (PDL)."""
-
 DISPATCH_MAX_M = 1
 """Largest row count ``pprun.layers.linear`` sends here (more go to cuBLAS).  Measured on an
 H200 with weights read from HBM (``scripts/layer_bench.py``): at one row these kernels beat
@@ -105,7 +102,6 @@ def _skinny_kernel(
     USE_DOT: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
-    PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -119,28 +115,12 @@ def _skinny_kernel(
     up_rows = w_ptr + (offs_n + N_OUT).to(tl.int64)[:, None] * stride_wn
     k_begin = pid_k * K_PER
     k_end = tl.minimum(k_begin + K_PER, K)
-    if PREFETCH:
-        # The first weight tile is loaded before waiting for the previous kernel (PDL): no
-        # kernel writes weights, and the load overlaps that kernel's tail.
-        offs_k = k_begin + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_end
-        wk_mask = n_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_rows + offs_k[None, :], mask=wk_mask, other=0.0)
-        if SWIGLU:
-            wu = tl.load(up_rows + offs_k[None, :], mask=wk_mask, other=0.0)
-        pdl_sync(USE_PDL)
-        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = _tile_product(x, w, USE_DOT, DOT_F32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if SWIGLU:
-            acc_up = _tile_product(x, wu, USE_DOT, DOT_F32)
-        loop_begin = k_begin + BLOCK_K
-    else:
-        pdl_sync(USE_PDL)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        loop_begin = k_begin
-    for k0 in range(loop_begin, k_end, BLOCK_K):
+    # x comes from the kernel before (PDL: wait for it). Loading the first weight tile before
+    # the wait measured slower (docs/performance.md), so nothing is hoisted above it.
+    pdl_sync(USE_PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -309,7 +289,6 @@ def skinny_linear(
         USE_DOT=block_m > 1,
         DOT_F32=x.dtype == torch.float32 or _INTERPRETED,
         PRECISE_EXP=not _INTERPRETED,
-        PREFETCH=PREFETCH_FIRST_TILE,
         num_warps=cfg.num_warps,
         **pdl_options(x.device),
     )
