@@ -143,24 +143,14 @@ def collect_requests(cfg: GenerateAppConfig) -> list[GenerateRequest]:
 def run_requests(llm: Any, requests: list[GenerateRequest], use_tqdm: bool) -> list[Any]:
     """Generate every request (chats through ``LLM.chat``, the rest through ``LLM.generate``);
     outputs in request order."""
-    chat_idx = [i for i, r in enumerate(requests) if r.messages is not None]
-    plain_idx = [i for i, r in enumerate(requests) if r.messages is None]
     outputs: list[Any] = [None] * len(requests)
-    if plain_idx:
-        outs = llm.generate(
-            [requests[i].prompt for i in plain_idx],
-            [requests[i].sampling for i in plain_idx],
-            use_tqdm=use_tqdm,
-        )
-        for i, out in zip(plain_idx, outs):
-            outputs[i] = out
-    if chat_idx:
-        outs = llm.chat(
-            [requests[i].messages for i in chat_idx],
-            [requests[i].sampling for i in chat_idx],
-            use_tqdm=use_tqdm,
-        )
-        for i, out in zip(chat_idx, outs):
+    for is_chat, call in ((False, llm.generate), (True, llm.chat)):
+        idx = [i for i, r in enumerate(requests) if (r.messages is not None) == is_chat]
+        if not idx:
+            continue
+        inputs = [requests[i].messages if is_chat else requests[i].prompt for i in idx]
+        outs = call(inputs, [requests[i].sampling for i in idx], use_tqdm=use_tqdm)
+        for i, out in zip(idx, outs):
             outputs[i] = out
     return outputs
 

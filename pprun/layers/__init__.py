@@ -54,16 +54,27 @@ def fused_decode_enabled(t: torch.Tensor) -> bool:
     return FUSED_DECODE_ENABLED and fused_ops_for(t) is not None
 
 
+_skinny_module: ModuleType | None = None
+
+
+def _load_skinny() -> ModuleType:
+    global _skinny_module
+    if _skinny_module is None:
+        from pprun.layers import skinny
+
+        _skinny_module = skinny
+    return _skinny_module
+
+
 def _skinny_for(layer: nn.Linear, x: torch.Tensor):
     """``pprun.layers.skinny`` when ``layer(x)`` can take it: a plain ``nn.Linear`` (no subclass,
     no hooks, no autograd) on a decode-sized bf16/fp16 CUDA batch whose weight, bias and input
     the kernel reads as they are.  Anything else gets None and runs ``layer(x)``."""
     if not SKINNY_ENABLED or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
         return None
-    if fused_ops_for(x) is None:
+    if fused_ops_for(x) is None:  # also: Triton imports, so skinny does too
         return None
-    from pprun.layers import skinny
-
+    skinny = _load_skinny()
     if x.shape[0] > skinny.DISPATCH_MAX_M or x.stride(1) != 1:
         return None
     if type(layer) is not nn.Linear or layer._forward_hooks or layer._forward_pre_hooks:
