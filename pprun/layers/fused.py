@@ -265,6 +265,21 @@ def rotary_qk(
 
 
 @triton.jit
+def silu_mul(gate, up, PRECISE_EXP: tl.constexpr):
+    """``F.silu(gate) * up`` for ``gate``/``up`` in the activation dtype, rounded as torch does:
+    its CUDA silu is x / (1 + expf(-x)) in fp32 (IEEE div, full-precision expf), rounded to the
+    input dtype; then ``* up`` rounds again.  Shared with ``skinny``'s SwiGLU epilogue."""
+    dtype = gate.dtype
+    g = gate.to(tl.float32)
+    if PRECISE_EXP:
+        e = libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)
+    silu = tl.math.div_rn(g, 1.0 + e).to(dtype)
+    return (silu.to(tl.float32) * up.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     gate_up_ptr,
     out_ptr,
@@ -279,17 +294,7 @@ def _silu_and_mul_kernel(
     mask = offs < inter
     gate = tl.load(gate_up_ptr + row * stride_in + offs, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * stride_in + inter + offs, mask=mask, other=0.0)
-    dtype = gate.dtype
-    g = gate.to(tl.float32)
-    # torch's CUDA silu: x / (1 + expf(-x)) in fp32 (IEEE div, full-precision expf), rounded
-    # to the input dtype; then ``* up`` rounds again.
-    if PRECISE_EXP:
-        e = libdevice.exp(-g)
-    else:
-        e = tl.exp(-g)
-    silu = tl.math.div_rn(g, 1.0 + e).to(dtype)
-    out = silu.to(tl.float32) * up.to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs, out.to(dtype), mask=mask)
+    tl.store(out_ptr + row * stride_out + offs, silu_mul(gate, up, PRECISE_EXP), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

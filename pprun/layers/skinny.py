@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
+from pprun.layers.fused import silu_mul
 from pprun.layers.triton_utils import INTERPRETED as _INTERPRETED
 from pprun.layers.triton_utils import pdl_options, pdl_sync
 
@@ -67,14 +67,8 @@ def _epilogue(acc, acc_up, bias_ptr, offs_n, n_mask, N_OUT, dtype, HAS_BIAS: tl.
             acc_up += tl.load(bias_ptr + N_OUT + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y = acc.to(dtype)
     if SWIGLU:
-        # As torch: gate and up rounded, silu in fp32 rounded, the product rounded.
-        g = y.to(tl.float32)
-        if PRECISE_EXP:
-            e = libdevice.exp(-g)
-        else:
-            e = tl.exp(-g)
-        silu = tl.math.div_rn(g, 1.0 + e).to(dtype)
-        y = (silu.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
+        # As torch: gate and up rounded to the activation dtype, then F.silu(gate) * up.
+        y = silu_mul(y, acc_up.to(dtype), PRECISE_EXP)
     return y
 
 
