@@ -271,6 +271,11 @@ def test_resolve_executor() -> None:
         ({"gpu_memory_utilization": 1.5}, r"cache\.gpu_memory_utilization=1\.5.*\(0, 1\]"),
         ({"kv_cache_memory_bytes": 0}, r"cache\.kv_cache_memory_bytes=0"),
         ({"stage_timeout_s": 0}, r"parallel\.stage_timeout_s=0"),
+        (
+            {"executor": "mp", "pipeline_parallel_size": 2, "microbatches": 1},
+            r"parallel\.microbatches=1.*>= parallel\.pipeline_parallel_size \(2\)",
+        ),
+        ({"microbatches": 2}, r"parallel\.microbatches=2.*executor 'uni'.*mp and ray"),
         ({"cudagraph_capture_sizes": [1, 0]}, r"compilation\.cudagraph_capture_sizes=\[1, 0\]"),
         ({"log_level": "LOUD"}, r"log_level='LOUD'"),
         (

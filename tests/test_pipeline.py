@@ -76,6 +76,16 @@ def test_tiny_tokens_identical_across_pp(tiny_llama_dir, tiny_reference, executo
             assert d["layer_partition"] == partition
 
 
+def test_v2_three_batches_in_flight_through_two_stages(tiny_llama_dir, tiny_reference):
+    """parallel.microbatches=3 with two stages: three steps in flight, the last stage launching
+    a step before the previous one's sampled ids are read; tokens as in one process."""
+    with LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2,
+             microbatches=3, runner="v2") as llm:
+        assert llm.engine.executor.max_in_flight == 3
+        assert tokens(llm.generate(TOKEN_PROMPTS, GREEDY)) == tiny_reference
+        assert llm.engine.num_steps > 0
+
+
 DEMO_TEXTS = ["The capital of France is", "def add(a, b):", "Hi", "Write a short poem about a cat who"]
 
 

@@ -60,6 +60,12 @@ class ParallelConfig:
     """Longest wait, in seconds, between stages or for a step's result before the step fails."""
     ray_num_cpus_per_stage: float = 0.5
     """CPUs each Ray stage actor reserves (fractional so several stages fit on a small machine)."""
+    microbatches: int | None = None
+    """Batches in flight through the pipeline (executors mp and ray): steps submitted whose output
+    has not come back.  None means one per stage.  One more than the stage count keeps every
+    stage busy while the engine turns a batch's output into its next step (the round trip
+    engine -> first stage ... last stage -> engine is longer than one stage's compute); the
+    requests (at most ``scheduler.max_num_seqs``) are spread over the batches."""
 
 
 @dataclass

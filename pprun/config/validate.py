@@ -155,6 +155,17 @@ def _check_values(cfg: PprunConfig, env: Mapping[str, str]) -> None:
         )
     _check_min("parallel.stage_timeout_s", cfg.parallel.stage_timeout_s, 1e-9, "a number of seconds > 0")
     _check_min("parallel.ray_num_cpus_per_stage", cfg.parallel.ray_num_cpus_per_stage, 0, "a number >= 0")
+    if cfg.parallel.microbatches is not None:
+        _check_min(
+            "parallel.microbatches", cfg.parallel.microbatches, pp_size,
+            f"an integer >= parallel.pipeline_parallel_size ({pp_size}), or null for one per stage",
+        )  # fmt: skip
+        executor = resolve_executor(cfg, env)
+        if executor not in ("mp", "ray"):
+            raise ValueError(
+                f"parallel.microbatches={cfg.parallel.microbatches} is not allowed with executor {executor!r}: "
+                "only the mp and ray executors keep several batches in flight; leave it null"
+            )
 
     _check_min("scheduler.max_num_seqs", cfg.scheduler.max_num_seqs, 1, "an integer >= 1")
     _check_min("scheduler.max_num_batched_tokens", cfg.scheduler.max_num_batched_tokens, 1, "an integer >= 1")

@@ -90,6 +90,10 @@ class LLMEngine:
             str(rc.dtype).removeprefix("torch."),
         )
         self.executor = make_executor(rc, self.runner_name, fault_injection)
+        from pprun.worker.step_trace import EngineTrace, trace_prefix
+
+        self.trace_prefix = trace_prefix()
+        self.trace = EngineTrace() if self.trace_prefix else None
         self.async_scheduling = bool(getattr(self.executor, "async_steps", False))
         try:
             self._init_cache()
@@ -112,6 +116,9 @@ class LLMEngine:
         self.num_steps = 0
         self.num_preemptions = 0
         """Preemptions (by recompute) of requests finished so far."""
+        from pprun.worker.worker import freeze_startup_objects
+
+        freeze_startup_objects()  # the driver's start-up objects too (tokenizer, Hydra, Ray client)
 
     def _make_scheduler(self, sc) -> Scheduler:
         """The scheduler for this engine's executor (steps in flight, async or spread)."""
@@ -228,6 +235,8 @@ class LLMEngine:
         """Fill the pipeline, then apply the oldest step's output; returns finished requests."""
         if self.dead:
             raise StageFailedError(f"the engine has failed ({self.dead}); start a new LLM")
+        t_start = time.perf_counter()
+        num_submitted = 0
         try:
             while len(self.in_flight) < self.executor.max_in_flight and self.scheduler.can_schedule():
                 so = self.scheduler.schedule()
@@ -241,9 +250,13 @@ class LLMEngine:
                 self.executor.submit(so)
                 self.in_flight.append(so)
                 self.num_steps += 1
+                num_submitted += 1
             if not self.in_flight:
                 return self._collect_finished([])  # user aborts only
+            t_wait = time.perf_counter()
             out = self.executor.get_output()
+            if self.trace is not None:
+                self.trace.record(t_start, t_wait, time.perf_counter(), num_submitted)
         except StageFailedError as e:
             self._fail(str(e))
             raise
@@ -360,7 +373,10 @@ class LLMEngine:
         return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
 
     def shutdown(self) -> None:
-        """Stop the stages; idempotent."""
+        """Stop the stages (writing the engine's step trace when ``PPRUN_STEP_TRACE`` is set); idempotent."""
+        if self.trace is not None:
+            self.trace.dump(f"{self.trace_prefix}.engine.json")
+            self.trace = None
         if self.executor is not None:
             try:
                 self.executor.shutdown()

@@ -44,13 +44,31 @@ def worker_main(address: tuple[str, int], authkey: bytes, rank: int, spec=None) 
         worker = Worker(spec)
         n_params = worker.load_model()
         conn.send(("loaded", n_params, worker.num_available_blocks()))
+
+        def send_output(out) -> None:
+            if hasattr(out, "result"):
+                out = out.result()
+            conn.send_bytes(pickle.dumps(("output", out), protocol=pickle.HIGHEST_PROTOCOL))
+
+        # The last stage's newest step, launched but not answered: when the next step's message
+        # is already here, that step is launched before this one's sampled ids are awaited, so
+        # the device never idles while the host prepares a step (outputs keep step order).
+        pending = None
         while True:
+            if pending is not None and not conn.poll():
+                send_output(pending)
+                pending = None
             kind, *args = conn.recv()
             if kind == "step":
-                out = worker.execute_model(args[0])
-                if out is not None:
-                    conn.send_bytes(pickle.dumps(("output", out), protocol=pickle.HIGHEST_PROTOCOL))
-            elif kind == "call":
+                out = worker.execute_model(args[0], wait=False)
+                if pending is not None:
+                    send_output(pending)
+                pending = out
+                continue
+            if pending is not None:
+                send_output(pending)
+                pending = None
+            if kind == "call":
                 name, kwargs = args
                 conn.send(("result", getattr(worker, name)(**kwargs)))
             elif kind == "shutdown":
@@ -79,7 +97,7 @@ class RemoteStagesExecutor(Executor):
         self.resolved = resolved
         self.timeout_s = timeout_s
         self.pp_size = len(resolved.layer_partition)
-        self.max_in_flight = self.pp_size
+        self.max_in_flight = resolved.cfg.parallel.microbatches or self.pp_size
         self.authkey = secrets.token_bytes(16)
         self.conns: list[Connection | None] = [None] * self.pp_size
         self.pending: deque[int] = deque()

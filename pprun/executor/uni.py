@@ -54,5 +54,7 @@ class UniExecutor(Executor):
         return result
 
     def shutdown(self) -> None:
-        """Nothing to stop in process."""
+        """Nothing to stop in process but the worker's step trace (``PPRUN_STEP_TRACE``)."""
+        if self.worker is not None:
+            self.worker.shutdown()
         self.worker = None

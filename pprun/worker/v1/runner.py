@@ -6,6 +6,8 @@ works with every executor, including SPMD torchrun ranks at pp > 1 (DESIGN.md co
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dataclasses import dataclass
 
 import torch
@@ -113,13 +115,22 @@ class V1ModelRunner:
 
     @torch.inference_mode()
     def execute_model(
-        self, so: SchedulerOutput, intermediate_tensors: IntermediateTensors | None = None
+        self,
+        so: SchedulerOutput,
+        intermediate_tensors: IntermediateTensors | None = None,
+        receive: Callable[[], IntermediateTensors] | None = None,
     ) -> ModelRunnerOutput | IntermediateTensors | None:
-        """Run one step; non-last stages return what to send, the last returns sampled tokens."""
+        """Run one step; non-last stages return what to send, the last returns sampled tokens.
+
+        ``receive`` (non-first stages, instead of ``intermediate_tensors``) is called once the
+        step's inputs are on the device, to get the previous stage's tensors.
+        """
         self.update_states(so)
         if so.is_empty():
             return ModelRunnerOutput(so.step_id, [], []) if self.layout.is_last else None
         ids, positions, meta, last_rows = self.prepare_inputs(so)
+        if receive is not None:
+            intermediate_tensors = receive()
         inputs = build_model_inputs(
             self.model,
             is_first_stage=self.layout.is_first,

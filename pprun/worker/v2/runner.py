@@ -189,20 +189,29 @@ class V2ModelRunner:
 
     @torch.inference_mode()
     def execute_model(
-        self, so: SchedulerOutput, intermediate_tensors: IntermediateTensors | None = None
+        self,
+        so: SchedulerOutput,
+        intermediate_tensors: IntermediateTensors | None = None,
+        receive: Callable[[], IntermediateTensors] | None = None,
     ) -> ModelRunnerOutput | IntermediateTensors | None:
         """Run one step and wait for its result (see :meth:`execute_model_async`)."""
-        out = self.execute_model_async(so, intermediate_tensors)
+        out = self.execute_model_async(so, intermediate_tensors, receive)
         return out.result() if isinstance(out, PendingOutput) else out
 
     @torch.inference_mode()
     def execute_model_async(
-        self, so: SchedulerOutput, intermediate_tensors: IntermediateTensors | None = None
+        self,
+        so: SchedulerOutput,
+        intermediate_tensors: IntermediateTensors | None = None,
+        receive: Callable[[], IntermediateTensors] | None = None,
     ) -> PendingOutput | IntermediateTensors | None:
         """Run one step; non-last stages return what to send, the last returns sampled tokens.
 
         Host work never waits on the device here except for the previous step's input copies
-        (finished long before, they precede its forward) and, on the last stage, the sampled ids.
+        (they precede its forward) and, on the last stage, the sampled ids.  ``receive``
+        (non-first stages, instead of ``intermediate_tensors``) is called once this step's
+        inputs are copied, so that in stream order the copies do not wait for the previous
+        stage's tensors.
         """
         # The deltas rewrite pinned staging memory (sampling parameters) that the previous
         # step's non-blocking copies may still be reading.
@@ -227,6 +236,8 @@ class V2ModelRunner:
         meta = self.bufs.attn_metadata(
             batch.num_reqs, plan.num_reqs_padded, num_tokens, plan.num_tokens_padded, batch.max_query_len
         )
+        if receive is not None:
+            intermediate_tensors = receive()
         out = self._run_model(plan, batch, meta, intermediate_tensors)
         if not self.layout.is_last:
             return out[:num_tokens]
