@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -82,6 +83,9 @@ def test_v2_three_batches_in_flight_through_two_stages(tiny_llama_dir, tiny_refe
     with LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2,
              microbatches=3, runner="v2") as llm:
         assert llm.engine.executor.max_in_flight == 3
+        for conn in llm.engine.executor.conns:  # no 40 ms delayed-ACK stalls (see set_nodelay)
+            with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
         assert tokens(llm.generate(TOKEN_PROMPTS, GREEDY)) == tiny_reference
         assert llm.engine.num_steps > 0
 
@@ -212,10 +216,14 @@ def test_transport_sends_metadata_once_and_rejects_later_changes(monkeypatch):
         return IntermediateTensors({k: torch.full((n, width), float(i), dtype=dtype) for i, k in enumerate(keys)})
 
     sender.send(its(3))
-    assert [t.numel() for t in wire] == [META_BYTES, 12, 12]  # metadata, then the tensors
+    assert [t.numel() for t in wire] == [META_BYTES, 24]  # metadata, then both tensors stacked
     wire.clear()
     sender.send(its(1))  # another step, another token count: tensors only
-    assert [t.numel() for t in wire] == [4, 4]
+    assert [t.numel() for t in wire] == [8]
+    wire.clear()
+    mixed = PipelineTransport(StageLayout.from_partition([1, 1], 0), torch.device("cpu"), None, None, [0, 1])
+    mixed.send(IntermediateTensors({"a": torch.zeros(2, 4), "b": torch.zeros(2, 3)}))
+    assert [t.numel() for t in wire] == [META_BYTES, 8, 6]  # different widths: one message each
     for bad in (its(2, width=5), its(2, keys=("hidden_states", "other")), its(2, dtype=torch.float16)):
         with pytest.raises(ValueError, match="stage 0: intermediate tensors changed after the first send"):
             sender.send(bad)
@@ -234,6 +242,8 @@ def test_transport_sends_metadata_once_and_rejects_later_changes(monkeypatch):
     monkeypatch.setattr(dist, "recv", fake_recv)
     buffers = IntermediateTensors({k: torch.zeros(8, 4) for k in ("hidden_states", "residual")})
     got = receiver.recv(buffers, 3)
-    assert got["residual"].eq(1.0).all() and got["hidden_states"].shape == (3, 4)
+    assert got["residual"].eq(1.0).all() and got["hidden_states"].eq(0.0).all()
+    assert got["hidden_states"].shape == (3, 4)
+    assert got["residual"].data_ptr() == buffers["residual"].data_ptr()  # landed in the buffers
     got = receiver.recv(buffers, 2)
     assert got["residual"].shape == (2, 4) and not queue

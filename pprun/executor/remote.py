@@ -15,6 +15,7 @@ import logging
 import os
 import pickle
 import secrets
+import socket
 import time
 import traceback
 from collections import deque
@@ -26,6 +27,21 @@ from pprun.executor.base import Executor, StageFailedError
 logger = logging.getLogger(__name__)
 
 
+def set_nodelay(conn: Connection) -> None:
+    """Turn Nagle's algorithm off on a control socket.
+
+    The driver writes a small step message to every stage each step, and only the last stage
+    writes back: a first stage's socket carries no replies for ACKs to ride on, so the kernel
+    delays them (40 ms on Linux) and Nagle holds the driver's next message until one comes —
+    measured on two GPUs as 40 ms stalls every 5-80 steps.
+    """
+    try:
+        with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:  # a dup of the fd
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:
+        pass  # not a TCP socket (nothing to do)
+
+
 def worker_main(address: tuple[str, int], authkey: bytes, rank: int, spec=None) -> None:
     """Body of a stage process: connect to the driver, build the stage, serve steps.
 
@@ -35,11 +51,19 @@ def worker_main(address: tuple[str, int], authkey: bytes, rank: int, spec=None) 
     from pprun.worker.worker import Worker
 
     conn = Client(address, authkey=authkey)
+    set_nodelay(conn)
     conn.send(("hello", rank, os.getpid()))
     if spec is None:
         kind, spec = conn.recv()
     logging.basicConfig(level=spec.resolved.cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     worker = None
+    profile_path = os.environ.get("PPRUN_STAGE_PROFILE")  # cProfile of the whole stage process
+    profiler = None
+    if profile_path:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     try:
         worker = Worker(spec)
         n_params = worker.load_model()
@@ -81,6 +105,9 @@ def worker_main(address: tuple[str, int], authkey: bytes, rank: int, spec=None) 
         except OSError:
             pass
     finally:
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(f"{profile_path}.stage{rank}.prof")
         if worker is not None:
             try:
                 worker.shutdown()
@@ -127,6 +154,7 @@ class RemoteStagesExecutor(Executor):
                 if time.monotonic() > deadline:
                     raise StageFailedError("pipeline stages did not connect in time") from None
                 continue
+            set_nodelay(conn)
             kind, rank, pid = conn.recv()
             self.conns[rank] = conn
             self.stage_pids[rank] = pid
