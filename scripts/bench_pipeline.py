@@ -23,7 +23,7 @@ On a machine with two GPUs (the GPU-speed issue's pp=2 figures; not yet run ther
 
     python scripts/make_random_llama.py /tmp/llama1b --device cuda
     python scripts/bench_pipeline.py --device cuda --model /tmp/llama1b --parts throughput,hop,control \
-        --num-prompts 64 --input-len 512 --output-len 128
+        --num-prompts 64 --input-len 512 --output-len 512
 """
 
 from __future__ import annotations
@@ -72,45 +72,63 @@ def _stats_us(samples_s: list[float]) -> dict[str, float]:
 
 
 def bench_throughput(
-    num_prompts: int, input_len: int, output_len: int, device: str = "cpu", model: str = DEMO_MODEL
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    device: str = "cpu",
+    model: str = DEMO_MODEL,
+    microbatches: tuple[int, ...] = (3,),
+    pp2_executors: tuple[str, ...] = ("mp", "ray"),
 ) -> list[dict[str, Any]]:
-    """``pprun bench`` at pp=1 (uni), pp=2 (mp) and pp=2 (ray), one subprocess each.
+    """``pprun bench`` at pp=1 (uni) and pp=2 (mp, ray), one subprocess each.
 
-    On ``cuda`` the model runs in bf16 with every prompt in one batch (``max_num_seqs =
-    num_prompts``), one GPU per stage; the last entry is the pp=2 / pp=1 throughput ratio.
+    On ``cuda`` the model runs in bf16.  ``num_prompts`` is the batch of one step: pp=1 runs it
+    as one batch; pp=2 keeps ``m`` batches of that size in flight (one GPU per stage) for each
+    ``m`` in ``microbatches`` (the first with every executor of ``pp2_executors``, the others
+    with the first executor), so it holds ``m`` times as many requests — pp=1 at the largest
+    number of requests runs too (equal concurrency).  Each run's step trace (``PPRUN_STEP_TRACE``) gives the steady
+    decode rate: tokens per second over the last stage's steps while every batch is full and
+    decoding.  The last entry has the ratios.
     """
     results = []
     if device == "cpu":
         # Ray gives each actor OMP_NUM_THREADS=1 (its CPU share); mp stages inherit the default
         # (every core), so two mp stages on two cores run four spinning OpenMP threads: the
         # OMP_NUM_THREADS=1 mp run shows what that oversubscription costs.
-        runs = (("single", {}), ("pp2_mp", {}), ("pp2_mp", {"OMP_NUM_THREADS": "1"}), ("pp2_ray", {}))
+        runs = (("single", {}, num_prompts, []), ("pp2_mp", {}, num_prompts, []),
+                ("pp2_mp", {"OMP_NUM_THREADS": "1"}, num_prompts, []), ("pp2_ray", {}, num_prompts, []))  # fmt: skip
         extra = ["model.dtype=float32"]
     else:
-        runs = (("single", {}), ("pp2_mp", {}), ("pp2_ray", {}))
-        extra = ["model.dtype=bfloat16", f"scheduler.max_num_seqs={num_prompts}"]
-    for parallel, env_extra in runs:
+        runs = [("single", {}, num_prompts, [])]
+        for i, m in enumerate(microbatches):
+            for ex in pp2_executors if i == 0 else pp2_executors[:1]:
+                runs.append((f"pp2_{ex}", {}, num_prompts * m, [f"parallel.microbatches={m}"]))
+        runs.append(("single", {}, num_prompts * max(microbatches), []))
+        extra = ["model.dtype=bfloat16"]
+    for parallel, env_extra, n, more in runs:
         with tempfile.TemporaryDirectory() as tmp:
             out_json = Path(tmp) / "bench.json"
+            trace = Path(tmp) / "trace"
             cmd = [
                 sys.executable, "-m", "pprun", "bench",
                 f"model.model={model}", *extra, f"device={device}",
-                f"parallel={parallel}", "peer=none",
-                f"num_prompts={num_prompts}", f"input_len={input_len}", f"output_len={output_len}",
+                f"parallel={parallel}", "peer=none", *more,
+                f"num_prompts={n}", f"scheduler.max_num_seqs={n}",
+                f"input_len={input_len}", f"output_len={output_len}",
                 f"hydra.run.dir={tmp}/hydra", f"output_json={out_json}",
             ]  # fmt: skip
             load = load_info()
-            proc = subprocess.run(
-                cmd, cwd=REPO, env={**_child_env(), **env_extra}, capture_output=True, text=True, timeout=1800
-            )
+            env = {**_child_env(), **env_extra, "PPRUN_STEP_TRACE": str(trace)}
+            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
             if proc.returncode != 0:
                 results.append({"parallel": parallel, "command": _shell(cmd), "error": proc.stderr[-2000:]})
                 continue
             bench = json.loads(out_json.read_text())
+            label = f"{parallel} {n} requests" + (f" in {n // num_prompts} batches" if more else "")
             results.append(
                 {
                     "parallel": parallel,
-                    "label": parallel + "".join(f" {k}={v}" for k, v in env_extra.items()),
+                    "label": label + "".join(f" {k}={v}" for k, v in env_extra.items()),
                     "command": " ".join([f"{k}={v}" for k, v in env_extra.items()] + ["python", *cmd[1:-1]]),
                     "load_before": load,
                     "executor": bench["config"]["executor"],
@@ -127,18 +145,45 @@ def bench_throughput(
                             "tpot_ms_p99",
                         )
                     },
+                    **steady_decode(trace),
                 }  # fmt: skip
             )
-    rates = {r["label"]: r.get("output_tokens_per_s") for r in results if "error" not in r}
-    if rates.get("single"):
-        results.append(
-            {
-                "pp2_over_pp1": {
-                    k: round(v / rates["single"], 3) for k, v in rates.items() if k != "single" and v
-                }
-            }
-        )
+    ok = [r for r in results if "error" not in r]
+    base = next((r for r in ok if r["pp"] == 1), None)
+    if base is not None:
+        ratios: dict[str, Any] = {}
+        for key in ("output_tokens_per_s", "steady_decode_tokens_per_s"):
+            if base.get(key):
+                ratios[key] = {
+                    f"{r['label']} / {base['label']}": round(r[key] / base[key], 3)
+                    for r in ok if r is not base and r.get(key)
+                }  # fmt: skip
+        results.append({"ratios": ratios})
     return results
+
+
+def steady_decode(prefix: Path) -> dict[str, Any]:
+    """Decode rate from the last stage's step trace: the steps after the last prefill while
+    the batch is at its largest (every request still decoding); {} without a trace."""
+    files = sorted(prefix.parent.glob(prefix.name + ".stage*.json"))
+    if not files:
+        return {}
+    steps = json.loads(files[-1].read_text())["steps"]
+    last_prefill = max((i for i, r in enumerate(steps) if r["num_tokens"] != r["num_reqs"]), default=-1)
+    decode = [r for r in steps[last_prefill + 1 :] if r["num_tokens"] > 0]
+    if len(decode) < 10:
+        return {}
+    full = max(r["num_reqs"] for r in decode)
+    idx = [i for i, r in enumerate(decode) if r["num_reqs"] == full]
+    run = decode[idx[0] : idx[-1] + 1]
+    span = run[-1]["t0"] - run[0]["t0"]
+    tokens = sum(r["num_tokens"] for r in run[:-1])
+    return {
+        "steady_decode_tokens_per_s": round(tokens / span, 1),
+        "steady_decode_us_per_step": round(span / (len(run) - 1) * 1e6, 1),
+        "steady_decode_steps": len(run),
+        "steady_decode_batch": full,
+    }
 
 
 def _child_env() -> dict[str, str]:
@@ -518,6 +563,9 @@ def main() -> None:
                     help="cuda: throughput with one GPU per stage, hop over NCCL between GPUs 0 and 1, "
                          "control path with stages on GPUs (needs two GPUs)")
     ap.add_argument("--model", default=DEMO_MODEL, help="model of the throughput part")
+    ap.add_argument("--microbatches", default="3",
+                    help="cuda: comma-separated counts of --num-prompts-request batches pp=2 keeps in flight")
+    ap.add_argument("--pp2-executors", default="mp,ray", help="cuda: executors of the pp=2 runs")
     ap.add_argument("--hidden", type=int, help=f"hop row width (default {HIDDEN_SIZE}; 2048 on cuda)")
     ap.add_argument("--hop-rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--init-method", help=argparse.SUPPRESS)
@@ -551,7 +599,10 @@ def main() -> None:
                 "input_len": args.input_len,
                 "output_len": args.output_len,
             },
-            "runs": bench_throughput(args.num_prompts, args.input_len, args.output_len, args.device, args.model),
+            "runs": bench_throughput(
+                args.num_prompts, args.input_len, args.output_len, args.device, args.model,
+                tuple(int(m) for m in args.microbatches.split(",")), tuple(args.pp2_executors.split(",")),
+            ),
         }
     if "memory" in parts:
         result["memory"] = bench_memory(tuple(int(x) for x in args.memory_pp.split(",")))

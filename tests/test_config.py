@@ -115,6 +115,8 @@ def test_from_kwargs_unknown_key_suggests_close_names() -> None:
 
 def test_capture_sizes_default_capped_at_max_num_seqs() -> None:
     assert CompilationConfig().resolved_capture_sizes(128) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
+    assert CompilationConfig().resolved_capture_sizes(200)[-3:] == [128, 192, 200]
+    assert CompilationConfig().resolved_capture_sizes(1024)[-1] == 512
     assert CompilationConfig().resolved_capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert CompilationConfig(cudagraph_capture_sizes=[8, 2, 64]).resolved_capture_sizes(16) == [2, 8]
 

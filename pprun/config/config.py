@@ -18,7 +18,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CUDAGRAPH_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+DEFAULT_CUDAGRAPH_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 """Batch sizes (requests per decode step) captured as CUDA graphs when none are configured."""
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
@@ -108,8 +108,9 @@ class CompilationConfig:
     cudagraph_mode: str = "full"
     """none|piecewise|full: run eagerly, capture around attention, or capture whole decode steps."""
     cudagraph_capture_sizes: list[int] | None = None
-    """Padded batch sizes to capture; None: 1,2,4,8,16,24,32,48,64,96,128 capped at max_num_seqs
-    (plus max_num_seqs itself, so every decode batch has a graph)."""
+    """Padded batch sizes to capture; None: 1,2,4,8,16,24,32,48,64,96,128,192,256,384,512 capped at
+    max_num_seqs (plus max_num_seqs itself up to 512, so every decode batch up to 512 has a graph;
+    a larger one runs eagerly)."""
 
     def resolved_capture_sizes(self, max_num_seqs: int) -> list[int]:
         """The sorted capture sizes for a scheduler admitting at most ``max_num_seqs`` requests."""
