@@ -54,6 +54,8 @@ class PipelineTransport:
         """(key, trailing shape, dtype) of every tensor, as sent in the one metadata message."""
         self._expected_keys: list[str] | None = None
         """The keys the previous stage announced, in its send order."""
+        self._packed = False
+        """Whether the previous stage's tensors arrive stacked (decided from its metadata)."""
         self._packed_in: torch.Tensor | None = None
         """Landing buffer of stacked tensors (see :func:`_packable`), as large as the buffers."""
 
@@ -142,14 +144,15 @@ class PipelineTransport:
             meta = pickle.loads(self._meta_in[4 : 4 + size].numpy().tobytes())
             check_received_metadata(meta, buffers, num_tokens, self.layout.pp_rank)
             self._expected_keys = [key for key, _, _ in meta]
-            if _packable([(k, tuple(shape[1:]), dtype) for k, shape, dtype in meta]):
-                first = buffers[self._expected_keys[0]]
-                self._packed_in = torch.empty(
-                    (len(meta), *first.shape), dtype=first.dtype, device=first.device
-                ).view(-1)
+            self._packed = _packable([(k, tuple(shape[1:]), dtype) for k, shape, dtype in meta])
         view = buffers[:num_tokens]
-        if self._packed_in is not None:
-            first = view[self._expected_keys[0]]
+        if self._packed:
+            full, first = buffers[self._expected_keys[0]], view[self._expected_keys[0]]
+            if self._packed_in is None or self._packed_in.numel() < len(self._expected_keys) * first.numel():
+                # Sized for the whole buffers: allocated once when the caller keeps its buffers.
+                self._packed_in = torch.empty(
+                    len(self._expected_keys) * full.numel(), dtype=full.dtype, device=full.device
+                )
             packed = self._packed_in[: len(self._expected_keys) * first.numel()].view(-1, *first.shape)
             dist.recv(packed, src, group=self.device_group)
             for i, key in enumerate(self._expected_keys):
