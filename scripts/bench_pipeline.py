@@ -9,8 +9,8 @@ Prints one JSON object (and writes it to ``--out``).  Four parts, each selectabl
                 ``executor.call_all``) with the mp executor at pp=1, 2, 4 and a small KV cache,
                 and a least-squares fit ``rss = fixed + slope * param_bytes`` over all stages.
 ``hop``         two gloo processes ping-pong decode-sized IntermediateTensors through
-                ``PipelineTransport.send``/``recv`` (metadata + tensors); one hop = round trip / 2.
-                The same tensors through bare ``dist.send``/``recv`` show the metadata's share.
+                ``PipelineTransport.send``/``recv``; one hop = round trip / 2.  The same tensors
+                through bare ``dist.send``/``recv`` (one message each) show what the transport adds.
 ``control``     a 2-layer, hidden-64 random model; SchedulerOutputs are fed to the executor
                 directly (``submit`` + ``get_output``, one step in flight): an *empty* step
                 (nothing to compute: the control path alone) and a 1-request decode step, for
@@ -391,7 +391,8 @@ def hop_rank_main(rank: int, init_method: str, iters: int, device_type: str = "c
                 fn()
                 samples.append((time.perf_counter() - t0) / 2)  # one hop = half a round trip
             row[label] = _stats_us(samples)
-        row["metadata_us"] = round(row["transport"]["median_us"] - row["tensors_only"]["median_us"], 1)
+        # What PipelineTransport adds to bare sends (stacking small hops into one message).
+        row["transport_minus_bare_us"] = round(row["transport"]["median_us"] - row["tensors_only"]["median_us"], 1)
         row["transport_GBps"] = round(row["bytes"] / (row["transport"]["median_us"] * 1e-6) / 1e9, 3)
         results[name] = row
     dist.barrier(group=forward.cpu_group)

@@ -206,7 +206,7 @@ def test_transport_sends_metadata_once_and_rejects_later_changes(monkeypatch):
 
     from pprun.distributed.intermediate import IntermediateTensors
     from pprun.distributed.layout import StageLayout
-    from pprun.distributed.transport import META_BYTES, PipelineTransport
+    from pprun.distributed.transport import META_BYTES, PACK_MAX_BYTES, PipelineTransport
 
     wire: list[torch.Tensor] = []
     monkeypatch.setattr(dist, "send", lambda t, dst, group=None: wire.append(t.clone()))
@@ -224,6 +224,11 @@ def test_transport_sends_metadata_once_and_rejects_later_changes(monkeypatch):
     mixed = PipelineTransport(StageLayout.from_partition([1, 1], 0), torch.device("cpu"), None, None, [0, 1])
     mixed.send(IntermediateTensors({"a": torch.zeros(2, 4), "b": torch.zeros(2, 3)}))
     assert [t.numel() for t in wire] == [META_BYTES, 8, 6]  # different widths: one message each
+    wire.clear()
+    big = 1 + PACK_MAX_BYTES // (2 * 4 * 4)  # rows of two [n, 4] fp32 tensors past the limit
+    sender_big = PipelineTransport(StageLayout.from_partition([1, 1], 0), torch.device("cpu"), None, None, [0, 1])
+    sender_big.send(its(big))
+    assert [t.numel() for t in wire] == [META_BYTES, 4 * big, 4 * big]  # large hops: one message each
     for bad in (its(2, width=5), its(2, keys=("hidden_states", "other")), its(2, dtype=torch.float16)):
         with pytest.raises(ValueError, match="stage 0: intermediate tensors changed after the first send"):
             sender.send(bad)
@@ -234,6 +239,7 @@ def test_transport_sends_metadata_once_and_rejects_later_changes(monkeypatch):
     sender2 = PipelineTransport(StageLayout.from_partition([1, 1], 0), torch.device("cpu"), None, None, [0, 1])
     sender2.send(its(3))
     sender2.send(its(2))
+    sender2.send(its(big))
     queue = list(wire)
 
     def fake_recv(t, src, group=None):
@@ -246,4 +252,7 @@ def test_transport_sends_metadata_once_and_rejects_later_changes(monkeypatch):
     assert got["hidden_states"].shape == (3, 4)
     assert got["residual"].data_ptr() == buffers["residual"].data_ptr()  # landed in the buffers
     got = receiver.recv(buffers, 2)
-    assert got["residual"].shape == (2, 4) and not queue
+    assert got["residual"].shape == (2, 4)
+    buffers = IntermediateTensors({k: torch.zeros(big, 4) for k in ("hidden_states", "residual")})
+    got = receiver.recv(buffers, big)  # past PACK_MAX_BYTES: one message per tensor, as sent
+    assert got["residual"].eq(1.0).all() and got["hidden_states"].eq(0.0).all() and not queue
