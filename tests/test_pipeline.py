@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -88,6 +89,26 @@ def test_v2_three_batches_in_flight_through_two_stages(tiny_llama_dir, tiny_refe
                 assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
         assert tokens(llm.generate(TOKEN_PROMPTS, GREEDY)) == tiny_reference
         assert llm.engine.num_steps > 0
+
+
+def test_step_trace_written_by_every_stage_and_the_engine(tiny_llama_dir, tmp_path, monkeypatch):
+    """PPRUN_STEP_TRACE: each stage process and the engine write their per-step timings at shutdown."""
+    prefix = tmp_path / "trace"
+    monkeypatch.setenv("PPRUN_STEP_TRACE", str(prefix))
+    with LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2, runner="v2") as llm:
+        llm.generate(TOKEN_PROMPTS, GREEDY)
+        num_steps = llm.engine.num_steps
+    engine = json.loads((tmp_path / "trace.engine.json").read_text())
+    assert engine["num_steps"] == num_steps == len(engine["steps"])
+    assert engine["summary"]["get_output_wait_us"]["n"] == num_steps
+    for rank in (0, 1):
+        stage = json.loads((tmp_path / f"trace.stage{rank}.json").read_text())
+        assert stage["num_steps"] == num_steps  # every step reaches every stage
+        assert sum(r["num_tokens"] for r in stage["steps"]) == sum(
+            r["num_tokens"] for r in json.loads((tmp_path / "trace.stage0.json").read_text())["steps"]
+        )
+        assert all(r["host_us"] > 0 for r in stage["steps"])
+        assert "compute_us" not in stage["steps"][0]  # CPU: no stream events
 
 
 DEMO_TEXTS = ["The capital of France is", "def add(a, b):", "Hi", "Write a short poem about a cat who"]
