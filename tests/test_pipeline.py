@@ -111,6 +111,62 @@ def test_step_trace_written_by_every_stage_and_the_engine(tiny_llama_dir, tmp_pa
         assert "compute_us" not in stage["steps"][0]  # CPU: no stream events
 
 
+def test_last_stage_launches_a_decode_step_before_answering_the_previous_one():
+    """serve_steps: a pending output (GPU) is answered after the next decode step is launched,
+    before a prefill step is launched, at once when nothing waits; answers keep step order."""
+    import pickle
+
+    from pprun.core.outputs import CachedRequestData, ModelRunnerOutput, SchedulerOutput
+    from pprun.executor.remote import serve_steps
+
+    log: list[str] = []
+
+    def step(i: int, tokens: int) -> SchedulerOutput:
+        return SchedulerOutput(i, [], CachedRequestData(), {"r": tokens}, tokens)
+
+    class Pending:
+        def __init__(self, i):
+            self.i, self.ready = i, False
+
+        def result(self):
+            return ModelRunnerOutput(self.i, ["r"], [[self.i]])
+
+    class FakeWorker:
+        def execute_model(self, so, wait=True):
+            log.append(f"launch {so.step_id}")
+            return Pending(so.step_id) if so.step_id != 3 else ModelRunnerOutput(3, ["r"], [[3]])
+
+        def ping(self):
+            return "pong"
+
+    class FakeConn:
+        def __init__(self, messages):
+            self.messages = messages
+
+        def poll(self):
+            return bool(self.messages)
+
+        def recv(self):
+            return self.messages.pop(0)
+
+        def send_bytes(self, data):
+            log.append(f"answer {pickle.loads(data)[1].step_id}")
+
+        def send(self, obj):
+            log.append(f"result {obj[1]}")
+
+    # 0, 1: decodes arriving together; 2: a prefill chunk; 3: a complete output; then a call.
+    msgs = [("step", step(0, 1)), ("step", step(1, 1)), ("step", step(2, 5)), ("step", step(3, 1)),
+            ("call", "ping", {}), ("shutdown",)]  # fmt: skip
+    serve_steps(FakeConn(msgs), FakeWorker())
+    assert log == [
+        "launch 0", "launch 1", "answer 0",  # decode 1 launched before 0's ids are awaited
+        "answer 1", "launch 2",  # a prefill's launch is slow: answer first
+        "launch 3", "answer 2", "answer 3",  # 3 is a decode again; complete, so answered at once
+        "result pong",
+    ]  # fmt: skip
+
+
 DEMO_TEXTS = ["The capital of France is", "def add(a, b):", "Hi", "Write a short poem about a cat who"]
 
 

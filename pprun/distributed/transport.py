@@ -155,10 +155,9 @@ class PipelineTransport:
         if self._packed and len(self._expected_keys) * first.numel() * first.element_size() <= PACK_MAX_BYTES:
             full = buffers[self._expected_keys[0]]
             if self._packed_in is None or self._packed_in.numel() < len(self._expected_keys) * first.numel():
-                # Sized for the whole buffers: allocated once when the caller keeps its buffers.
-                self._packed_in = torch.empty(
-                    len(self._expected_keys) * full.numel(), dtype=full.dtype, device=full.device
-                )
+                # As large as a stacked hop can be: allocated once when the caller keeps its buffers.
+                numel = min(len(self._expected_keys) * full.numel(), PACK_MAX_BYTES // full.element_size())
+                self._packed_in = torch.empty(numel, dtype=full.dtype, device=full.device)
             packed = self._packed_in[: len(self._expected_keys) * first.numel()].view(-1, *first.shape)
             dist.recv(packed, src, group=self.device_group)
             for i, key in enumerate(self._expected_keys):

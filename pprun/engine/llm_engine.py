@@ -9,6 +9,7 @@ to every stage anyway, so the cost is a few bytes per request per step and no ex
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -375,13 +376,17 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the stages (writing the engine's step trace when ``PPRUN_STEP_TRACE`` is set); idempotent."""
         if self.trace is not None:
-            self.trace.dump(f"{self.trace_prefix}.engine.json")
+            try:
+                self.trace.dump(f"{self.trace_prefix}.engine.json")
+            except OSError as e:
+                logger.warning("PPRUN_STEP_TRACE: cannot write the engine trace: %s", e)
             self.trace = None
         if self.executor is not None:
             try:
                 self.executor.shutdown()
             finally:
                 self.executor = None
+                gc.unfreeze()  # the caller's objects frozen at start-up are collectable again
 
     def describe(self) -> dict:
         """Facts for summaries: runner, executor, stage partition."""

@@ -42,6 +42,51 @@ def set_nodelay(conn: Connection) -> None:
         pass  # not a TCP socket (nothing to do)
 
 
+def serve_steps(conn: Connection, worker) -> None:
+    """A stage's loop over the driver's messages until ``shutdown``: steps, and calls between
+    steps (``Worker`` methods, answered with their result).  Only the last stage answers steps."""
+
+    def send_output(out) -> None:
+        if hasattr(out, "result"):
+            out = out.result()
+        conn.send_bytes(pickle.dumps(("output", out), protocol=pickle.HIGHEST_PROTOCOL))
+
+    # The last stage's newest step, launched on the GPU but not answered: when the next
+    # step's message is already here and launching it is quick (a decode step: a graph
+    # replay), it is launched before this one's sampled ids are awaited, so the device does
+    # not idle while the host prepares it.  Outputs keep step order; one that is already
+    # complete (CPU, V1, logprobs read back) is sent at once.
+    pending = None
+    while True:
+        if pending is not None and not conn.poll():
+            send_output(pending)
+            pending = None
+        kind, *args = conn.recv()
+        if kind == "step":
+            so = args[0]
+            if pending is not None and so.total_num_scheduled_tokens != so.num_reqs:
+                send_output(pending)  # a prefill step's host work takes milliseconds
+                pending = None
+            out = worker.execute_model(so, wait=False)
+            if pending is not None:
+                send_output(pending)
+                pending = None
+            if out is not None:
+                if getattr(out, "ready", True):
+                    send_output(out)
+                else:
+                    pending = out
+            continue
+        if pending is not None:
+            send_output(pending)
+            pending = None
+        if kind == "call":
+            name, kwargs = args
+            conn.send(("result", getattr(worker, name)(**kwargs)))
+        elif kind == "shutdown":
+            break
+
+
 def worker_main(address: tuple[str, int], authkey: bytes, rank: int, spec=None) -> None:
     """Body of a stage process: connect to the driver, build the stage, serve steps.
 
@@ -68,35 +113,7 @@ def worker_main(address: tuple[str, int], authkey: bytes, rank: int, spec=None) 
         worker = Worker(spec)
         n_params = worker.load_model()
         conn.send(("loaded", n_params, worker.num_available_blocks()))
-
-        def send_output(out) -> None:
-            if hasattr(out, "result"):
-                out = out.result()
-            conn.send_bytes(pickle.dumps(("output", out), protocol=pickle.HIGHEST_PROTOCOL))
-
-        # The last stage's newest step, launched but not answered: when the next step's message
-        # is already here, that step is launched before this one's sampled ids are awaited, so
-        # the device never idles while the host prepares a step (outputs keep step order).
-        pending = None
-        while True:
-            if pending is not None and not conn.poll():
-                send_output(pending)
-                pending = None
-            kind, *args = conn.recv()
-            if kind == "step":
-                out = worker.execute_model(args[0], wait=False)
-                if pending is not None:
-                    send_output(pending)
-                pending = out
-                continue
-            if pending is not None:
-                send_output(pending)
-                pending = None
-            if kind == "call":
-                name, kwargs = args
-                conn.send(("result", getattr(worker, name)(**kwargs)))
-            elif kind == "shutdown":
-                break
+        serve_steps(conn, worker)
     except (EOFError, OSError):
         return  # the driver went away: nothing to report to
     except BaseException:
@@ -107,7 +124,10 @@ def worker_main(address: tuple[str, int], authkey: bytes, rank: int, spec=None) 
     finally:
         if profiler is not None:
             profiler.disable()
-            profiler.dump_stats(f"{profile_path}.stage{rank}.prof")
+            try:
+                profiler.dump_stats(f"{profile_path}.stage{rank}.prof")
+            except OSError as e:
+                logging.getLogger(__name__).warning("PPRUN_STAGE_PROFILE: cannot write the profile: %s", e)
         if worker is not None:
             try:
                 worker.shutdown()

@@ -5,9 +5,12 @@ shuts down (the engine writes ``prefix.engine.json``).  A stage records, per ste
 spent in the step and — on CUDA — four events on its stream: step start, after the receive,
 after the compute, after the send.  From them:
 
-- ``recv_wait``: the stream waiting for the previous stage's tensors (start -> after receive);
-- ``compute``: the stage's own work (after receive -> after compute);
-- ``send_wait``: the stream blocked in the send until the next stage takes the tensors;
+- ``recv_wait``: the step's input copies and the stream waiting for the previous stage's tensors
+  (start -> after the receive; nothing on the first stage);
+- ``compute``: the stage's own work (after receive -> after compute; on the last stage up to the
+  launch of the sampling, whose result may be awaited later);
+- ``send_wait``: the stream blocked in the send until the next stage takes the tensors (nothing
+  on the last stage);
 - ``idle``: the stream empty between the end of one step and the start of the next (the host
   was late: waiting for the step's message, or preparing it).
 

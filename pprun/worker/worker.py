@@ -169,7 +169,9 @@ class Worker:
 
         elif trace is not None:
             trace.mark()
-        run = getattr(self.runner, "execute_model_async", None) if not wait else None
+        # Only on a GPU does launching return before the work is done; on CPU a pending output
+        # would only be sent later for nothing.
+        run = getattr(self.runner, "execute_model_async", None) if not wait and self.device.type == "cuda" else None
         if run is not None:
             out = run(so, receive=receive)
         else:
@@ -253,7 +255,10 @@ class Worker:
     def shutdown(self) -> None:
         """Write the step trace (``PPRUN_STEP_TRACE``) and release the pipeline channel."""
         if self.trace is not None:
-            self.trace.dump(f"{self.trace_prefix}.stage{self.layout.pp_rank}.json")
+            try:
+                self.trace.dump(f"{self.trace_prefix}.stage{self.layout.pp_rank}.json")
+            except OSError as e:
+                logger.warning("PPRUN_STEP_TRACE: cannot write the stage trace: %s", e)
             self.trace = None
         if self.transport is not None and self.spec.init_method is not None:
             self.transport.close()

@@ -46,6 +46,11 @@ class PendingOutput:
         self._build: Callable[[], ModelRunnerOutput] | None = build
         self._value: ModelRunnerOutput | None = None
 
+    @property
+    def ready(self) -> bool:
+        """True once the output is built (``result()`` returns at once)."""
+        return self._build is None
+
     def result(self) -> ModelRunnerOutput:
         """The ModelRunnerOutput (built once)."""
         if self._build is not None:
@@ -319,7 +324,12 @@ class V2ModelRunner:
                 step_id=so.step_id, req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs
             )
 
-        return PendingOutput(build)
+        pending = PendingOutput(build)
+        if num_logprobs is not None:
+            # The logprobs are read back with blocking copies, which would queue behind any
+            # step launched after this one: read them now.
+            pending.result()
+        return pending
 
     def _copy_to_host(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Start the sampled ids' copy to pinned host memory; returns the host view and the event
