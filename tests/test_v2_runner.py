@@ -165,6 +165,22 @@ def test_sampling_tensors_match_build():
         assert getattr(got, name) == getattr(want, name), name
 
 
+def test_all_greedy_rows_skip_the_parameter_gathers():
+    """Every row greedy: no per-row tensors are gathered, and the sampler still takes the argmax."""
+    from pprun.sampling.sampler import Sampler
+
+    table = RequestTable(4, 16, 2, torch.device("cpu"), make_generators=False)
+    for i, p in enumerate([SamplingParams(temperature=0.0, top_k=5), SamplingParams(temperature=0.0, logprobs=2)]):
+        table.add(str(i), [1], [1], 0, p)
+    t = table.sampling_tensors(torch.tensor([table.row_of["1"], table.row_of["0"]]))
+    assert t.all_greedy and t.num_reqs == 2 and t.max_num_logprobs == 2
+    assert t.temperature.numel() == t.top_k.numel() == t.top_p.numel() == t.min_p.numel() == 0
+    logits = torch.randn(2, 11, generator=torch.Generator().manual_seed(3))
+    out = Sampler()(logits, t)
+    assert out.sampled_token_ids.tolist() == logits.argmax(-1).tolist()
+    assert out.topk_ids.shape == (2, 2)
+
+
 def test_update_cached_writes_every_request_at_once():
     """Several requests, uneven deltas (none, one, several tokens/blocks) in one vectorised write;
     each lands after its own row's entries and nowhere else."""

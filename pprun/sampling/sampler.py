@@ -49,7 +49,8 @@ class SamplingTensors:
     """
 
     temperature: torch.Tensor
-    """``[num_reqs]`` float32; values below :data:`SAMPLING_EPS` mean greedy."""
+    """``[num_reqs]`` float32; values below :data:`SAMPLING_EPS` mean greedy.  This and the next
+    three may be empty when ``all_greedy`` (the V2 request table skips gathering them)."""
     top_k: torch.Tensor
     """``[num_reqs]`` int64; a disabled row holds ``vocab_size`` when it was given to
     :meth:`build`, else 0 (the sampler reads ``k <= 0`` or ``k > vocab`` as "keep all")."""

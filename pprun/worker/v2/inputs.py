@@ -179,6 +179,7 @@ class InputBuffers:
         # The host staging buffers are rewritten every step while the previous step's
         # non_blocking copies may still be reading them: wait for those first.
         self._copies_done: torch.cuda.Event | None = None
+        self._copy_event = torch.cuda.Event() if device.type == "cuda" else None
         self.make_inert(0, 0, max_num_reqs, max_num_tokens)
         self.to_device(max_num_reqs, max_num_tokens, 0)
 
@@ -226,7 +227,9 @@ class InputBuffers:
             [(b.offset, b.offset + n * b.row_bytes) for b, n in used]
         )
         if self.device.type == "cuda":
-            self._copies_done = torch.cuda.Event()
+            # One event, recorded again each step (it was waited on first, or a second record
+            # simply covers both steps' copies): no allocation per step.
+            self._copies_done = self._copy_event
             self._copies_done.record()
 
     # --- reading -----------------------------------------------------------------------------

@@ -285,6 +285,9 @@ class RequestTable:
     def sampling_tensors(self, rows: torch.Tensor, device_rows: torch.Tensor | None = None) -> SamplingTensors:
         """The sampler's per-row tensors for ``rows``, gathered from the device table.
 
+        When every row is greedy the four per-row tensors are empty: the sampler's greedy path
+        reads none of them (it takes the argmax), and gathering them cost two device ops a step.
+
         ``rows``: host int64 rows (the flags and generators come from host state);
         ``device_rows``: the same rows already on the device (the runner passes its copy from
         the step's input buffers); ``None`` copies ``rows`` (tests, CPU).  Same values and flags
@@ -292,14 +295,19 @@ class RequestTable:
         identical tokens).  Needs :meth:`flush_sampling_params` after the last :meth:`add`.
         """
         rows_np = rows.numpy()
-        if device_rows is None:
-            self.flush_sampling_params()
-            device_rows = rows.to(self.sampling_params_device.device)
-        params = self.sampling_params_device[:, device_rows]
         flags = self.sampling_flags_np[rows_np]
         # Over no rows these are 0 and -1 (all bits): the same flags ``build`` gives for [].
         any_flags = int(np.bitwise_or.reduce(flags))
         all_flags = int(np.bitwise_and.reduce(flags))
+        if all_flags & _GREEDY and rows_np.size:
+            # Greedy rows read none of the per-row tensors: skip the gathers (two device ops
+            # per step) and hand the sampler empty ones.
+            params = self.sampling_params_device[:, :0]
+        else:
+            if device_rows is None:
+                self.flush_sampling_params()
+                device_rows = rows.to(self.sampling_params_device.device)
+            params = self.sampling_params_device[:, device_rows]
         max_num_logprobs = int(self.num_logprobs_np[rows_np].max()) if rows_np.size else -1
         if self.num_seeded:
             generators = [self.generators[r] for r in rows_np.tolist()]

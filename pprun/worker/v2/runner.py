@@ -102,6 +102,7 @@ class V2ModelRunner:
         """Pinned landing buffers of the sampled ids' device-to-host copies (a ring: with async
         scheduling two steps' copies are outstanding at once)."""
         self._host_slot = 0
+        self._host_events = [torch.cuda.Event() for _ in self.sampled_host] if device.type == "cuda" else []
         self.prev_sampled: torch.Tensor | None = None
         """The last step's sampled ids, on the device (async scheduling reads them)."""
         self.prev_sample_index: dict[str, int] = {}
@@ -291,7 +292,12 @@ class V2ModelRunner:
             self.prev_sample_index = {}
             empty = ModelRunnerOutput(so.step_id, batch.req_ids, [[] for _ in batch.req_ids], [None] * batch.num_reqs)
             return PendingOutput(lambda: empty)
-        logits = self.model.compute_logits(hidden[self.bufs.logits_indices.device[:num_sampled]])
+        if num_sampled == batch.num_tokens:
+            # Every token samples (a decode step): the rows are 0..n-1, a view, no gather.
+            sampled_hidden = hidden[:num_sampled]
+        else:
+            sampled_hidden = hidden[self.bufs.logits_indices.device[:num_sampled]]
+        logits = self.model.compute_logits(sampled_hidden)
         tensors = self.sampling_tensors(batch)
         res = self.sampler(logits, tensors)
         self.prev_sampled = res.sampled_token_ids
@@ -340,6 +346,6 @@ class V2ModelRunner:
         self._host_slot = (self._host_slot + 1) % len(self.sampled_host)
         host = self.sampled_host[self._host_slot][:n]
         host.copy_(token_ids, non_blocking=True)
-        done = torch.cuda.Event()
+        done = self._host_events[self._host_slot]  # rotates with its buffer: no allocation per step
         done.record()
         return host, done
