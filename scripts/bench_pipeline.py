@@ -118,7 +118,8 @@ def bench_throughput(
                 f"hydra.run.dir={tmp}/hydra", f"output_json={out_json}",
             ]  # fmt: skip
             load = load_info()
-            env = {**_child_env(), **env_extra, "PPRUN_STEP_TRACE": str(trace)}
+            # Host clock only: the steady rate needs each step's start, not stream events.
+            env = {**_child_env(), **env_extra, "PPRUN_STEP_TRACE": str(trace), "PPRUN_STEP_TRACE_EVENTS": "0"}
             proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
             if proc.returncode != 0:
                 results.append({"parallel": parallel, "command": _shell(cmd), "error": proc.stderr[-2000:]})

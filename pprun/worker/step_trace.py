@@ -14,7 +14,8 @@ after the compute, after the send.  From them:
 - ``idle``: the stream empty between the end of one step and the start of the next (the host
   was late: waiting for the step's message, or preparing it).
 
-Off by default: the events cost a few microseconds of host time per step.
+Off by default: the events cost a few microseconds of host time per step
+(``PPRUN_STEP_TRACE_EVENTS=0`` keeps the host clock only, for throughput runs).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class StageTrace:
     def __init__(self, device: torch.device, name: str) -> None:
         self.device = device
         self.name = name
-        self.cuda = device.type == "cuda"
+        self.cuda = device.type == "cuda" and os.environ.get("PPRUN_STEP_TRACE_EVENTS", "1") != "0"
         self.rows: list[dict[str, Any]] = []
         self._events: list[list[torch.cuda.Event]] = []
         self._open: dict[str, Any] | None = None
