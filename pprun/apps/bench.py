@@ -5,7 +5,9 @@ The workload is ``num_prompts`` random prompts of ``input_len`` token ids (seede
 once timed; its engine is then shut down and Hugging Face transformers' ``generate()`` (the peer,
 ``peer=hf``) runs the same token ids on the same device and dtype, in batches of ``max_num_seqs``
 prompts of equal length (so nothing is padded). One JSON object is printed: pprun's tokens/s,
-request throughput, TTFT and TPOT percentiles, the configuration facts, the peer's tokens/s and
+request throughput, TTFT and TPOT percentiles, its steady decode rate (``decode_tokens_per_s``:
+the steps after the last prefill while the batch is full, so prefill and the tail do not dilute
+it), the configuration facts, the peer's tokens/s and
 the ratio pprun/peer.
 """
 
@@ -27,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 PEERS = ("hf", "none")
 """Allowed values of ``peer``."""
+
+STEADY_DECODE_KEYS = ("decode_tokens_per_s", "decode_ms_per_step", "decode_steps", "decode_batch")
+"""Keys of ``EngineTrace.steady_decode`` in the result (null when the run has too few such steps)."""
 
 WARMUP_MAX_TOKENS = 16
 """Warm-up requests generate at most this many tokens: enough to run prefill and decode."""
@@ -123,9 +128,19 @@ def run_pprun(
     warmup = workload[:num_warmup_prompts]
     if warmup:
         llm.generate(prompts[: len(warmup)], [params(min(r.max_tokens, WARMUP_MAX_TOKENS)) for r in warmup])
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, [params(r.max_tokens) for r in workload])
-    elapsed_s = time.perf_counter() - start
+    from pprun.worker.step_trace import EngineTrace
+
+    engine = llm.engine
+    saved_trace, trace = engine.trace, EngineTrace()
+    engine.trace = trace  # the timed run's steps only (host clock: three reads per step)
+    try:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, [params(r.max_tokens) for r in workload])
+        elapsed_s = time.perf_counter() - start
+    finally:
+        engine.trace = saved_trace
+        if saved_trace is not None:
+            saved_trace.rows.extend(trace.rows)
     num_prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
     num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     ttfts = [o.metrics.time_to_first_token for o in outputs if o.metrics.time_to_first_token is not None]
@@ -140,6 +155,9 @@ def run_pprun(
         "ttft_ms_p99": _ms(percentile(ttfts, 99)),
         "tpot_ms_p50": _ms(percentile(tpots, 50)),
         "tpot_ms_p99": _ms(percentile(tpots, 99)),
+        # Steady decode: answered steps after the last prefill while the batch is full (None
+        # when too few such steps); the whole-run rates above include prefill and the tail.
+        **(trace.steady_decode() or dict.fromkeys(STEADY_DECODE_KEYS)),
     }
     return metrics, [list(o.outputs[0].token_ids) for o in outputs]
 

@@ -257,7 +257,11 @@ class LLMEngine:
             t_wait = time.perf_counter()
             out = self.executor.get_output()
             if self.trace is not None:
-                self.trace.record(t_start, t_wait, time.perf_counter(), num_submitted)
+                answered = self.in_flight[0]
+                self.trace.record(
+                    t_start, t_wait, time.perf_counter(), num_submitted,
+                    answered.total_num_scheduled_tokens, answered.num_reqs,
+                )  # fmt: skip
         except StageFailedError as e:
             self._fail(str(e))
             raise

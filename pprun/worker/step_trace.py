@@ -133,19 +133,45 @@ class EngineTrace:
     """The engine's side of each step: scheduling and submitting, then waiting for the output."""
 
     def __init__(self) -> None:
-        self.rows: list[tuple[float, float, float, int]] = []
+        self.rows: list[tuple[float, float, float, int, int, int]] = []
 
-    def record(self, t_start: float, t_wait: float, t_end: float, num_submitted: int) -> None:
-        """One ``LLMEngine.step``: start, start of ``get_output``, end (host clock)."""
+    def record(
+        self, t_start: float, t_wait: float, t_end: float, num_submitted: int, num_tokens: int, num_reqs: int
+    ) -> None:
+        """One ``LLMEngine.step``: start, start of ``get_output``, end (host clock), steps
+        submitted, and the answered step's scheduled tokens and requests."""
         if len(self.rows) < MAX_STEPS:
-            self.rows.append((t_start, t_wait, t_end, num_submitted))
+            self.rows.append((t_start, t_wait, t_end, num_submitted, num_tokens, num_reqs))
+
+    def steady_decode(self, min_steps: int = 10) -> dict[str, float | int] | None:
+        """Decode rate while the batch is full: over the answered steps after the last one with
+        prefill tokens, those with the most requests, tokens per second between their answers
+        (the first answer opens the window).  None when fewer than ``min_steps`` qualify."""
+        last_prefill = max((i for i, r in enumerate(self.rows) if r[4] != r[5]), default=-1)
+        decode = [r for r in self.rows[last_prefill + 1 :] if r[4] > 0]
+        if not decode:
+            return None
+        full = max(r[5] for r in decode)
+        idx = [i for i, r in enumerate(decode) if r[5] == full]
+        window = decode[idx[0] : idx[-1] + 1]
+        if len(window) < min_steps:
+            return None
+        span = window[-1][2] - window[0][2]
+        tokens = sum(r[4] for r in window[1:])
+        return {
+            "decode_tokens_per_s": round(tokens / span, 1),
+            "decode_ms_per_step": round(span / (len(window) - 1) * 1e3, 4),
+            "decode_steps": len(window),
+            "decode_batch": full,
+        }
 
     def dump(self, path: str) -> None:
-        """Write the rows (start, start of ``get_output``, end, steps submitted; host clock) and
+        """Write the rows (start, start of ``get_output``, end, steps submitted, the answered
+        step's tokens and requests; host clock) and
         the summary: scheduling and submitting, blocked in ``get_output``, and the output
         handling between steps."""
-        own = [(w - s) * 1e6 for s, w, _, _ in self.rows]
-        wait = [(e - w) * 1e6 for _, w, e, _ in self.rows]
+        own = [(r[1] - r[0]) * 1e6 for r in self.rows]
+        wait = [(r[2] - r[1]) * 1e6 for r in self.rows]
         # Output handling (scheduler update, stop strings, the caller's loop) between two steps.
         between = [(b[0] - a[2]) * 1e6 for a, b in zip(self.rows, self.rows[1:])]
         out = {
@@ -156,7 +182,8 @@ class EngineTrace:
                 "get_output_wait_us": _summary(wait),
                 "between_steps_us": _summary(between),
             },
-            "steps": [[round(s, 6), round(w, 6), round(e, 6), n] for s, w, e, n in self.rows],
+            "steady_decode": self.steady_decode(),
+            "steps": [[round(r[0], 6), round(r[1], 6), round(r[2], 6), *r[3:]] for r in self.rows],
         }
         with open(path, "w", encoding="utf-8") as f:
             json.dump(out, f)

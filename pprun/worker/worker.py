@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pprun.core.outputs import SchedulerOutput
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
 from pprun.distributed.transport import PipelineTransport

@@ -7,7 +7,6 @@ works with every executor, including SPMD torchrun ranks at pp > 1 (DESIGN.md co
 from __future__ import annotations
 
 from collections.abc import Callable
-
 from dataclasses import dataclass
 
 import torch
