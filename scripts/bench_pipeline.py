@@ -86,9 +86,9 @@ def bench_throughput(
     as one batch; pp=2 keeps ``m`` batches of that size in flight (one GPU per stage) for each
     ``m`` in ``microbatches`` (the first with every executor of ``pp2_executors``, the others
     with the first executor), so it holds ``m`` times as many requests — pp=1 at the largest
-    number of requests runs too (equal concurrency).  Each run's step trace (``PPRUN_STEP_TRACE``) gives the steady
-    decode rate: tokens per second over the last stage's steps while every batch is full and
-    decoding.  The last entry has the ratios.
+    number of requests runs too (equal concurrency).  Each run reports ``pprun bench``'s steady
+    decode rate (``decode_tokens_per_s``: the steps after the last prefill while the batch is
+    full) beside its whole-run rate.  The last entry has the ratios.
     """
     results = []
     if device == "cpu":
@@ -108,7 +108,6 @@ def bench_throughput(
     for parallel, env_extra, n, more in runs:
         with tempfile.TemporaryDirectory() as tmp:
             out_json = Path(tmp) / "bench.json"
-            trace = Path(tmp) / "trace"
             cmd = [
                 sys.executable, "-m", "pprun", "bench",
                 f"model.model={model}", *extra, f"device={device}",
@@ -118,8 +117,7 @@ def bench_throughput(
                 f"hydra.run.dir={tmp}/hydra", f"output_json={out_json}",
             ]  # fmt: skip
             load = load_info()
-            # Host clock only: the steady rate needs each step's start, not stream events.
-            env = {**_child_env(), **env_extra, "PPRUN_STEP_TRACE": str(trace), "PPRUN_STEP_TRACE_EVENTS": "0"}
+            env = {**_child_env(), **env_extra}
             proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
             if proc.returncode != 0:
                 results.append({"parallel": parallel, "command": _shell(cmd), "error": proc.stderr[-2000:]})
@@ -144,16 +142,18 @@ def bench_throughput(
                             "ttft_ms_p50",
                             "tpot_ms_p50",
                             "tpot_ms_p99",
+                            "decode_tokens_per_s",
+                            "decode_ms_per_step",
+                            "decode_batch",
                         )
                     },
-                    **steady_decode(trace),
                 }  # fmt: skip
             )
     ok = [r for r in results if "error" not in r]
     base = next((r for r in ok if r["pp"] == 1), None)
     if base is not None:
         ratios: dict[str, Any] = {}
-        for key in ("output_tokens_per_s", "steady_decode_tokens_per_s"):
+        for key in ("output_tokens_per_s", "decode_tokens_per_s"):
             if base.get(key):
                 ratios[key] = {
                     f"{r['label']} / {base['label']}": round(r[key] / base[key], 3)
@@ -161,30 +161,6 @@ def bench_throughput(
                 }  # fmt: skip
         results.append({"ratios": ratios})
     return results
-
-
-def steady_decode(prefix: Path) -> dict[str, Any]:
-    """Decode rate from the last stage's step trace: the steps after the last prefill while
-    the batch is at its largest (every request still decoding); {} without a trace."""
-    files = sorted(prefix.parent.glob(prefix.name + ".stage*.json"))
-    if not files:
-        return {}
-    steps = json.loads(files[-1].read_text())["steps"]
-    last_prefill = max((i for i, r in enumerate(steps) if r["num_tokens"] != r["num_reqs"]), default=-1)
-    decode = [r for r in steps[last_prefill + 1 :] if r["num_tokens"] > 0]
-    if len(decode) < 10:
-        return {}
-    full = max(r["num_reqs"] for r in decode)
-    idx = [i for i, r in enumerate(decode) if r["num_reqs"] == full]
-    run = decode[idx[0] : idx[-1] + 1]
-    span = run[-1]["t0"] - run[0]["t0"]
-    tokens = sum(r["num_tokens"] for r in run[:-1])
-    return {
-        "steady_decode_tokens_per_s": round(tokens / span, 1),
-        "steady_decode_us_per_step": round(span / (len(run) - 1) * 1e6, 1),
-        "steady_decode_steps": len(run),
-        "steady_decode_batch": full,
-    }
 
 
 def _child_env() -> dict[str, str]:
