@@ -128,7 +128,7 @@ def run_pprun(
     warmup = workload[:num_warmup_prompts]
     if warmup:
         llm.generate(prompts[: len(warmup)], [params(min(r.max_tokens, WARMUP_MAX_TOKENS)) for r in warmup])
-    from pprun.worker.step_trace import EngineTrace
+    from pprun.worker.step_trace import MAX_STEPS, EngineTrace
 
     engine = llm.engine
     saved_trace, trace = engine.trace, EngineTrace()
@@ -140,7 +140,7 @@ def run_pprun(
     finally:
         engine.trace = saved_trace
         if saved_trace is not None:
-            saved_trace.rows.extend(trace.rows)
+            saved_trace.rows.extend(trace.rows[: max(0, MAX_STEPS - len(saved_trace.rows))])
     num_prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
     num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     ttfts = [o.metrics.time_to_first_token for o in outputs if o.metrics.time_to_first_token is not None]

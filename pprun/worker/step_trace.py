@@ -154,9 +154,9 @@ class EngineTrace:
         full = max(r[5] for r in decode)
         idx = [i for i, r in enumerate(decode) if r[5] == full]
         window = decode[idx[0] : idx[-1] + 1]
-        if len(window) < min_steps:
-            return None
         span = window[-1][2] - window[0][2]
+        if len(window) < max(min_steps, 2) or span <= 0:
+            return None
         tokens = sum(r[4] for r in window[1:])
         return {
             "decode_tokens_per_s": round(tokens / span, 1),

@@ -29,7 +29,7 @@ from torch import nn
 from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
-from pprun.sampling.sampler import Sampler, SamplingTensors, to_logprobs
+from pprun.sampling.sampler import Sampler, SamplerOutput, SamplingTensors, to_logprobs
 from pprun.worker.model_inputs import build_model_inputs
 from pprun.worker.v2.cuda_graphs import CudaGraphManager, GraphPlan
 from pprun.worker.v2.inputs import InputBuffers, StepBatch, prepare_step
@@ -37,6 +37,14 @@ from pprun.worker.v2.model_state import ModelState, make_model_state
 from pprun.worker.v2.request_state import RequestTable
 
 logger = logging.getLogger(__name__)
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A non-blocking copy of device tensor ``t`` into new pinned host memory (valid once the
+    stream reaches the copy)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 class PendingOutput:
@@ -100,7 +108,8 @@ class V2ModelRunner:
             for _ in range(3)
         ]
         """Pinned landing buffers of the sampled ids' device-to-host copies (a ring: with async
-        scheduling two steps' copies are outstanding at once)."""
+        scheduling, or a pipeline's last stage launching ahead, two steps' copies are outstanding
+        at once; a third would need a longer ring)."""
         self._host_slot = 0
         self._host_events = [torch.cuda.Event() for _ in self.sampled_host] if device.type == "cuda" else []
         self.prev_sampled: torch.Tensor | None = None
@@ -291,7 +300,9 @@ class V2ModelRunner:
         if not num_sampled:
             self.prev_sample_index = {}
             empty = ModelRunnerOutput(so.step_id, batch.req_ids, [[] for _ in batch.req_ids], [None] * batch.num_reqs)
-            return PendingOutput(lambda: empty)
+            ready = PendingOutput(lambda: empty)
+            ready.result()  # nothing to wait for: ``ready`` lets the stage answer at once
+            return ready
         if num_sampled == batch.num_tokens:
             # Every token samples (a decode step): the rows are 0..n-1, a view, no gather.
             sampled_hidden = hidden[:num_sampled]
@@ -303,12 +314,19 @@ class V2ModelRunner:
         self.prev_sampled = res.sampled_token_ids
         sample_idx_list = batch.sample_batch_idx.tolist()
         self.prev_sample_index = {batch.req_ids[i]: j for j, i in enumerate(sample_idx_list)}
-        host_ids, done = self._copy_to_host(res.sampled_token_ids)
         # Read the table now: by the time the output is built, a finished request's row may
         # already belong to a request admitted in a later step.
         num_logprobs = None
         if tensors.max_num_logprobs is not None:
             num_logprobs = self.table.num_logprobs_list(batch.rows[batch.sample_batch_idx])
+            if self.device.type == "cuda":
+                # Non-blocking copies behind the same event as the ids: a blocking read later
+                # would queue behind any step launched after this one.
+                res = SamplerOutput(
+                    res.sampled_token_ids,
+                    *(_pinned_copy(t) for t in (res.sampled_logprobs, res.topk_ids, res.topk_logprobs)),
+                )
+        host_ids, done = self._copy_to_host(res.sampled_token_ids)
 
         def build() -> ModelRunnerOutput:
             if done is not None:
@@ -330,12 +348,7 @@ class V2ModelRunner:
                 step_id=so.step_id, req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs
             )
 
-        pending = PendingOutput(build)
-        if num_logprobs is not None:
-            # The logprobs are read back with blocking copies, which would queue behind any
-            # step launched after this one: read them now.
-            pending.result()
-        return pending
+        return PendingOutput(build)
 
     def _copy_to_host(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Start the sampled ids' copy to pinned host memory; returns the host view and the event
