@@ -52,9 +52,9 @@ def serve_steps(conn: Connection, worker) -> None:
         conn.send_bytes(pickle.dumps(("output", out), protocol=pickle.HIGHEST_PROTOCOL))
 
     # The last stage's newest step, launched on the GPU but not answered: when the next
-    # step's message is already here and launching it is quick (a decode step: a graph
-    # replay), it is launched before this one's sampled ids are awaited, so the device does
-    # not idle while the host prepares it.  Outputs keep step order; one that is already
+    # step's message is already here and launching it is quick (a full-graph replay), it is
+    # launched before this one's sampled ids are awaited, so the device does not idle while
+    # the host prepares it.  Outputs keep step order; one that is already
     # complete (CPU, V1, logprobs read back) is sent at once.
     pending = None
     while True:
@@ -64,8 +64,8 @@ def serve_steps(conn: Connection, worker) -> None:
         kind, *args = conn.recv()
         if kind == "step":
             so = args[0]
-            if pending is not None and so.total_num_scheduled_tokens != so.num_reqs:
-                send_output(pending)  # a prefill step's host work takes milliseconds
+            if pending is not None and not worker.launches_quickly(so):
+                send_output(pending)  # an eager step's host work takes milliseconds
                 pending = None
             out = worker.execute_model(so, wait=False)
             if pending is not None:

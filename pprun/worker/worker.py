@@ -188,6 +188,15 @@ class Worker:
             trace.end()
         return out
 
+    def launches_quickly(self, so: SchedulerOutput) -> bool:
+        """True when launching ``so`` takes little host time: a V2 step replayed as one full
+        CUDA graph (eager and piecewise steps launch kernel by kernel)."""
+        graphs = getattr(self.runner, "graphs", None)
+        if graphs is None or not so.num_scheduled_tokens:
+            return False
+        plan = graphs.plan(so.num_reqs, so.total_num_scheduled_tokens, max(so.num_scheduled_tokens.values()))
+        return plan.mode == "full"
+
     def execute_model_async(self, so: SchedulerOutput):
         """The only stage's step, returning before the device finishes when the runner can
         (V2: a ``PendingOutput``); used by the in-process executor for async scheduling."""
