@@ -284,16 +284,17 @@ def test_stop_string_on_the_last_allowed_token_wins(demo_llm):
 
 def test_engine_trace_steady_decode_window():
     """Steady decode: after the last prefill, while the batch is full; tokens over answer times."""
-    from pprun.worker.step_trace import EngineTrace
+    from pprun.worker.step_trace import EngineStep, EngineTrace
 
     trace = EngineTrace()
     rows = [(8, 2)] * 3 + [(4, 4)] * 12 + [(3, 3)] * 4  # prefill, full decode, the tail
     for i, (tokens, reqs) in enumerate(rows):
-        trace.record(i * 1.0, i + 0.5, i + 0.9, 1, tokens, reqs)
+        trace.record(EngineStep(i * 1.0, i + 0.5, i + 0.9, 1, tokens, reqs))
     got = trace.steady_decode()
     assert got == {"decode_tokens_per_s": 4.0, "decode_ms_per_step": 1000.0, "decode_steps": 12, "decode_batch": 4}
+    assert trace.steady_decode(since=len(rows) - 4) is None  # the tail alone: 4 steps
     assert EngineTrace().steady_decode() is None
     short = EngineTrace()
     for i in range(5):
-        short.record(i, i, i, 1, 2, 2)
+        short.record(EngineStep(i, i, i, 1, 2, 2))
     assert short.steady_decode() is None  # fewer than 10 qualifying steps

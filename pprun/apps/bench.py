@@ -128,19 +128,21 @@ def run_pprun(
     warmup = workload[:num_warmup_prompts]
     if warmup:
         llm.generate(prompts[: len(warmup)], [params(min(r.max_tokens, WARMUP_MAX_TOKENS)) for r in warmup])
-    from pprun.worker.step_trace import MAX_STEPS, EngineTrace
+    from pprun.worker.step_trace import EngineTrace
 
+    # The engine's step trace over the timed run (host clock: three reads per step); the one of
+    # PPRUN_STEP_TRACE when set, else one for this run only.
     engine = llm.engine
-    saved_trace, trace = engine.trace, EngineTrace()
-    engine.trace = trace  # the timed run's steps only (host clock: three reads per step)
+    own_trace = engine.trace is None
+    trace = engine.trace = engine.trace or EngineTrace()
+    first_step = len(trace.rows)
     try:
         start = time.perf_counter()
         outputs = llm.generate(prompts, [params(r.max_tokens) for r in workload])
         elapsed_s = time.perf_counter() - start
     finally:
-        engine.trace = saved_trace
-        if saved_trace is not None:
-            saved_trace.rows.extend(trace.rows[: max(0, MAX_STEPS - len(saved_trace.rows))])
+        if own_trace:
+            engine.trace = None
     num_prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
     num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     ttfts = [o.metrics.time_to_first_token for o in outputs if o.metrics.time_to_first_token is not None]
@@ -157,7 +159,7 @@ def run_pprun(
         "tpot_ms_p99": _ms(percentile(tpots, 99)),
         # Steady decode: answered steps after the last prefill while the batch is full (None
         # when too few such steps); the whole-run rates above include prefill and the tail.
-        **(trace.steady_decode() or dict.fromkeys(STEADY_DECODE_KEYS)),
+        **(trace.steady_decode(since=first_step) or dict.fromkeys(STEADY_DECODE_KEYS)),
     }
     return metrics, [list(o.outputs[0].token_ids) for o in outputs]
 

@@ -23,6 +23,7 @@ from pprun.core.scheduler import Scheduler, min_blocks_for_one_request
 from pprun.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pprun.executor.base import StageFailedError
 from pprun.sampling.params import SamplingParams
+from pprun.worker.step_trace import EngineStep, EngineTrace, trace_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +92,9 @@ class LLMEngine:
             str(rc.dtype).removeprefix("torch."),
         )
         self.executor = make_executor(rc, self.runner_name, fault_injection)
-        from pprun.worker.step_trace import EngineTrace, trace_prefix
-
-        self.trace_prefix = trace_prefix()
-        self.trace = EngineTrace() if self.trace_prefix else None
+        prefix = trace_prefix()
+        self.trace = EngineTrace(f"{prefix}.engine.json") if prefix else None
+        """Per-step timings (``PPRUN_STEP_TRACE``; ``pprun bench`` sets one for its timed run)."""
         self.async_scheduling = bool(getattr(self.executor, "async_steps", False))
         try:
             self._init_cache()
@@ -259,8 +259,8 @@ class LLMEngine:
             if self.trace is not None:
                 answered = self.in_flight[0]
                 self.trace.record(
-                    t_start, t_wait, time.perf_counter(), num_submitted,
-                    answered.total_num_scheduled_tokens, answered.num_reqs,
+                    EngineStep(t_start, t_wait, time.perf_counter(), num_submitted,
+                               answered.total_num_scheduled_tokens, answered.num_reqs)
                 )  # fmt: skip
         except StageFailedError as e:
             self._fail(str(e))
@@ -380,10 +380,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the stages (writing the engine's step trace when ``PPRUN_STEP_TRACE`` is set); idempotent."""
         if self.trace is not None:
-            try:
-                self.trace.dump(f"{self.trace_prefix}.engine.json")
-            except OSError as e:
-                logger.warning("PPRUN_STEP_TRACE: cannot write the engine trace: %s", e)
+            self.trace.dump()
             self.trace = None
         if self.executor is not None:
             try:

@@ -21,12 +21,16 @@ Off by default: the events cost a few microseconds of host time per step
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
 
 ENV = "PPRUN_STEP_TRACE"
 MAX_STEPS = 50_000
@@ -36,6 +40,16 @@ MAX_STEPS = 50_000
 def trace_prefix() -> str | None:
     """The output prefix when tracing is on, else None."""
     return os.environ.get(ENV) or None
+
+
+def _write(path: str, obj: dict[str, Any]) -> None:
+    """Write a trace as JSON; a path that cannot be written is logged, never raised (a trace
+    must not keep a stage or the engine from shutting down)."""
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(obj, f)
+    except OSError as e:
+        logger.warning("%s: cannot write %s: %s", ENV, path, e)
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -51,20 +65,41 @@ def _summary(values: list[float]) -> dict[str, float]:
     }
 
 
-class StageTrace:
-    """Timings of one stage's steps (host clock, plus CUDA events on a GPU)."""
+class NullStageTrace:
+    """What a stage holds when tracing is off: every call does nothing."""
 
-    def __init__(self, device: torch.device, name: str) -> None:
+    def begin(self, num_tokens: int, num_reqs: int) -> None:  # noqa: D102
+        pass
+
+    def mark(self) -> None:  # noqa: D102
+        pass
+
+    def end(self) -> None:  # noqa: D102
+        pass
+
+    def dump(self) -> None:  # noqa: D102
+        pass
+
+
+class StageTrace(NullStageTrace):
+    """Timings of one stage's steps (host clock, plus CUDA events on a GPU), written to
+    ``path`` by :meth:`dump`."""
+
+    def __init__(self, device: torch.device, name: str, path: str) -> None:
         self.device = device
         self.name = name
+        self.path = path
         self.cuda = device.type == "cuda" and os.environ.get("PPRUN_STEP_TRACE_EVENTS", "1") != "0"
         self.rows: list[dict[str, Any]] = []
-        self._events: list[list[torch.cuda.Event]] = []
+        self._events: list[list[torch.cuda.Event | None]] = []
         self._open: dict[str, Any] | None = None
+        self._evs: list[torch.cuda.Event | None] = []
 
     def _event(self) -> torch.cuda.Event | None:
         if not self.cuda:
             return None
+        import torch
+
         e = torch.cuda.Event(enable_timing=True)
         e.record()
         return e
@@ -92,8 +127,10 @@ class StageTrace:
         self._events.append(self._evs)
         self._open = None
 
-    def dump(self, path: str) -> None:
+    def dump(self) -> None:
         """Write the per-step rows and a summary (medians over steps that computed tokens)."""
+        import torch
+
         if self.cuda:
             torch.cuda.synchronize(self.device)
         gaps: list[float] = []
@@ -125,39 +162,55 @@ class StageTrace:
                 for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams",
                           "reserved_bytes.all.peak", "allocated_bytes.all.peak")
             }  # fmt: skip
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(out, f)
+        _write(self.path, out)
+
+
+class EngineStep(NamedTuple):
+    """One ``LLMEngine.step`` as the engine saw it (host clock, seconds)."""
+
+    start: float
+    wait: float
+    """When ``get_output`` was called (scheduling and submitting done)."""
+    end: float
+    """When the answer came back."""
+    num_submitted: int
+    """Steps submitted by this call (0 when the pipeline was already full)."""
+    num_tokens: int
+    """Tokens scheduled in the answered step (real, not padded)."""
+    num_reqs: int
+    """Requests in the answered step."""
 
 
 class EngineTrace:
-    """The engine's side of each step: scheduling and submitting, then waiting for the output."""
+    """The engine's side of each step: scheduling and submitting, then waiting for the output;
+    written to ``path`` (if any) by :meth:`dump`."""
 
-    def __init__(self) -> None:
-        self.rows: list[tuple[float, float, float, int, int, int]] = []
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path
+        self.rows: list[EngineStep] = []
 
-    def record(
-        self, t_start: float, t_wait: float, t_end: float, num_submitted: int, num_tokens: int, num_reqs: int
-    ) -> None:
-        """One ``LLMEngine.step``: start, start of ``get_output``, end (host clock), steps
-        submitted, and the answered step's scheduled tokens and requests."""
+    def record(self, step: EngineStep) -> None:
+        """One ``LLMEngine.step`` (the first ``MAX_STEPS`` are kept)."""
         if len(self.rows) < MAX_STEPS:
-            self.rows.append((t_start, t_wait, t_end, num_submitted, num_tokens, num_reqs))
+            self.rows.append(step)
 
-    def steady_decode(self, min_steps: int = 10) -> dict[str, float | int] | None:
-        """Decode rate while the batch is full: over the answered steps after the last one with
-        prefill tokens, those with the most requests, tokens per second between their answers
-        (the first answer opens the window).  None when fewer than ``min_steps`` qualify."""
-        last_prefill = max((i for i, r in enumerate(self.rows) if r[4] != r[5]), default=-1)
-        decode = [r for r in self.rows[last_prefill + 1 :] if r[4] > 0]
+    def steady_decode(self, since: int = 0, min_steps: int = 10) -> dict[str, float | int] | None:
+        """Decode rate while the batch is full, over ``rows[since:]``: the answered steps after
+        the last one with prefill tokens, those with the most requests, tokens per second between
+        their answers (the first answer opens the window).  None when fewer than ``min_steps``
+        qualify."""
+        rows = self.rows[since:]
+        last_prefill = max((i for i, r in enumerate(rows) if r.num_tokens != r.num_reqs), default=-1)
+        decode = [r for r in rows[last_prefill + 1 :] if r.num_tokens > 0]
         if not decode:
             return None
-        full = max(r[5] for r in decode)
-        idx = [i for i, r in enumerate(decode) if r[5] == full]
+        full = max(r.num_reqs for r in decode)
+        idx = [i for i, r in enumerate(decode) if r.num_reqs == full]
         window = decode[idx[0] : idx[-1] + 1]
-        span = window[-1][2] - window[0][2]
+        span = window[-1].end - window[0].end
         if len(window) < max(min_steps, 2) or span <= 0:
             return None
-        tokens = sum(r[4] for r in window[1:])
+        tokens = sum(r.num_tokens for r in window[1:])
         return {
             "decode_tokens_per_s": round(tokens / span, 1),
             "decode_ms_per_step": round(span / (len(window) - 1) * 1e3, 4),
@@ -165,15 +218,15 @@ class EngineTrace:
             "decode_batch": full,
         }
 
-    def dump(self, path: str) -> None:
-        """Write the rows (start, start of ``get_output``, end, steps submitted, the answered
-        step's tokens and requests; host clock) and
-        the summary: scheduling and submitting, blocked in ``get_output``, and the output
-        handling between steps."""
-        own = [(r[1] - r[0]) * 1e6 for r in self.rows]
-        wait = [(r[2] - r[1]) * 1e6 for r in self.rows]
+    def dump(self) -> None:
+        """Write the rows (the :class:`EngineStep` fields) and the summary: scheduling and
+        submitting, blocked in ``get_output``, and the output handling between steps."""
+        if self.path is None:
+            return
+        own = [(r.wait - r.start) * 1e6 for r in self.rows]
+        wait = [(r.end - r.wait) * 1e6 for r in self.rows]
         # Output handling (scheduler update, stop strings, the caller's loop) between two steps.
-        between = [(b[0] - a[2]) * 1e6 for a, b in zip(self.rows, self.rows[1:])]
+        between = [(b.start - a.end) * 1e6 for a, b in zip(self.rows, self.rows[1:])]
         out = {
             "name": "engine",
             "num_steps": len(self.rows),
@@ -183,7 +236,7 @@ class EngineTrace:
                 "between_steps_us": _summary(between),
             },
             "steady_decode": self.steady_decode(),
-            "steps": [[round(r[0], 6), round(r[1], 6), round(r[2], 6), *r[3:]] for r in self.rows],
+            "fields": list(EngineStep._fields),
+            "steps": [[round(r.start, 6), round(r.wait, 6), round(r.end, 6), *r[3:]] for r in self.rows],
         }
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(out, f)
+        _write(self.path, out)

@@ -17,6 +17,7 @@ from pprun.core.outputs import SchedulerOutput
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
 from pprun.distributed.transport import PipelineTransport
+from pprun.worker.step_trace import NullStageTrace, StageTrace, trace_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +82,8 @@ class Worker:
         self.runner = None
         self.recv_buffers = None
         self.step_count = 0
-        from pprun.worker.step_trace import StageTrace, trace_prefix
-
-        self.trace_prefix = trace_prefix()
-        self.trace = StageTrace(self.device, f"stage{self.layout.pp_rank}") if self.trace_prefix else None
+        prefix, name = trace_prefix(), f"stage{self.layout.pp_rank}"
+        self.trace = StageTrace(self.device, name, f"{prefix}.{name}.json") if prefix else NullStageTrace()
 
     def load_model(self) -> int:
         """Build and load this stage's model; returns its parameter count."""
@@ -154,8 +153,7 @@ class Worker:
         self._begin_step()
         trace = self.trace
         num_tokens = so.total_num_scheduled_tokens
-        if trace is not None:
-            trace.begin(num_tokens, so.num_reqs)
+        trace.begin(num_tokens, so.num_reqs)
         receive = None
         if not self.layout.is_first and num_tokens > 0:
 
@@ -163,11 +161,10 @@ class Worker:
                 # Called by the runner once the step's inputs are copied: in stream order the
                 # copies then do not wait for the previous stage's tensors.
                 received = self.transport.recv(self.recv_buffers, num_tokens)
-                if trace is not None:
-                    trace.mark()
+                trace.mark()
                 return received
 
-        elif trace is not None:
+        else:
             trace.mark()
         # Only on a GPU does launching return before the work is done; on CPU a pending output
         # would only be sent later for nothing.
@@ -176,16 +173,14 @@ class Worker:
             out = run(so, receive=receive)
         else:
             out = self.runner.execute_model(so, receive=receive)
-        if trace is not None:
-            trace.mark()
+        trace.mark()
         if not self.layout.is_last:
             if num_tokens > 0:
                 if self.spec.fault_injection and self.spec.fault_injection.get("rename_sent_keys"):
                     out = IntermediateTensors({f"{k}_renamed": v for k, v in out.items()})
                 self.transport.send(out)
             out = None
-        if trace is not None:
-            trace.end()
+        trace.end()
         return out
 
     def launches_quickly(self, so: SchedulerOutput) -> bool:
@@ -203,15 +198,12 @@ class Worker:
         if self.layout.pp_size != 1:
             raise ValueError("execute_model_async serves a single-stage pipeline only")
         self._begin_step()
-        trace = self.trace
-        if trace is not None:
-            trace.begin(so.total_num_scheduled_tokens, so.num_reqs)
-            trace.mark()
+        self.trace.begin(so.total_num_scheduled_tokens, so.num_reqs)
+        self.trace.mark()
         run = getattr(self.runner, "execute_model_async", None)
         out = run(so, None) if run is not None else self.runner.execute_model(so, None)
-        if trace is not None:
-            trace.mark()
-            trace.end()
+        self.trace.mark()
+        self.trace.end()
         return out
 
     def _begin_step(self) -> None:
@@ -263,11 +255,7 @@ class Worker:
 
     def shutdown(self) -> None:
         """Write the step trace (``PPRUN_STEP_TRACE``) and release the pipeline channel."""
-        if self.trace is not None:
-            try:
-                self.trace.dump(f"{self.trace_prefix}.stage{self.layout.pp_rank}.json")
-            except OSError as e:
-                logger.warning("PPRUN_STEP_TRACE: cannot write the stage trace: %s", e)
-            self.trace = None
+        self.trace.dump()
+        self.trace = NullStageTrace()
         if self.transport is not None and self.spec.init_method is not None:
             self.transport.close()
