@@ -58,10 +58,10 @@ class PipelineTransport:
         """(key, trailing shape, dtype) of every tensor, as sent in the one metadata message."""
         self._expected_keys: list[str] | None = None
         """The keys the previous stage announced, in its send order."""
-        self._packed = False
-        """Whether the previous stage's tensors arrive stacked (decided from its metadata)."""
-        self._packed_in: torch.Tensor | None = None
-        """Landing buffer of stacked tensors (see :func:`_packable`), as large as the buffers."""
+        self._stack_out = False
+        """Whether this stage's tensors go stacked (see :func:`_packable`; up to PACK_MAX_BYTES)."""
+        self._stacked_in: torch.Tensor | None = None
+        """Landing buffer of the previous stage's stacked hops (None when they never stack)."""
 
     @classmethod
     def init(
@@ -119,6 +119,7 @@ class PipelineTransport:
             self._meta_out[4 : 4 + len(meta)] = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
             dist.send(self._meta_out, dst, group=self.cpu_group)
             self._announced = signature
+            self._stack_out = _packable(signature)
         elif signature != self._announced:
             raise ValueError(
                 f"stage {self.layout.pp_rank}: intermediate tensors changed after the first send: "
@@ -126,12 +127,12 @@ class PipelineTransport:
                 f"{self.layout.pp_rank + 1} learns them once, from the first send"
             )
         values = list(tensors.values())
-        if _packable(signature) and sum(v.numel() * v.element_size() for v in values) <= PACK_MAX_BYTES:
+        if self._stack_out and len(values) * values[0].numel() * values[0].element_size() <= PACK_MAX_BYTES:
             # One message instead of one per tensor: each point-to-point op costs ~0.1 ms of
             # host time in torch.distributed (measured with NCCL on H200s), the stack a few us.
             dist.send(torch.stack(values), dst, group=self.device_group)
             return
-        for _, v in tensors.items():
+        for v in values:
             dist.send(v.contiguous(), dst, group=self.device_group)
 
     def recv(self, buffers: IntermediateTensors, num_tokens: int) -> IntermediateTensors:
@@ -149,21 +150,23 @@ class PipelineTransport:
             meta = pickle.loads(self._meta_in[4 : 4 + size].numpy().tobytes())
             check_received_metadata(meta, buffers, num_tokens, self.layout.pp_rank)
             self._expected_keys = [key for key, _, _ in meta]
-            self._packed = _packable([(k, tuple(shape[1:]), dtype) for k, shape, dtype in meta])
+            if _packable([(k, tuple(shape[1:]), dtype) for k, shape, dtype in meta]):
+                # The landing buffer of stacked hops: as large as one can be.
+                first = buffers[self._expected_keys[0]]
+                self._stacked_in = torch.empty(
+                    PACK_MAX_BYTES // first.element_size(), dtype=first.dtype, device=first.device
+                )
         view = buffers[:num_tokens]
-        first = view[self._expected_keys[0]]
-        if self._packed and len(self._expected_keys) * first.numel() * first.element_size() <= PACK_MAX_BYTES:
-            full = buffers[self._expected_keys[0]]
-            if self._packed_in is None or self._packed_in.numel() < len(self._expected_keys) * first.numel():
-                # As large as a stacked hop can be: allocated once when the caller keeps its buffers.
-                numel = min(len(self._expected_keys) * full.numel(), PACK_MAX_BYTES // full.element_size())
-                self._packed_in = torch.empty(numel, dtype=full.dtype, device=full.device)
-            packed = self._packed_in[: len(self._expected_keys) * first.numel()].view(-1, *first.shape)
-            dist.recv(packed, src, group=self.device_group)
-            for i, key in enumerate(self._expected_keys):
-                view[key].copy_(packed[i])
+        keys = self._expected_keys
+        first = view[keys[0]]
+        stacked_numel = len(keys) * first.numel()
+        if self._stacked_in is not None and stacked_numel <= self._stacked_in.numel():
+            stacked = self._stacked_in[:stacked_numel].view(len(keys), *first.shape)
+            dist.recv(stacked, src, group=self.device_group)
+            for i, key in enumerate(keys):
+                view[key].copy_(stacked[i])
             return view
-        for key in self._expected_keys:
+        for key in keys:
             dist.recv(view[key], src, group=self.device_group)
         return view
 
