@@ -54,6 +54,13 @@ class PendingOutput:
         self._build: Callable[[], ModelRunnerOutput] | None = build
         self._value: ModelRunnerOutput | None = None
 
+    @classmethod
+    def of(cls, value: ModelRunnerOutput) -> PendingOutput:
+        """An output that is already complete (``ready``)."""
+        out = cls(lambda: value)
+        out.result()
+        return out
+
     @property
     def ready(self) -> bool:
         """True once the output is built (``result()`` returns at once)."""
@@ -300,9 +307,7 @@ class V2ModelRunner:
         if not num_sampled:
             self.prev_sample_index = {}
             empty = ModelRunnerOutput(so.step_id, batch.req_ids, [[] for _ in batch.req_ids], [None] * batch.num_reqs)
-            ready = PendingOutput(lambda: empty)
-            ready.result()  # nothing to wait for: ``ready`` lets the stage answer at once
-            return ready
+            return PendingOutput.of(empty)  # nothing to wait for: the stage answers at once
         if num_sampled == batch.num_tokens:
             # Every token samples (a decode step): the rows are 0..n-1, a view, no gather.
             sampled_hidden = hidden[:num_sampled]
