@@ -233,36 +233,38 @@ class Scheduler:
         preempted_this_step = False
         step_cap = self._step_request_cap()
 
-        # Running requests first, earliest arrival first.
+        # Running requests first, earliest arrival first.  The common case (a decode token
+        # within the request's last block) takes no function call beyond the list appends:
+        # with a few hundred requests this loop is most of the engine's host time per step.
+        block_size = self.block_size
         for req in list(self._running):
             if token_budget == 0 or len(scheduled) >= step_cap:
                 break
-            if req.status != RequestStatus.RUNNING or not self._can_join_step(req):
-                continue  # preempted earlier in this loop, or in an outstanding step
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if req.num_steps_in_flight and (not self.async_scheduling or not self._can_join_step(req)):
+                continue  # in an outstanding step
+            num_computed = req.num_computed_tokens
             num_new_tokens = min(
-                req.num_tokens + req.num_pending_samples - req.num_computed_tokens, token_budget
+                len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_pending_samples - num_computed,
+                token_budget,
             )
             if num_new_tokens <= 0:
                 continue
-            new_block_ids = None
-            while True:
-                new_block_ids = self.block_manager.allocate(req, req.num_computed_tokens + num_new_tokens)
-                if new_block_ids is not None:
-                    break
-                victim = self._pick_preemption_victim()
-                if victim is None:
-                    break
-                self._preempt(victim)
-                preempted_this_step = True
-                if victim is req:
-                    break
-            if new_block_ids is None or req.status != RequestStatus.RUNNING:
-                continue
+            if num_computed + num_new_tokens <= len(req.block_ids) * block_size:
+                new_block_ids = []  # the request's blocks already cover this step
+            else:
+                new_block_ids, preempted = self._allocate_or_preempt(req, num_computed + num_new_tokens)
+                preempted_this_step = preempted_this_step or preempted
+                if new_block_ids is None:
+                    continue
             cached_reqs.req_ids.append(req.req_id)
             cached_reqs.new_block_ids.append(new_block_ids)
-            cached_reqs.num_computed_tokens.append(req.num_computed_tokens)
-            cached_reqs.new_token_ids.append(req.output_token_ids[req.num_output_tokens_sent :])
-            req.num_output_tokens_sent = req.num_output_tokens
+            cached_reqs.num_computed_tokens.append(num_computed)
+            num_sent = req.num_output_tokens_sent
+            outputs = req.output_token_ids
+            cached_reqs.new_token_ids.append(outputs[num_sent:] if num_sent < len(outputs) else [])
+            req.num_output_tokens_sent = len(outputs)
             self._mark_scheduled(req, num_new_tokens, num_scheduled_tokens, scheduled)
             token_budget -= num_new_tokens
 
@@ -328,6 +330,26 @@ class Scheduler:
         num_unfinished = min(len(self._requests), self.max_num_seqs)
         return max(1, -(-num_unfinished // self.max_in_flight))
 
+    def _allocate_or_preempt(self, req: Request, num_total_tokens: int) -> tuple[list[int] | None, bool]:
+        """Grow ``req``'s blocks to ``num_total_tokens``, preempting the most recently arrived
+        requests out of flight (possibly ``req`` itself) until they fit.
+
+        Returns the new block ids (None when ``req`` cannot run this step: no victim left, or it
+        was the victim) and whether anything was preempted.
+        """
+        preempted = False
+        while True:
+            new_block_ids = self.block_manager.allocate(req, num_total_tokens)
+            if new_block_ids is not None:
+                return new_block_ids, preempted
+            victim = self._pick_preemption_victim()
+            if victim is None:
+                return None, preempted
+            self._preempt(victim)
+            preempted = True
+            if victim is req:
+                return None, preempted
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[Request]:
@@ -346,15 +368,18 @@ class Scheduler:
         if step_reqs is None:
             return []  # an empty step, or one failed by fail_all
         samples = set(self._step_samples.pop(scheduler_output.step_id, ()))
+        running = RequestStatus.RUNNING
+        # Keyed by the objects scheduled, not by looking ids up: an aborted id may already be
+        # reused by a new request.  Aborted or failed ones are no longer RUNNING (and a request
+        # in flight is never preempted, so every other one is finished).
+        live_reqs: dict[str, Request] = {}
         for req in step_reqs:
-            if req.is_finished:
-                continue  # _finish already cleared its counters
+            if req.status is not running:
+                continue  # finished: _finish already cleared its counters
             req.num_steps_in_flight -= 1
             if req.req_id in samples:
                 req.num_pending_samples -= 1
-        # Keyed by the objects scheduled, not by looking ids up: an aborted id may already be
-        # reused by a new request.  Aborted or failed ones are no longer RUNNING.
-        live_reqs = {req.req_id: req for req in step_reqs if req.status == RequestStatus.RUNNING}
+            live_reqs[req.req_id] = req
         updated: list[Request] = []
         for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True):
             req = live_reqs.get(req_id)
@@ -367,9 +392,9 @@ class Scheduler:
             updated.append(req)
         for req in live_reqs.values():
             if (
-                not req.is_finished
-                and not req.in_flight
-                and req.num_computed_tokens >= req.num_tokens
+                not req.num_steps_in_flight
+                and req.status is running
+                and req.num_computed_tokens >= len(req.prompt_token_ids) + len(req.output_token_ids)
             ):
                 self._finish(req, RequestStatus.FINISHED_ERROR, "error")
                 updated.append(req)
@@ -380,7 +405,8 @@ class Scheduler:
     def _check_stop(self, req: Request, token_id: int) -> bool:
         """Finish ``req`` if ``token_id`` (just appended) ends it; True when it did."""
         params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
+        num_outputs = len(req.output_token_ids)
+        if num_outputs >= params.min_tokens:
             if token_id in params.stop_token_ids:
                 req.stop_reason = token_id
                 self._finish(req, RequestStatus.FINISHED_STOPPED, "stop")
@@ -389,8 +415,8 @@ class Scheduler:
                 self._finish(req, RequestStatus.FINISHED_STOPPED, "stop")
                 return True
         if (
-            params.max_tokens is not None and req.num_output_tokens >= params.max_tokens
-        ) or req.num_tokens >= self.max_model_len:
+            params.max_tokens is not None and num_outputs >= params.max_tokens
+        ) or len(req.prompt_token_ids) + num_outputs >= self.max_model_len:
             self._finish(req, RequestStatus.FINISHED_LENGTH, "length")
             return True
         return False
@@ -406,7 +432,8 @@ class Scheduler:
         req.num_computed_tokens += num_new_tokens
         # Set now, so a later preemption in this same step cannot pick it.
         req.num_steps_in_flight += 1
-        if req.num_computed_tokens >= req.num_tokens + req.num_pending_samples:
+        num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
+        if req.num_computed_tokens >= num_tokens + req.num_pending_samples:
             # This step ends at the last known (or pending) token: it samples the next one.
             req.num_pending_samples += 1
             self._samples_this_step.append(req.req_id)

@@ -157,10 +157,11 @@ class Worker:
         receive = None
         if not self.layout.is_first and num_tokens > 0:
 
-            def receive() -> IntermediateTensors:
+            def receive(into: IntermediateTensors | None = None) -> IntermediateTensors:
                 # Called by the runner once the step's inputs are copied: in stream order the
-                # copies then do not wait for the previous stage's tensors.
-                received = self.transport.recv(self.recv_buffers, num_tokens)
+                # copies then do not wait for the previous stage's tensors.  ``into``: buffers
+                # the runner reads anyway (a graph's inputs), saving a copy.
+                received = self.transport.recv(into if into is not None else self.recv_buffers, num_tokens)
                 trace.mark()
                 return received
 

@@ -47,6 +47,12 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def _same_storage(a: IntermediateTensors, b: IntermediateTensors) -> bool:
+    """True when every tensor of ``a`` starts where ``b``'s tensor of that key does (``a`` was
+    received straight into ``b``)."""
+    return all(key in b and t.data_ptr() == b[key].data_ptr() for key, t in a.items())
+
+
 class PendingOutput:
     """A step's output whose device-to-host copy may still be running; ``result()`` waits."""
 
@@ -214,7 +220,7 @@ class V2ModelRunner:
         self,
         so: SchedulerOutput,
         intermediate_tensors: IntermediateTensors | None = None,
-        receive: Callable[[], IntermediateTensors] | None = None,
+        receive: Callable[[IntermediateTensors | None], IntermediateTensors] | None = None,
     ) -> ModelRunnerOutput | IntermediateTensors | None:
         """Run one step and wait for its result (see :meth:`execute_model_async`)."""
         out = self.execute_model_async(so, intermediate_tensors, receive)
@@ -225,7 +231,7 @@ class V2ModelRunner:
         self,
         so: SchedulerOutput,
         intermediate_tensors: IntermediateTensors | None = None,
-        receive: Callable[[], IntermediateTensors] | None = None,
+        receive: Callable[[IntermediateTensors | None], IntermediateTensors] | None = None,
     ) -> PendingOutput | IntermediateTensors | None:
         """Run one step; non-last stages return what to send, the last returns sampled tokens.
 
@@ -233,7 +239,8 @@ class V2ModelRunner:
         (they precede its forward) and, on the last stage, the sampled ids.  ``receive``
         (non-first stages, instead of ``intermediate_tensors``) is called once this step's
         inputs are copied, so that in stream order the copies do not wait for the previous
-        stage's tensors.
+        stage's tensors; it is handed the buffers to land in (the graph's inputs on a graph
+        step, else None: the worker's own).
         """
         # The deltas rewrite pinned staging memory (sampling parameters) that the previous
         # step's non-blocking copies may still be reading.
@@ -259,7 +266,8 @@ class V2ModelRunner:
             batch.num_reqs, plan.num_reqs_padded, num_tokens, plan.num_tokens_padded, batch.max_query_len
         )
         if receive is not None:
-            intermediate_tensors = receive()
+            # A graph step's hidden states land straight in the graph's input buffers.
+            intermediate_tensors = receive(self.graph_intermediate if plan.mode != "eager" else None)
         out = self._run_model(plan, batch, meta, intermediate_tensors)
         if not self.layout.is_last:
             return out[:num_tokens]
@@ -285,10 +293,12 @@ class V2ModelRunner:
         if plan.mode == "eager":
             return self._forward(meta, plan.num_tokens_padded, intermediate_tensors, inputs_embeds, extra)
         if self.graph_intermediate is not None:
-            self.graph_intermediate.copy_from(intermediate_tensors, batch.num_tokens)
-            # Stale rows from an earlier step would be finite, but zeros keep replays reproducible.
-            for t in self.graph_intermediate.values():
-                t[batch.num_tokens : plan.num_tokens_padded].zero_()
+            if not _same_storage(intermediate_tensors, self.graph_intermediate):
+                self.graph_intermediate.copy_from(intermediate_tensors, batch.num_tokens)
+            if plan.num_tokens_padded > batch.num_tokens:
+                # Stale rows from an earlier step would be finite, but zeros keep replays reproducible.
+                for t in self.graph_intermediate.values():
+                    t[batch.num_tokens : plan.num_tokens_padded].zero_()
         return self.graphs.replay(plan, meta)
 
     def sampling_tensors(self, batch: StepBatch) -> SamplingTensors:
