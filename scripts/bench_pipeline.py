@@ -79,6 +79,7 @@ def bench_throughput(
     model: str = DEMO_MODEL,
     microbatches: tuple[int, ...] = (3,),
     pp2_executors: tuple[str, ...] = ("mp", "ray"),
+    ab_graph_hop: bool = False,
 ) -> list[dict[str, Any]]:
     """``pprun bench`` at pp=1 (uni) and pp=2 (mp, ray), one subprocess each.
 
@@ -88,7 +89,8 @@ def bench_throughput(
     with the first executor), so it holds ``m`` times as many requests — pp=1 at the largest
     number of requests runs too (equal concurrency).  Each run reports ``pprun bench``'s steady
     decode rate (``decode_tokens_per_s``: the steps after the last prefill while the batch is
-    full) beside its whole-run rate.  The last entry has the ratios.
+    full) beside its whole-run rate.  ``ab_graph_hop`` adds the first pp=2 run again with the
+    hops outside the decode graphs (``PPRUN_DISABLE_GRAPH_HOP=1``).  The last entry has the ratios.
     """
     results = []
     if device == "cpu":
@@ -103,6 +105,9 @@ def bench_throughput(
         for i, m in enumerate(microbatches):
             for ex in pp2_executors if i == 0 else pp2_executors[:1]:
                 runs.append((f"pp2_{ex}", {}, num_prompts * m, [f"parallel.microbatches={m}"]))
+            if i == 0 and ab_graph_hop:
+                hop_off = {"PPRUN_DISABLE_GRAPH_HOP": "1"}
+                runs.append((f"pp2_{pp2_executors[0]}", hop_off, num_prompts * m, [f"parallel.microbatches={m}"]))
         runs.append(("single", {}, num_prompts * max(microbatches), []))
         extra = ["model.dtype=bfloat16"]
     for parallel, env_extra, n, more in runs:
@@ -149,6 +154,7 @@ def bench_throughput(
                     },
                 }  # fmt: skip
             )
+        print(json.dumps(results[-1]), file=sys.stderr, flush=True)  # progress, kept if a later run hangs
     ok = [r for r in results if "error" not in r]
     base = next((r for r in ok if r["pp"] == 1), None)
     if base is not None:
@@ -295,6 +301,32 @@ def bench_hop(iters: int, device: str = "cpu", hidden: int = HIDDEN_SIZE) -> dic
     return json.loads(outs[0])
 
 
+GRAPH_HOP_MAX_TOKENS = 512
+"""Largest hop timed inside CUDA graphs (the largest decode graph the runner captures by default)."""
+
+
+def _graph_round(rank, forward, backward, tensors, buffers, warm_up, sync):
+    """A round trip replayed from CUDA graphs, as a decode step's hop runs when the graphs carry
+    it (``PipelineTransport.send_in_graph`` / ``recv_in_graph``): no host work per message."""
+    import torch
+
+    warm_up()  # an eager round first: metadata known, NCCL connected (not possible in a capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        if rank == 0:
+            forward.send_in_graph(tensors)
+            backward.recv_in_graph(buffers)
+        else:
+            forward.recv_in_graph(buffers)
+            backward.send_in_graph(buffers)
+
+    def graph_round() -> None:
+        graph.replay()
+        sync()
+
+    return graph_round
+
+
 def hop_rank_main(rank: int, init_method: str, iters: int, device_type: str = "cpu", hidden: int = HIDDEN_SIZE) -> None:
     """One side of the ping-pong: rank 0 sends and waits for the echo, rank 1 echoes."""
     import torch
@@ -329,7 +361,7 @@ def hop_rank_main(rank: int, init_method: str, iters: int, device_type: str = "c
             {k: torch.randn(num_tokens, hidden, device=device).to(dtype) for k in ("hidden_states", "residual")}
         )
         buffers = IntermediateTensors({k: torch.empty_like(v) for k, v in tensors.items()})
-        n_iter = iters if num_tokens <= 256 else max(5, iters // 50)
+        n_iter = iters if num_tokens <= 256 else max(30, iters // 10)
         n_warm = max(3, n_iter // 10)
 
         def transport_round(tensors=tensors, buffers=buffers, num_tokens=num_tokens) -> None:
@@ -359,7 +391,10 @@ def hop_rank_main(rank: int, init_method: str, iters: int, device_type: str = "c
             "num_tokens": num_tokens,
             "bytes": sum(v.numel() * v.element_size() for v in tensors.values()),
         }
-        for label, fn in (("transport", transport_round), ("tensors_only", bare_round)):
+        rounds = [("transport", transport_round), ("tensors_only", bare_round)]
+        if device.type == "cuda" and num_tokens <= GRAPH_HOP_MAX_TOKENS:
+            rounds.append(("in_graph", _graph_round(rank, forward, backward, tensors, buffers, transport_round, sync)))
+        for label, fn in rounds:
             for _ in range(n_warm):
                 fn()
             samples = []
@@ -370,7 +405,8 @@ def hop_rank_main(rank: int, init_method: str, iters: int, device_type: str = "c
             row[label] = _stats_us(samples)
         # What PipelineTransport adds to bare sends (stacking small hops into one message).
         row["transport_minus_bare_us"] = round(row["transport"]["median_us"] - row["tensors_only"]["median_us"], 1)
-        row["transport_GBps"] = round(row["bytes"] / (row["transport"]["median_us"] * 1e-6) / 1e9, 3)
+        for label, _ in rounds:
+            row[f"{label}_GBps"] = round(row["bytes"] / (row[label]["median_us"] * 1e-6) / 1e9, 3)
         results[name] = row
     dist.barrier(group=forward.cpu_group)
     if rank == 0:
@@ -544,6 +580,8 @@ def main() -> None:
     ap.add_argument("--microbatches", default="3",
                     help="cuda: comma-separated counts of --num-prompts-request batches pp=2 keeps in flight")
     ap.add_argument("--pp2-executors", default="mp,ray", help="cuda: executors of the pp=2 runs")
+    ap.add_argument("--ab-graph-hop", action="store_true",
+                    help="cuda: run the first pp=2 case again with the hops outside the decode graphs")
     ap.add_argument("--hidden", type=int, help=f"hop row width (default {HIDDEN_SIZE}; 2048 on cuda)")
     ap.add_argument("--hop-rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--init-method", help=argparse.SUPPRESS)
@@ -580,6 +618,7 @@ def main() -> None:
             "runs": bench_throughput(
                 args.num_prompts, args.input_len, args.output_len, args.device, args.model,
                 tuple(int(m) for m in args.microbatches.split(",")), tuple(args.pp2_executors.split(",")),
+                args.ab_graph_hop,
             ),
         }
     if "memory" in parts:

@@ -89,6 +89,8 @@ def test_v2_three_batches_in_flight_through_two_stages(tiny_llama_dir, tiny_refe
                 assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
         assert tokens(llm.generate(TOKEN_PROMPTS, GREEDY)) == tiny_reference
         assert llm.engine.num_steps > 0
+        facts = llm.engine.executor.call_all("runner_facts")
+        assert facts == [{"runner": "v2", "cudagraph_mode": "none", "hop_in_graph": False}] * 2
 
 
 def test_step_trace_written_by_every_stage_and_the_engine(tiny_llama_dir, tmp_path, monkeypatch):
@@ -337,3 +339,23 @@ def test_transport_sends_metadata_once_and_rejects_later_changes(monkeypatch):
     buffers = IntermediateTensors({k: torch.zeros(big, 4) for k in ("hidden_states", "residual")})
     got = receiver.recv(buffers, big)  # past PACK_MAX_BYTES: one message per tensor, as sent
     assert got["residual"].eq(1.0).all() and got["hidden_states"].eq(0.0).all() and not queue
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("graph_hop", [True, False])
+def test_two_gpu_stages_full_graphs_match_one_gpu(tiny_llama_dir, monkeypatch, graph_hop):
+    """pp=2 on two GPUs, V2 with full decode graphs, three batches in flight: the same tokens
+    as one GPU, with the hop inside the decode graphs (send at the end of stage 0's graph,
+    receive at the start of stage 1's) and, with ``PPRUN_DISABLE_GRAPH_HOP=1``, outside them."""
+    prompts = TOKEN_PROMPTS * 3  # several decode batches of different sizes
+    kw = dict(dtype="float32", device="cuda", runner="v2", cudagraph_mode="full", max_num_seqs=16)
+    with LLM(str(tiny_llama_dir), executor="uni", **kw) as llm:
+        want = tokens(llm.generate(prompts, GREEDY))
+    if not graph_hop:
+        monkeypatch.setenv("PPRUN_DISABLE_GRAPH_HOP", "1")
+    with LLM(str(tiny_llama_dir), executor="mp", pipeline_parallel_size=2, microbatches=3, **kw) as llm:
+        facts = llm.engine.executor.call_all("runner_facts")
+        assert [f["cudagraph_mode"] for f in facts] == ["full", "full"]
+        assert [f["hop_in_graph"] for f in facts] == [graph_hop, graph_hop]
+        assert tokens(llm.generate(prompts, GREEDY)) == want

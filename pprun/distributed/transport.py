@@ -170,6 +170,40 @@ class PipelineTransport:
             dist.recv(view[key], src, group=self.device_group)
         return view
 
+    # --- hops captured in CUDA graphs ---------------------------------------------------------
+
+    def agree(self, mine: object) -> bool:
+        """True when every stage passed an equal ``mine`` (a collective on the CPU group: every
+        stage must call it).  Stages decide together whether their decode graphs carry the hop,
+        since one stage sending inside a graph while its neighbour receives outside would hang."""
+        gathered: list[object] = [None] * self.layout.pp_size
+        dist.all_gather_object(gathered, mine, group=self.cpu_group)
+        return all(g == mine for g in gathered)
+
+    def warm_up(self, sample: IntermediateTensors | None, buffers: IntermediateTensors | None) -> None:
+        """One real hop of one token down the pipeline before any graph is captured: the
+        receiver checks the metadata, and NCCL opens the pair's connection (which cannot happen
+        inside a capture).  ``sample``: what this stage sends (None on the last stage);
+        ``buffers``: where it receives (None on the first)."""
+        if not self.layout.is_first:
+            self.recv(buffers, 1)
+        if not self.layout.is_last:
+            self.send(sample[:1])
+
+    def send_in_graph(self, tensors: IntermediateTensors) -> None:
+        """Send inside a CUDA-graph capture: the graph replays the send (one message per tensor,
+        straight from the graph's outputs: no host work at replay, so no need to stack)."""
+        dst = self.global_ranks[self.layout.pp_rank + 1]
+        for v in tensors.values():
+            dist.send(v, dst, group=self.device_group)
+
+    def recv_in_graph(self, buffers: IntermediateTensors) -> None:
+        """Receive inside a CUDA-graph capture, straight into the graph's input buffers, in the
+        order :meth:`send_in_graph` sends (the keys the previous stage announced)."""
+        src = self.global_ranks[self.layout.pp_rank - 1]
+        for key in self._expected_keys or list(buffers):
+            dist.recv(buffers[key], src, group=self.device_group)
+
     def broadcast_object(self, obj: object, src_stage: int) -> object:
         """Broadcast a picklable object from stage ``src_stage`` to every stage (CPU group)."""
         box = [obj]

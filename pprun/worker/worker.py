@@ -131,7 +131,7 @@ class Worker:
         if self.spec.runner == "v2":
             from pprun.worker.v2.runner import V2ModelRunner
 
-            self.runner = V2ModelRunner(self.model, self.layout, self.device, rc, num_blocks)
+            self.runner = V2ModelRunner(self.model, self.layout, self.device, rc, num_blocks, self.transport)
         else:
             from pprun.worker.v1.runner import V1ModelRunner
 
@@ -157,10 +157,14 @@ class Worker:
         receive = None
         if not self.layout.is_first and num_tokens > 0:
 
-            def receive(into: IntermediateTensors | None = None) -> IntermediateTensors:
+            def receive(into: IntermediateTensors | None = None, in_graph: bool = False) -> IntermediateTensors:
                 # Called by the runner once the step's inputs are copied: in stream order the
                 # copies then do not wait for the previous stage's tensors.  ``into``: buffers
-                # the runner reads anyway (a graph's inputs), saving a copy.
+                # the runner reads anyway (a graph's inputs), saving a copy; ``in_graph``: the
+                # graph about to be replayed receives them itself (its wait counts as compute).
+                if in_graph:
+                    trace.mark()
+                    return into[:num_tokens]
                 received = self.transport.recv(into if into is not None else self.recv_buffers, num_tokens)
                 trace.mark()
                 return received
@@ -176,13 +180,23 @@ class Worker:
             out = self.runner.execute_model(so, receive=receive)
         trace.mark()
         if not self.layout.is_last:
-            if num_tokens > 0:
+            if out is not None:  # None: nothing to send, or the step's graph sent it
                 if self.spec.fault_injection and self.spec.fault_injection.get("rename_sent_keys"):
                     out = IntermediateTensors({f"{k}_renamed": v for k, v in out.items()})
                 self.transport.send(out)
             out = None
         trace.end()
         return out
+
+    def runner_facts(self) -> dict[str, object]:
+        """What this stage's runner does (diagnostics and tests): its name, its CUDA-graph mode
+        and whether its decode graphs carry the pipeline hops."""
+        graphs = getattr(self.runner, "graphs", None)
+        return {
+            "runner": getattr(self.runner, "name", None),
+            "cudagraph_mode": graphs.mode if graphs is not None else "none",
+            "hop_in_graph": bool(getattr(self.runner, "hop_in_graph", False)),
+        }
 
     def launches_quickly(self, so: SchedulerOutput) -> bool:
         """True when launching ``so`` takes little host time: a V2 step replayed as one full

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,7 @@ from torch import nn
 from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
+from pprun.distributed.transport import PipelineTransport
 from pprun.sampling.sampler import Sampler, SamplerOutput, SamplingTensors, to_logprobs
 from pprun.worker.model_inputs import build_model_inputs
 from pprun.worker.v2.cuda_graphs import CudaGraphManager, GraphPlan
@@ -37,6 +39,12 @@ from pprun.worker.v2.model_state import ModelState, make_model_state
 from pprun.worker.v2.request_state import RequestTable
 
 logger = logging.getLogger(__name__)
+
+GRAPH_HOP_ENABLED: bool = os.environ.get("PPRUN_DISABLE_GRAPH_HOP", "") in ("", "0")
+"""Whether full decode graphs of a pipeline carry the hop to the next stage (the send at the end
+of a stage's graph, the receive at the start of the next one's): a decode hop then costs no host
+time and no copy.  ``PPRUN_DISABLE_GRAPH_HOP=1`` sends and receives outside the graphs (the A/B
+switch); every stage must agree, and they check (:meth:`PipelineTransport.agree`)."""
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
@@ -86,11 +94,22 @@ class V2ModelRunner:
     name = "v2"
 
     def __init__(
-        self, model: nn.Module, layout: StageLayout, device: torch.device, resolved: Any, num_blocks: int
+        self,
+        model: nn.Module,
+        layout: StageLayout,
+        device: torch.device,
+        resolved: Any,
+        num_blocks: int,
+        transport: PipelineTransport | None = None,
     ) -> None:
+        """``transport``: the stage's channel when the pipeline has more than one stage (its
+        decode graphs may then carry the hop, see :data:`GRAPH_HOP_ENABLED`)."""
         cfg = resolved.cfg
         self.model = model
         self.layout = layout
+        self.transport = transport
+        self.hop_in_graph = False
+        """True when this stage's full graphs send to / receive from its neighbours themselves."""
         self.device = device
         self.dtype = resolved.dtype
         self.num_blocks = num_blocks
@@ -165,7 +184,27 @@ class V2ModelRunner:
     def capture_model(self) -> None:
         """Warm up and capture the configured graphs (no-op on CPU or with cudagraph_mode=none)."""
         self._capture_extra: tuple[torch.Tensor | None, dict[str, Any]] = (None, {})
+        self.hop_in_graph = self._agree_on_graph_hops()
         self.graphs.capture(self._prepare_dummy, self._dummy_forward)
+
+    def _agree_on_graph_hops(self) -> bool:
+        """Whether the decode graphs carry the hops: only when every stage captures full graphs
+        of the same sizes with the switch on (a collective: every stage of a CUDA pipeline calls
+        it).  Then one eager hop goes down the pipeline first, so that the receivers check what
+        they will be sent and NCCL connects each pair outside any capture."""
+        if self.transport is None or self.device.type != "cuda":
+            return False
+        mine = (self.graphs.mode, tuple(self.graphs.sizes), GRAPH_HOP_ENABLED)
+        agreed = self.transport.agree(mine)
+        if not (agreed and self.graphs.mode == "full" and GRAPH_HOP_ENABLED):
+            return False
+        sample = None
+        if not self.layout.is_last:
+            sample = self.model.make_empty_intermediate_tensors(1, self.dtype, self.device)
+        self.transport.warm_up(sample, self.graph_intermediate)
+        torch.cuda.synchronize(self.device)
+        logger.info("stage %d: decode graphs carry the pipeline hops", self.layout.pp_rank)
+        return True
 
     def _prepare_dummy(self, num_reqs_padded: int, num_tokens_padded: int) -> None:
         """Make every row of the buffers inert for one capture size: nothing is read from or
@@ -184,9 +223,15 @@ class V2ModelRunner:
         """The stage forward over the buffers :meth:`_prepare_dummy` made inert (captured)."""
         meta = self.bufs.attn_metadata(0, num_reqs_padded, 0, num_tokens_padded, max_query_len=1)
         inputs_embeds, extra = self._capture_extra
-        return self._forward(
-            meta, num_tokens_padded, self._graph_intermediate(num_tokens_padded), inputs_embeds, extra
-        )
+        # Warm-ups run eagerly without the hop; the capture records it (see _agree_on_graph_hops).
+        hop = self.hop_in_graph and torch.cuda.is_current_stream_capturing()
+        received = self._graph_intermediate(num_tokens_padded)
+        if hop and received is not None:
+            self.transport.recv_in_graph(received)
+        out = self._forward(meta, num_tokens_padded, received, inputs_embeds, extra)
+        if hop and not self.layout.is_last:
+            self.transport.send_in_graph(out)
+        return out
 
     def _graph_intermediate(self, num_tokens_padded: int) -> IntermediateTensors | None:
         if self.graph_intermediate is None:
@@ -220,7 +265,7 @@ class V2ModelRunner:
         self,
         so: SchedulerOutput,
         intermediate_tensors: IntermediateTensors | None = None,
-        receive: Callable[[IntermediateTensors | None], IntermediateTensors] | None = None,
+        receive: Callable[[IntermediateTensors | None, bool], IntermediateTensors] | None = None,
     ) -> ModelRunnerOutput | IntermediateTensors | None:
         """Run one step and wait for its result (see :meth:`execute_model_async`)."""
         out = self.execute_model_async(so, intermediate_tensors, receive)
@@ -231,7 +276,7 @@ class V2ModelRunner:
         self,
         so: SchedulerOutput,
         intermediate_tensors: IntermediateTensors | None = None,
-        receive: Callable[[IntermediateTensors | None], IntermediateTensors] | None = None,
+        receive: Callable[[IntermediateTensors | None, bool], IntermediateTensors] | None = None,
     ) -> PendingOutput | IntermediateTensors | None:
         """Run one step; non-last stages return what to send, the last returns sampled tokens.
 
@@ -240,7 +285,8 @@ class V2ModelRunner:
         (non-first stages, instead of ``intermediate_tensors``) is called once this step's
         inputs are copied, so that in stream order the copies do not wait for the previous
         stage's tensors; it is handed the buffers to land in (the graph's inputs on a graph
-        step, else None: the worker's own).
+        step, else None: the worker's own) and whether the graph receives by itself.  A non-last
+        stage returns None when its graph sent the tensors itself.
         """
         # The deltas rewrite pinned staging memory (sampling parameters) that the previous
         # step's non-blocking copies may still be reading.
@@ -265,12 +311,15 @@ class V2ModelRunner:
         meta = self.bufs.attn_metadata(
             batch.num_reqs, plan.num_reqs_padded, num_tokens, plan.num_tokens_padded, batch.max_query_len
         )
+        hop_in_graph = self.hop_in_graph and plan.mode == "full"
         if receive is not None:
-            # A graph step's hidden states land straight in the graph's input buffers.
-            intermediate_tensors = receive(self.graph_intermediate if plan.mode != "eager" else None)
-        out = self._run_model(plan, batch, meta, intermediate_tensors)
+            # A graph step's hidden states land straight in the graph's input buffers (or the
+            # graph receives them itself).
+            into = self.graph_intermediate if plan.mode != "eager" else None
+            intermediate_tensors = receive(into, hop_in_graph)
+        out = self._run_model(plan, batch, meta, intermediate_tensors, hop_in_graph)
         if not self.layout.is_last:
-            return out[:num_tokens]
+            return None if hop_in_graph else out[:num_tokens]
         return self.sample(so, batch, out)
 
     def _run_model(
@@ -279,6 +328,7 @@ class V2ModelRunner:
         batch: StepBatch,
         meta: Any,
         intermediate_tensors: IntermediateTensors | None,
+        hop_in_graph: bool = False,
     ) -> Any:
         if not self.layout.is_first and intermediate_tensors is None:
             raise ValueError(
@@ -295,7 +345,7 @@ class V2ModelRunner:
         if self.graph_intermediate is not None:
             if not _same_storage(intermediate_tensors, self.graph_intermediate):
                 self.graph_intermediate.copy_from(intermediate_tensors, batch.num_tokens)
-            if plan.num_tokens_padded > batch.num_tokens:
+            if plan.num_tokens_padded > batch.num_tokens and not hop_in_graph:
                 # Stale rows from an earlier step would be finite, but zeros keep replays reproducible.
                 for t in self.graph_intermediate.values():
                     t[batch.num_tokens : plan.num_tokens_padded].zero_()
