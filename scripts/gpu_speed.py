@@ -145,7 +145,11 @@ def main() -> None:
     ap.add_argument("--ab", action="store_true",
                     help="also run decode with each switch flipped in turn: split-K matmuls "
                          "(PPRUN_DISABLE_SKINNY_GEMM), the fused decode attention "
-                         "(PPRUN_DISABLE_FUSED_DECODE), programmatic dependent launch (PPRUN_DISABLE_PDL)")
+                         "(PPRUN_DISABLE_FUSED_DECODE), programmatic dependent launch (PPRUN_DISABLE_PDL), "
+                         "add + RMSNorm folded into the matmuls (PPRUN_DISABLE_NORM_FOLD), LM head and "
+                         "greedy argmax inside the decode graphs (PPRUN_DISABLE_GRAPH_LOGITS)")
+    ap.add_argument("--ab-only", default="",
+                    help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED)")
     args = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "matmul_tflops": round(matmul_tflops(), 1)}
     res["decode_b1"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps)
@@ -153,9 +157,14 @@ def main() -> None:
     if args.ab:
         import pprun.layers
         import pprun.layers.triton_utils
+        import pprun.worker.v2.runner
 
         switches = [(pprun.layers, "SKINNY_ENABLED"), (pprun.layers, "FUSED_DECODE_ENABLED"),
-                    (pprun.layers.triton_utils, "PDL_ENABLED")]
+                    (pprun.layers.triton_utils, "PDL_ENABLED"), (pprun.layers, "NORM_FOLD_ENABLED"),
+                    (pprun.worker.v2.runner, "GRAPH_LOGITS_ENABLED")]
+        if args.ab_only:
+            only = set(args.ab_only.split(","))
+            switches = [(m, f) for m, f in switches if f in only]
         defaults = {flag: getattr(module, flag) for module, flag in switches}
         for module, flag in switches:
             setattr(module, flag, not defaults[flag])

@@ -249,6 +249,9 @@ def test_tiny_llama_skinny_matmuls_match_cublas(monkeypatch, tiny_llama_dir):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(skinny, "skinny_linear", counted)
+    # Every matmul through skinny_linear (the norm fold's kernel is tested in test_norm_linear.py,
+    # and with it on below).
+    monkeypatch.setattr(pprun.layers, "NORM_FOLD_ENABLED", False)
 
     def logits(enabled: bool) -> torch.Tensor:
         monkeypatch.setattr(pprun.layers, "SKINNY_ENABLED", enabled)
@@ -260,4 +263,19 @@ def test_tiny_llama_skinny_matmuls_match_cublas(monkeypatch, tiny_llama_dir):
     num_layers = arch.num_hidden_layers
     # qkv, o_proj and down per layer plus the LM head; gate_up with its activation.
     assert calls == {"plain": 3 * num_layers + 1, "swiglu": num_layers}
+    torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.gpu
+def test_tiny_llama_norm_fold_matches_separate_norms(monkeypatch, tiny_llama_dir):
+    """A whole bf16 model on CUDA with a one-token batch: add + RMSNorm folded into the qkv and
+    gate_up split-K matmuls vs the norms as their own launches."""
+    arch, model_logits = _tiny_llama_on_cuda(tiny_llama_dir, torch.bfloat16, [[42]])
+
+    def logits(enabled: bool) -> torch.Tensor:
+        monkeypatch.setattr(pprun.layers, "NORM_FOLD_ENABLED", enabled)
+        return model_logits()
+
+    want = logits(False)
+    got = logits(True)
     torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)

@@ -25,6 +25,10 @@ cache and attend in separate kernels (the A/B switch of ``scripts/gpu_speed.py``
 SKINNY_ENABLED: bool = os.environ.get("PPRUN_DISABLE_SKINNY_GEMM", "") in ("", "0")
 """False when ``PPRUN_DISABLE_SKINNY_GEMM`` is set: decode-sized matmuls then go to cuBLAS."""
 
+NORM_FOLD_ENABLED: bool = os.environ.get("PPRUN_DISABLE_NORM_FOLD", "") in ("", "0")
+"""False when ``PPRUN_DISABLE_NORM_FOLD`` is set: the residual add + RMSNorm before a one-row
+split-K matmul then runs as its own launch (the A/B switch of :func:`norm_linear`)."""
+
 _fused_module: ModuleType | None = None
 _fused_import_failed = False
 
@@ -104,3 +108,40 @@ def linear_swiglu(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
     if skinny is None or layer.weight.shape[0] % 2:
         return None
     return skinny.skinny_linear(x, layer.weight, layer.bias, swiglu=True)
+
+
+def norm_linear(
+    norm: nn.Module, layer: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None, swiglu: bool = False
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``layer`` applied to ``norm(x, residual)``'s output (with ``swiglu``, as
+    :func:`linear_swiglu` applies it), in one launch, for a one-row CUDA batch: the add + RMSNorm
+    runs as the prologue of ``skinny``'s matmul, so its own launch disappears.
+
+    ``norm`` is an RMSNorm as ``pprun.models.llama.RMSNorm`` defines it (``weight``, ``eps``, the
+    residual add fused in).  Returns ``(out, new_residual)`` as ``norm`` and then the layer would,
+    or None when the fold does not apply (then the caller runs ``norm`` and the layer itself):
+    the fold switched off, more than one row, a layer ``_skinny_for`` refuses, a norm with hooks
+    or a trainable weight, or a norm weight / residual of another dtype, device or layout.
+    """
+    if not NORM_FOLD_ENABLED or x.dim() != 2 or x.shape[0] != 1:
+        return None
+    skinny = _skinny_for(layer, x)
+    if skinny is None or (swiglu and layer.weight.shape[0] % 2):
+        return None
+    if norm._forward_hooks or norm._forward_pre_hooks:
+        return None
+    weight = norm.weight
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return None
+    if weight.dtype != x.dtype or weight.device != x.device or weight.shape != (x.shape[1],):
+        return None
+    if not weight.is_contiguous():
+        return None
+    if residual is not None and (
+        residual.shape != x.shape
+        or residual.dtype != x.dtype
+        or residual.device != x.device
+        or residual.stride(1) != 1
+    ):
+        return None
+    return skinny.skinny_norm_linear(x, residual, weight, norm.eps, layer.weight, layer.bias, swiglu=swiglu)

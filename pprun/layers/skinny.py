@@ -13,10 +13,14 @@ tiles (and split K when it is long) so that every SM streams: 8-14% faster on ea
 - split-K partial sums are merged **inside the same launch**, in a fixed order, by the last
   program of each column block to finish (a per-block arrival counter that the merging
   program resets): deterministic, no second launch, no atomics on the data;
+- optional RMSNorm prologue at one row (:func:`skinny_norm_linear`): the residual add and
+  RMSNorm that precede qkv and gate_up run inside the matmul launch, so the standalone
+  ``fused.fused_add_rms_norm`` launch disappears;
 - capture-safe (grids from shapes, scratch from ``torch.empty``, counters persistent).
 
 Rounding follows the torch path: fp32 accumulation, one rounding of the (biased) sum to the
-activation dtype; the SwiGLU epilogue rounds gate and up first, then as ``fused.silu_and_mul``.
+activation dtype; the SwiGLU epilogue rounds gate and up first, then as ``fused.silu_and_mul``;
+the norm prologue rounds as ``fused._add_rms_norm_kernel`` does, step by step.
 """
 
 from __future__ import annotations
@@ -73,6 +77,52 @@ def _epilogue(acc, acc_up, bias_ptr, offs_n, n_mask, N_OUT, dtype, HAS_BIAS: tl.
 
 
 @triton.jit
+def _mul_rn(a, b, EXACT: tl.constexpr):
+    """``a * b`` in fp32 that the compiler may not contract into an FMA with a following add:
+    ``fused`` compiles without contraction, this kernel keeps it for the matmul.  PTX's
+    ``mul.rn`` is never contracted (libdevice's ``mul_rn`` would also flush denormals)."""
+    if EXACT:
+        p = tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:  # the interpreter (no inline PTX) never contracts
+        p = a * b
+    return p
+
+
+@triton.jit
+def _norm_row_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_hidden, eps, write_residual,
+                   HAS_RESIDUAL: tl.constexpr, BLOCK_ROW: tl.constexpr, EXACT_MUL: tl.constexpr):
+    """``rsqrt(mean(h * h) + eps)`` for ``h = x (+ residual)`` of the one row, with the rounding
+    steps of ``fused._add_rms_norm_kernel``; stores the rounded sum to ``res_out`` where
+    ``write_residual`` (one program of the grid)."""
+    offs = tl.arange(0, BLOCK_ROW)
+    mask = offs < K
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + offs, x, mask=mask & write_residual)
+    h = x.to(tl.float32)
+    var = _mul_rn(tl.sum(_mul_rn(h, h, EXACT_MUL), axis=0), inv_hidden, EXACT_MUL)
+    return tl.math.rsqrt(var + eps)
+
+
+@triton.jit
+def _norm_tile(x_ptrs, res_ptrs, norm_w_ptrs, mask, rstd, HAS_RESIDUAL: tl.constexpr):
+    """One K tile of ``norm_weight * norm(x + residual)``: the sum and the normalisation are
+    recomputed from the inputs (cheaper than a pass through memory), with the row's ``rstd``
+    from :func:`_norm_row_rstd`, rounded as ``fused._add_rms_norm_kernel`` rounds them."""
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptrs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    normed = (x.to(tl.float32) * rstd).to(x.dtype)
+    w = tl.load(norm_w_ptrs, mask=mask, other=0.0)
+    return (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
 def _skinny_kernel(
     x_ptr,
     w_ptr,
@@ -80,6 +130,9 @@ def _skinny_kernel(
     out_ptr,
     part_ptr,
     counter_ptr,
+    res_ptr,
+    norm_w_ptr,
+    res_out_ptr,
     M,
     K,
     N_OUT,
@@ -87,6 +140,8 @@ def _skinny_kernel(
     stride_wn,
     stride_om,
     K_PER,
+    inv_hidden,
+    eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -97,7 +152,15 @@ def _skinny_kernel(
     DOT_F32: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
     USE_PDL: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_ROW: tl.constexpr,
+    EXACT_MUL: tl.constexpr,
 ):
+    """``x @ w.T`` (see the module docstring).  With ``NORM`` (one row, ``BLOCK_M == 1``) the
+    matmul's input is ``norm_w * norm(x + residual)`` instead of ``x``: every program reads the
+    whole row once for its ``rstd`` (``BLOCK_ROW >= K``), then normalises each K tile as it
+    loads it; program (0, 0) alone writes the residual sum to ``res_out``."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -112,12 +175,19 @@ def _skinny_kernel(
     # x comes from the kernel before (PDL: wait for it). Loading the first weight tile before
     # the wait measured slower (docs/performance.md), so nothing is hoisted above it.
     pdl_sync(USE_PDL)
+    if NORM:
+        rstd = _norm_row_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_hidden, eps, (pid_n == 0) & (pid_k == 0),
+                              HAS_RESIDUAL, BLOCK_ROW, EXACT_MUL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
-        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if NORM:
+            x = _norm_tile(x_ptr + offs_k[None, :], res_ptr + offs_k[None, :], norm_w_ptr + offs_k[None, :],
+                           k_mask[None, :], rstd, HAS_RESIDUAL)
+        else:
+            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         wk_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + offs_k[None, :], mask=wk_mask, other=0.0)
         acc += _tile_product(x, w, USE_DOT, DOT_F32)
@@ -208,6 +278,94 @@ def arrival_counters(device: torch.device, numel: int) -> torch.Tensor:
     return held[-1]
 
 
+def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool) -> None:
+    """The checks every matmul here makes on its input row(s), weight and bias."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x must be [M, K] and weight [N, K], got x={tuple(x.shape)} weight={tuple(weight.shape)}")
+    m = x.shape[0]
+    n = weight.shape[0]
+    if m > MAX_M:
+        raise ValueError(f"x has {m} rows; skinny_linear serves at most MAX_M={MAX_M}")
+    if x.stride(1) != 1:
+        raise ValueError(f"x must be contiguous in its last dim, got strides {x.stride()}")
+    if not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous, got strides {weight.stride()}")
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(
+            f"weight and bias must have x's dtype {x.dtype}, got weight {weight.dtype}"
+            + (f", bias {bias.dtype}" if bias is not None else "")
+        )
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous ({n},) tensor, got shape {tuple(bias.shape)}, strides {bias.stride()}")
+    if swiglu and n % 2:
+        raise ValueError(f"swiglu needs an even number of weight rows (gate | up), got {n}")
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    swiglu: bool,
+    config: SkinnyConfig | None,
+    norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None = None,
+) -> None:
+    """One launch of :func:`_skinny_kernel` writing ``out``; ``norm`` is ``(residual,
+    norm_weight, residual_out, eps)`` for the norm prologue (one row), None for a plain matmul."""
+    m, k = x.shape
+    n_out = out.shape[1]
+    cfg = config or default_config(m, n_out, k, swiglu, x.device)
+    block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
+    col_blocks = triton.cdiv(n_out, cfg.block_n)
+    k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per)
+    if split > 1:
+        counters = arrival_counters(x.device, col_blocks)
+        part = torch.empty(split * m * n_out * (2 if swiglu else 1), dtype=torch.float32, device=x.device)
+    else:
+        part = counters = out  # unused when SPLIT_K == 1
+    if norm is not None:
+        residual, norm_weight, residual_out, eps = norm
+        res_in = residual if residual is not None else x  # unread without a residual
+        norm_args = (res_in, norm_weight, residual_out)
+        inv_hidden, block_row = 1.0 / k, triton.next_power_of_2(k)
+    else:
+        norm_args, eps, inv_hidden, block_row = (x, x, x), 0.0, 0.0, 1  # unread without NORM
+    _skinny_kernel[(col_blocks, split)](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        part,
+        counters,
+        *norm_args,
+        m,
+        k,
+        n_out,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        k_per,
+        inv_hidden,
+        eps,
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        SPLIT_K=split,
+        HAS_BIAS=bias is not None,
+        SWIGLU=swiglu,
+        USE_DOT=block_m > 1,
+        DOT_F32=x.dtype == torch.float32 or _INTERPRETED,
+        PRECISE_EXP=not _INTERPRETED,
+        NORM=norm is not None,
+        HAS_RESIDUAL=norm is not None and norm[0] is not None,
+        BLOCK_ROW=block_row,
+        EXACT_MUL=not _INTERPRETED,
+        num_warps=cfg.num_warps,
+        **pdl_options(x.device),
+    )
+
+
 def skinny_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -227,63 +385,63 @@ def skinny_linear(
 
     Returns a new ``[M, N]`` (``[M, N // 2]`` with ``swiglu``) tensor in ``x``'s dtype.
     """
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"x must be [M, K] and weight [N, K], got x={tuple(x.shape)} weight={tuple(weight.shape)}")
-    m, k = x.shape
-    n = weight.shape[0]
-    if m > MAX_M:
-        raise ValueError(f"x has {m} rows; skinny_linear serves at most MAX_M={MAX_M}")
-    if x.stride(1) != 1:
-        raise ValueError(f"x must be contiguous in its last dim, got strides {x.stride()}")
-    if not weight.is_contiguous():
-        raise ValueError(f"weight must be contiguous, got strides {weight.stride()}")
-    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise ValueError(
-            f"weight and bias must have x's dtype {x.dtype}, got weight {weight.dtype}"
-            + (f", bias {bias.dtype}" if bias is not None else "")
-        )
-    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
-        raise ValueError(f"bias must be a contiguous ({n},) tensor, got shape {tuple(bias.shape)}, strides {bias.stride()}")
-    if swiglu and n % 2:
-        raise ValueError(f"swiglu needs an even number of weight rows (gate | up), got {n}")
-    n_out = n // 2 if swiglu else n
-    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
-    cfg = config or default_config(m, n_out, k, swiglu, x.device)
-    block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
-    col_blocks = triton.cdiv(n_out, cfg.block_n)
-    k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, k_per)
-    if split > 1:
-        counters = arrival_counters(x.device, col_blocks)
-        part = torch.empty(split * m * n_out * (2 if swiglu else 1), dtype=torch.float32, device=x.device)
-    else:
-        part = counters = out  # unused when SPLIT_K == 1
-    _skinny_kernel[(col_blocks, split)](
-        x,
-        weight,
-        bias if bias is not None else weight,
-        out,
-        part,
-        counters,
-        m,
-        k,
-        n_out,
-        x.stride(0),
-        weight.stride(0),
-        out.stride(0),
-        k_per,
-        BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        SPLIT_K=split,
-        HAS_BIAS=bias is not None,
-        SWIGLU=swiglu,
-        USE_DOT=block_m > 1,
-        DOT_F32=x.dtype == torch.float32 or _INTERPRETED,
-        PRECISE_EXP=not _INTERPRETED,
-        num_warps=cfg.num_warps,
-        **pdl_options(x.device),
-    )
+    _check_linear(x, weight, bias, swiglu)
+    m, n = x.shape[0], weight.shape[0]
+    out = torch.empty((m, n // 2 if swiglu else n), dtype=x.dtype, device=x.device)
+    if m > 0:
+        _launch(x, weight, bias, out, swiglu, config)
     return out
+
+
+def skinny_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    swiglu: bool = False,
+    config: SkinnyConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused.fused_add_rms_norm`` followed by :func:`skinny_linear`, in one launch, for one row.
+
+    The norm is the matmul's prologue: no launch writes or reads the normed row.  What
+    ``fused_add_rms_norm`` would return as its first output, rounded the same way, is the
+    matmul's input; its second output (the residual sum) is returned as it would return it.
+
+    Args:
+        x: ``[1, K]``, contiguous in its last dim (the hidden row before the norm).
+        residual: ``[1, K]`` of ``x``'s dtype, contiguous in its last dim, or None (then ``x``
+            itself is the residual, as in ``fused_add_rms_norm``).
+        norm_weight: ``[K]`` contiguous, of ``x``'s dtype (so that the normed row has it too).
+        eps: added to the mean square.
+        weight, bias, swiglu, config: as for :func:`skinny_linear`.
+
+    Returns ``(out, new_residual)``: ``out`` as :func:`skinny_linear` returns it for the normed
+    row, ``new_residual`` a new ``[1, K]`` tensor (``x`` itself when ``residual`` is None).
+    """
+    if x.dim() == 2 and x.shape[0] != 1:
+        raise ValueError(f"x has {x.shape[0]} rows; skinny_norm_linear serves exactly one (M == 1)")
+    _check_linear(x, weight, bias, swiglu)
+    k = x.shape[1]
+    if norm_weight.shape != (k,) or not norm_weight.is_contiguous():
+        raise ValueError(
+            f"norm_weight must be a contiguous ({k},) tensor, got shape {tuple(norm_weight.shape)}, "
+            f"strides {norm_weight.stride()}"
+        )
+    if norm_weight.dtype != x.dtype:
+        raise ValueError(f"norm_weight must have x's dtype {x.dtype}, got {norm_weight.dtype}")
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1:
+            raise ValueError(
+                f"residual must be a {tuple(x.shape)} tensor of x's dtype {x.dtype}, contiguous in its "
+                f"last dim, got shape {tuple(residual.shape)} of {residual.dtype}, strides {residual.stride()}"
+            )
+        new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    else:
+        new_residual = x
+    n = weight.shape[0]
+    out = torch.empty((1, n // 2 if swiglu else n), dtype=x.dtype, device=x.device)
+    _launch(x, weight, bias, out, swiglu, config, norm=(residual, norm_weight, new_residual, eps))
+    return out, new_residual

@@ -23,7 +23,7 @@ from torch import nn
 from pprun.attention.metadata import AttentionMetadata
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
-from pprun.layers import fused_decode_enabled, fused_ops_for, linear, linear_swiglu
+from pprun.layers import fused_decode_enabled, fused_ops_for, linear, linear_swiglu, norm_linear
 from pprun.models.hf_config import ModelArchConfig
 
 
@@ -135,8 +135,15 @@ class Attention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Attend ``x [T, hidden]`` over the request contexts described by ``meta``."""
-        num_tokens = x.shape[0]
-        q, k, v = linear(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.attend(positions, linear(self.qkv_proj, x), meta)
+
+    def attend(
+        self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The rest of :meth:`forward` from ``qkv = qkv_proj(x)`` on (``DecoderLayer`` projects
+        with the input norm folded in)."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -163,13 +170,18 @@ class MLP(nn.Module):
         """``down(silu(gate(x)) * up(x))``."""
         act = linear_swiglu(self.gate_up_proj, x)
         if act is not None:
-            return linear(self.down_proj, act)
+            return self.down(act)
         gate_up = self.gate_up_proj(x)
         fused = fused_ops_for(gate_up)
         if fused is not None:
             return self.down_proj(fused.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def down(self, act: torch.Tensor) -> torch.Tensor:
+        """``down_proj`` of the activation ``silu(gate) * up`` (the path after a fused
+        gate_up + SwiGLU)."""
+        return linear(self.down_proj, act)
 
 
 class DecoderLayer(nn.Module):
@@ -189,9 +201,22 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return the block's output and the updated residual (not yet added together)."""
-        h, residual = self.input_layernorm(hidden_states, residual)
-        h = self.self_attn(positions, h, meta)
+        """Return the block's output and the updated residual (not yet added together).
+
+        A one-row CUDA batch folds each norm into the matmul after it (``norm_linear``: qkv,
+        then gate_up with its SwiGLU); otherwise each norm runs on its own.
+        """
+        folded = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden_states, residual)
+        if folded is not None:
+            qkv, residual = folded
+            h = self.self_attn.attend(positions, qkv, meta)
+        else:
+            h, residual = self.input_layernorm(hidden_states, residual)
+            h = self.self_attn(positions, h, meta)
+        folded = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual, swiglu=True)
+        if folded is not None:
+            act, residual = folded
+            return self.mlp.down(act), residual
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 

@@ -40,6 +40,11 @@ from pprun.worker.v2.request_state import RequestTable
 
 logger = logging.getLogger(__name__)
 
+GRAPH_LOGITS_ENABLED: bool = os.environ.get("PPRUN_DISABLE_GRAPH_LOGITS", "") in ("", "0")
+"""Whether the last stage's full decode graphs end with the LM head and a greedy argmax (an
+all-greedy decode step then launches nothing but the graph and the ids' copy to the host).
+``PPRUN_DISABLE_GRAPH_LOGITS=1`` computes the logits after the replay (the A/B switch)."""
+
 GRAPH_HOP_ENABLED: bool = os.environ.get("PPRUN_DISABLE_GRAPH_HOP", "") in ("", "0")
 """Whether full decode graphs of a pipeline carry the hop to the next stage (the send at the end
 of a stage's graph, the receive at the start of the next one's): a decode hop then costs no host
@@ -154,6 +159,11 @@ class V2ModelRunner:
             self.graph_intermediate = model.make_empty_intermediate_tensors(
                 self.max_num_tokens, self.dtype, device
             )
+        self.graph_logits: torch.Tensor | None = None
+        """Last stage with full graphs: ``[largest graph, vocab]`` logits written by every decode
+        graph (the LM head runs inside it), one buffer shared by all sizes."""
+        self.graph_greedy: torch.Tensor | None = None
+        """Beside it, each row's argmax: an all-greedy decode step samples nothing outside the graph."""
         self.graphs = CudaGraphManager(
             cfg.compilation.cudagraph_mode if device.type == "cuda" else "none",
             capture_sizes,
@@ -231,7 +241,21 @@ class V2ModelRunner:
         out = self._forward(meta, num_tokens_padded, received, inputs_embeds, extra)
         if hop and not self.layout.is_last:
             self.transport.send_in_graph(out)
+        if self.layout.is_last and self.graphs.mode == "full" and GRAPH_LOGITS_ENABLED:
+            self._logits_in_graph(out, num_tokens_padded)
         return out
+
+    def _logits_in_graph(self, hidden: torch.Tensor, size: int) -> None:
+        """The LM head and greedy argmax of a full decode graph, into buffers shared by every
+        size (allocated by the first, eager, warm-up of the largest size)."""
+        logits = self.model.compute_logits(hidden)
+        if self.graph_logits is None:
+            self.graph_logits = torch.empty(
+                (self.graphs.max_size, logits.shape[-1]), dtype=logits.dtype, device=self.device
+            )
+            self.graph_greedy = torch.empty(self.graphs.max_size, dtype=torch.int64, device=self.device)
+        self.graph_logits[:size].copy_(logits)
+        torch.argmax(logits, dim=-1, out=self.graph_greedy[:size])
 
     def _graph_intermediate(self, num_tokens_padded: int) -> IntermediateTensors | None:
         if self.graph_intermediate is None:
@@ -320,7 +344,7 @@ class V2ModelRunner:
         out = self._run_model(plan, batch, meta, intermediate_tensors, hop_in_graph)
         if not self.layout.is_last:
             return None if hop_in_graph else out[:num_tokens]
-        return self.sample(so, batch, out)
+        return self.sample(so, batch, out, plan.mode == "full")
 
     def _run_model(
         self,
@@ -357,25 +381,40 @@ class V2ModelRunner:
         rows = batch.rows[batch.sample_batch_idx]
         return self.table.sampling_tensors(rows, self.bufs.sample_rows.device[: batch.num_sampled])
 
-    def sample(self, so: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor) -> PendingOutput:
+    def sample(
+        self, so: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor, full_graph: bool = False
+    ) -> PendingOutput:
         """Sample for each request whose scheduled tokens reach the end of what it knows.
 
         Returns at once: the sampled ids are copied to pinned host memory behind an event, and
-        the output is built when :meth:`PendingOutput.result` is called.
+        the output is built when :meth:`PendingOutput.result` is called.  After a full decode
+        graph (``full_graph``) the logits are already computed, and an all-greedy step without
+        logprobs takes the graph's argmax as it is.
         """
         num_sampled = batch.num_sampled
         if not num_sampled:
             self.prev_sample_index = {}
             empty = ModelRunnerOutput(so.step_id, batch.req_ids, [[] for _ in batch.req_ids], [None] * batch.num_reqs)
             return PendingOutput.of(empty)  # nothing to wait for: the stage answers at once
-        if num_sampled == batch.num_tokens:
-            # Every token samples (a decode step): the rows are 0..n-1, a view, no gather.
-            sampled_hidden = hidden[:num_sampled]
-        else:
-            sampled_hidden = hidden[self.bufs.logits_indices.device[:num_sampled]]
-        logits = self.model.compute_logits(sampled_hidden)
         tensors = self.sampling_tensors(batch)
-        res = self.sampler(logits, tensors)
+        if full_graph and self.graph_logits is not None:
+            # The graph computed every row's logits and argmax.
+            if num_sampled == batch.num_tokens:  # every token samples: rows 0..n-1, views
+                logits, greedy = self.graph_logits[:num_sampled], self.graph_greedy[:num_sampled]
+            else:  # one-token prefill chunks that do not reach their prompt's end sample nothing
+                rows = self.bufs.logits_indices.device[:num_sampled]
+                logits, greedy = self.graph_logits[rows], self.graph_greedy[rows]
+            if tensors.all_greedy and tensors.max_num_logprobs is None:
+                res = SamplerOutput(greedy)
+            else:
+                res = self.sampler(logits, tensors)
+        else:
+            if num_sampled == batch.num_tokens:
+                # Every token samples (a decode step): the rows are 0..n-1, a view, no gather.
+                sampled_hidden = hidden[:num_sampled]
+            else:
+                sampled_hidden = hidden[self.bufs.logits_indices.device[:num_sampled]]
+            res = self.sampler(self.model.compute_logits(sampled_hidden), tensors)
         self.prev_sampled = res.sampled_token_ids
         sample_idx_list = batch.sample_batch_idx.tolist()
         self.prev_sample_index = {batch.req_ids[i]: j for j, i in enumerate(sample_idx_list)}
