@@ -619,3 +619,34 @@ def test_engine_full_graphs_match_v1_gpu(model_dir):
     v1, _ = run_engine(model_dir, "v1", requests, stagger=True, **kw)
     v2, _ = run_engine(model_dir, "v2", requests, stagger=True, cudagraph_mode="full", **kw)
     assert v2 == v1
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_logits_in_full_graphs_match_eager_sampling_gpu(model_dir):
+    """The last stage's full decode graphs compute the logits and a greedy argmax themselves:
+    seeded random sampling (top-k, top-p, min-p), greedy rows and logprobs read those logits and
+    give what eager steps give; an all-greedy batch takes the graph's argmax."""
+    prompts = prompts_of([5, 9, 13, 7])
+    params = [
+        SamplingParams(temperature=0.8, top_k=20, seed=1, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05, seed=2, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0.0, logprobs=3, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=3, logprobs=2, max_tokens=10, ignore_eos=True),
+    ]
+    # Four requests decoding together: every decode step is the captured size 4, so the eager
+    # LM head sees the same row count as the graph's.
+    kw = dict(executor="uni", device="cuda", max_num_seqs=4, max_model_len=128, cudagraph_capture_sizes=[4])
+    mixed = [(f"m{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    eager, _ = run_engine(model_dir, "v2", mixed, stagger=False, cudagraph_mode="none", **kw)
+    graphed, _ = run_engine(model_dir, "v2", mixed, stagger=False, cudagraph_mode="full", **kw)
+    for rid, (tokens, logprobs, _) in eager.items():
+        assert graphed[rid][0] == tokens, rid
+        if logprobs is not None:
+            for a, b in zip(graphed[rid][1], logprobs):
+                assert a.top_token_ids == b.top_token_ids
+                assert a.sampled_logprob == pytest.approx(b.sampled_logprob, abs=1e-5)
+    greedy = [(f"g{i}", p, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)) for i, p in enumerate(prompts)]
+    want, _ = run_engine(model_dir, "v2", greedy, stagger=False, cudagraph_mode="none", **kw)
+    got, _ = run_engine(model_dir, "v2", greedy, stagger=False, cudagraph_mode="full", **kw)
+    assert got == want
