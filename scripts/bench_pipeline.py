@@ -79,7 +79,7 @@ def bench_throughput(
     model: str = DEMO_MODEL,
     microbatches: tuple[int, ...] = (3,),
     pp2_executors: tuple[str, ...] = ("mp", "ray"),
-    ab_graph_hop: bool = False,
+    ab_env: tuple[tuple[str, str], ...] = (),
 ) -> list[dict[str, Any]]:
     """``pprun bench`` at pp=1 (uni) and pp=2 (mp, ray), one subprocess each.
 
@@ -89,8 +89,9 @@ def bench_throughput(
     with the first executor), so it holds ``m`` times as many requests — pp=1 at the largest
     number of requests runs too (equal concurrency).  Each run reports ``pprun bench``'s steady
     decode rate (``decode_tokens_per_s``: the steps after the last prefill while the batch is
-    full) beside its whole-run rate.  ``ab_graph_hop`` adds the first pp=2 run again with the
-    hops outside the decode graphs (``PPRUN_DISABLE_GRAPH_HOP=1``).  The last entry has the ratios.
+    full) beside its whole-run rate.  Each ``(name, value)`` of ``ab_env`` adds the first pp=2 run
+    again with that environment variable set (an A/B switch such as ``PPRUN_DISABLE_GRAPH_HOP=1``).
+    The last entry has the ratios.
     """
     results = []
     if device == "cpu":
@@ -105,9 +106,8 @@ def bench_throughput(
         for i, m in enumerate(microbatches):
             for ex in pp2_executors if i == 0 else pp2_executors[:1]:
                 runs.append((f"pp2_{ex}", {}, num_prompts * m, [f"parallel.microbatches={m}"]))
-            if i == 0 and ab_graph_hop:
-                hop_off = {"PPRUN_DISABLE_GRAPH_HOP": "1"}
-                runs.append((f"pp2_{pp2_executors[0]}", hop_off, num_prompts * m, [f"parallel.microbatches={m}"]))
+            for name, value in ab_env if i == 0 else ():
+                runs.append((f"pp2_{pp2_executors[0]}", {name: value}, num_prompts * m, [f"parallel.microbatches={m}"]))
         runs.append(("single", {}, num_prompts * max(microbatches), []))
         extra = ["model.dtype=bfloat16"]
     for parallel, env_extra, n, more in runs:
@@ -562,6 +562,13 @@ def _control_run(model_dir: Path, executor: str, pp: int, num_steps: int, device
 # --- main ---------------------------------------------------------------------------------------
 
 
+def _env_pair(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise ValueError(f"--ab-env {text!r} is invalid: expected NAME=VALUE")
+    return name, value
+
+
 def main() -> None:
     """Run the selected parts and print one JSON object."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -580,8 +587,9 @@ def main() -> None:
     ap.add_argument("--microbatches", default="3",
                     help="cuda: comma-separated counts of --num-prompts-request batches pp=2 keeps in flight")
     ap.add_argument("--pp2-executors", default="mp,ray", help="cuda: executors of the pp=2 runs")
-    ap.add_argument("--ab-graph-hop", action="store_true",
-                    help="cuda: run the first pp=2 case again with the hops outside the decode graphs")
+    ap.add_argument("--ab-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="cuda: run the first pp=2 case again with this environment variable set "
+                         "(e.g. PPRUN_DISABLE_GRAPH_HOP=1); repeatable")
     ap.add_argument("--hidden", type=int, help=f"hop row width (default {HIDDEN_SIZE}; 2048 on cuda)")
     ap.add_argument("--hop-rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--init-method", help=argparse.SUPPRESS)
@@ -618,7 +626,7 @@ def main() -> None:
             "runs": bench_throughput(
                 args.num_prompts, args.input_len, args.output_len, args.device, args.model,
                 tuple(int(m) for m in args.microbatches.split(",")), tuple(args.pp2_executors.split(",")),
-                args.ab_graph_hop,
+                tuple(_env_pair(e) for e in args.ab_env),
             ),
         }
     if "memory" in parts:

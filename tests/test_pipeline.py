@@ -115,8 +115,8 @@ def test_step_trace_written_by_every_stage_and_the_engine(tiny_llama_dir, tmp_pa
 
 def test_last_stage_launches_a_decode_step_before_answering_the_previous_one():
     """serve_steps: a pending output (GPU) is answered after the next step is launched when that
-    launch is quick (a graph replay), before a slow launch, at once when nothing waits; answers
-    keep step order."""
+    launch is quick (a graph replay) and the device is still busy with it, before a slow launch or
+    when the device is done, at once when nothing waits; answers keep step order."""
     import pickle
 
     from pprun.core.outputs import CachedRequestData, ModelRunnerOutput, SchedulerOutput
@@ -130,6 +130,9 @@ def test_last_stage_launches_a_decode_step_before_answering_the_previous_one():
     class Pending:
         def __init__(self, i):
             self.i, self.ready = i, False
+
+        def done(self):
+            return self.i == 4  # the device finished step 4 before step 5's message was read
 
         def result(self):
             return ModelRunnerOutput(self.i, ["r"], [[self.i]])
@@ -161,15 +164,17 @@ def test_last_stage_launches_a_decode_step_before_answering_the_previous_one():
         def send(self, obj):
             log.append(f"result {obj[1]}")
 
-    # 0, 1: decodes arriving together; 2: a prefill chunk; 3: a complete output; then a call.
+    # 0, 1: decodes arriving together; 2: a prefill chunk; 3: a complete output; 4, 5: decodes,
+    # 4 finished on the device by the time 5 arrives; then a call.
     msgs = [("step", step(0, 1)), ("step", step(1, 1)), ("step", step(2, 5)), ("step", step(3, 1)),
-            ("call", "ping", {}), ("shutdown",)]  # fmt: skip
+            ("step", step(4, 1)), ("step", step(5, 1)), ("call", "ping", {}), ("shutdown",)]  # fmt: skip
     serve_steps(FakeConn(msgs), FakeWorker())
     assert log == [
         "launch 0", "launch 1", "answer 0",  # decode 1 launched before 0's ids are awaited
         "answer 1", "launch 2",  # a prefill's launch is slow: answer first
         "launch 3", "answer 2", "answer 3",  # 3 is a decode again; complete, so answered at once
-        "result pong",
+        "launch 4", "answer 4", "launch 5",  # 4 is done on the device: its answer goes first
+        "answer 5", "result pong",
     ]  # fmt: skip
 
 

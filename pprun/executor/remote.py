@@ -42,6 +42,15 @@ def set_nodelay(conn: Connection) -> None:
         pass  # not a TCP socket (nothing to do)
 
 
+EARLY_ANSWER: bool = os.environ.get("PPRUN_DISABLE_EARLY_ANSWER", "") in ("", "0")
+"""Whether the last stage answers a step the device has finished before launching the next one
+(``PPRUN_DISABLE_EARLY_ANSWER=1``: always launch first, the A/B switch of ``serve_steps``)."""
+
+
+def _finished(out) -> bool:
+    return EARLY_ANSWER and getattr(out, "done", lambda: True)()
+
+
 def serve_steps(conn: Connection, worker) -> None:
     """A stage's loop over the driver's messages until ``shutdown``: steps, and calls between
     steps (``Worker`` methods, answered with their result).  Only the last stage answers steps."""
@@ -54,8 +63,9 @@ def serve_steps(conn: Connection, worker) -> None:
     # The last stage's newest step, launched on the GPU but not answered: when the next
     # step's message is already here and launching it is quick (a full-graph replay), it is
     # launched before this one's sampled ids are awaited, so the device does not idle while
-    # the host prepares it.  Outputs keep step order; one that is already
-    # complete (CPU, V1, logprobs read back) is sent at once.
+    # the host prepares it — unless the device has already finished it: then the answer goes
+    # first, since the engine's next step for those requests waits on it.  Outputs keep step
+    # order; one that is already complete (CPU, V1, logprobs read back) is sent at once.
     pending = None
     while True:
         if pending is not None and not conn.poll():
@@ -64,8 +74,9 @@ def serve_steps(conn: Connection, worker) -> None:
         kind, *args = conn.recv()
         if kind == "step":
             so = args[0]
-            if pending is not None and not worker.launches_quickly(so):
-                send_output(pending)  # an eager step's host work takes milliseconds
+            # An eager step's host work takes milliseconds; a finished one costs no wait.
+            if pending is not None and (_finished(pending) or not worker.launches_quickly(so)):
+                send_output(pending)
                 pending = None
             out = worker.execute_model(so, wait=False)
             if pending is not None:

@@ -69,9 +69,11 @@ def _same_storage(a: IntermediateTensors, b: IntermediateTensors) -> bool:
 class PendingOutput:
     """A step's output whose device-to-host copy may still be running; ``result()`` waits."""
 
-    def __init__(self, build: Callable[[], ModelRunnerOutput]) -> None:
+    def __init__(self, build: Callable[[], ModelRunnerOutput], event: torch.cuda.Event | None = None) -> None:
         self._build: Callable[[], ModelRunnerOutput] | None = build
         self._value: ModelRunnerOutput | None = None
+        self._event = event
+        """Recorded after the step's last device work (its copies to the host), if any."""
 
     @classmethod
     def of(cls, value: ModelRunnerOutput) -> PendingOutput:
@@ -84,6 +86,10 @@ class PendingOutput:
     def ready(self) -> bool:
         """True once the output is built (``result()`` returns at once)."""
         return self._build is None
+
+    def done(self) -> bool:
+        """True when ``result()`` would not wait for the device (built, or its event reached)."""
+        return self._build is None or self._event is None or self._event.query()
 
     def result(self) -> ModelRunnerOutput:
         """The ModelRunnerOutput (built once)."""
@@ -452,7 +458,7 @@ class V2ModelRunner:
                 step_id=so.step_id, req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs
             )
 
-        return PendingOutput(build)
+        return PendingOutput(build, done)
 
     def _copy_to_host(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Start the sampled ids' copy to pinned host memory; returns the host view and the event
