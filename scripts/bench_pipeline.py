@@ -595,6 +595,8 @@ def main() -> None:
     ap.add_argument("--init-method", help=argparse.SUPPRESS)
     ap.add_argument("--iters", type=int, default=500, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.ab_env and args.device != "cuda":
+        raise SystemExit("--ab-env applies to --device cuda runs only")
     hidden = args.hidden or (2048 if args.device == "cuda" else HIDDEN_SIZE)
     if args.hop_rank is not None:
         hop_rank_main(args.hop_rank, args.init_method, args.iters, args.device, hidden)

@@ -151,6 +151,8 @@ def main() -> None:
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED)")
     args = ap.parse_args()
+    if args.ab_only and not args.ab:
+        raise SystemExit("--ab-only needs --ab")
     res = {"device": torch.cuda.get_device_name(), "matmul_tflops": round(matmul_tflops(), 1)}
     res["decode_b1"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps)
     res["decode_b32"] = decode(args.model, 32, 512, 100)
@@ -164,6 +166,9 @@ def main() -> None:
                     (pprun.worker.v2.runner, "GRAPH_LOGITS_ENABLED")]
         if args.ab_only:
             only = set(args.ab_only.split(","))
+            unknown = only - {f for _, f in switches}
+            if unknown:
+                raise SystemExit(f"--ab-only {sorted(unknown)} unknown; choose from {[f for _, f in switches]}")
             switches = [(m, f) for m, f in switches if f in only]
         defaults = {flag: getattr(module, flag) for module, flag in switches}
         for module, flag in switches:

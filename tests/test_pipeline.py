@@ -364,3 +364,61 @@ def test_two_gpu_stages_full_graphs_match_one_gpu(tiny_llama_dir, monkeypatch, g
         assert [f["cudagraph_mode"] for f in facts] == ["full", "full"]
         assert [f["hop_in_graph"] for f in facts] == [graph_hop, graph_hop]
         assert tokens(llm.generate(prompts, GREEDY)) == want
+
+
+def _graph_hop_rank(rank: int, init_method: str, results) -> None:
+    """One side of test_graph_hop_protocol_over_gloo (a spawned process)."""
+    from pprun.distributed.intermediate import IntermediateTensors
+    from pprun.distributed.layout import StageLayout
+    from pprun.distributed.transport import PipelineTransport
+
+    def its(n: int, keys=("hidden_states", "residual")) -> IntermediateTensors:
+        return IntermediateTensors({k: torch.full((n, 4), float(i + 1)) for i, k in enumerate(keys)})
+
+    t = PipelineTransport.init(StageLayout.from_partition([1, 1], rank), torch.device("cpu"), init_method, 60.0)
+    try:
+        out = {"same": t.agree(("full", (1, 2), True)), "differ": t.agree(("full", (1, 2), rank == 0))}
+        if rank == 0:
+            t.warm_up(its(3), None)
+            # The order the receiver lands messages in is the announced one: a swapped order is
+            # refused at capture time instead of landing hidden_states in residual.
+            swapped = its(2, keys=("residual", "hidden_states"))
+            try:
+                t.send_in_graph(swapped)
+            except ValueError as e:
+                out["swapped_refused"] = "does not match what was announced" in str(e)
+            t.send_in_graph(its(2))
+        else:
+            buffers = IntermediateTensors({k: torch.zeros(8, 4) for k in ("hidden_states", "residual")})
+            t.warm_up(None, buffers)
+            buffers["hidden_states"].zero_()
+            buffers["residual"].zero_()
+            t.recv_in_graph(buffers[:2])
+            out["landed"] = [buffers["hidden_states"][:2].eq(1).all().item(), buffers["residual"][:2].eq(2).all().item()]
+            out["rest_untouched"] = buffers["hidden_states"][2:].eq(0).all().item()
+        results.put((rank, out))
+    finally:
+        t.close()
+
+
+def test_graph_hop_protocol_over_gloo():
+    """The calls that put a hop inside CUDA graphs, run eagerly over gloo between two processes:
+    ``agree`` is True only when every stage passed the same value, ``warm_up`` announces and
+    checks the metadata with one real hop, and ``send_in_graph`` / ``recv_in_graph`` move each
+    tensor into the buffer of its key (a send in another order is refused)."""
+    import multiprocessing
+
+    from pprun.executor.mp import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=_graph_hop_rank, args=(r, init_method, results)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert got[0] == {"same": True, "differ": False, "swapped_refused": True}
+    assert got[1] == {"same": True, "differ": False, "landed": [True, True], "rest_untouched": True}

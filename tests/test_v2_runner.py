@@ -472,6 +472,45 @@ def test_engine_seeded_sampling_and_logprobs_parity(model_dir):
     assert any(v1[r][1] for r in v1), "no request returned logprobs"
 
 
+def test_sampling_from_graph_logits_matches_sampling_from_hidden_cpu(model_dir, monkeypatch):
+    """``sample(..., full_graph=True)`` — the path after a full decode graph that computed the
+    logits and the greedy argmax itself — stood in for on CPU: every step's logits and argmax are
+    written where a graph would write them, then read by that path (views for decode steps, a
+    gather for prefill chunks).  Greedy (the argmax taken as the sample), seeded sampling and
+    logprobs give what sampling from the hidden states gives."""
+    from pprun.worker.v2.runner import V2ModelRunner
+
+    greedy = [(f"g{i}", p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+              for i, p in enumerate(prompts_of([4, 19, 8, 27]))]  # fmt: skip
+    mixed = [
+        (f"s{i}", p, SamplingParams(temperature=[0.0, 0.8][i % 2], top_k=20, seed=7 + i, max_tokens=8,
+                                    ignore_eos=True, logprobs=2 if i % 3 == 0 else None))  # fmt: skip
+        for i, p in enumerate(prompts_of([6, 13, 9, 21, 5]))
+    ]
+    kw = dict(executor="uni", max_num_batched_tokens=24, max_num_seqs=8, block_size=BLOCK, max_model_len=64)
+    want = {name: run_engine(model_dir, "v2", reqs, stagger=True, **kw)[0] for name, reqs in (("g", greedy), ("m", mixed))}
+
+    original = V2ModelRunner.sample
+    graph_steps = [0]
+
+    def as_after_a_graph(self, so, batch, hidden, full_graph=False):
+        logits = self.model.compute_logits(hidden[: batch.num_tokens])  # every row, as a graph does
+        self.graph_logits = logits.clone()
+        self.graph_greedy = logits.argmax(dim=-1)
+        graph_steps[0] += 1
+        return original(self, so, batch, hidden, True)
+
+    monkeypatch.setattr(V2ModelRunner, "sample", as_after_a_graph)
+    got = {name: run_engine(model_dir, "v2", reqs, stagger=True, **kw)[0] for name, reqs in (("g", greedy), ("m", mixed))}
+    assert graph_steps[0] > 0
+    assert got["g"] == want["g"]
+    for r, (tokens, logprobs, finish) in want["m"].items():
+        assert got["m"][r][0] == tokens and got["m"][r][2] == finish, r
+        for a, b in zip(got["m"][r][1] or [], logprobs or []):
+            assert a.top_token_ids == b.top_token_ids
+            assert a.sampled_logprob == pytest.approx(b.sampled_logprob, abs=1e-5)
+
+
 @pytest.mark.slow
 def test_engine_pp2_mp_parity(model_dir):
     prompts = prompts_of([5, 18, 9, 26, 3, 12, 31, 7])

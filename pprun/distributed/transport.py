@@ -9,8 +9,14 @@ shape and dtype) — both sides take the step's token count from
 the same ``SchedulerOutput``, and what a stage's model sends (keys, dtypes, row widths) does not
 change — and the sender checks each send against what it announced, so a change is an error on
 the sending side rather than a hang on the receiving one.  A metadata message per hop cost more
-than the tensors of a decode step (gloo on this CPU: ~130 us of a 265 us hop).  Every wait is
-bounded by the process groups' timeout.
+than the tensors of a decode step (gloo on this CPU: ~130 us of a 265 us hop).  Every eager
+wait is bounded by the process groups' timeout.
+
+Decode steps replayed from CUDA graphs may carry the hop inside the graphs
+(:meth:`PipelineTransport.send_in_graph` / :meth:`~PipelineTransport.recv_in_graph`, checked
+against the announced metadata when captured).  A replayed NCCL operation is not watched by the
+process group's timeout: if a neighbour dies mid-step the survivor's stream waits for good, and
+it is the driver that notices the dead stage and kills the others.
 """
 
 from __future__ import annotations
@@ -192,16 +198,35 @@ class PipelineTransport:
 
     def send_in_graph(self, tensors: IntermediateTensors) -> None:
         """Send inside a CUDA-graph capture: the graph replays the send (one message per tensor,
-        straight from the graph's outputs: no host work at replay, so no need to stack)."""
+        straight from the graph's outputs: no host work at replay, so no need to stack).
+
+        The tensors must match what :meth:`warm_up` announced, key by key in the announced
+        order (the receiver lands each message in the buffer of the key it expects there):
+        checked here, at capture, since a replay checks nothing.
+        """
+        signature = [(k, tuple(v.shape[1:]), str(v.dtype)) for k, v in tensors.items()]
+        if self._announced is None or signature != self._announced:
+            raise ValueError(
+                f"stage {self.layout.pp_rank}: a graph-captured send of (key, trailing shape, dtype) = "
+                f"{signature} does not match what was announced ({self._announced}); warm_up must send "
+                "what the model's forward returns, in its order"
+            )
         dst = self.global_ranks[self.layout.pp_rank + 1]
         for v in tensors.values():
+            if not v.is_contiguous():
+                raise ValueError(f"stage {self.layout.pp_rank}: a graph-captured send needs contiguous tensors")
             dist.send(v, dst, group=self.device_group)
 
     def recv_in_graph(self, buffers: IntermediateTensors) -> None:
         """Receive inside a CUDA-graph capture, straight into the graph's input buffers, in the
-        order :meth:`send_in_graph` sends (the keys the previous stage announced)."""
+        order :meth:`send_in_graph` sends (the keys the previous stage announced in
+        :meth:`warm_up`, which must come first)."""
+        if self._expected_keys is None:
+            raise RuntimeError(
+                f"stage {self.layout.pp_rank}: recv_in_graph before any metadata arrived (call warm_up first)"
+            )
         src = self.global_ranks[self.layout.pp_rank - 1]
-        for key in self._expected_keys or list(buffers):
+        for key in self._expected_keys:
             dist.recv(buffers[key], src, group=self.device_group)
 
     def broadcast_object(self, obj: object, src_stage: int) -> object:

@@ -23,6 +23,7 @@ from multiprocessing.connection import Client, Connection, Listener, wait
 
 from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pprun.executor.base import Executor, StageFailedError
+from pprun.switches import enabled_unless
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def set_nodelay(conn: Connection) -> None:
         pass  # not a TCP socket (nothing to do)
 
 
-EARLY_ANSWER: bool = os.environ.get("PPRUN_DISABLE_EARLY_ANSWER", "") in ("", "0")
+EARLY_ANSWER: bool = enabled_unless("PPRUN_DISABLE_EARLY_ANSWER")
 """Whether the last stage answers a step the device has finished before launching the next one
 (``PPRUN_DISABLE_EARLY_ANSWER=1``: always launch first, the A/B switch of ``serve_steps``)."""
 

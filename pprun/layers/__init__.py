@@ -9,23 +9,24 @@ imports Triton and a test can set ``TRITON_INTERPRET`` before the kernels are de
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import torch
 from torch import nn
 
-FUSED_ENABLED: bool = os.environ.get("PPRUN_DISABLE_FUSED", "") in ("", "0")
+from pprun.switches import enabled_unless
+
+FUSED_ENABLED: bool = enabled_unless("PPRUN_DISABLE_FUSED")
 """False when ``PPRUN_DISABLE_FUSED`` is set (to anything but ``0``); tests may flip it."""
 
-FUSED_DECODE_ENABLED: bool = os.environ.get("PPRUN_DISABLE_FUSED_DECODE", "") in ("", "0")
+FUSED_DECODE_ENABLED: bool = enabled_unless("PPRUN_DISABLE_FUSED_DECODE")
 """False when ``PPRUN_DISABLE_FUSED_DECODE`` is set: decode steps then rotate q/k, write the
 cache and attend in separate kernels (the A/B switch of ``scripts/gpu_speed.py``)."""
 
-SKINNY_ENABLED: bool = os.environ.get("PPRUN_DISABLE_SKINNY_GEMM", "") in ("", "0")
+SKINNY_ENABLED: bool = enabled_unless("PPRUN_DISABLE_SKINNY_GEMM")
 """False when ``PPRUN_DISABLE_SKINNY_GEMM`` is set: decode-sized matmuls then go to cuBLAS."""
 
-NORM_FOLD_ENABLED: bool = os.environ.get("PPRUN_DISABLE_NORM_FOLD", "") in ("", "0")
+NORM_FOLD_ENABLED: bool = enabled_unless("PPRUN_DISABLE_NORM_FOLD")
 """False when ``PPRUN_DISABLE_NORM_FOLD`` is set: the residual add + RMSNorm before a one-row
 split-K matmul then runs as its own launch (the A/B switch of :func:`norm_linear`)."""
 

@@ -22,13 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
+from pprun.switches import enabled_unless
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 """True under the Triton CPU interpreter (tests)."""
 
 NO_FMA = {} if INTERPRETED else {"enable_fp_fusion": False}
 """Compile option, passed at launch: no mul+add -> fma contraction (torch rounds in between)."""
 
-PDL_ENABLED: bool = os.environ.get("PPRUN_DISABLE_PDL", "") in ("", "0")
+PDL_ENABLED: bool = enabled_unless("PPRUN_DISABLE_PDL")
 """False when ``PPRUN_DISABLE_PDL`` is set; tests and benchmarks may flip it."""
 
 try:

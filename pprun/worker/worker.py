@@ -180,6 +180,11 @@ class Worker:
             out = self.runner.execute_model(so, receive=receive)
         trace.mark()
         if not self.layout.is_last:
+            if out is None and num_tokens > 0 and not getattr(self.runner, "last_step_hop_in_graph", False):
+                raise RuntimeError(
+                    f"stage {self.layout.pp_rank}: step {so.step_id} computed {num_tokens} tokens but the "
+                    "runner returned nothing to send (the next stage would wait for them)"
+                )
             if out is not None:  # None: nothing to send, or the step's graph sent it
                 if self.spec.fault_injection and self.spec.fault_injection.get("rename_sent_keys"):
                     out = IntermediateTensors({f"{k}_renamed": v for k, v in out.items()})

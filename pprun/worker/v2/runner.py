@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +31,7 @@ from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
 from pprun.distributed.transport import PipelineTransport
 from pprun.sampling.sampler import Sampler, SamplerOutput, SamplingTensors, to_logprobs
+from pprun.switches import enabled_unless
 from pprun.worker.model_inputs import build_model_inputs
 from pprun.worker.v2.cuda_graphs import CudaGraphManager, GraphPlan
 from pprun.worker.v2.inputs import InputBuffers, StepBatch, prepare_step
@@ -40,12 +40,12 @@ from pprun.worker.v2.request_state import RequestTable
 
 logger = logging.getLogger(__name__)
 
-GRAPH_LOGITS_ENABLED: bool = os.environ.get("PPRUN_DISABLE_GRAPH_LOGITS", "") in ("", "0")
+GRAPH_LOGITS_ENABLED: bool = enabled_unless("PPRUN_DISABLE_GRAPH_LOGITS")
 """Whether the last stage's full decode graphs end with the LM head and a greedy argmax (an
 all-greedy decode step then launches nothing but the graph and the ids' copy to the host).
 ``PPRUN_DISABLE_GRAPH_LOGITS=1`` computes the logits after the replay (the A/B switch)."""
 
-GRAPH_HOP_ENABLED: bool = os.environ.get("PPRUN_DISABLE_GRAPH_HOP", "") in ("", "0")
+GRAPH_HOP_ENABLED: bool = enabled_unless("PPRUN_DISABLE_GRAPH_HOP")
 """Whether full decode graphs of a pipeline carry the hop to the next stage (the send at the end
 of a stage's graph, the receive at the start of the next one's): a decode hop then costs no host
 time and no copy.  ``PPRUN_DISABLE_GRAPH_HOP=1`` sends and receives outside the graphs (the A/B
@@ -63,7 +63,7 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
 def _same_storage(a: IntermediateTensors, b: IntermediateTensors) -> bool:
     """True when every tensor of ``a`` starts where ``b``'s tensor of that key does (``a`` was
     received straight into ``b``)."""
-    return all(key in b and t.data_ptr() == b[key].data_ptr() for key, t in a.items())
+    return a.keys() == b.keys() and all(t.data_ptr() == b[key].data_ptr() for key, t in a.items())
 
 
 class PendingOutput:
@@ -121,6 +121,8 @@ class V2ModelRunner:
         self.transport = transport
         self.hop_in_graph = False
         """True when this stage's full graphs send to / receive from its neighbours themselves."""
+        self.last_step_hop_in_graph = False
+        """Whether the latest step's graph carried its hops (the worker then sends nothing)."""
         self.device = device
         self.dtype = resolved.dtype
         self.num_blocks = num_blocks
@@ -208,7 +210,7 @@ class V2ModelRunner:
         of the same sizes with the switch on (a collective: every stage of a CUDA pipeline calls
         it).  Then one eager hop goes down the pipeline first, so that the receivers check what
         they will be sent and NCCL connects each pair outside any capture."""
-        if self.transport is None or self.device.type != "cuda":
+        if self.transport is None or self.layout.pp_size == 1 or self.device.type != "cuda":
             return False
         mine = (self.graphs.mode, tuple(self.graphs.sizes), GRAPH_HOP_ENABLED)
         agreed = self.transport.agree(mine)
@@ -253,7 +255,13 @@ class V2ModelRunner:
 
     def _logits_in_graph(self, hidden: torch.Tensor, size: int) -> None:
         """The LM head and greedy argmax of a full decode graph, into buffers shared by every
-        size (allocated by the first, eager, warm-up of the largest size)."""
+        size (allocated by the first, eager, warm-up of the largest size).
+
+        The model's own ``compute_logits`` runs (whatever it does beyond the head stays its
+        business), then one copy into the shared buffer: the logits cost twice
+        ``[largest size, vocab]`` of device memory, the buffer and a temporary in the graphs'
+        pool (reused by every graph), and each replay copies its rows once.
+        """
         logits = self.model.compute_logits(hidden)
         if self.graph_logits is None:
             self.graph_logits = torch.empty(
@@ -342,6 +350,7 @@ class V2ModelRunner:
             batch.num_reqs, plan.num_reqs_padded, num_tokens, plan.num_tokens_padded, batch.max_query_len
         )
         hop_in_graph = self.hop_in_graph and plan.mode == "full"
+        self.last_step_hop_in_graph = hop_in_graph
         if receive is not None:
             # A graph step's hidden states land straight in the graph's input buffers (or the
             # graph receives them itself).
@@ -403,24 +412,20 @@ class V2ModelRunner:
             empty = ModelRunnerOutput(so.step_id, batch.req_ids, [[] for _ in batch.req_ids], [None] * batch.num_reqs)
             return PendingOutput.of(empty)  # nothing to wait for: the stage answers at once
         tensors = self.sampling_tensors(batch)
-        if full_graph and self.graph_logits is not None:
-            # The graph computed every row's logits and argmax.
-            if num_sampled == batch.num_tokens:  # every token samples: rows 0..n-1, views
-                logits, greedy = self.graph_logits[:num_sampled], self.graph_greedy[:num_sampled]
-            else:  # one-token prefill chunks that do not reach their prompt's end sample nothing
-                rows = self.bufs.logits_indices.device[:num_sampled]
-                logits, greedy = self.graph_logits[rows], self.graph_greedy[rows]
-            if tensors.all_greedy and tensors.max_num_logprobs is None:
-                res = SamplerOutput(greedy)
-            else:
-                res = self.sampler(logits, tensors)
+        in_graph = full_graph and self.graph_logits is not None  # the graph computed logits and argmax
+        sources = (self.graph_logits, self.graph_greedy) if in_graph else (hidden,)
+        if num_sampled == batch.num_tokens:
+            # Every token samples (a decode step): the rows are 0..n-1, views, no gather.
+            picked = [t[:num_sampled] for t in sources]
+        else:  # prefill chunks, some of which do not reach their prompt's end: gather
+            rows = self.bufs.logits_indices.device[:num_sampled]
+            picked = [t[rows] for t in sources]
+        if not in_graph:
+            res = self.sampler(self.model.compute_logits(picked[0]), tensors)
+        elif tensors.all_greedy and tensors.max_num_logprobs is None:
+            res = SamplerOutput(picked[1])
         else:
-            if num_sampled == batch.num_tokens:
-                # Every token samples (a decode step): the rows are 0..n-1, a view, no gather.
-                sampled_hidden = hidden[:num_sampled]
-            else:
-                sampled_hidden = hidden[self.bufs.logits_indices.device[:num_sampled]]
-            res = self.sampler(self.model.compute_logits(sampled_hidden), tensors)
+            res = self.sampler(picked[0], tensors)
         self.prev_sampled = res.sampled_token_ids
         sample_idx_list = batch.sample_batch_idx.tolist()
         self.prev_sample_index = {batch.req_ids[i]: j for j, i in enumerate(sample_idx_list)}
