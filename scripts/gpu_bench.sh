@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One GPU session: GPU-marked tests, then the 1.1B decode benchmarks (V2 full graphs, V1 eager,
-# transformers' generate as the peer).  Results land in $OUT (or ./gpu_out).
+# One GPU session: the Triton kernel tests and every GPU-marked test, then the 1.1B benchmarks
+# (V2 full graphs, V1 eager, transformers' generate as the peer; the decode step, prefill and
+# memory of scripts/gpu_speed.py; with two GPUs pp=1 vs pp=2 and the hop).  Results land in
+# $OUT (or ./gpu_out).
 #   bash scripts/gpu_bench.sh [tests|bench|all]
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -15,8 +17,9 @@ fi
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 300 python3 -m pytest -q -x -m gpu tests/test_triton_ops.py tests/test_v2_runner.py -p no:cacheprovider 2>&1 \
-    | tail -40 | tee "$OUT/gpu_tests.log"
+  timeout 300 python3 -m pytest -q tests/test_skinny.py tests/test_fused_ops.py tests/test_triton_ops.py \
+    tests/test_norm_linear.py -p no:cacheprovider 2>&1 | tail -20 | tee "$OUT/kernel_tests.log"
+  timeout 600 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   [ -d /tmp/llama1b ] || python3 scripts/make_random_llama.py /tmp/llama1b --device cuda
@@ -27,4 +30,11 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     timeout 200 python3 -m pprun bench $common num_prompts=$B scheduler.max_num_seqs=$B runner=v1 \
       compilation.cudagraph_mode=none peer=none output_json="$OUT/v1_b$B.json" 2>"$OUT/v1_b$B.err" | tail -c 1500
   done
+  timeout 400 python3 scripts/gpu_speed.py /tmp/llama1b --memory-steps 1000 --out "$OUT/gpu_speed.json" \
+    >"$OUT/gpu_speed.log" 2>&1; tail -c 1500 "$OUT/gpu_speed.json"
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    timeout 900 python3 scripts/bench_pipeline.py --device cuda --model /tmp/llama1b --parts throughput,hop \
+      --num-prompts 64 --input-len 512 --output-len 512 --microbatches 3,4 --pp2-executors mp \
+      --out "$OUT/bench_pipeline_cuda.json" 2>"$OUT/bench_pipeline_cuda.err" | tail -c 3000
+  fi
 fi
