@@ -236,13 +236,13 @@ class Scheduler:
         # Running requests first, earliest arrival first.  The common case (a decode token
         # within the request's last block) allocates nothing and reads lengths directly: with a
         # few hundred requests this loop is most of the engine's host time per step.
-        block_size = self.block_size
+        block_size, running, async_scheduling = self.block_size, RequestStatus.RUNNING, self.async_scheduling
         for req in list(self._running):
             if token_budget == 0 or len(scheduled) >= step_cap:
                 break
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not running:
                 continue  # preempted earlier in this loop
-            if req.num_steps_in_flight and (not self.async_scheduling or not self._can_join_step(req)):
+            if req.num_steps_in_flight and (not async_scheduling or not self._can_join_step(req)):
                 continue  # in an outstanding step
             num_computed = req.num_computed_tokens
             num_new_tokens = min(

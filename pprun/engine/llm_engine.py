@@ -273,9 +273,11 @@ class LLMEngine:
         so = self.in_flight.popleft()
         updated = self.scheduler.update_from_output(so, out)
         now = time.time()
-        lp_by_req = dict(zip(out.req_ids, out.logprobs or [None] * len(out.req_ids)))
+        lp_by_req = None  # built on the first request that asked for logprobs
+        tracked = self.tracked
+        finished: list[str] = []
         for req in updated:
-            tr = self.tracked.get(req.req_id)
+            tr = tracked.get(req.req_id)
             if tr is None:
                 continue
             m = tr.metrics
@@ -283,9 +285,14 @@ class LLMEngine:
                 m.first_token_time = now
             m.num_output_tokens = len(req.output_token_ids)
             if tr.logprobs is not None:
+                if lp_by_req is None:
+                    lp_by_req = dict(zip(out.req_ids, out.logprobs or [None] * len(out.req_ids)))
                 tr.logprobs.append(lp_by_req.get(req.req_id))
-            self._check_stop_strings(tr)
-        return self._collect_finished([r.req_id for r in updated])
+            if req.sampling_params.stop:
+                self._check_stop_strings(tr)
+            if req.is_finished:
+                finished.append(req.req_id)
+        return self._collect_finished(finished)
 
     def _check_stop_strings(self, tr: _Tracked) -> None:
         """End a request whose text contains a stop string (the text is cut before it).
@@ -320,7 +327,8 @@ class LLMEngine:
             req.stop_reason = s
 
     def _collect_finished(self, req_ids: list[str]) -> list[RequestOutput]:
-        """Outputs of the finished requests among ``req_ids`` and those aborted by the user.
+        """Outputs of the finished requests among ``req_ids`` (those of the step, or every one
+        after a failure) and those aborted by the user.
 
         Only the step's candidates are looked at, not every tracked request: with thousands
         queued, a per-step scan of all of them would be the engine's hot loop.
