@@ -111,6 +111,18 @@ def test_step_trace_written_by_every_stage_and_the_engine(tiny_llama_dir, tmp_pa
         )
         assert all(r["host_us"] > 0 for r in stage["steps"])
         assert "compute_us" not in stage["steps"][0]  # CPU: no stream events
+    # The summary of the run's steady decode (scripts/trace_summary.py): the engine's window,
+    # and per stage the steps that started in it.
+    from pprun.worker.step_trace import summarize_traces
+
+    summary = summarize_traces(str(prefix))
+    window = summary["steady_decode"]
+    assert window is not None and window["decode_steps"] >= 2
+    assert sorted(summary["stages"]) == ["stage0", "stage1"]
+    for stage in summary["stages"].values():
+        # Steps started between the window's first and last answer: all but the 2 in flight.
+        assert stage["host_us"]["n"] >= window["decode_steps"] - 3 and stage["period_us"] > 0
+    assert summary["engine"]["get_output_wait_us"]["n"] == window["decode_steps"]
 
 
 def test_last_stage_launches_a_decode_step_before_answering_the_previous_one():

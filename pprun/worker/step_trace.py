@@ -199,6 +199,20 @@ class EngineTrace:
         the last one with prefill tokens, those with the most requests, tokens per second between
         their answers (the first answer opens the window).  None when fewer than ``min_steps``
         qualify."""
+        window = self.steady_window(since, min_steps)
+        if window is None:
+            return None
+        span = window[-1].end - window[0].end
+        tokens = sum(r.num_tokens for r in window[1:])
+        return {
+            "decode_tokens_per_s": round(tokens / span, 1),
+            "decode_ms_per_step": round(span / (len(window) - 1) * 1e3, 4),
+            "decode_steps": len(window),
+            "decode_batch": max(r.num_reqs for r in window),
+        }
+
+    def steady_window(self, since: int = 0, min_steps: int = 10) -> list[EngineStep] | None:
+        """The answered steps :meth:`steady_decode` measures over (None when too few)."""
         rows = self.rows[since:]
         last_prefill = max((i for i, r in enumerate(rows) if r.num_tokens != r.num_reqs), default=-1)
         decode = [r for r in rows[last_prefill + 1 :] if r.num_tokens > 0]
@@ -207,16 +221,9 @@ class EngineTrace:
         full = max(r.num_reqs for r in decode)
         idx = [i for i, r in enumerate(decode) if r.num_reqs == full]
         window = decode[idx[0] : idx[-1] + 1]
-        span = window[-1].end - window[0].end
-        if len(window) < max(min_steps, 2) or span <= 0:
+        if len(window) < max(min_steps, 2) or window[-1].end <= window[0].end:
             return None
-        tokens = sum(r.num_tokens for r in window[1:])
-        return {
-            "decode_tokens_per_s": round(tokens / span, 1),
-            "decode_ms_per_step": round(span / (len(window) - 1) * 1e3, 4),
-            "decode_steps": len(window),
-            "decode_batch": full,
-        }
+        return window
 
     def dump(self) -> None:
         """Write the rows (the :class:`EngineStep` fields) and the summary: scheduling and
@@ -240,3 +247,48 @@ class EngineTrace:
             "steps": [[round(r.start, 6), round(r.wait, 6), round(r.end, 6), *r[3:]] for r in self.rows],
         }
         _write(self.path, out)
+
+
+def summarize_traces(prefix: str) -> dict[str, Any]:
+    """What one traced run (``PPRUN_STEP_TRACE=prefix``) says about its steady decode.
+
+    The window is the engine's (:meth:`EngineTrace.steady_decode`: answered steps after the last
+    prefill while the batch is full); each stage's steps whose start falls in it give per-stage
+    medians of host time and, on CUDA, receive wait, compute, send wait and idle time, and the
+    period between step starts.  Read it as: a stage whose stream idles waits on the host (its own
+    or the engine's); a stage whose compute is much longer than its share of the model waits on a
+    neighbour (a graph-captured hop counts as compute); an engine that spends most of a period
+    scheduling and handling outputs is the bottleneck.
+    """
+    import glob
+
+    path = f"{prefix}.engine.json"
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{path} does not exist: trace a run with {ENV}={prefix} first (the engine writes it when it shuts down)"
+        )
+    with open(path, encoding="utf-8") as f:
+        engine = json.load(f)
+    trace = EngineTrace()
+    trace.rows = [EngineStep(*r) for r in engine["steps"]]
+    out: dict[str, Any] = {"steady_decode": trace.steady_decode(), "stages": {}}
+    decode = trace.steady_window()
+    if decode is None:
+        return out
+    t0, t1 = decode[0].end, decode[-1].end
+    out["engine"] = {
+        "schedule_submit_us": _summary([(r.wait - r.start) * 1e6 for r in decode]),
+        "get_output_wait_us": _summary([(r.end - r.wait) * 1e6 for r in decode]),
+        "between_steps_us": _summary([(b.start - a.end) * 1e6 for a, b in zip(decode, decode[1:])]),
+    }
+    for path in sorted(glob.glob(f"{glob.escape(prefix)}.stage*.json")):
+        with open(path, encoding="utf-8") as f:
+            stage = json.load(f)
+        steps = [r for r in stage["steps"] if t0 <= r["t0"] <= t1 and r["num_tokens"] > 0]
+        if len(steps) < 2:
+            continue
+        keys = ("host_us", "recv_wait_us", "compute_us", "send_wait_us", "idle_us")
+        summary = {k: _summary([r[k] for r in steps if k in r]) for k in keys}
+        summary["period_us"] = round((steps[-1]["t0"] - steps[0]["t0"]) / (len(steps) - 1) * 1e6, 1)
+        out["stages"][stage["name"]] = {k: v for k, v in summary.items() if v}
+    return out
