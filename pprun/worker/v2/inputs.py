@@ -10,6 +10,7 @@ very same device buffers, so a captured graph sees each step's values at fixed a
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -257,7 +258,7 @@ def prepare_step(
     bufs: InputBuffers,
     num_reqs_padded: int,
     num_tokens_padded: int,
-    prev_sample_index: dict[str, int] | None = None,
+    prev_sample_index: Mapping[str, int] | None = None,
 ) -> StepBatch:
     """Fill the host buffers for ``so`` from the request table, by array indexing (NumPy views of
     the pinned buffers; no device work, no sync).
@@ -296,7 +297,7 @@ def prepare_step(
         # Async scheduling: a decode whose input is the token the previous step sampled for the
         # request, still on the device.  Anything else beyond the known tokens is a bug.
         pending = np.flatnonzero(beyond)
-        prev = prev_sample_index or {}
+        prev = prev_sample_index if prev_sample_index is not None else {}
         for i in pending.tolist():
             if seq_lens[i] != known[i] + 1 or num_scheduled[i] != 1 or req_ids[i] not in prev:
                 raise RuntimeError(

@@ -90,6 +90,9 @@ class RequestTable:
         )
         self._sampling_params_np = self.sampling_params_host.numpy()
         self._sampling_params_dirty = False
+        empty = self.sampling_params_device[:, :0]
+        self._greedy_params = (empty[_TEMPERATURE], empty[_TOP_K_ROW].to(torch.int64), empty[_TOP_P_ROW], empty[_MIN_P_ROW])
+        """The per-row tensors an all-greedy batch hands the sampler (empty: it reads none)."""
         self.sampling_flags_np = np.zeros(max_num_reqs, dtype=np.int64)
         """Per-row ``_GREEDY | _TOP_K | _TOP_P | _MIN_P`` bits (host)."""
         self.num_logprobs_np = np.full(max_num_reqs, -1, dtype=np.int64)
@@ -301,13 +304,16 @@ class RequestTable:
         all_flags = int(np.bitwise_and.reduce(flags))
         if all_flags & _GREEDY and rows_np.size:
             # Greedy rows read none of the per-row tensors: skip the gathers (two device ops
-            # per step) and hand the sampler empty ones.
-            params = self.sampling_params_device[:, :0]
+            # per step) and hand the sampler empty ones, made once.
+            temperature, top_k, top_p, min_p = self._greedy_params
         else:
             if device_rows is None:
                 self.flush_sampling_params()
                 device_rows = rows.to(self.sampling_params_device.device)
             params = self.sampling_params_device[:, device_rows]
+            temperature, top_k, top_p, min_p = (
+                params[_TEMPERATURE], params[_TOP_K_ROW].to(torch.int64), params[_TOP_P_ROW], params[_MIN_P_ROW]
+            )
         max_num_logprobs = int(self.num_logprobs_np[rows_np].max()) if rows_np.size else -1
         if self.num_seeded:
             generators = [self.generators[r] for r in rows_np.tolist()]
@@ -322,13 +328,13 @@ class RequestTable:
             is_greedy_host = ((flags & _GREEDY) != 0).tolist()
         top_k_max_host = None
         if not all_greedy and not no_top_k:
-            top_k = self._sampling_params_np[_TOP_K_ROW, rows_np]
-            top_k_max_host = int(top_k.max()) if top_k.min() > 0 else 0
+            top_k_np = self._sampling_params_np[_TOP_K_ROW, rows_np]
+            top_k_max_host = int(top_k_np.max()) if top_k_np.min() > 0 else 0
         return SamplingTensors(
-            temperature=params[_TEMPERATURE],
-            top_k=params[_TOP_K_ROW].to(torch.int64),
-            top_p=params[_TOP_P_ROW],
-            min_p=params[_MIN_P_ROW],
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
             generators=generators,
             all_greedy=all_greedy,
             all_random=all_random,

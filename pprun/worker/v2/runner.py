@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -58,6 +58,31 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
+
+
+class _SampleIndex(Mapping[str, int]):
+    """Request id -> its row among a step's samples, built on first use: only async scheduling
+    reads it (the next step's pending input tokens), and building it every step cost a dict of
+    the whole batch."""
+
+    def __init__(self, req_ids: list[str], sample_batch_idx: list[int]) -> None:
+        self._req_ids = req_ids
+        self._sample_batch_idx = sample_batch_idx
+        self._index: dict[str, int] | None = None
+
+    def _built(self) -> dict[str, int]:
+        if self._index is None:
+            self._index = {self._req_ids[i]: j for j, i in enumerate(self._sample_batch_idx)}
+        return self._index
+
+    def __getitem__(self, req_id: str) -> int:
+        return self._built()[req_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._built())
+
+    def __len__(self) -> int:
+        return len(self._sample_batch_idx)
 
 
 def _same_storage(a: IntermediateTensors, b: IntermediateTensors) -> bool:
@@ -159,7 +184,7 @@ class V2ModelRunner:
         self._host_events = [torch.cuda.Event() for _ in self.sampled_host] if device.type == "cuda" else []
         self.prev_sampled: torch.Tensor | None = None
         """The last step's sampled ids, on the device (async scheduling reads them)."""
-        self.prev_sample_index: dict[str, int] = {}
+        self.prev_sample_index: Mapping[str, int] = {}
         """Request id -> its row in :attr:`prev_sampled`."""
         # Graph replays read received hidden states from fixed addresses (contract 2).
         self.graph_intermediate: IntermediateTensors | None = None
@@ -393,8 +418,9 @@ class V2ModelRunner:
     def sampling_tensors(self, batch: StepBatch) -> SamplingTensors:
         """The sampler's tensors for the batch's sampling requests: their parameters gathered on
         the device by the rows copied with the step's inputs (no copy, no sync)."""
-        rows = batch.rows[batch.sample_batch_idx]
-        return self.table.sampling_tensors(rows, self.bufs.sample_rows.device[: batch.num_sampled])
+        num_sampled = batch.num_sampled
+        rows = batch.rows if num_sampled == batch.num_reqs else batch.rows[batch.sample_batch_idx]
+        return self.table.sampling_tensors(rows, self.bufs.sample_rows.device[:num_sampled])
 
     def sample(
         self, so: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor, full_graph: bool = False
@@ -428,7 +454,7 @@ class V2ModelRunner:
             res = self.sampler(picked[0], tensors)
         self.prev_sampled = res.sampled_token_ids
         sample_idx_list = batch.sample_batch_idx.tolist()
-        self.prev_sample_index = {batch.req_ids[i]: j for j, i in enumerate(sample_idx_list)}
+        self.prev_sample_index = _SampleIndex(batch.req_ids, sample_idx_list)
         # Read the table now: by the time the output is built, a finished request's row may
         # already belong to a request admitted in a later step.
         num_logprobs = None
