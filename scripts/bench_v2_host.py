@@ -61,8 +61,8 @@ def params_for(i: int, mix: str) -> SamplingParams:
     )
 
 
-def bench(batch: int, steps: int, mix: str, ctx: int = 512) -> dict[str, Any]:
-    runner = make_runner(batch, ctx + steps + 64)
+def bench(batch: int, steps: int, mix: str, ctx: int = 512, max_model_len: int | None = None) -> dict[str, Any]:
+    runner = make_runner(batch, max_model_len or ctx + steps + 64)
     ids = [f"r{i}" for i in range(batch)]
     lengths = {r: ctx for r in ids}
     blocks = {r: -(-ctx // BLOCK) for r in ids}
@@ -128,11 +128,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[32, 128])
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--max-model-len", type=int, help="the runner's max_model_len (default: just enough)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     for batch in args.batches:
         for mix in ("greedy", "mixed"):
-            print(json.dumps(bench(batch, args.steps, mix)))
+            result = bench(batch, args.steps, mix, max_model_len=args.max_model_len)
+            print(json.dumps({**result, "max_model_len": args.max_model_len}))
 
 
 if __name__ == "__main__":

@@ -109,8 +109,14 @@ def test_prepare_step_matches_python_construction_and_pads_inertly():
     assert bufs.slot_mapping.host[:16].tolist() == slots + [-1] * 3
     assert bufs.query_start_loc.host[:6].tolist() == qsl + [13, 13]
     assert bufs.seq_lens.host[:5].tolist() == seq_lens + [0, 0]
+    # Each request's table row as far as any request of the step reads (ceil(longest seq_len /
+    # block size) columns: 2 here; a fresh row is 0 past its blocks); columns past that keep
+    # whatever they held (never read).
+    num_cols = -(-max(seq_lens) // BLOCK)
+    assert num_cols < max(len(t) for t in tables)
     for i, t in enumerate(tables):
-        assert bufs.block_table.host[i, : len(t)].tolist() == t
+        assert bufs.block_table.host[i, :num_cols].tolist() == (t + [0] * num_cols)[:num_cols]
+    assert bufs.block_table.host[:3, num_cols:].eq(77).all()
     assert bufs.block_table.host[3:5].eq(0).all()
     # "a" stops short of its prompt's end: only "b" and "c" sample, from their last token's row.
     assert batch.sample_batch_idx.tolist() == [1, 2]

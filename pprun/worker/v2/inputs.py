@@ -326,7 +326,11 @@ def prepare_step(
     bufs.query_start_loc.np[0] = 0
     bufs.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens
     bufs.seq_lens.np[:num_reqs] = seq_lens
-    bufs.block_table.np[:num_reqs] = table.block_table_np[rows]
+    # Only the columns some request reads this step (attention stops at each request's
+    # ceil(seq_len / block_size) blocks; the stale columns past them are never read): a
+    # long max_model_len would otherwise copy its whole table width every step.
+    num_cols = -(-int(seq_lens.max()) // bs)
+    bufs.block_table.np[:num_reqs, :num_cols] = table.block_table_np[rows, :num_cols]
     bufs.make_inert(num_reqs, num_tokens, num_reqs_padded, num_tokens_padded)
 
     # A request samples when this step's tokens reach the end of what is known of it (a
