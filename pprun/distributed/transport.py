@@ -37,6 +37,10 @@ PACK_MAX_BYTES = 4 * 2**20
 tensor: there the stack and unstack copies cost more than the saved operation (a 64 MiB hop
 between two H200s: 302 us stacked, 235 us as two messages)."""
 
+SENT_IN_GRAPH = object()
+"""What a non-last stage's step returns instead of tensors when its CUDA graph sent them itself
+(:meth:`PipelineTransport.send_in_graph`): nothing is left to send."""
+
 
 class PipelineTransport:
     """Point-to-point channel of one stage to its neighbours.
@@ -115,7 +119,7 @@ class PipelineTransport:
     def send(self, tensors: IntermediateTensors) -> None:
         """Send to the next stage: the tensors, preceded on the first send by their metadata."""
         dst = self.global_ranks[self.layout.pp_rank + 1]
-        signature = [(k, tuple(v.shape[1:]), str(v.dtype)) for k, v in tensors.items()]
+        signature = _signature(tensors)
         if self._announced is None:
             meta = pickle.dumps([(k, tuple(v.shape), str(v.dtype)) for k, v in tensors.items()])
             if len(meta) > META_BYTES - 4:
@@ -204,7 +208,7 @@ class PipelineTransport:
         order (the receiver lands each message in the buffer of the key it expects there):
         checked here, at capture, since a replay checks nothing.
         """
-        signature = [(k, tuple(v.shape[1:]), str(v.dtype)) for k, v in tensors.items()]
+        signature = _signature(tensors)
         if self._announced is None or signature != self._announced:
             raise ValueError(
                 f"stage {self.layout.pp_rank}: a graph-captured send of (key, trailing shape, dtype) = "
@@ -239,6 +243,11 @@ class PipelineTransport:
         """Tear the process group down (pprun's own executors only)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _signature(tensors: IntermediateTensors) -> list[tuple[str, tuple[int, ...], str]]:
+    """(key, trailing shape, dtype) of every tensor, in send order: what a hop must keep."""
+    return [(k, tuple(v.shape[1:]), str(v.dtype)) for k, v in tensors.items()]
 
 
 def _packable(signature: list[tuple[str, tuple[int, ...], str]]) -> bool:

@@ -16,7 +16,7 @@ import torch
 from pprun.core.outputs import SchedulerOutput
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
-from pprun.distributed.transport import PipelineTransport
+from pprun.distributed.transport import SENT_IN_GRAPH, PipelineTransport
 from pprun.worker.step_trace import NullStageTrace, StageTrace, trace_prefix
 
 logger = logging.getLogger(__name__)
@@ -180,12 +180,12 @@ class Worker:
             out = self.runner.execute_model(so, receive=receive)
         trace.mark()
         if not self.layout.is_last:
-            if out is None and num_tokens > 0 and not getattr(self.runner, "last_step_hop_in_graph", False):
+            if out is None and num_tokens > 0:
                 raise RuntimeError(
                     f"stage {self.layout.pp_rank}: step {so.step_id} computed {num_tokens} tokens but the "
                     "runner returned nothing to send (the next stage would wait for them)"
                 )
-            if out is not None:  # None: nothing to send, or the step's graph sent it
+            if out is not None and out is not SENT_IN_GRAPH:
                 if self.spec.fault_injection and self.spec.fault_injection.get("rename_sent_keys"):
                     out = IntermediateTensors({f"{k}_renamed": v for k, v in out.items()})
                 self.transport.send(out)
@@ -206,11 +206,8 @@ class Worker:
     def launches_quickly(self, so: SchedulerOutput) -> bool:
         """True when launching ``so`` takes little host time: a V2 step replayed as one full
         CUDA graph (eager and piecewise steps launch kernel by kernel)."""
-        graphs = getattr(self.runner, "graphs", None)
-        if graphs is None or not so.num_scheduled_tokens:
-            return False
-        plan = graphs.plan(so.num_reqs, so.total_num_scheduled_tokens, max(so.num_scheduled_tokens.values()))
-        return plan.mode == "full"
+        plan = getattr(self.runner, "plan", None)
+        return plan is not None and bool(so.num_scheduled_tokens) and plan(so).mode == "full"
 
     def execute_model_async(self, so: SchedulerOutput):
         """The only stage's step, returning before the device finishes when the runner can

@@ -29,7 +29,7 @@ from torch import nn
 from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
-from pprun.distributed.transport import PipelineTransport
+from pprun.distributed.transport import SENT_IN_GRAPH, PipelineTransport
 from pprun.sampling.sampler import Sampler, SamplerOutput, SamplingTensors, to_logprobs
 from pprun.switches import enabled_unless
 from pprun.worker.model_inputs import build_model_inputs
@@ -83,12 +83,6 @@ class _SampleIndex(Mapping[str, int]):
 
     def __len__(self) -> int:
         return len(self._sample_batch_idx)
-
-
-def _same_storage(a: IntermediateTensors, b: IntermediateTensors) -> bool:
-    """True when every tensor of ``a`` starts where ``b``'s tensor of that key does (``a`` was
-    received straight into ``b``)."""
-    return a.keys() == b.keys() and all(t.data_ptr() == b[key].data_ptr() for key, t in a.items())
 
 
 class PendingOutput:
@@ -146,8 +140,6 @@ class V2ModelRunner:
         self.transport = transport
         self.hop_in_graph = False
         """True when this stage's full graphs send to / receive from its neighbours themselves."""
-        self.last_step_hop_in_graph = False
-        """Whether the latest step's graph carried its hops (the worker then sends nothing)."""
         self.device = device
         self.dtype = resolved.dtype
         self.num_blocks = num_blocks
@@ -349,7 +341,7 @@ class V2ModelRunner:
         inputs are copied, so that in stream order the copies do not wait for the previous
         stage's tensors; it is handed the buffers to land in (the graph's inputs on a graph
         step, else None: the worker's own) and whether the graph receives by itself.  A non-last
-        stage returns None when its graph sent the tensors itself.
+        stage returns ``SENT_IN_GRAPH`` when its graph sent the tensors itself.
         """
         # The deltas rewrite pinned staging memory (sampling parameters) that the previous
         # step's non-blocking copies may still be reading.
@@ -358,7 +350,7 @@ class V2ModelRunner:
         if so.is_empty():
             return ModelRunnerOutput(so.step_id, [], []) if self.layout.is_last else None
         num_tokens = so.total_num_scheduled_tokens
-        plan = self.graphs.plan(so.num_reqs, num_tokens, max(so.num_scheduled_tokens.values()))
+        plan = self.plan(so)
         batch = prepare_step(
             self.table, so, self.bufs, plan.num_reqs_padded, plan.num_tokens_padded, self.prev_sample_index
         )
@@ -375,16 +367,22 @@ class V2ModelRunner:
             batch.num_reqs, plan.num_reqs_padded, num_tokens, plan.num_tokens_padded, batch.max_query_len
         )
         hop_in_graph = self.hop_in_graph and plan.mode == "full"
-        self.last_step_hop_in_graph = hop_in_graph
+        in_graph_buffers = False
         if receive is not None:
             # A graph step's hidden states land straight in the graph's input buffers (or the
             # graph receives them itself).
-            into = self.graph_intermediate if plan.mode != "eager" else None
+            in_graph_buffers = plan.mode != "eager"
+            into = self.graph_intermediate if in_graph_buffers else None
             intermediate_tensors = receive(into, hop_in_graph)
-        out = self._run_model(plan, batch, meta, intermediate_tensors, hop_in_graph)
+        out = self._run_model(plan, batch, meta, intermediate_tensors, in_graph_buffers, hop_in_graph)
         if not self.layout.is_last:
-            return None if hop_in_graph else out[:num_tokens]
+            return SENT_IN_GRAPH if hop_in_graph else out[:num_tokens]
         return self.sample(so, batch, out, plan.mode == "full")
+
+    def plan(self, so: SchedulerOutput) -> GraphPlan:
+        """How ``so`` runs: a full or piecewise graph (with its padded counts) or eagerly."""
+        num_scheduled = so.num_scheduled_tokens
+        return self.graphs.plan(so.num_reqs, so.total_num_scheduled_tokens, max(num_scheduled.values(), default=0))
 
     def _run_model(
         self,
@@ -392,8 +390,12 @@ class V2ModelRunner:
         batch: StepBatch,
         meta: Any,
         intermediate_tensors: IntermediateTensors | None,
+        in_graph_buffers: bool = False,
         hop_in_graph: bool = False,
     ) -> Any:
+        """The stage forward, eager or replayed; ``in_graph_buffers``: the intermediate tensors
+        were received into the graph's input buffers already; ``hop_in_graph``: the graph
+        receives them itself."""
         if not self.layout.is_first and intermediate_tensors is None:
             raise ValueError(
                 f"stage {self.layout.pp_rank} is not the first stage and needs intermediate_tensors"
@@ -407,7 +409,7 @@ class V2ModelRunner:
         if plan.mode == "eager":
             return self._forward(meta, plan.num_tokens_padded, intermediate_tensors, inputs_embeds, extra)
         if self.graph_intermediate is not None:
-            if not _same_storage(intermediate_tensors, self.graph_intermediate):
+            if not in_graph_buffers:
                 self.graph_intermediate.copy_from(intermediate_tensors, batch.num_tokens)
             if plan.num_tokens_padded > batch.num_tokens and not hop_in_graph:
                 # Stale rows from an earlier step would be finite, but zeros keep replays reproducible.
