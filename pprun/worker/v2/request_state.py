@@ -90,8 +90,7 @@ class RequestTable:
         )
         self._sampling_params_np = self.sampling_params_host.numpy()
         self._sampling_params_dirty = False
-        empty = self.sampling_params_device[:, :0]
-        self._greedy_params = (empty[_TEMPERATURE], empty[_TOP_K_ROW].to(torch.int64), empty[_TOP_P_ROW], empty[_MIN_P_ROW])
+        self._greedy_params = _per_row(self.sampling_params_device[:, :0])
         """The per-row tensors an all-greedy batch hands the sampler (empty: it reads none)."""
         self.sampling_flags_np = np.zeros(max_num_reqs, dtype=np.int64)
         """Per-row ``_GREEDY | _TOP_K | _TOP_P | _MIN_P`` bits (host)."""
@@ -310,10 +309,7 @@ class RequestTable:
             if device_rows is None:
                 self.flush_sampling_params()
                 device_rows = rows.to(self.sampling_params_device.device)
-            params = self.sampling_params_device[:, device_rows]
-            temperature, top_k, top_p, min_p = (
-                params[_TEMPERATURE], params[_TOP_K_ROW].to(torch.int64), params[_TOP_P_ROW], params[_MIN_P_ROW]
-            )
+            temperature, top_k, top_p, min_p = _per_row(self.sampling_params_device[:, device_rows])
         max_num_logprobs = int(self.num_logprobs_np[rows_np].max()) if rows_np.size else -1
         if self.num_seeded:
             generators = [self.generators[r] for r in rows_np.tolist()]
@@ -349,3 +345,8 @@ class RequestTable:
     def num_logprobs_list(self, rows: torch.Tensor) -> list[int | None]:
         """Each row's requested logprob count (``None`` where it asked for none)."""
         return [None if n < 0 else n for n in self.num_logprobs_np[rows.numpy()].tolist()]
+
+
+def _per_row(params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Temperature, top-k (int64), top-p and min-p of the gathered ``[4, rows]`` parameters."""
+    return params[_TEMPERATURE], params[_TOP_K_ROW].to(torch.int64), params[_TOP_P_ROW], params[_MIN_P_ROW]
