@@ -18,7 +18,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_env import DEVICE, HAS_CUDA, RUN_TRITON  # noqa: E402  (sets TRITON_INTERPRET)
+from triton_env import DEVICE, HAS_CUDA, RUN_TRITON, count_calls_by_form  # noqa: E402  (sets TRITON_INTERPRET)
 
 import pprun.layers
 from pprun.models.hf_config import load_arch_config
@@ -241,14 +241,7 @@ def test_tiny_llama_skinny_matmuls_match_cublas(monkeypatch, tiny_llama_dir):
 
     # One token: the row count that pprun.layers.linear sends to the split-K kernels.
     arch, model_logits = _tiny_llama_on_cuda(tiny_llama_dir, torch.bfloat16, [[42]])
-    calls = {"plain": 0, "swiglu": 0}
-    original = skinny.skinny_linear
-
-    def counted(*args, **kwargs):
-        calls["swiglu" if kwargs.get("swiglu") else "plain"] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(skinny, "skinny_linear", counted)
+    calls = count_calls_by_form(monkeypatch, skinny, "skinny_linear")
     # Every matmul through skinny_linear (the norm fold's kernel is tested in test_norm_linear.py,
     # and with it on below).
     monkeypatch.setattr(pprun.layers, "NORM_FOLD_ENABLED", False)

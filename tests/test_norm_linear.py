@@ -19,7 +19,7 @@ import dataclasses
 
 import pytest
 import torch
-from triton_env import DEVICE, HAS_CUDA, RUN_TRITON  # noqa: E402  (sets TRITON_INTERPRET)
+from triton_env import DEVICE, HAS_CUDA, RUN_TRITON, count_calls_by_form  # noqa: E402  (sets TRITON_INTERPRET)
 
 import pprun.layers
 import pprun.models.llama
@@ -130,15 +130,7 @@ def fold_calls(monkeypatch):
     """Counts ``skinny_norm_linear`` launches by SwiGLU form."""
     from pprun.layers import skinny
 
-    calls = {"plain": 0, "swiglu": 0}
-    original = skinny.skinny_norm_linear
-
-    def counted(*args, **kwargs):
-        calls["swiglu" if kwargs.get("swiglu") else "plain"] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(skinny, "skinny_norm_linear", counted)
-    return calls
+    return count_calls_by_form(monkeypatch, skinny, "skinny_norm_linear")
 
 
 def _stub_backend(q, k, v, kv_cache, meta, scale):
