@@ -270,7 +270,7 @@ class V2ModelRunner:
             self._logits_in_graph(out, num_tokens_padded)
         return out
 
-    def _logits_in_graph(self, hidden: torch.Tensor, size: int) -> None:
+    def _logits_in_graph(self, hidden: torch.Tensor, num_tokens_padded: int) -> None:
         """The LM head and greedy argmax of a full decode graph, into buffers shared by every
         size (allocated by the first, eager, warm-up of the largest size).
 
@@ -285,8 +285,8 @@ class V2ModelRunner:
                 (self.graphs.max_size, logits.shape[-1]), dtype=logits.dtype, device=self.device
             )
             self.graph_greedy = torch.empty(self.graphs.max_size, dtype=torch.int64, device=self.device)
-        self.graph_logits[:size].copy_(logits)
-        torch.argmax(logits, dim=-1, out=self.graph_greedy[:size])
+        self.graph_logits[:num_tokens_padded].copy_(logits)
+        torch.argmax(logits, dim=-1, out=self.graph_greedy[:num_tokens_padded])
 
     def _graph_intermediate(self, num_tokens_padded: int) -> IntermediateTensors | None:
         if self.graph_intermediate is None:
