@@ -28,15 +28,17 @@ def _inputs(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 
 
 @triton_only
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("m", [1, 3, 17, 64])
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("bias", [False, True])
-def test_skinny_linear_matches_torch(dtype, m, split_k, bias):
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_skinny_linear_matches_torch(dtype, m, split_k, bias, swap_ab):
     from pprun.layers.skinny import SkinnyConfig, arrival_counters, skinny_linear
 
-    # Ragged everywhere: 100 columns over 16-wide tiles, K = 200 over 64-wide tiles and 3 splits.
+    # Ragged everywhere: 100 columns over 16-wide tiles (64-wide swapped), K = 200 over 64-wide
+    # tiles and 3 splits.
     x, w, b = _inputs(m, 100, 200, dtype, bias)
-    cfg = SkinnyConfig(block_n=16, block_k=64, split_k=split_k)
+    cfg = SkinnyConfig(block_n=64 if swap_ab else 16, block_k=64, split_k=split_k, swap_ab=swap_ab)
     want = F.linear(x, w, b)
     for _ in range(2):  # the arrival counters must be back at zero after each launch
         got = skinny_linear(x, w, b, config=cfg)
@@ -47,17 +49,19 @@ def test_skinny_linear_matches_torch(dtype, m, split_k, bias):
 
 @triton_only
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("m", [1, 5, 33])
 @pytest.mark.parametrize("split_k", [1, 4])
 @pytest.mark.parametrize("bias", [False, True])
-def test_skinny_swiglu_matches_linear_then_silu_and_mul(dtype, m, split_k, bias):
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_skinny_swiglu_matches_linear_then_silu_and_mul(dtype, m, split_k, bias, swap_ab):
     from pprun.layers.skinny import SkinnyConfig, skinny_linear
 
     inter = 40
     x, w, b = _inputs(m, 2 * inter, 256, dtype, bias, seed=1)
     gate, up = F.linear(x, w, b).split(inter, dim=-1)
     want = F.silu(gate) * up
-    got = skinny_linear(x, w, b, swiglu=True, config=SkinnyConfig(block_n=16, block_k=64, split_k=split_k))
+    cfg = SkinnyConfig(block_n=64 if swap_ab else 16, block_k=64, split_k=split_k, swap_ab=swap_ab)
+    got = skinny_linear(x, w, b, swiglu=True, config=cfg)
     assert got.shape == (m, inter)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 

@@ -36,7 +36,7 @@ from pprun.layers.fused import silu_mul
 from pprun.layers.triton_utils import INTERPRETED as _INTERPRETED
 from pprun.layers.triton_utils import pdl_options, pdl_sync
 
-MAX_M = 32
+MAX_M = 64
 """Largest row count these kernels accept."""
 
 DISPATCH_MAX_M = 1
@@ -59,6 +59,17 @@ def _tile_product(x, w, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
     else:
         # One row: a multiply and a row sum beat a padded 16-row dot.
         p = tl.sum(x.to(tl.float32) * w.to(tl.float32), 1)[None, :]
+    return p
+
+
+@triton.jit
+def _swapped_product(x, w, DOT_F32: tl.constexpr):
+    """``(x [BLOCK_M, BLOCK_K] @ w[BLOCK_N, BLOCK_K].T).T`` in fp32: the weight tile is the
+    MMA's M side (64+ rows, what Hopper's wgmma needs) and the few activation rows its N side."""
+    if DOT_F32:
+        p = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+    else:
+        p = tl.dot(w, tl.trans(x))
     return p
 
 
@@ -149,6 +160,7 @@ def _skinny_kernel(
     HAS_BIAS: tl.constexpr,
     SWIGLU: tl.constexpr,
     USE_DOT: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -180,6 +192,9 @@ def _skinny_kernel(
                               HAS_RESIDUAL, BLOCK_ROW, EXACT_MUL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # SWAP_AB accumulates the transposed product, weight rows as the MMA's M side.
+    acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc_up_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
@@ -190,10 +205,19 @@ def _skinny_kernel(
             x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         wk_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + offs_k[None, :], mask=wk_mask, other=0.0)
-        acc += _tile_product(x, w, USE_DOT, DOT_F32)
+        if SWAP_AB:
+            acc_t += _swapped_product(x, w, DOT_F32)
+        else:
+            acc += _tile_product(x, w, USE_DOT, DOT_F32)
         if SWIGLU:
             wu = tl.load(up_rows + offs_k[None, :], mask=wk_mask, other=0.0)
-            acc_up += _tile_product(x, wu, USE_DOT, DOT_F32)
+            if SWAP_AB:
+                acc_up_t += _swapped_product(x, wu, DOT_F32)
+            else:
+                acc_up += _tile_product(x, wu, USE_DOT, DOT_F32)
+    if SWAP_AB:
+        acc = tl.trans(acc_t)
+        acc_up = tl.trans(acc_up_t)
 
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -228,12 +252,15 @@ def _skinny_kernel(
 
 @dataclass(frozen=True)
 class SkinnyConfig:
-    """Launch settings: column tile, K tile, K splits, warps."""
+    """Launch settings: column tile, K tile, K splits, warps, pipeline stages, and (above one
+    row) whether the weight tile is the MMA's M side (``swap_ab``)."""
 
     block_n: int
     block_k: int
     split_k: int
     num_warps: int = 4
+    num_stages: int = 3
+    swap_ab: bool = False
 
 
 @functools.lru_cache(maxsize=64)
@@ -355,6 +382,7 @@ def _launch(
         HAS_BIAS=bias is not None,
         SWIGLU=swiglu,
         USE_DOT=block_m > 1,
+        SWAP_AB=cfg.swap_ab and block_m > 1,
         DOT_F32=x.dtype == torch.float32 or _INTERPRETED,
         PRECISE_EXP=not _INTERPRETED,
         NORM=norm is not None,
@@ -362,6 +390,7 @@ def _launch(
         BLOCK_ROW=block_row,
         EXACT_MUL=not _INTERPRETED,
         num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
         **pdl_options(x.device),
     )
 

@@ -1,0 +1,185 @@
+"""Sweep launch settings of the decode matmuls (``pprun.layers.skinny``) and the decode attention
+on this GPU, against cuBLAS, at the 1.1B model's shapes (JSON lines, then a summary).
+
+    python scripts/sweep_skinny.py [--rows 1,16,32,64] [--workers 12] [--out sweep.jsonl]
+
+Compiling hundreds of Triton variants one after another would take most of a GPU session, so
+a pool of processes compiles every variant first (each runs it once, with PDL as under
+capture, filling Triton's on-disk cache); one process then times them all, graph-replayed,
+each call reading its own copy of the weights so that nothing comes from L2
+(``layer_bench.time_us``).  Rows above one sweep the swapped form (weight tile as the MMA's M
+side) and, for reference, the default settings; one row sweeps pipeline stages around the
+tuned defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import json
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from layer_bench import HEAD_DIM, HEADS, KV_HEADS, SHAPES, _cublas_swiglu, copies_for, time_us  # noqa: E402
+
+
+def candidates(m: int, name: str) -> list:
+    from pprun.layers.skinny import SkinnyConfig, default_config
+
+    k, n = SHAPES[name]
+    swiglu = name == "gate_up"
+    n_out = n // 2 if swiglu else n
+    default = default_config(m, n_out, k, swiglu, torch.device("cuda"))
+    out = [default]
+    if m == 1:
+        for stages in (2, 4, 5, 6):
+            out.append(dataclasses.replace(default, num_stages=stages))
+        for bn, bk in ((8, 256), (16, 256), (16, 512), (32, 256)):
+            out.append(dataclasses.replace(default, block_n=bn, block_k=min(bk, k), num_stages=4))
+        return list(dict.fromkeys(out))
+    for bn, bk, split, stages, warps in itertools.product((64, 128), (64, 128, 256), (1, 2, 4, 8, 16),
+                                                          (3, 4, 6), (4, 8)):
+        if warps == 8 and bn == 64:
+            continue
+        programs = -(-n_out // bn) * split
+        if k // split < bk or programs < 60 or programs > 1200:
+            continue
+        out.append(SkinnyConfig(bn, bk, split, num_warps=warps, num_stages=stages, swap_ab=True))
+    return list(dict.fromkeys(out))
+
+
+def jobs(rows: list[int]) -> list[tuple[int, str, object]]:
+    return [(m, name, cfg) for m in rows for name in SHAPES for cfg in candidates(m, name)]
+
+
+def _compile(batch: list) -> int:
+    from pprun.layers.skinny import skinny_linear
+    from pprun.layers.triton_utils import force_pdl
+
+    failed = 0
+    for m, name, cfg in batch:
+        k, n = SHAPES[name]
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        try:
+            with force_pdl():
+                skinny_linear(x, w, swiglu=name == "gate_up", config=cfg)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - a variant that does not compile is skipped later
+            failed += 1
+            print(f"compile failed m={m} {name} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    return failed
+
+
+def compile_all(all_jobs: list, workers: int) -> None:
+    t0 = time.time()
+    chunks = [all_jobs[i::workers] for i in range(workers)]
+    with mp.get_context("spawn").Pool(workers) as pool:
+        failed = sum(pool.map(_compile, chunks))
+    print(f"# compiled {len(all_jobs)} variants in {time.time() - t0:.0f} s ({failed} failed)", flush=True)
+
+
+def time_matmuls(rows: list[int], out) -> None:
+    from pprun.layers.skinny import skinny_linear
+
+    for name, (k, n) in SHAPES.items():
+        swiglu = name == "gate_up"
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies_for(n * k * 2))]
+        nbytes = n * k * 2
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cublas = _cublas_swiglu if swiglu else torch.nn.functional.linear
+            cublas_us = time_us([functools.partial(cublas, x, w) for w in ws], iters=5)
+            best = None
+            for i, cfg in enumerate(candidates(m, name)):
+                try:
+                    us = time_us([functools.partial(skinny_linear, x, w, swiglu=swiglu, config=cfg) for w in ws],
+                                 iters=5)
+                except Exception:  # noqa: BLE001
+                    continue
+                rec = {"shape": name, "m": m, **dataclasses.asdict(cfg), "us": round(us, 2),
+                       "tb_s": round(nbytes / us / 1e6, 2), "cublas_us": round(cublas_us, 2),
+                       "default": i == 0}
+                out(rec)
+                if best is None or us < best["us"]:
+                    best = rec
+            print(json.dumps({"best": best}), flush=True)
+
+
+def time_attention(out, ctx: int = 512, max_len: int = 2048, block: int = 16) -> None:
+    import pprun.attention.triton_ops as ops
+
+    defaults = (ops._DECODE_BLOCK_N, ops._DECODE_NUM_WARPS, ops._DECODE_NUM_STAGES)
+    real_splits = ops.num_decode_splits
+    for batch in (32, 64):
+        blocks_per_req = max_len // block
+        num_blocks = batch * blocks_per_req + 1
+        kv_bytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2
+        kvs = [torch.randn(2, num_blocks, block, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+               for _ in range(copies_for(kv_bytes))]
+        table = (torch.randperm(num_blocks - 1, device="cuda")[: batch * blocks_per_req] + 1).view(batch, -1).int()
+        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        pos = (seq_lens - 1).long()
+        slots = table[:, (ctx - 1) // block].long() * block + (ctx - 1) % block
+        q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(batch, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        inv = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, device="cuda").float() / HEAD_DIM))
+        freqs = torch.outer(torch.arange(max_len, device="cuda").float(), inv)
+        cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+        o = torch.empty_like(q)
+        default_splits = real_splits(batch, KV_HEADS, max_len, q.device)
+        best = None
+        for bn, warps, stages, splits in itertools.product((32, 64, 128), (4, 8), (2, 3), sorted({default_splits, 1, 2, 4})):
+            ops._DECODE_BLOCK_N, ops._DECODE_NUM_WARPS, ops._DECODE_NUM_STAGES = bn, warps, stages
+            ops.num_decode_splits = lambda *a, s=splits: s
+            try:
+                us = time_us([functools.partial(ops.paged_decode_attention_rope, q, k, v, cos, sin, pos, kv, slots,
+                                                table, seq_lens, HEAD_DIM**-0.5, o) for kv in kvs], iters=5)
+            except Exception:  # noqa: BLE001
+                continue
+            rec = {"attention_batch": batch, "block_n": bn, "warps": warps, "stages": stages, "splits": splits,
+                   "us": round(us, 2), "kv_tb_s": round(kv_bytes / us / 1e6, 2),
+                   "default": (bn, warps, stages, splits) == (*defaults, default_splits)}
+            out(rec)
+            if best is None or us < best["us"]:
+                best = rec
+        print(json.dumps({"best": best}), flush=True)
+    ops._DECODE_BLOCK_N, ops._DECODE_NUM_WARPS, ops._DECODE_NUM_STAGES = defaults
+    ops.num_decode_splits = real_splits
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,16,32,64")
+    ap.add_argument("--workers", type=int, default=12)
+    ap.add_argument("--parts", default="compile,matmul,attention",
+                    help="compile: fill Triton's cache in parallel; matmul, attention: time")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
+    parts = args.parts.split(",")
+    sink = args.out.open("a") if args.out else None
+
+    def record(rec: dict) -> None:  # one JSON line per timing, written as it comes (a timeout keeps them)
+        if sink:
+            sink.write(json.dumps(rec) + "\n")
+            sink.flush()
+
+    if "compile" in parts:
+        compile_all(jobs(rows), args.workers)
+    if "matmul" in parts:
+        time_matmuls(rows, record)
+    if "attention" in parts:
+        time_attention(record)
+
+
+if __name__ == "__main__":
+    main()
