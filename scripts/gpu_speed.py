@@ -147,7 +147,8 @@ def main() -> None:
                          "(PPRUN_DISABLE_SKINNY_GEMM), the fused decode attention "
                          "(PPRUN_DISABLE_FUSED_DECODE), programmatic dependent launch (PPRUN_DISABLE_PDL), "
                          "add + RMSNorm folded into the matmuls (PPRUN_DISABLE_NORM_FOLD), LM head and "
-                         "greedy argmax inside the decode graphs (PPRUN_DISABLE_GRAPH_LOGITS)")
+                         "greedy argmax inside the decode graphs (PPRUN_DISABLE_GRAPH_LOGITS), the split-K "
+                         "kernels above one row (DISPATCH_MAX_M set to 1: cuBLAS from two rows on)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED)")
     args = ap.parse_args()
@@ -158,12 +159,13 @@ def main() -> None:
     res["decode_b32"] = decode(args.model, 32, 512, 100)
     if args.ab:
         import pprun.layers
+        import pprun.layers.skinny
         import pprun.layers.triton_utils
         import pprun.worker.v2.runner
 
         switches = [(pprun.layers, "SKINNY_ENABLED"), (pprun.layers, "FUSED_DECODE_ENABLED"),
                     (pprun.layers.triton_utils, "PDL_ENABLED"), (pprun.layers, "NORM_FOLD_ENABLED"),
-                    (pprun.worker.v2.runner, "GRAPH_LOGITS_ENABLED")]
+                    (pprun.worker.v2.runner, "GRAPH_LOGITS_ENABLED"), (pprun.layers.skinny, "DISPATCH_MAX_M")]
         if args.ab_only:
             only = set(args.ab_only.split(","))
             unknown = only - {f for _, f in switches}
@@ -172,11 +174,13 @@ def main() -> None:
             switches = [(m, f) for m, f in switches if f in only]
         defaults = {flag: getattr(module, flag) for module, flag in switches}
         for module, flag in switches:
-            setattr(module, flag, not defaults[flag])
+            flipped = 1 if flag == "DISPATCH_MAX_M" else not defaults[flag]
+            setattr(module, flag, flipped)
             # Same max_model_len as the runs above (it sets the decode split count).
-            res[f"decode_b1_{flag}={not defaults[flag]}"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps,
-                                                      measure_memory=False)
-            res[f"decode_b32_{flag}={not defaults[flag]}"] = decode(args.model, 32, 512, 100)
+            if flag != "DISPATCH_MAX_M":  # one row is the same either way
+                res[f"decode_b1_{flag}={flipped}"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps,
+                                                            measure_memory=False)
+            res[f"decode_b32_{flag}={flipped}"] = decode(args.model, 32, 512, 100)
             setattr(module, flag, defaults[flag])
         # Everything on again: the spread between this and the first run is the noise.
         res["decode_b1_again"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps, measure_memory=False)

@@ -1,5 +1,6 @@
 """Sweep launch settings of the decode matmuls (``pprun.layers.skinny``) and the decode attention
-on this GPU, against cuBLAS, at the 1.1B model's shapes (JSON lines, then a summary).
+on this GPU, against cuBLAS, at the 1.1B model's shapes (the best of each case on stdout,
+every timing as a JSON line in ``--out``).
 
     python scripts/sweep_skinny.py [--rows 1,16,32,64] [--workers 12] [--out sweep.jsonl]
 
@@ -44,19 +45,17 @@ def candidates(m: int, name: str) -> list:
         for bn, bk in ((8, 256), (16, 256), (16, 512), (32, 256)):
             out.append(dataclasses.replace(default, block_n=bn, block_k=min(bk, k), num_stages=4))
         return list(dict.fromkeys(out))
-    for bn, bk, split, stages, warps in itertools.product((64, 128), (64, 128, 256), (1, 2, 4, 8, 16),
-                                                          (3, 4, 6), (4, 8)):
-        if warps == 8 and bn == 64:
-            continue
-        programs = -(-n_out // bn) * split
-        if k // split < bk or programs < 60 or programs > 1200:
-            continue
-        out.append(SkinnyConfig(bn, bk, split, num_warps=warps, num_stages=stages, swap_ab=True))
+    # Narrowed by a first full sweep (block_n 64/128, block_k 64-256, split 1-16, stages 3/4/6,
+    # warps 4/8): 64-wide column tiles with 4 warps won every shape; splits only pay while the
+    # column tiles alone leave SMs idle.
+    k_splits = (1,) if n_out >= 8192 else (1, 2) if n_out >= 4096 else (2, 4) if k <= 2048 else (4, 8, 16)
+    for bk, split, stages in itertools.product((64, 128), k_splits, (4, 6)):
+        out.append(SkinnyConfig(64, bk, split, num_warps=4, num_stages=stages, swap_ab=True))
     return list(dict.fromkeys(out))
 
 
-def jobs(rows: list[int]) -> list[tuple[int, str, object]]:
-    return [(m, name, cfg) for m in rows for name in SHAPES for cfg in candidates(m, name)]
+def jobs(rows: list[int], shapes: list[str]) -> list[tuple[int, str, object]]:
+    return [(m, name, cfg) for m in rows for name in shapes for cfg in candidates(m, name)]
 
 
 def _compile(batch: list) -> int:
@@ -86,10 +85,11 @@ def compile_all(all_jobs: list, workers: int) -> None:
     print(f"# compiled {len(all_jobs)} variants in {time.time() - t0:.0f} s ({failed} failed)", flush=True)
 
 
-def time_matmuls(rows: list[int], out) -> None:
+def time_matmuls(rows: list[int], shapes: list[str], out) -> None:
     from pprun.layers.skinny import skinny_linear
 
-    for name, (k, n) in SHAPES.items():
+    for name in shapes:
+        k, n = SHAPES[name]
         swiglu = name == "gate_up"
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies_for(n * k * 2))]
         nbytes = n * k * 2
@@ -137,7 +137,7 @@ def time_attention(out, ctx: int = 512, max_len: int = 2048, block: int = 16) ->
         o = torch.empty_like(q)
         default_splits = real_splits(batch, KV_HEADS, max_len, q.device)
         best = None
-        for bn, warps, stages, splits in itertools.product((32, 64, 128), (4, 8), (2, 3), sorted({default_splits, 1, 2, 4})):
+        for bn, warps, stages, splits in itertools.product((64, 128), (4, 8), (2, 3), sorted({default_splits, 1})):
             ops._DECODE_BLOCK_N, ops._DECODE_NUM_WARPS, ops._DECODE_NUM_STAGES = bn, warps, stages
             ops.num_decode_splits = lambda *a, s=splits: s
             try:
@@ -159,6 +159,7 @@ def time_attention(out, ctx: int = 512, max_len: int = 2048, block: int = 16) ->
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,16,32,64")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--parts", default="compile,matmul,attention",
                     help="compile: fill Triton's cache in parallel; matmul, attention: time")
@@ -166,6 +167,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     parts = args.parts.split(",")
+    shapes = args.shapes.split(",")
     sink = args.out.open("a") if args.out else None
 
     def record(rec: dict) -> None:  # one JSON line per timing, written as it comes (a timeout keeps them)
@@ -174,9 +176,9 @@ def main() -> None:
             sink.flush()
 
     if "compile" in parts:
-        compile_all(jobs(rows), args.workers)
+        compile_all(jobs(rows, shapes), args.workers)
     if "matmul" in parts:
-        time_matmuls(rows, record)
+        time_matmuls(rows, shapes, record)
     if "attention" in parts:
         time_attention(record)
 

@@ -234,13 +234,14 @@ def test_tiny_llama_fused_matches_torch_path(monkeypatch, tiny_llama_dir, dtype)
 
 
 @pytest.mark.gpu
-def test_tiny_llama_skinny_matmuls_match_cublas(monkeypatch, tiny_llama_dir):
-    """A whole bf16 model on CUDA with a one-token batch: split-K matmuls (SwiGLU folded into
-    gate_up) vs cuBLAS + silu_and_mul."""
+@pytest.mark.parametrize("prompts", [[[42]], [[42, 7, 9], [13, 5], [8]]], ids=["one_row", "six_rows"])
+def test_tiny_llama_skinny_matmuls_match_cublas(monkeypatch, tiny_llama_dir, prompts):
+    """A whole bf16 model on CUDA with a batch of a few tokens: split-K matmuls (SwiGLU folded
+    into gate_up; the swapped form above one row) vs cuBLAS + silu_and_mul."""
     from pprun.layers import skinny
 
-    # One token: the row count that pprun.layers.linear sends to the split-K kernels.
-    arch, model_logits = _tiny_llama_on_cuda(tiny_llama_dir, torch.bfloat16, [[42]])
+    # At most DISPATCH_MAX_M tokens: what pprun.layers.linear sends to the split-K kernels.
+    arch, model_logits = _tiny_llama_on_cuda(tiny_llama_dir, torch.bfloat16, prompts)
     calls = count_calls_by_form(monkeypatch, skinny, "skinny_linear")
     # Every matmul through skinny_linear (the norm fold's kernel is tested in test_norm_linear.py,
     # and with it on below).

@@ -91,8 +91,9 @@ def test_skinny_rejects_bad_shapes():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA (shapes too large for the interpreter)")
-@pytest.mark.parametrize("m", [1, 8, 32])
-@pytest.mark.parametrize("name,n,k", [("qkv", 3072, 2048), ("o_proj", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192)])
+@pytest.mark.parametrize("m", [1, 8, 17, 32])
+@pytest.mark.parametrize("name,n,k", [("qkv", 3072, 2048), ("o_proj", 2048, 2048), ("gate_up", 16384, 2048),
+                                      ("down", 2048, 8192), ("lm_head", 32000, 2048)])
 def test_skinny_default_configs_at_1b_shapes_gpu(m, name, n, k):
     from pprun.layers.skinny import skinny_linear
 
@@ -120,7 +121,9 @@ def test_linear_dispatch_falls_back_for_what_the_kernel_cannot_take():
     x = torch.randn(1, 64, device="cuda", dtype=torch.bfloat16)
     plain = torch.nn.Linear(64, 32, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
     assert layers._skinny_for(plain, x) is skinny
-    assert layers._skinny_for(plain, torch.randn(2, 64, device="cuda", dtype=torch.bfloat16)) is None  # > 1 row
+    assert layers._skinny_for(plain, torch.randn(skinny.DISPATCH_MAX_M, 64, device="cuda", dtype=torch.bfloat16)) is skinny
+    too_many = torch.randn(skinny.DISPATCH_MAX_M + 1, 64, device="cuda", dtype=torch.bfloat16)
+    assert layers._skinny_for(plain, too_many) is None  # cuBLAS's rows
     sub = Scaled(64, 32, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
     assert layers._skinny_for(sub, x) is None
     torch.testing.assert_close(layers.linear(sub, x), sub(x))  # its own forward ran
