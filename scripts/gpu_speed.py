@@ -148,8 +148,7 @@ def main() -> None:
                          "(PPRUN_DISABLE_FUSED_DECODE), programmatic dependent launch (PPRUN_DISABLE_PDL), "
                          "add + RMSNorm folded into the matmuls (PPRUN_DISABLE_NORM_FOLD), LM head and "
                          "greedy argmax inside the decode graphs (PPRUN_DISABLE_GRAPH_LOGITS), the split-K "
-                         "kernels above one row (DISPATCH_MAX_M set to 1: cuBLAS from two rows on), "
-                         "weight lines prefetched into L2 before the PDL wait (PPRUN_DISABLE_L2_PREFETCH)")
+                         "kernels above one row (DISPATCH_MAX_M set to 1: cuBLAS from two rows on)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED)")
     args = ap.parse_args()
@@ -166,8 +165,7 @@ def main() -> None:
 
         switches = [(pprun.layers, "SKINNY_ENABLED"), (pprun.layers, "FUSED_DECODE_ENABLED"),
                     (pprun.layers.triton_utils, "PDL_ENABLED"), (pprun.layers, "NORM_FOLD_ENABLED"),
-                    (pprun.worker.v2.runner, "GRAPH_LOGITS_ENABLED"), (pprun.layers.skinny, "DISPATCH_MAX_M"),
-                    (pprun.layers.skinny, "L2_PREFETCH_ENABLED")]
+                    (pprun.worker.v2.runner, "GRAPH_LOGITS_ENABLED"), (pprun.layers.skinny, "DISPATCH_MAX_M")]
         if args.ab_only:
             only = set(args.ab_only.split(","))
             unknown = only - {f for _, f in switches}

@@ -35,7 +35,6 @@ import triton.language as tl
 from pprun.layers.fused import silu_mul
 from pprun.layers.triton_utils import INTERPRETED as _INTERPRETED
 from pprun.layers.triton_utils import pdl_options, pdl_sync
-from pprun.switches import enabled_unless
 
 MAX_M = 64
 """Largest row count these kernels accept."""
@@ -62,17 +61,6 @@ def _tile_product(x, w, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
         # One row: a multiply and a row sum beat a padded 16-row dot.
         p = tl.sum(x.to(tl.float32) * w.to(tl.float32), 1)[None, :]
     return p
-
-
-@triton.jit
-def _prefetch_l2(row_ptrs, row_mask, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
-    """Ask L2 for the first ``LINES`` 128-byte lines (``LINE_ELEMS`` elements each) of each row
-    (``row_ptrs [R, 1]``): one ``prefetch.global.L2`` per line, nothing waited for or returned."""
-    ptrs = row_ptrs + (tl.arange(0, LINES) * LINE_ELEMS)[None, :]
-    ptrs = tl.where(row_mask[:, None], ptrs, row_ptrs)  # masked rows: their first line again
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
 
 
 @triton.jit
@@ -181,8 +169,6 @@ def _skinny_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_ROW: tl.constexpr,
     EXACT_MUL: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr,
-    LINE_ELEMS: tl.constexpr,
 ):
     """``x @ w.T`` (see the module docstring).  With ``NORM`` (one row, ``BLOCK_M == 1``) the
     matmul's input is ``norm_w * norm(x + residual)`` instead of ``x``: every program reads the
@@ -200,13 +186,8 @@ def _skinny_kernel(
     k_begin = pid_k * K_PER
     k_end = tl.minimum(k_begin + K_PER, K)
     # x comes from the kernel before (PDL: wait for it). Loading the first weight tile before
-    # the wait measured slower (docs/performance.md); with PREFETCH_LINES the first lines of
-    # each weight row are only asked into L2 (no registers, no waiting) while the kernel
-    # before still runs.
-    if PREFETCH_LINES > 0:
-        _prefetch_l2(w_rows + k_begin, n_mask, PREFETCH_LINES, LINE_ELEMS)
-        if SWIGLU:
-            _prefetch_l2(up_rows + k_begin, n_mask, PREFETCH_LINES, LINE_ELEMS)
+    # the wait, or asking L2 for its lines there, measured slower (docs/performance.md), so
+    # nothing is hoisted above it.
     pdl_sync(USE_PDL)
     if NORM:
         rstd = _norm_row_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_hidden, eps, (pid_n == 0) & (pid_k == 0),
@@ -314,20 +295,6 @@ def default_config(m: int, n_out: int, k: int, swiglu: bool, device: torch.devic
     return SkinnyConfig(block_n, block_k, split)
 
 
-L2_PREFETCH_ENABLED: bool = enabled_unless("PPRUN_DISABLE_L2_PREFETCH")
-"""False when ``PPRUN_DISABLE_L2_PREFETCH`` is set: no weight lines are asked into L2 before
-the PDL wait (the A/B switch of ``scripts/gpu_speed.py``)."""
-
-
-def _prefetch_lines(k_per: int, block_k: int, elem_bytes: int) -> int:
-    """128-byte lines per weight row to prefetch into L2 before the PDL wait (launches with PDL
-    only): the first two K tiles of the program's piece of K (0: off, or the interpreter, which
-    has no inline PTX)."""
-    if not L2_PREFETCH_ENABLED or _INTERPRETED:
-        return 0
-    return max(1, min(k_per, 2 * block_k) * elem_bytes // 128)
-
-
 _counters: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
 
 
@@ -401,7 +368,6 @@ def _launch(
         inv_hidden, block_row = 1.0 / k, triton.next_power_of_2(k)
     else:
         norm_args, eps, inv_hidden, block_row = (x, x, x), 0.0, 0.0, 1  # unread without NORM
-    pdl = pdl_options(x.device)
     _skinny_kernel[(col_blocks, split)](
         x,
         weight,
@@ -433,11 +399,9 @@ def _launch(
         HAS_RESIDUAL=norm is not None and norm[0] is not None,
         BLOCK_ROW=block_row,
         EXACT_MUL=not _INTERPRETED,
-        PREFETCH_LINES=_prefetch_lines(k_per, cfg.block_k, x.element_size()) if pdl["USE_PDL"] else 0,
-        LINE_ELEMS=128 // x.element_size(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **pdl,
+        **pdl_options(x.device),
     )
 
 
