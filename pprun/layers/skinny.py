@@ -8,7 +8,7 @@ tiles (and split K when it is long) so that every SM streams: 8-14% faster on ea
 From two rows on the tile product is a tensor-core dot in the swapped form: 64 weight rows as
 the MMA's M side and the activation rows (padded to 16-64) as its N side, which Hopper's wgmma
 accepts (with the activations as the M side, 32 rows are too few for it): at 32 rows 4-13%
-faster than cuBLAS on four of the 1.1B model's five shapes and even on qkv, at 16 rows 5-18%
+faster than cuBLAS on four of the 1.1B model's five shapes and even on qkv, at 16 rows 4-18%
 faster on all five (``scripts/sweep_skinny.py``; see :data:`DISPATCH_MAX_M`).
 
 - ``out = x @ weight.T (+ bias)`` for ``x [M, K]`` with ``M <= MAX_M``;
