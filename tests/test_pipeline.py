@@ -79,11 +79,12 @@ def test_tiny_tokens_identical_across_pp(tiny_llama_dir, tiny_reference, executo
 
 
 def test_v2_three_batches_in_flight_through_two_stages(tiny_llama_dir, tiny_reference):
-    """parallel.microbatches=3 with two stages: three steps in flight, the last stage launching
-    a step before the previous one's sampled ids are read; tokens as in one process."""
+    """parallel.microbatches=3 with two stages: three batches, each with two (async) steps in
+    flight, the last stage launching a step before the previous one's sampled ids are read;
+    tokens as in one process."""
     with LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2,
              microbatches=3, runner="v2") as llm:
-        assert llm.engine.executor.max_in_flight == 3
+        assert llm.engine.executor.max_in_flight == 6  # async steps: two per batch
         for conn in llm.engine.executor.conns:  # no 40 ms delayed-ACK stalls (see set_nodelay)
             with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
                 assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
@@ -91,6 +92,57 @@ def test_v2_three_batches_in_flight_through_two_stages(tiny_llama_dir, tiny_refe
         assert llm.engine.num_steps > 0
         facts = llm.engine.executor.call_all("runner_facts")
         assert facts == [{"runner": "v2", "cudagraph_mode": "none", "hop_in_graph": False}] * 2
+
+
+def test_async_pipeline_steps_give_the_outputs_of_one_process(demo_model_dir):
+    """pp=2 with async steps (V2, the default): each batch's next step is submitted while its
+    current one is in the pipeline and computes on the ids the last stage sent the first; stops
+    (EOS, stop strings, max_tokens 1, min_tokens) and seeded sampling come out as in one process
+    with synchronous steps, the overshoot tokens dropped."""
+    from test_engine import DEMO_PROMPTS
+
+    params = [
+        SamplingParams(temperature=0, max_tokens=30),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, stop=["\n"]),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=12),
+        SamplingParams(temperature=0, max_tokens=1),
+        SamplingParams(temperature=0, max_tokens=30, min_tokens=5),
+    ]
+    prompts = DEMO_PROMPTS[:6]
+
+    def run(**kw) -> list[tuple]:
+        with LLM("smollm2-135m-instruct", dtype="float32", max_model_len=512, **kw) as llm:
+            outs = llm.generate(prompts, params)
+            ex = llm.engine.executor
+            facts = (llm.engine.async_scheduling, getattr(ex, "async_steps", False), ex.max_in_flight)
+        return facts, [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
+                        o.outputs[0].stop_reason) for o in outs]
+
+    facts_one, want = run(async_scheduling=False)
+    assert facts_one == (False, False, 1)
+    facts, got = run(executor="mp", pipeline_parallel_size=2, microbatches=3, runner="v2")
+    assert facts == (True, True, 6)  # three batches, two steps each
+    assert got == want
+
+
+def test_async_pipeline_steps_survive_preemption(tiny_llama_dir):
+    """A KV cache too small for every request: preemptions (only of requests out of flight)
+    while batches have steps in flight computing on fed-back ids; tokens as requests alone."""
+    from test_engine import _run_engine, token_prompts
+
+    prompts = token_prompts(8, seed=1)
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(prompts)
+    with LLM(str(tiny_llama_dir), dtype="float32") as llm:
+        alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    per_block = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers per stage, block 16, 2 kv heads, dim 16, fp32
+    with LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2, runner="v2",
+             max_model_len=96, kv_cache_memory_bytes=12 * per_block, max_num_batched_tokens=32) as llm:
+        assert llm.engine.executor.async_steps
+        tight = _run_engine(llm, prompts, params, arrivals=[0] * 8)
+        preemptions = llm.engine.num_preemptions
+    assert tight == alone
+    assert preemptions > 0
 
 
 def test_step_trace_written_by_every_stage_and_the_engine(tiny_llama_dir, tmp_path, monkeypatch):
@@ -360,18 +412,21 @@ def test_transport_sends_metadata_once_and_rejects_later_changes(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-@pytest.mark.parametrize("graph_hop", [True, False])
-def test_two_gpu_stages_full_graphs_match_one_gpu(tiny_llama_dir, monkeypatch, graph_hop):
+@pytest.mark.parametrize("graph_hop, async_steps", [(True, True), (False, True), (True, False)])
+def test_two_gpu_stages_full_graphs_match_one_gpu(tiny_llama_dir, monkeypatch, graph_hop, async_steps):
     """pp=2 on two GPUs, V2 with full decode graphs, three batches in flight: the same tokens
     as one GPU, with the hop inside the decode graphs (send at the end of stage 0's graph,
-    receive at the start of stage 1's) and, with ``PPRUN_DISABLE_GRAPH_HOP=1``, outside them."""
+    receive at the start of stage 1's) and, with ``PPRUN_DISABLE_GRAPH_HOP=1``, outside them;
+    with async steps (the sampled ids sent by NCCL from the last stage to the first) and without."""
     prompts = TOKEN_PROMPTS * 3  # several decode batches of different sizes
     kw = dict(dtype="float32", device="cuda", runner="v2", cudagraph_mode="full", max_num_seqs=16)
     with LLM(str(tiny_llama_dir), executor="uni", **kw) as llm:
         want = tokens(llm.generate(prompts, GREEDY))
     if not graph_hop:
         monkeypatch.setenv("PPRUN_DISABLE_GRAPH_HOP", "1")
-    with LLM(str(tiny_llama_dir), executor="mp", pipeline_parallel_size=2, microbatches=3, **kw) as llm:
+    with LLM(str(tiny_llama_dir), executor="mp", pipeline_parallel_size=2, microbatches=3,
+             async_scheduling=async_steps, **kw) as llm:
+        assert llm.engine.executor.async_steps is async_steps
         facts = llm.engine.executor.call_all("runner_facts")
         assert [f["cudagraph_mode"] for f in facts] == ["full", "full"]
         assert [f["hop_in_graph"] for f in facts] == [graph_hop, graph_hop]

@@ -630,3 +630,28 @@ def test_async_scheduling_stops_at_max_tokens_without_overshoot():
     assert sched.schedule().is_empty()  # the pending token is already the last one
     sched.update_from_output(s1, ModelRunnerOutput(s1.step_id, ["a"], [[7]]))
     assert req.is_finished and req.finish_reason == "length"
+
+
+def test_async_scheduling_over_pipeline_batches_keeps_batch_order():
+    """Pipeline with async steps: two batches, each with two steps in flight; a batch's next
+    step goes behind the other batch's step (the first stage waits for no sample)."""
+    sched = Scheduler(8, 256, max_model_len=64, block_size=4, num_blocks=65, max_in_flight=4,
+                      spread_over_in_flight=True, async_scheduling=True)
+    for i in range(4):
+        sched.add_request(make_req(f"r{i}", 4, max_tokens=8))
+    steps = [sched.schedule() for _ in range(4)]
+    assert [list(s.num_scheduled_tokens) for s in steps] == [["r0", "r1"], ["r2", "r3"], ["r0", "r1"], ["r2", "r3"]]
+    assert steps[2].num_scheduled_tokens == {"r0": 1, "r1": 1}  # on the pending samples
+    assert steps[2].scheduled_cached_reqs.new_token_ids == [[], []]
+    with pytest.raises(RuntimeError, match="max_in_flight=4"):
+        sched.schedule()
+    sched.update_from_output(steps[0], ModelRunnerOutput(steps[0].step_id, ["r0", "r1"], [[7], [8]]))
+    fifth = sched.schedule()
+    assert fifth.num_scheduled_tokens == {"r0": 1, "r1": 1}
+    assert fifth.scheduled_cached_reqs.new_token_ids == [[7], [8]]
+
+
+def test_async_scheduling_over_batches_needs_two_steps_per_batch():
+    with pytest.raises(ValueError, match="even max_in_flight"):
+        Scheduler(8, 256, max_model_len=64, block_size=4, num_blocks=65, max_in_flight=3,
+                  spread_over_in_flight=True, async_scheduling=True)

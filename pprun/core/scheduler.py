@@ -86,14 +86,20 @@ class Scheduler:
         self.spread_over_in_flight = spread_over_in_flight
         self.async_scheduling = async_scheduling
         """Let a decoding request join the next step while its current step is still in flight
-        (pp = 1 with a runner that feeds the token sampled on the device into the next step's
-        input): the host's scheduling and bookkeeping then overlap the device's compute.  The
+        (a runner that feeds the token sampled on the device into the next step's input: at
+        pp = 1 the previous step's samples, in a pipeline the ids the last stage sends to the
+        first): the host's scheduling and bookkeeping then overlap the device's compute.  The
         cost: a request that stops in step N has already computed one token in step N+1, whose
-        output is dropped."""
-        if async_scheduling and max_in_flight != 2:
-            raise ValueError(f"async_scheduling needs max_in_flight=2, got {max_in_flight}")
-        """Cap each step at ceil(unfinished / max_in_flight) requests, so that with pipeline
-        parallelism every stage gets a batch (the engine turns this on for pp > 1)."""
+        output is dropped.  Each request is then in at most two steps: ``max_in_flight`` is 2,
+        or with ``spread_over_in_flight`` twice the number of batches."""
+        if async_scheduling and max_in_flight != 2 and not (spread_over_in_flight and max_in_flight % 2 == 0):
+            raise ValueError(
+                f"async_scheduling needs max_in_flight=2, or an even max_in_flight (two steps per "
+                f"batch) with spread_over_in_flight, got max_in_flight={max_in_flight}"
+            )
+        """Cap each step at ceil(unfinished / batches) requests, so that with pipeline parallelism
+        every stage gets a batch (the engine turns this on for pp > 1); batches are
+        ``max_in_flight``, or half of it with async scheduling (each batch two steps in flight)."""
 
         # Unfinished requests by id (dicts keep insertion order: deterministic iteration).
         self._requests: dict[str, Request] = {}
@@ -237,36 +243,49 @@ class Scheduler:
         # within the request's last block) allocates nothing and reads lengths directly: with a
         # few hundred requests this loop is most of the engine's host time per step.
         block_size, running, async_scheduling = self.block_size, RequestStatus.RUNNING, self.async_scheduling
-        for req in list(self._running):
-            if token_budget == 0 or len(scheduled) >= step_cap:
-                break
-            if req.status is not running:
-                continue  # preempted earlier in this loop
-            if req.num_steps_in_flight and (not async_scheduling or not self._can_join_step(req)):
-                continue  # in an outstanding step
-            num_computed = req.num_computed_tokens
-            num_new_tokens = min(
-                len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_pending_samples - num_computed,
-                token_budget,
-            )
-            if num_new_tokens <= 0:
-                continue
-            if num_computed + num_new_tokens <= len(req.block_ids) * block_size:
-                new_block_ids = []  # the request's blocks already cover this step
-            else:
-                new_block_ids, preempted = self._allocate_or_preempt(req, num_computed + num_new_tokens)
-                preempted_this_step = preempted_this_step or preempted
-                if new_block_ids is None:
+        candidates, joiners = self._running, []
+        if async_scheduling and self.spread_over_in_flight:
+            # Pipeline batches with async steps: requests out of flight (and the waiting ones)
+            # first, then those joining a step they are still in, so that a batch's next step
+            # goes behind the other batches' steps instead of straight behind its own (which
+            # the first stage would have to wait for).
+            candidates = [r for r in self._running if not r.num_steps_in_flight]
+            joiners = [r for r in self._running if r.num_steps_in_flight]
+
+        def take_running(reqs: list[Request]) -> None:
+            nonlocal token_budget, preempted_this_step
+            for req in list(reqs):
+                if token_budget == 0 or len(scheduled) >= step_cap:
+                    break
+                if req.status is not running:
+                    continue  # preempted earlier in this loop
+                if req.num_steps_in_flight and (not async_scheduling or not self._can_join_step(req)):
+                    continue  # in an outstanding step
+                num_computed = req.num_computed_tokens
+                num_new_tokens = min(
+                    len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_pending_samples - num_computed,
+                    token_budget,
+                )
+                if num_new_tokens <= 0:
                     continue
-            cached_reqs.req_ids.append(req.req_id)
-            cached_reqs.new_block_ids.append(new_block_ids)
-            cached_reqs.num_computed_tokens.append(num_computed)
-            num_sent = req.num_output_tokens_sent
-            outputs = req.output_token_ids
-            cached_reqs.new_token_ids.append(outputs[num_sent:] if num_sent < len(outputs) else [])
-            req.num_output_tokens_sent = len(outputs)
-            self._mark_scheduled(req, num_new_tokens, num_scheduled_tokens, scheduled)
-            token_budget -= num_new_tokens
+                if num_computed + num_new_tokens <= len(req.block_ids) * block_size:
+                    new_block_ids = []  # the request's blocks already cover this step
+                else:
+                    new_block_ids, preempted = self._allocate_or_preempt(req, num_computed + num_new_tokens)
+                    preempted_this_step = preempted_this_step or preempted
+                    if new_block_ids is None:
+                        continue
+                cached_reqs.req_ids.append(req.req_id)
+                cached_reqs.new_block_ids.append(new_block_ids)
+                cached_reqs.num_computed_tokens.append(num_computed)
+                num_sent = req.num_output_tokens_sent
+                outputs = req.output_token_ids
+                cached_reqs.new_token_ids.append(outputs[num_sent:] if num_sent < len(outputs) else [])
+                req.num_output_tokens_sent = len(outputs)
+                self._mark_scheduled(req, num_new_tokens, num_scheduled_tokens, scheduled)
+                token_budget -= num_new_tokens
+
+        take_running(candidates)
 
         # Waiting requests, strictly FCFS.  Skipped after a preemption: the blocks just freed
         # are for the running requests, and re-admitting the victim now would only thrash.
@@ -301,6 +320,8 @@ class Scheduler:
             req.num_output_tokens_sent = req.num_output_tokens
             self._mark_scheduled(req, num_new_tokens, num_scheduled_tokens, scheduled)
             token_budget -= num_new_tokens
+        if joiners:
+            take_running(joiners)
 
         step_id = self._next_step_id
         self._next_step_id += 1
@@ -328,7 +349,8 @@ class Scheduler:
         if self.max_in_flight == 1 or not self.spread_over_in_flight:
             return self.max_num_seqs
         num_unfinished = min(len(self._requests), self.max_num_seqs)
-        return max(1, -(-num_unfinished // self.max_in_flight))
+        batches = self.max_in_flight // 2 if self.async_scheduling else self.max_in_flight
+        return max(1, -(-num_unfinished // batches))
 
     def _allocate_or_preempt(self, req: Request, num_total_tokens: int) -> tuple[list[int] | None, bool]:
         """Grow ``req``'s blocks to ``num_total_tokens``, preempting the most recently arrived

@@ -56,12 +56,16 @@ class PipelineTransport:
         cpu_group: dist.ProcessGroup | None,
         device_group: dist.ProcessGroup | None,
         global_ranks: list[int],
+        feedback_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.layout = layout
         self.device = device
         self.cpu_group = cpu_group
         self.device_group = device_group
         self.global_ranks = global_ranks
+        self.feedback_group = feedback_group
+        """First and last stage only, on the device backend: the sampled ids of async pipeline
+        steps (``pprun.distributed.feedback``); None where the transport was not made here."""
         self._meta_out = torch.zeros(META_BYTES, dtype=torch.uint8)
         self._meta_in = torch.zeros(META_BYTES, dtype=torch.uint8)
         self._announced: list[tuple[str, tuple[int, ...], str]] | None = None
@@ -95,7 +99,9 @@ class PipelineTransport:
         ranks = list(range(layout.pp_size))
         device_group = dist.group.WORLD
         cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout) if backend == "nccl" else device_group
-        return cls(layout, device, cpu_group, device_group, ranks)
+        # Every rank creates every group (a collective), members or not.
+        feedback_group = dist.new_group([ranks[0], ranks[-1]], backend=backend, timeout=timeout)
+        return cls(layout, device, cpu_group, device_group, ranks, feedback_group)
 
     @classmethod
     def from_existing(

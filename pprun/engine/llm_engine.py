@@ -131,9 +131,10 @@ class LLMEngine:
             num_blocks=self.num_blocks,
             enable_chunked_prefill=sc.enable_chunked_prefill,
             max_in_flight=self.executor.max_in_flight,
-            # pp > 1: a batch per stage.  One stage with async steps: every request in each step,
-            # the next step computing on the device-side samples of the previous one.
-            spread_over_in_flight=not self.async_scheduling,
+            # pp > 1: a batch per stage (with async steps two steps per batch, the next one
+            # computing on the ids the last stage sends the first).  One stage with async steps:
+            # every request in each step, on the device-side samples of the previous one.
+            spread_over_in_flight=not self.async_scheduling or getattr(self.executor, "pp_size", 1) > 1,
             async_scheduling=self.async_scheduling,
         )
 

@@ -34,7 +34,7 @@ class MpExecutor(RemoteStagesExecutor):
     name = "mp"
 
     def __init__(self, resolved, runner: str, fault_injection: dict[int, dict] | None = None) -> None:
-        super().__init__(resolved, resolved.cfg.parallel.stage_timeout_s)
+        super().__init__(resolved, resolved.cfg.parallel.stage_timeout_s, runner)
         listener = self._listen("127.0.0.1")
         init_method = f"tcp://127.0.0.1:{free_port()}"
         specs = [
@@ -44,6 +44,7 @@ class MpExecutor(RemoteStagesExecutor):
                 runner,
                 init_method=init_method,
                 device_index=rank if resolved.device == "cuda" else None,
+                sample_feedback=self.async_steps,
                 fault_injection=(fault_injection or {}).get(rank),
             )
             for rank in range(self.pp_size)

@@ -53,7 +53,7 @@ class RayExecutor(RemoteStagesExecutor):
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        super().__init__(resolved, resolved.cfg.parallel.stage_timeout_s)
+        super().__init__(resolved, resolved.cfg.parallel.stage_timeout_s, runner)
         par = resolved.cfg.parallel
         on_gpu = resolved.device == "cuda"
         cpus = par.ray_num_cpus_per_stage
@@ -109,6 +109,7 @@ class RayExecutor(RemoteStagesExecutor):
                     runner,
                     init_method=f"tcp://{ip0}:{port0}",
                     device_index=0 if on_gpu else None,  # Ray sets CUDA_VISIBLE_DEVICES per actor
+                    sample_feedback=self.async_steps,
                     fault_injection=(fault_injection or {}).get(rank),
                 )
                 self.run_refs.append(actor.run.remote(spec, listener.address, self.authkey))

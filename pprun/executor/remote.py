@@ -152,11 +152,16 @@ class RemoteStagesExecutor(Executor):
 
     max_in_flight = 1
 
-    def __init__(self, resolved, timeout_s: float) -> None:
+    def __init__(self, resolved, timeout_s: float, runner: str = "v1") -> None:
         self.resolved = resolved
         self.timeout_s = timeout_s
         self.pp_size = len(resolved.layer_partition)
-        self.max_in_flight = resolved.cfg.parallel.microbatches or self.pp_size
+        batches = resolved.cfg.parallel.microbatches or self.pp_size
+        self.async_steps = runner == "v2" and self.pp_size > 1 and resolved.cfg.scheduler.async_scheduling
+        """Async pipeline steps: each batch's next step is submitted while its current one is in
+        the pipeline, its input ids sent by the last stage to the first (``WorkerSpec.
+        sample_feedback``): two steps per batch in flight, and the engine off the loop."""
+        self.max_in_flight = 2 * batches if self.async_steps else batches
         self.authkey = secrets.token_bytes(16)
         self.conns: list[Connection | None] = [None] * self.pp_size
         self.pending: deque[int] = deque()

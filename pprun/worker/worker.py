@@ -35,6 +35,9 @@ class WorkerSpec:
     """``torch.distributed`` rendezvous (``tcp://host:port``) for pp > 1 with own executors."""
     device_index: int | None = None
     """CUDA device of this stage; ``None`` on CPU."""
+    sample_feedback: bool = False
+    """Async pipeline steps: the last stage sends its sampled ids straight to the first
+    (``pprun.distributed.feedback``); the executor turns it on with async scheduling."""
     fault_injection: dict | None = None
     """Tests only: ``{"raise_at_step": k}``, ``{"delay_s": d}`` (sleep each step) or
     ``{"rename_sent_keys": True}`` (send intermediate tensors under wrong names)."""
@@ -131,7 +134,10 @@ class Worker:
         if self.spec.runner == "v2":
             from pprun.worker.v2.runner import V2ModelRunner
 
-            self.runner = V2ModelRunner(self.model, self.layout, self.device, rc, num_blocks, self.transport)
+            self.runner = V2ModelRunner(
+                self.model, self.layout, self.device, rc, num_blocks, self.transport,
+                sample_feedback=self.spec.sample_feedback,
+            )
         else:
             from pprun.worker.v1.runner import V1ModelRunner
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pprun.distributed.feedback import SampleFeedback
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
 from pprun.distributed.transport import SENT_IN_GRAPH, PipelineTransport
@@ -58,6 +59,26 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
+
+
+class _AnySample(Mapping[str, int]):
+    """Every request has a pending sample at row 0: what a stage after the first passes for the
+    pending tokens of async pipeline steps (it reads no input ids, so their values never matter)."""
+
+    def __getitem__(self, req_id: str) -> int:
+        return 0
+
+    def __contains__(self, req_id: object) -> bool:
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+ANY_SAMPLE = _AnySample()
 
 
 class _SampleIndex(Mapping[str, int]):
@@ -131,9 +152,12 @@ class V2ModelRunner:
         resolved: Any,
         num_blocks: int,
         transport: PipelineTransport | None = None,
+        sample_feedback: bool = False,
     ) -> None:
         """``transport``: the stage's channel when the pipeline has more than one stage (its
-        decode graphs may then carry the hop, see :data:`GRAPH_HOP_ENABLED`)."""
+        decode graphs may then carry the hop, see :data:`GRAPH_HOP_ENABLED`);
+        ``sample_feedback``: async pipeline steps, the last stage sending its sampled ids to the
+        first (``pprun.distributed.feedback``; the first and last stage must agree)."""
         cfg = resolved.cfg
         self.model = model
         self.layout = layout
@@ -178,6 +202,19 @@ class V2ModelRunner:
         """The last step's sampled ids, on the device (async scheduling reads them)."""
         self.prev_sample_index: Mapping[str, int] = {}
         """Request id -> its row in :attr:`prev_sampled`."""
+        self.feedback: SampleFeedback | None = None
+        """First and last stage of an async pipeline: the sampled ids' channel between them."""
+        if sample_feedback and layout.pp_size > 1 and (layout.is_first or layout.is_last):
+            if transport is None or transport.feedback_group is None:
+                raise ValueError(
+                    f"stage {layout.pp_rank}: sample_feedback needs a transport with a feedback group "
+                    "(pprun's own executors make one)"
+                )
+            batches = cfg.parallel.microbatches or layout.pp_size
+            peer = transport.global_ranks[-1 if layout.is_first else 0]
+            self.feedback = SampleFeedback(
+                transport.feedback_group, peer, layout.is_first, self.max_num_reqs, 2 * batches + 2, device
+            )
         # Graph replays read received hidden states from fixed addresses (contract 2).
         self.graph_intermediate: IntermediateTensors | None = None
         if not layout.is_first:
@@ -202,10 +239,13 @@ class V2ModelRunner:
 
     def update_states(self, so: SchedulerOutput) -> None:
         """Apply the step's deltas to the request table and the model-state plug-in."""
+        feedback = self.feedback if self.layout.is_first else None
         for req_id in so.finished_req_ids:
             row = self.table.remove(req_id)
             if row is not None:
                 self.model_state.remove_request(row)
+            if feedback is not None:
+                feedback.forget(req_id)
         for new in so.scheduled_new_reqs:
             row = self.table.add(
                 new.req_id, new.prompt_token_ids, new.block_ids, new.num_computed_tokens, new.sampling_params
@@ -220,6 +260,8 @@ class V2ModelRunner:
         """Warm up and capture the configured graphs (no-op on CPU or with cudagraph_mode=none)."""
         self._capture_extra: tuple[torch.Tensor | None, dict[str, Any]] = (None, {})
         self.hop_in_graph = self._agree_on_graph_hops()
+        if self.feedback is not None:
+            self.feedback.warm_up()
         self.graphs.capture(self._prepare_dummy, self._dummy_forward)
 
     def _agree_on_graph_hops(self) -> bool:
@@ -351,18 +393,27 @@ class V2ModelRunner:
             return ModelRunnerOutput(so.step_id, [], []) if self.layout.is_last else None
         num_tokens = so.total_num_scheduled_tokens
         plan = self.plan(so)
-        batch = prepare_step(
-            self.table, so, self.bufs, plan.num_reqs_padded, plan.num_tokens_padded, self.prev_sample_index
-        )
+        if self.layout.pp_size == 1:
+            pending_from = self.prev_sample_index
+        elif self.layout.is_first and self.feedback is not None:
+            pending_from = self.feedback.index
+        else:
+            pending_from = ANY_SAMPLE  # later stages read no input ids
+        batch = prepare_step(self.table, so, self.bufs, plan.num_reqs_padded, plan.num_tokens_padded, pending_from)
         if self.layout.is_last:
             self.table.flush_sampling_params()
         self.bufs.to_device(plan.num_reqs_padded, plan.num_tokens_padded, batch.num_sampled, batch.num_pending)
-        if batch.num_pending:
-            # Async scheduling: these inputs are what the previous step sampled, still on the
-            # device (stream order makes this read wait for that step, not the host).
+        if batch.num_pending and self.layout.is_first:
+            # Async scheduling: these inputs are what the previous step sampled (in a pipeline:
+            # what the last stage sent), still on the device (stream order makes this read wait
+            # for that step or receive, not the host).
             n = batch.num_pending
             ids = self.bufs.input_ids.device
-            ids[self.bufs.pending_token_idx.device[:n]] = self.prev_sampled[self.bufs.pending_sample_idx.device[:n]]
+            if self.feedback is not None:
+                source = self.feedback.source(self.bufs.pending_sample_idx.np[:n])
+            else:
+                source = self.prev_sampled
+            ids[self.bufs.pending_token_idx.device[:n]] = source[self.bufs.pending_sample_idx.device[:n]]
         meta = self.bufs.attn_metadata(
             batch.num_reqs, plan.num_reqs_padded, num_tokens, plan.num_tokens_padded, batch.max_query_len
         )
@@ -375,6 +426,8 @@ class V2ModelRunner:
             into = self.graph_intermediate if in_graph_buffers else None
             intermediate_tensors = receive(into, hop_in_graph)
         out = self._run_model(plan, batch, meta, intermediate_tensors, in_graph_buffers, hop_in_graph)
+        if self.feedback is not None and self.layout.is_first and batch.num_sampled:
+            self.feedback.expect(batch.req_ids, batch.sample_batch_idx, batch.num_sampled)
         if not self.layout.is_last:
             return SENT_IN_GRAPH if hop_in_graph else out[:num_tokens]
         return self.sample(so, batch, out, plan.mode == "full")
@@ -455,6 +508,8 @@ class V2ModelRunner:
         else:
             res = self.sampler(picked[0], tensors)
         self.prev_sampled = res.sampled_token_ids
+        if self.feedback is not None:
+            self.feedback.send(res.sampled_token_ids)
         sample_idx_list = batch.sample_batch_idx.tolist()
         self.prev_sample_index = _SampleIndex(batch.req_ids, sample_idx_list)
         # Read the table now: by the time the output is built, a finished request's row may
