@@ -278,6 +278,7 @@ def test_resolve_executor() -> None:
             r"parallel\.microbatches=1.*>= parallel\.pipeline_parallel_size \(2\)",
         ),
         ({"microbatches": 2}, r"parallel\.microbatches=2.*executor 'uni'.*mp and ray"),
+        ({"async_pipeline": True}, r"parallel\.async_pipeline=True.*pipeline_parallel_size=1.*executor 'uni'"),
         ({"cudagraph_capture_sizes": [1, 0]}, r"compilation\.cudagraph_capture_sizes=\[1, 0\]"),
         ({"log_level": "LOUD"}, r"log_level='LOUD'"),
         (

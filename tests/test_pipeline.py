@@ -79,12 +79,11 @@ def test_tiny_tokens_identical_across_pp(tiny_llama_dir, tiny_reference, executo
 
 
 def test_v2_three_batches_in_flight_through_two_stages(tiny_llama_dir, tiny_reference):
-    """parallel.microbatches=3 with two stages: three batches, each with two (async) steps in
-    flight, the last stage launching a step before the previous one's sampled ids are read;
-    tokens as in one process."""
+    """parallel.microbatches=3 with two stages: three steps in flight, the last stage launching
+    a step before the previous one's sampled ids are read; tokens as in one process."""
     with LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2,
              microbatches=3, runner="v2") as llm:
-        assert llm.engine.executor.max_in_flight == 6  # async steps: two per batch
+        assert llm.engine.executor.max_in_flight == 3
         for conn in llm.engine.executor.conns:  # no 40 ms delayed-ACK stalls (see set_nodelay)
             with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
                 assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
@@ -95,7 +94,7 @@ def test_v2_three_batches_in_flight_through_two_stages(tiny_llama_dir, tiny_refe
 
 
 def test_async_pipeline_steps_give_the_outputs_of_one_process(demo_model_dir):
-    """pp=2 with async steps (V2, the default): each batch's next step is submitted while its
+    """pp=2 with async steps (``async_pipeline``): each batch's next step is submitted while its
     current one is in the pipeline and computes on the ids the last stage sent the first; stops
     (EOS, stop strings, max_tokens 1, min_tokens) and seeded sampling come out as in one process
     with synchronous steps, the overshoot tokens dropped."""
@@ -121,23 +120,27 @@ def test_async_pipeline_steps_give_the_outputs_of_one_process(demo_model_dir):
 
     facts_one, want = run(async_scheduling=False)
     assert facts_one == (False, False, 1)
-    facts, got = run(executor="mp", pipeline_parallel_size=2, microbatches=3, runner="v2")
+    facts, got = run(executor="mp", pipeline_parallel_size=2, microbatches=3, runner="v2", async_pipeline=True)
     assert facts == (True, True, 6)  # three batches, two steps each
     assert got == want
 
 
-def test_async_pipeline_steps_survive_preemption(tiny_llama_dir):
+@pytest.mark.parametrize("executor", ["mp", "ray"])
+def test_async_pipeline_steps_survive_preemption(tiny_llama_dir, executor, request):
     """A KV cache too small for every request: preemptions (only of requests out of flight)
     while batches have steps in flight computing on fed-back ids; tokens as requests alone."""
     from test_engine import _run_engine, token_prompts
 
+    if executor == "ray":
+        request.getfixturevalue("ray_cluster")
     prompts = token_prompts(8, seed=1)
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(prompts)
     with LLM(str(tiny_llama_dir), dtype="float32") as llm:
         alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     per_block = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers per stage, block 16, 2 kv heads, dim 16, fp32
-    with LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2, runner="v2",
-             max_model_len=96, kv_cache_memory_bytes=12 * per_block, max_num_batched_tokens=32) as llm:
+    with LLM(str(tiny_llama_dir), dtype="float32", executor=executor, pipeline_parallel_size=2, runner="v2",
+             async_pipeline=True, max_model_len=96, kv_cache_memory_bytes=12 * per_block,
+             max_num_batched_tokens=32) as llm:
         assert llm.engine.executor.async_steps
         tight = _run_engine(llm, prompts, params, arrivals=[0] * 8)
         preemptions = llm.engine.num_preemptions
@@ -425,7 +428,7 @@ def test_two_gpu_stages_full_graphs_match_one_gpu(tiny_llama_dir, monkeypatch, g
     if not graph_hop:
         monkeypatch.setenv("PPRUN_DISABLE_GRAPH_HOP", "1")
     with LLM(str(tiny_llama_dir), executor="mp", pipeline_parallel_size=2, microbatches=3,
-             async_scheduling=async_steps, **kw) as llm:
+             async_pipeline=async_steps, **kw) as llm:
         assert llm.engine.executor.async_steps is async_steps
         facts = llm.engine.executor.call_all("runner_facts")
         assert [f["cudagraph_mode"] for f in facts] == ["full", "full"]

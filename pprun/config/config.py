@@ -66,6 +66,13 @@ class ParallelConfig:
     stage busy while the engine turns a batch's output into its next step (the round trip
     engine -> first stage ... last stage -> engine is longer than one stage's compute); the
     requests (at most ``scheduler.max_num_seqs``) are spread over the batches."""
+    async_pipeline: bool = False
+    """Async pipeline steps (executors mp and ray, V2 runner, pp > 1): the engine submits each
+    batch's next step while the current one is still in the pipeline, and the last stage sends
+    its sampled ids straight to the first stage's host (``pprun.distributed.feedback``), so the
+    engine is off the loop that feeds a batch's next step.  Twice ``microbatches`` steps in
+    flight; a request that stops has computed one extra token, which is dropped.  Off by
+    default: correct on CPU and GPU in the tests, not yet measured on GPUs."""
 
 
 @dataclass

@@ -167,6 +167,15 @@ def _check_values(cfg: PprunConfig, env: Mapping[str, str]) -> None:
                 "only the mp and ray executors keep several batches in flight; leave it null"
             )
 
+    if cfg.parallel.async_pipeline:
+        executor = resolve_executor(cfg, env)
+        if pp_size < 2 or executor not in ("mp", "ray"):
+            raise ValueError(
+                f"parallel.async_pipeline=True is not allowed with pipeline_parallel_size={pp_size} and "
+                f"executor {executor!r}: it needs pp >= 2 on the mp or ray executor (one stage in process "
+                "uses scheduler.async_scheduling instead); set it to false"
+            )
+
     _check_min("scheduler.max_num_seqs", cfg.scheduler.max_num_seqs, 1, "an integer >= 1")
     _check_min("scheduler.max_num_batched_tokens", cfg.scheduler.max_num_batched_tokens, 1, "an integer >= 1")
 

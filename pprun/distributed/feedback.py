@@ -1,23 +1,27 @@
-"""Sampled token ids sent from the last pipeline stage straight to the first (async pipeline steps).
+"""Sampled token ids sent from the last pipeline stage straight to the first (async pipeline steps,
+``parallel.async_pipeline``).
 
 Without it, a batch's next step can only start once its sampled ids have gone from the last
 stage to the engine and the next step's message from the engine to the first stage: a round
-trip through two hosts per step that the other batches in flight must cover (measured on two
+trip through the engine per step that the other batches in flight must cover (measured on two
 H200s: ~0.9 ms, more than three decode steps of the 1.1B model).  With it, the engine schedules
 a batch's next step while the current one is still in the pipeline (async scheduling, each
 request in at most two steps), the first stage takes that step's input ids for the pending
-tokens from the last stage's message, and the device streams wait on each other, not the hosts.
+tokens from the last stage's message, and the engine's work on the output is off that loop.
+
+The ids go host to host on their own gloo group of the two ranks, also between GPUs: the last
+stage has them in host memory anyway (its answer to the engine), and a second NCCL group
+between the same GPUs is not an independent channel — a send on the activations' group waited
+behind a receive outstanding on the other, which serialised the stages (docs/performance.md,
+``scripts/nccl_order_probe.py``).
 
 One message per step that samples, in step order on both sides (both take the count of
-sampled requests from the same ``SchedulerOutput``): the last stage copies its sampled ids into
-a ring slot and sends them (``isend``) once its device has sampled; the first stage posts the
-matching receive (``irecv``) into the same slot of its own ring as soon as it has launched the
-step, and makes its stream wait for it only when a later step reads one of those ids.  The
-operations run on their own process group (their own NCCL communicator and stream): on the
-activations' group a receive that waits for the last stage's sampling would hold up the
-first stage's next activation send behind it.  The ring has a slot per step in flight plus
-spare ones: an id is only read by a step scheduled while its own step is in flight, so a slot
-comes round again only after every reader of it was launched.
+sampled requests from the same ``SchedulerOutput``): the last stage sends its ids when it
+builds the step's answer; the first stage posts the matching receive into a ring slot as soon as
+it has launched the step, and waits for it only when a later step's input reads one of those
+ids.  The ring has a slot per step in flight plus spare ones: an id is only read by a step
+scheduled while its own step is in flight, so a slot comes round again only after every reader
+of it was prepared.
 """
 
 from __future__ import annotations
@@ -32,21 +36,14 @@ import torch.distributed as dist
 class SampleFeedback:
     """The first or last stage's end of the sampled-ids channel (see the module docstring)."""
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup,
-        peer: int,
-        is_first: bool,
-        max_num_reqs: int,
-        num_slots: int,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, group: dist.ProcessGroup, peer: int, is_first: bool, max_num_reqs: int, num_slots: int) -> None:
         self.group = group
         self.peer = peer
         """``torch.distributed`` rank of the other end (the last stage for the first, and back)."""
         self.is_first = is_first
         self.max_num_reqs = max_num_reqs
-        self.ring = torch.zeros(num_slots, max_num_reqs, dtype=torch.int64, device=device)
+        self.ring = torch.zeros(num_slots, max_num_reqs, dtype=torch.int64)
+        self._flat = self.ring.numpy().reshape(-1)
         self._works: list[dist.Work | None] = [None] * num_slots
         self._slot = -1
         self.index: dict[str, int] = {}
@@ -64,19 +61,16 @@ class SampleFeedback:
 
     def warm_up(self) -> None:
         """One id from the last stage to the first before any step (both ends call it): the
-        pair's NCCL connection opens here, not behind the first step's sampling."""
+        pair's connection is checked before the first step needs it."""
         probe = self.ring[0, :1]
         if self.is_first:
             dist.recv(probe, self.peer, group=self.group)
         else:
             dist.send(probe, self.peer, group=self.group)
-        if probe.is_cuda:
-            torch.cuda.synchronize(probe.device)
 
     def send(self, sampled_ids: torch.Tensor) -> None:
-        """Last stage: send a step's sampled ids (``[num_sampled]``, sampling order) to the
-        first stage.  Copied into the ring first: the source may be a graph's output buffer
-        that the next replay overwrites before the send has read it."""
+        """Last stage: send a step's sampled ids (host ``[num_sampled]``, sampling order, ready
+        to read) to the first stage; copied into the ring, which outlives the send."""
         slot = self._next_slot()
         buf = self.ring[slot, : sampled_ids.shape[0]]
         buf.copy_(sampled_ids)
@@ -98,19 +92,12 @@ class SampleFeedback:
         """First stage: drop a finished (or preempted) request's entry."""
         self.index.pop(req_id, None)
 
-    def source(self, flat_indices: np.ndarray) -> torch.Tensor:
-        """First stage: the ring, flattened, once the receives of every slot that
-        ``flat_indices`` read from are complete (on a GPU: the stream waits, not the host)."""
+    def fill(self, input_ids: np.ndarray, token_idx: np.ndarray, flat_indices: np.ndarray) -> None:
+        """First stage: ``input_ids[token_idx] = the ids at flat_indices``, once the receives of
+        every slot they come from are complete (blocks the host until the last stage sent them)."""
         for slot in np.unique(flat_indices // self.max_num_reqs).tolist():
             work = self._works[slot]
             if work is not None:
                 work.wait()
                 self._works[slot] = None
-        return self.ring.view(-1)
-
-    def close(self) -> None:
-        """Wait for every outstanding operation (before the process group goes away)."""
-        for i, work in enumerate(self._works):
-            if work is not None:
-                work.wait()
-                self._works[i] = None
+        input_ids[token_idx] = self._flat[flat_indices]

@@ -64,7 +64,7 @@ class PipelineTransport:
         self.device_group = device_group
         self.global_ranks = global_ranks
         self.feedback_group = feedback_group
-        """First and last stage only, on the device backend: the sampled ids of async pipeline
+        """First and last stage only, on gloo (host to host): the sampled ids of async pipeline
         steps (``pprun.distributed.feedback``); None where the transport was not made here."""
         self._meta_out = torch.zeros(META_BYTES, dtype=torch.uint8)
         self._meta_in = torch.zeros(META_BYTES, dtype=torch.uint8)
@@ -99,8 +99,10 @@ class PipelineTransport:
         ranks = list(range(layout.pp_size))
         device_group = dist.group.WORLD
         cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout) if backend == "nccl" else device_group
-        # Every rank creates every group (a collective), members or not.
-        feedback_group = dist.new_group([ranks[0], ranks[-1]], backend=backend, timeout=timeout)
+        # Every rank creates every group (a collective), members or not.  On gloo, also between
+        # GPUs: a second NCCL group would not be an independent channel (docs/performance.md,
+        # scripts/nccl_order_probe.py).
+        feedback_group = dist.new_group([ranks[0], ranks[-1]], backend="gloo", timeout=timeout)
         return cls(layout, device, cpu_group, device_group, ranks, feedback_group)
 
     @classmethod

@@ -157,7 +157,9 @@ class RemoteStagesExecutor(Executor):
         self.timeout_s = timeout_s
         self.pp_size = len(resolved.layer_partition)
         batches = resolved.cfg.parallel.microbatches or self.pp_size
-        self.async_steps = runner == "v2" and self.pp_size > 1 and resolved.cfg.scheduler.async_scheduling
+        self.async_steps = runner == "v2" and self.pp_size > 1 and resolved.cfg.parallel.async_pipeline
+        if resolved.cfg.parallel.async_pipeline and not self.async_steps:
+            logger.warning("parallel.async_pipeline is off: it needs the V2 runner (this pipeline runs %s)", runner)
         """Async pipeline steps: each batch's next step is submitted while its current one is in
         the pipeline, its input ids sent by the last stage to the first (``WorkerSpec.
         sample_feedback``): two steps per batch in flight, and the engine off the loop."""

@@ -213,7 +213,7 @@ class V2ModelRunner:
             batches = cfg.parallel.microbatches or layout.pp_size
             peer = transport.global_ranks[-1 if layout.is_first else 0]
             self.feedback = SampleFeedback(
-                transport.feedback_group, peer, layout.is_first, self.max_num_reqs, 2 * batches + 2, device
+                transport.feedback_group, peer, layout.is_first, self.max_num_reqs, 2 * batches + 2
             )
         # Graph replays read received hidden states from fixed addresses (contract 2).
         self.graph_intermediate: IntermediateTensors | None = None
@@ -402,18 +402,18 @@ class V2ModelRunner:
         batch = prepare_step(self.table, so, self.bufs, plan.num_reqs_padded, plan.num_tokens_padded, pending_from)
         if self.layout.is_last:
             self.table.flush_sampling_params()
-        self.bufs.to_device(plan.num_reqs_padded, plan.num_tokens_padded, batch.num_sampled, batch.num_pending)
-        if batch.num_pending and self.layout.is_first:
-            # Async scheduling: these inputs are what the previous step sampled (in a pipeline:
-            # what the last stage sent), still on the device (stream order makes this read wait
-            # for that step or receive, not the host).
+        num_pending_on_device = batch.num_pending if self.layout.pp_size == 1 else 0
+        if batch.num_pending and self.feedback is not None and self.layout.is_first:
+            # Async pipeline steps: the ids the last stage sent (waits for them on the host).
             n = batch.num_pending
+            self.feedback.fill(self.bufs.input_ids.np, self.bufs.pending_token_idx.np[:n], self.bufs.pending_sample_idx.np[:n])
+        self.bufs.to_device(plan.num_reqs_padded, plan.num_tokens_padded, batch.num_sampled, num_pending_on_device)
+        if num_pending_on_device:
+            # Async scheduling at pp = 1: these inputs are what the previous step sampled, still
+            # on the device (stream order makes this read wait for that step, not the host).
+            n = num_pending_on_device
             ids = self.bufs.input_ids.device
-            if self.feedback is not None:
-                source = self.feedback.source(self.bufs.pending_sample_idx.np[:n])
-            else:
-                source = self.prev_sampled
-            ids[self.bufs.pending_token_idx.device[:n]] = source[self.bufs.pending_sample_idx.device[:n]]
+            ids[self.bufs.pending_token_idx.device[:n]] = self.prev_sampled[self.bufs.pending_sample_idx.device[:n]]
         meta = self.bufs.attn_metadata(
             batch.num_reqs, plan.num_reqs_padded, num_tokens, plan.num_tokens_padded, batch.max_query_len
         )
@@ -508,8 +508,6 @@ class V2ModelRunner:
         else:
             res = self.sampler(picked[0], tensors)
         self.prev_sampled = res.sampled_token_ids
-        if self.feedback is not None:
-            self.feedback.send(res.sampled_token_ids)
         sample_idx_list = batch.sample_batch_idx.tolist()
         self.prev_sample_index = _SampleIndex(batch.req_ids, sample_idx_list)
         # Read the table now: by the time the output is built, a finished request's row may
@@ -525,10 +523,13 @@ class V2ModelRunner:
                     *(_pinned_copy(t) for t in (res.sampled_logprobs, res.topk_ids, res.topk_logprobs)),
                 )
         host_ids, done = self._copy_to_host(res.sampled_token_ids)
+        feedback = self.feedback
 
         def build() -> ModelRunnerOutput:
             if done is not None:
                 done.synchronize()
+            if feedback is not None:  # async pipeline steps: the first stage waits for these
+                feedback.send(host_ids)
             token_ids = host_ids.tolist()
             logprobs: list[Any] = [None] * batch.num_reqs
             if num_sampled == batch.num_reqs:
