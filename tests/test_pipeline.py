@@ -148,6 +148,33 @@ def test_async_pipeline_steps_survive_preemption(tiny_llama_dir, executor, reque
     assert preemptions > 0
 
 
+def test_async_pipeline_steps_abort_in_flight(tiny_llama_dir, tiny_reference):
+    """Requests aborted while their steps (two per batch) are in the pipeline: they end with
+    "abort", the ids sent for their in-flight steps are dropped, the others' tokens are those
+    of one process; new requests admitted afterwards are served too."""
+    with LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2, runner="v2",
+             microbatches=2, async_pipeline=True) as llm:
+        eng = llm.engine
+        ids = [eng.add_request(p["prompt_token_ids"], GREEDY) for p in TOKEN_PROMPTS]
+        results: dict[str, object] = {}
+        for step in range(400):
+            if step == 6:
+                eng.abort_request(ids[1])
+                eng.abort_request(ids[3])
+                assert eng.num_steps > 4  # steps were in flight when aborted
+            if step == 12:
+                late = eng.add_request(TOKEN_PROMPTS[0]["prompt_token_ids"], GREEDY)
+            for out in eng.step():
+                results[out.request_id] = out
+            if len(results) == len(ids) + 1:
+                break
+    assert [results[ids[i]].outputs[0].finish_reason for i in (1, 3)] == ["abort", "abort"]
+    assert all(len(results[ids[i]].outputs[0].token_ids) < GREEDY.max_tokens for i in (1, 3))  # cut short
+    for i in (0, 2, 4):
+        assert results[ids[i]].outputs[0].token_ids == tiny_reference[i]
+    assert results[late].outputs[0].token_ids == tiny_reference[0]
+
+
 def test_step_trace_written_by_every_stage_and_the_engine(tiny_llama_dir, tmp_path, monkeypatch):
     """PPRUN_STEP_TRACE: each stage process and the engine write their per-step timings at shutdown."""
     prefix = tmp_path / "trace"
@@ -332,6 +359,25 @@ def test_killed_stage_becomes_an_error(tiny_llama_dir, executor, request):
         llm.generate(TOKEN_PROMPTS, SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
     llm.shutdown()
     assert_failed_cleanly(info, pids, t0, tiny_llama_dir, executor, request)
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_killed_stage_with_async_pipeline_steps_becomes_an_error(tiny_llama_dir, victim):
+    """Async pipeline steps: the first stage may be waiting for sampled ids the last stage will
+    never send (or the last stage for a step that never comes); the driver still notices the
+    dead stage, fails every request and stops the survivor."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2, runner="v2",
+              async_pipeline=True, _fault_injection={0: {"delay_s": 0.02}})
+    pids = list(llm.engine.executor.stage_pids)
+    killer = threading.Timer(1.5, lambda: os.kill(pids[victim], signal.SIGKILL))
+    killer.start()
+    t0 = time.perf_counter()
+    with pytest.raises(StageFailedError, match=f"stage {victim}") as info:
+        llm.generate(TOKEN_PROMPTS, SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+    llm.shutdown()
+    assert time.perf_counter() - t0 < 30
+    assert all(o.outputs[0].finish_reason == "error" for o in info.value.outputs)
+    assert pids_gone(pids)
 
 
 def test_mismatched_intermediate_keys_are_a_clear_error(tiny_llama_dir):
