@@ -148,6 +148,15 @@ def test_async_pipeline_steps_survive_preemption(tiny_llama_dir, executor, reque
     assert preemptions > 0
 
 
+def test_async_pipeline_steps_through_three_stages(tiny_llama_dir, tiny_reference):
+    """pp=3: the middle stage reads no input ids (pending tokens pass through it unread); the
+    first and last stage exchange the ids; tokens as in one process."""
+    with LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=3,
+             layer_partition=[1, 2, 1], microbatches=4, runner="v2", async_pipeline=True) as llm:
+        assert llm.engine.executor.max_in_flight == 8
+        assert tokens(llm.generate(TOKEN_PROMPTS * 3, GREEDY)) == tiny_reference * 3
+
+
 def test_async_pipeline_steps_abort_in_flight(tiny_llama_dir, tiny_reference):
     """Requests aborted while their steps (two per batch) are in the pipeline: they end with
     "abort", the ids sent for their in-flight steps are dropped, the others' tokens are those
