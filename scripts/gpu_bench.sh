@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session: the Triton kernel tests and every GPU-marked test, then the 1.1B benchmarks
 # (V2 full graphs, V1 eager, transformers' generate as the peer; the decode step, prefill and
-# memory of scripts/gpu_speed.py; with two GPUs pp=1 vs pp=2 and the hop).  Results land in
+# memory of scripts/gpu_speed.py; with two GPUs pp=1 vs pp=2, the hop, async pipeline steps on and
+# off, and the NCCL ordering probe).  Results land in
 # $OUT (or ./gpu_out).
 #   bash scripts/gpu_bench.sh [tests|bench|all]
 set -uo pipefail
@@ -36,5 +37,16 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     timeout 900 python3 scripts/bench_pipeline.py --device cuda --model /tmp/llama1b --parts throughput,hop \
       --num-prompts 64 --input-len 512 --output-len 512 --microbatches 3,4 --pp2-executors mp \
       --out "$OUT/bench_pipeline_cuda.json" 2>"$OUT/bench_pipeline_cuda.err" | tail -c 3000
+    # Async pipeline steps (parallel.async_pipeline, opt-in) against the default, same machine.
+    pp2="python3 -m pprun bench model.model=/tmp/llama1b model.dtype=bfloat16 device=cuda peer=none input_len=512
+      output_len=512 parallel=pp2_mp hydra.run.dir=/tmp/hy"
+    for mb in 3 4; do
+      for ap in false true; do
+        timeout 200 $pp2 parallel.microbatches=$mb num_prompts=$((64 * mb)) scheduler.max_num_seqs=$((64 * mb)) \
+          parallel.async_pipeline=$ap output_json="$OUT/pp2_mb${mb}_async_$ap.json" >/dev/null 2>&1
+        echo "pp2 microbatches=$mb async_pipeline=$ap rc=$?"
+      done
+    done
+    timeout 60 python3 scripts/nccl_order_probe.py 2>&1 | grep '^{' | tee "$OUT/nccl_order_probe.log"
   fi
 fi
