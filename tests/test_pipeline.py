@@ -184,6 +184,37 @@ def test_async_pipeline_steps_abort_in_flight(tiny_llama_dir, tiny_reference):
     assert results[late].outputs[0].token_ids == tiny_reference[0]
 
 
+def test_pipeline_engine_submits_before_its_bookkeeping():
+    """A pipeline's engine submits the next step right after applying an output, before its
+    per-request bookkeeping (the stages wait on that submission); with a stop string in play
+    (checked by that bookkeeping) it submits only in the next call."""
+    with LLM("smollm2-135m-instruct", dtype="float32", max_model_len=256, executor="mp",
+             pipeline_parallel_size=2, runner="v2") as llm:
+        eng, ex = llm.engine, llm.engine.executor
+        events: list[str] = []
+
+        def recording(fn, mark: str):
+            def wrapped(*a):
+                out = fn(*a)
+                events.append(mark)
+                return out
+
+            return wrapped
+
+        for obj, name, mark in ((ex, "get_output", "g"), (ex, "submit", "s"), (eng, "step", "r")):
+            setattr(obj, name, recording(getattr(obj, name), mark))
+
+        def pattern(params: SamplingParams) -> str:
+            events.clear()
+            llm.generate(["1, 2, 3, 4,", "The capital of France is"], params)
+            # Steady decode: the middle of the run, one output and one submission per call.
+            return "".join(events)[len(events) // 3 : 2 * len(events) // 3]
+
+        assert "gsr" in pattern(SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        late = pattern(SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=["@@@"]))
+        assert "gsr" not in late and "grs" in late
+
+
 def test_step_trace_written_by_every_stage_and_the_engine(tiny_llama_dir, tmp_path, monkeypatch):
     """PPRUN_STEP_TRACE: each stage process and the engine write their per-step timings at shutdown."""
     prefix = tmp_path / "trace"

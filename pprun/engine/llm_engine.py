@@ -96,6 +96,9 @@ class LLMEngine:
         self.trace = EngineTrace(f"{prefix}.engine.json") if prefix else None
         """Per-step timings (``PPRUN_STEP_TRACE``; ``pprun bench`` sets one for its timed run)."""
         self.async_scheduling = bool(getattr(self.executor, "async_steps", False))
+        self._submit_early = getattr(self.executor, "pp_size", 1) > 1
+        """Pipelines (stages in other processes): a step's output is followed by the next
+        submissions before the engine's own bookkeeping (in process, submit may run the step)."""
         try:
             self._init_cache()
         except BaseException:
@@ -238,21 +241,8 @@ class LLMEngine:
         if self.dead:
             raise StageFailedError(f"the engine has failed ({self.dead}); start a new LLM")
         t_start = time.perf_counter()
-        num_submitted = 0
         try:
-            while len(self.in_flight) < self.executor.max_in_flight and self.scheduler.can_schedule():
-                so = self.scheduler.schedule()
-                if self.carry_finished:
-                    so.finished_req_ids = self.carry_finished | set(so.finished_req_ids)
-                    self.carry_finished = set()
-                if so.is_empty():
-                    # Nothing to compute: hand the finished ids to the runners with the next step.
-                    self.carry_finished |= set(so.finished_req_ids)
-                    break
-                self.executor.submit(so)
-                self.in_flight.append(so)
-                self.num_steps += 1
-                num_submitted += 1
+            num_submitted = self._submit_while_room()
             if not self.in_flight:
                 return self._collect_finished([])  # user aborts only
             t_wait = time.perf_counter()
@@ -273,6 +263,18 @@ class LLMEngine:
             raise
         so = self.in_flight.popleft()
         updated = self.scheduler.update_from_output(so, out)
+        if self._submit_early and not any(req.sampling_params.stop for req in updated):
+            # A pipeline's stages wait for the next steps (the batch's round trip runs through
+            # here), the bookkeeping below does not: submit first.  Only a stop string, checked
+            # below, may still end a request the scheduler sees as running.
+            try:
+                self._submit_while_room()
+            except StageFailedError as e:
+                self._fail(str(e))  # the next call raises; this step's finished outputs still count
+            except BaseException as e:
+                if getattr(self.executor, "dead", False):
+                    self._fail(f"interrupted: {type(e).__name__}")
+                raise
         now = time.time()
         lp_by_req = None  # built on the first request that asked for logprobs
         tracked = self.tracked
@@ -294,6 +296,24 @@ class LLMEngine:
             if req.is_finished:
                 finished.append(req.req_id)
         return self._collect_finished(finished)
+
+    def _submit_while_room(self) -> int:
+        """Schedule and submit steps while the pipeline has room; returns how many."""
+        num_submitted = 0
+        while len(self.in_flight) < self.executor.max_in_flight and self.scheduler.can_schedule():
+            so = self.scheduler.schedule()
+            if self.carry_finished:
+                so.finished_req_ids = self.carry_finished | set(so.finished_req_ids)
+                self.carry_finished = set()
+            if so.is_empty():
+                # Nothing to compute: hand the finished ids to the runners with the next step.
+                self.carry_finished |= set(so.finished_req_ids)
+                break
+            self.executor.submit(so)
+            self.in_flight.append(so)
+            self.num_steps += 1
+            num_submitted += 1
+        return num_submitted
 
     def _check_stop_strings(self, tr: _Tracked) -> None:
         """End a request whose text contains a stop string (the text is cut before it).
