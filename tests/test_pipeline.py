@@ -215,6 +215,29 @@ def test_pipeline_engine_submits_before_its_bookkeeping():
         assert "gsr" not in late and "grs" in late
 
 
+def test_pipeline_submit_failing_after_an_output_fails_every_request(tiny_llama_dir):
+    """A submission that fails right after an output was applied (the early submission of a
+    pipeline's engine): that call still returns what finished, the engine is dead, and the
+    caller gets every unfinished request back as an error."""
+    with LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2, runner="v2") as llm:
+        eng, ex = llm.engine, llm.engine.executor
+        real_submit, calls = ex.submit, {"n": 0}
+
+        def submit(so):
+            calls["n"] += 1
+            if calls["n"] == 8:
+                raise StageFailedError("stage 0 died (injected at submission 8)")
+            real_submit(so)
+
+        ex.submit = submit
+        with pytest.raises(StageFailedError, match="injected at submission 8") as info:
+            llm.generate(TOKEN_PROMPTS, GREEDY)
+        assert eng.dead and "injected" in eng.dead
+        outs = info.value.outputs
+        assert len(outs) == len(TOKEN_PROMPTS)
+        assert all(o.outputs[0].finish_reason == "error" for o in outs)
+
+
 def test_step_trace_written_by_every_stage_and_the_engine(tiny_llama_dir, tmp_path, monkeypatch):
     """PPRUN_STEP_TRACE: each stage process and the engine write their per-step timings at shutdown."""
     prefix = tmp_path / "trace"
