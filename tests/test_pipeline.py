@@ -236,6 +236,20 @@ def test_pipeline_submit_failing_after_an_output_fails_every_request(tiny_llama_
         outs = info.value.outputs
         assert len(outs) == len(TOKEN_PROMPTS)
         assert all(o.outputs[0].finish_reason == "error" for o in outs)
+    # One prompt: the failing submission follows its own output; generate must still raise.
+    with LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2, runner="v2") as llm:
+        real_submit, calls = llm.engine.executor.submit, {"n": 0}
+
+        def submit_one(so):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise StageFailedError("stage 1 died (injected at submission 3)")
+            real_submit(so)
+
+        llm.engine.executor.submit = submit_one
+        with pytest.raises(StageFailedError, match="injected at submission 3") as info:
+            llm.generate(TOKEN_PROMPTS[:1], GREEDY)
+        assert [o.outputs[0].finish_reason for o in info.value.outputs] == ["error"]
 
 
 def test_step_trace_written_by_every_stage_and_the_engine(tiny_llama_dir, tmp_path, monkeypatch):

@@ -84,6 +84,9 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_in_flight = max_in_flight
         self.spread_over_in_flight = spread_over_in_flight
+        """Cap each step at ceil(unfinished / batches) requests, so that with pipeline parallelism
+        every stage gets a batch (the engine turns this on for pp > 1); batches are
+        ``max_in_flight``, or half of it with async scheduling (each batch two steps in flight)."""
         self.async_scheduling = async_scheduling
         """Let a decoding request join the next step while its current step is still in flight
         (a runner that feeds the token sampled on the device into the next step's input: at
@@ -97,9 +100,6 @@ class Scheduler:
                 f"async_scheduling needs max_in_flight=2, or an even max_in_flight (two steps per "
                 f"batch) with spread_over_in_flight, got max_in_flight={max_in_flight}"
             )
-        """Cap each step at ceil(unfinished / batches) requests, so that with pipeline parallelism
-        every stage gets a batch (the engine turns this on for pp > 1); batches are
-        ``max_in_flight``, or half of it with async scheduling (each batch two steps in flight)."""
 
         # Unfinished requests by id (dicts keep insertion order: deterministic iteration).
         self._requests: dict[str, Request] = {}

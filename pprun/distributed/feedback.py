@@ -27,6 +27,7 @@ of it was prepared.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -101,3 +102,14 @@ class SampleFeedback:
                 work.wait()
                 self._works[slot] = None
         input_ids[token_idx] = self._flat[flat_indices]
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Wait (bounded) for the outstanding sends and receives before the group is torn down;
+        one that cannot complete any more (the other end is gone) is left behind."""
+        for i, work in enumerate(self._works):
+            if work is not None:
+                try:
+                    work.wait(timeout=timedelta(seconds=timeout_s))
+                except Exception:  # noqa: BLE001 - shutting down: nothing left to report to
+                    pass
+                self._works[i] = None

@@ -84,8 +84,10 @@ class PipelineTransport:
         device: torch.device,
         init_method: str,
         timeout_s: float,
+        feedback: bool = False,
     ) -> PipelineTransport:
-        """Join a fresh process group of ``pp_size`` ranks (pprun's own executors)."""
+        """Join a fresh process group of ``pp_size`` ranks (pprun's own executors); with
+        ``feedback`` (every rank passes the same) also the first and last stage's gloo group."""
         timeout = timedelta(seconds=timeout_s)
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
@@ -102,7 +104,9 @@ class PipelineTransport:
         # Every rank creates every group (a collective), members or not.  On gloo, also between
         # GPUs: a second NCCL group would not be an independent channel (docs/performance.md,
         # scripts/nccl_order_probe.py).
-        feedback_group = dist.new_group([ranks[0], ranks[-1]], backend="gloo", timeout=timeout)
+        feedback_group = None
+        if feedback:
+            feedback_group = dist.new_group([ranks[0], ranks[-1]], backend="gloo", timeout=timeout)
         return cls(layout, device, cpu_group, device_group, ranks, feedback_group)
 
     @classmethod

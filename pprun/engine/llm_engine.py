@@ -96,9 +96,10 @@ class LLMEngine:
         self.trace = EngineTrace(f"{prefix}.engine.json") if prefix else None
         """Per-step timings (``PPRUN_STEP_TRACE``; ``pprun bench`` sets one for its timed run)."""
         self.async_scheduling = bool(getattr(self.executor, "async_steps", False))
-        self._submit_early = getattr(self.executor, "pp_size", 1) > 1
-        """Pipelines (stages in other processes): a step's output is followed by the next
-        submissions before the engine's own bookkeeping (in process, submit may run the step)."""
+        self._submit_early = bool(getattr(self.executor, "submits_async", False))
+        """Stages in other processes (mp, ray): a step's output is followed by the next
+        submissions before the engine's own bookkeeping (in process and under torchrun, submit
+        runs the step itself)."""
         try:
             self._init_cache()
         except BaseException:
@@ -263,6 +264,7 @@ class LLMEngine:
             raise
         so = self.in_flight.popleft()
         updated = self.scheduler.update_from_output(so, out)
+        failure: StageFailedError | None = None
         if self._submit_early and not any(req.sampling_params.stop for req in updated):
             # A pipeline's stages wait for the next steps (the batch's round trip runs through
             # here), the bookkeeping below does not: submit first.  Only a stop string, checked
@@ -270,7 +272,7 @@ class LLMEngine:
             try:
                 self._submit_while_room()
             except StageFailedError as e:
-                self._fail(str(e))  # the next call raises; this step's finished outputs still count
+                failure = e  # after the bookkeeping: what finished in this step is returned
             except BaseException as e:
                 if getattr(self.executor, "dead", False):
                     self._fail(f"interrupted: {type(e).__name__}")
@@ -295,7 +297,10 @@ class LLMEngine:
                 self._check_stop_strings(tr)
             if req.is_finished:
                 finished.append(req.req_id)
-        return self._collect_finished(finished)
+        collected = self._collect_finished(finished)
+        if failure is not None:
+            self._fail(str(failure))  # the rest fail; the next call raises
+        return collected
 
     def _submit_while_room(self) -> int:
         """Schedule and submit steps while the pipeline has room; returns how many."""

@@ -151,6 +151,9 @@ class RemoteStagesExecutor(Executor):
     """Driver side of stages living in other processes; subclasses start the processes."""
 
     max_in_flight = 1
+    submits_async = True
+    """``submit`` only writes the step to the stages' sockets (the engine may submit before
+    its bookkeeping: ``LLMEngine.step``)."""
 
     def __init__(self, resolved, timeout_s: float, runner: str = "v1") -> None:
         self.resolved = resolved
@@ -158,11 +161,11 @@ class RemoteStagesExecutor(Executor):
         self.pp_size = len(resolved.layer_partition)
         batches = resolved.cfg.parallel.microbatches or self.pp_size
         self.async_steps = runner == "v2" and self.pp_size > 1 and resolved.cfg.parallel.async_pipeline
-        if resolved.cfg.parallel.async_pipeline and not self.async_steps:
-            logger.warning("parallel.async_pipeline is off: it needs the V2 runner (this pipeline runs %s)", runner)
         """Async pipeline steps: each batch's next step is submitted while its current one is in
         the pipeline, its input ids sent by the last stage to the first (``WorkerSpec.
         sample_feedback``): two steps per batch in flight, and the engine off the loop."""
+        if resolved.cfg.parallel.async_pipeline and not self.async_steps:
+            logger.warning("parallel.async_pipeline is off: it needs the V2 runner (this pipeline runs %s)", runner)
         self.max_in_flight = 2 * batches if self.async_steps else batches
         self.authkey = secrets.token_bytes(16)
         self.conns: list[Connection | None] = [None] * self.pp_size

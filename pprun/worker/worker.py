@@ -79,7 +79,8 @@ class Worker:
         self.transport = transport
         if transport is None and self.layout.pp_size > 1:
             self.transport = PipelineTransport.init(
-                self.layout, self.device, spec.init_method, rc.cfg.parallel.stage_timeout_s
+                self.layout, self.device, spec.init_method, rc.cfg.parallel.stage_timeout_s,
+                feedback=spec.sample_feedback,
             )
         self.model = None
         self.runner = None
@@ -212,6 +213,10 @@ class Worker:
     def launches_quickly(self, so: SchedulerOutput) -> bool:
         """True when launching ``so`` takes little host time: a V2 step replayed as one full
         CUDA graph (eager and piecewise steps launch kernel by kernel)."""
+        if self.spec.sample_feedback:
+            # Async pipeline steps: the first stage may be waiting for the previous step's ids,
+            # which go out with its answer; launching first would only delay them.
+            return False
         plan = getattr(self.runner, "plan", None)
         return plan is not None and bool(so.num_scheduled_tokens) and plan(so).mode == "full"
 
@@ -280,5 +285,8 @@ class Worker:
         """Write the step trace (``PPRUN_STEP_TRACE``) and release the pipeline channel."""
         self.trace.dump()
         self.trace = NullStageTrace()
+        feedback = getattr(self.runner, "feedback", None)
+        if feedback is not None:
+            feedback.close()  # before the groups go away under an outstanding send or receive
         if self.transport is not None and self.spec.init_method is not None:
             self.transport.close()

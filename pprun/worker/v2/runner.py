@@ -395,10 +395,12 @@ class V2ModelRunner:
         plan = self.plan(so)
         if self.layout.pp_size == 1:
             pending_from = self.prev_sample_index
-        elif self.layout.is_first and self.feedback is not None:
+        elif not self.layout.is_first:
+            pending_from = ANY_SAMPLE  # later stages read no input ids
+        elif self.feedback is not None:
             pending_from = self.feedback.index
         else:
-            pending_from = ANY_SAMPLE  # later stages read no input ids
+            pending_from = {}  # synchronous pipeline steps: every input id is known
         batch = prepare_step(self.table, so, self.bufs, plan.num_reqs_padded, plan.num_tokens_padded, pending_from)
         if self.layout.is_last:
             self.table.flush_sampling_params()
