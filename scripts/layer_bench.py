@@ -114,40 +114,63 @@ def _cublas_swiglu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return silu_and_mul(torch.nn.functional.linear(x, w))
 
 
+@dataclasses.dataclass
+class DecodeAttentionInputs:
+    """One decode step's attention inputs at ``batch`` requests of ``ctx`` tokens (random, on the
+    GPU), with ``kvs``: copies of the paged KV cache, one per timed call (see ``copies_for``)."""
+
+    kvs: list
+    kv_bytes: int
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    pos: torch.Tensor
+    slots: torch.Tensor
+    table: torch.Tensor
+    seq_lens: torch.Tensor
+    o: torch.Tensor
+
+
+def decode_attention_inputs(batch: int, ctx: int = 512, max_len: int = 2048, block: int = 16) -> DecodeAttentionInputs:
+    blocks_per_req = max_len // block
+    num_blocks = batch * blocks_per_req + 1
+    kv_bytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2
+    kvs = [torch.randn(2, num_blocks, block, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+           for _ in range(copies_for(kv_bytes))]
+    table = (torch.randperm(num_blocks - 1, device="cuda")[: batch * blocks_per_req] + 1).view(batch, -1).int()
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    slots = table[:, (ctx - 1) // block].long() * block + (ctx - 1) % block
+    qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, device="cuda").float() / HEAD_DIM))
+    freqs = torch.outer(torch.arange(max_len, device="cuda").float(), inv)
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    q = q.view(batch, HEADS, HEAD_DIM)
+    return DecodeAttentionInputs(
+        kvs, kv_bytes, q, k.view(batch, KV_HEADS, HEAD_DIM), v.view(batch, KV_HEADS, HEAD_DIM), cos, sin,
+        (seq_lens - 1).long(), slots, table, seq_lens, torch.empty_like(q),
+    )
+
+
 def bench_attention(ctx: int = 512, max_len: int = 2048, block: int = 16) -> dict:
     out: dict = {}
+    scale = HEAD_DIM**-0.5
     for batch in (1, 32):
-        blocks_per_req = max_len // block
-        num_blocks = batch * blocks_per_req + 1
-        kv_bytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2
-        kvs = [torch.randn(2, num_blocks, block, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-               for _ in range(copies_for(kv_bytes))]
-        table = (torch.randperm(num_blocks - 1, device="cuda")[: batch * blocks_per_req] + 1).view(batch, -1).int()
-        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-        pos = (seq_lens - 1).long()
-        slots = (table[:, (ctx - 1) // block].long() * block + (ctx - 1) % block)
+        d = decode_attention_inputs(batch, ctx, max_len, block)
         qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-        qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
-        q = q.view(batch, HEADS, HEAD_DIM)
-        k = k.view(batch, KV_HEADS, HEAD_DIM)
-        v = v.view(batch, KV_HEADS, HEAD_DIM)
-        inv = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, device="cuda").float() / HEAD_DIM))
-        freqs = torch.outer(torch.arange(max_len, device="cuda").float(), inv)
-        cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
-        o = torch.empty_like(q)
 
-        def separate(kv, q=q, k=k, v=v, cos=cos, sin=sin, pos=pos, slots=slots, qsl=qsl, seq_lens=seq_lens,
-                     table=table, o=o):
-            rotary_qk(q, k, cos, sin, pos)
-            paged_attention(q, k, v, kv, slots, qsl, seq_lens, table, HEAD_DIM**-0.5, o, 1)
+        def separate(kv, d=d, qsl=qsl):
+            rotary_qk(d.q, d.k, d.cos, d.sin, d.pos)
+            paged_attention(d.q, d.k, d.v, kv, d.slots, qsl, d.seq_lens, d.table, scale, d.o, 1)
 
-        def fused(kv, q=q, k=k, v=v, cos=cos, sin=sin, pos=pos, slots=slots, seq_lens=seq_lens, table=table, o=o):
-            paged_decode_attention_rope(q, k, v, cos, sin, pos, kv, slots, table, seq_lens, HEAD_DIM**-0.5, o)
+        def fused(kv, d=d):
+            paged_decode_attention_rope(d.q, d.k, d.v, d.cos, d.sin, d.pos, kv, d.slots, d.table, d.seq_lens, scale, d.o)
 
         for name, fn in (("separate", separate), ("fused", fused)):
-            us = time_us([functools.partial(fn, kv) for kv in kvs])
-            out[f"b{batch}/{name}"] = {"us": round(us, 2), "kv_tb_s": round(kv_bytes / us / 1e6, 2)}
+            us = time_us([functools.partial(fn, kv) for kv in d.kvs])
+            out[f"b{batch}/{name}"] = {"us": round(us, 2), "kv_tb_s": round(d.kv_bytes / us / 1e6, 2)}
     return out
 
 

@@ -28,7 +28,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from layer_bench import HEAD_DIM, HEADS, KV_HEADS, SHAPES, _cublas_swiglu, copies_for, time_us  # noqa: E402
+from layer_bench import (  # noqa: E402
+    HEAD_DIM,
+    KV_HEADS,
+    SHAPES,
+    _cublas_swiglu,
+    copies_for,
+    decode_attention_inputs,
+    time_us,
+)
 
 
 def candidates(m: int, name: str) -> list:
@@ -119,34 +127,20 @@ def time_attention(out, ctx: int = 512, max_len: int = 2048, block: int = 16) ->
     defaults = (ops._DECODE_BLOCK_N, ops._DECODE_NUM_WARPS, ops._DECODE_NUM_STAGES)
     real_splits = ops.num_decode_splits
     for batch in (32, 64):
-        blocks_per_req = max_len // block
-        num_blocks = batch * blocks_per_req + 1
-        kv_bytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2
-        kvs = [torch.randn(2, num_blocks, block, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-               for _ in range(copies_for(kv_bytes))]
-        table = (torch.randperm(num_blocks - 1, device="cuda")[: batch * blocks_per_req] + 1).view(batch, -1).int()
-        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-        pos = (seq_lens - 1).long()
-        slots = table[:, (ctx - 1) // block].long() * block + (ctx - 1) % block
-        q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(batch, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        inv = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, device="cuda").float() / HEAD_DIM))
-        freqs = torch.outer(torch.arange(max_len, device="cuda").float(), inv)
-        cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
-        o = torch.empty_like(q)
-        default_splits = real_splits(batch, KV_HEADS, max_len, q.device)
+        d = decode_attention_inputs(batch, ctx, max_len, block)
+        default_splits = real_splits(batch, KV_HEADS, max_len, d.q.device)
         best = None
         for bn, warps, stages, splits in itertools.product((64, 128), (4, 8), (2, 3), sorted({default_splits, 1})):
             ops._DECODE_BLOCK_N, ops._DECODE_NUM_WARPS, ops._DECODE_NUM_STAGES = bn, warps, stages
             ops.num_decode_splits = lambda *a, s=splits: s
             try:
-                us = time_us([functools.partial(ops.paged_decode_attention_rope, q, k, v, cos, sin, pos, kv, slots,
-                                                table, seq_lens, HEAD_DIM**-0.5, o) for kv in kvs], iters=5)
+                us = time_us([functools.partial(ops.paged_decode_attention_rope, d.q, d.k, d.v, d.cos, d.sin, d.pos, kv,
+                                                d.slots, d.table, d.seq_lens, HEAD_DIM**-0.5, d.o) for kv in d.kvs],
+                             iters=5)
             except Exception:  # noqa: BLE001
                 continue
             rec = {"attention_batch": batch, "block_n": bn, "warps": warps, "stages": stages, "splits": splits,
-                   "us": round(us, 2), "kv_tb_s": round(kv_bytes / us / 1e6, 2),
+                   "us": round(us, 2), "kv_tb_s": round(d.kv_bytes / us / 1e6, 2),
                    "default": (bn, warps, stages, splits) == (*defaults, default_splits)}
             out(rec)
             if best is None or us < best["us"]:
