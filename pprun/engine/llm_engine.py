@@ -138,7 +138,7 @@ class LLMEngine:
             # pp > 1: a batch per stage (with async steps two steps per batch, the next one
             # computing on the ids the last stage sends the first).  One stage with async steps:
             # every request in each step, on the device-side samples of the previous one.
-            spread_over_in_flight=not self.async_scheduling or getattr(self.executor, "pp_size", 1) > 1,
+            spread_over_in_flight=getattr(self.executor, "pp_size", 1) > 1,
             async_scheduling=self.async_scheduling,
         )
 

@@ -44,7 +44,7 @@ class MpExecutor(RemoteStagesExecutor):
                 runner,
                 init_method=init_method,
                 device_index=rank if resolved.device == "cuda" else None,
-                sample_feedback=self.async_steps,
+                sample_feedback_slots=self.sample_feedback_slots,
                 fault_injection=(fault_injection or {}).get(rank),
             )
             for rank in range(self.pp_size)

@@ -109,7 +109,7 @@ class RayExecutor(RemoteStagesExecutor):
                     runner,
                     init_method=f"tcp://{ip0}:{port0}",
                     device_index=0 if on_gpu else None,  # Ray sets CUDA_VISIBLE_DEVICES per actor
-                    sample_feedback=self.async_steps,
+                    sample_feedback_slots=self.sample_feedback_slots,
                     fault_injection=(fault_injection or {}).get(rank),
                 )
                 self.run_refs.append(actor.run.remote(spec, listener.address, self.authkey))

@@ -35,9 +35,10 @@ class WorkerSpec:
     """``torch.distributed`` rendezvous (``tcp://host:port``) for pp > 1 with own executors."""
     device_index: int | None = None
     """CUDA device of this stage; ``None`` on CPU."""
-    sample_feedback: bool = False
+    sample_feedback_slots: int = 0
     """Async pipeline steps: the last stage sends its sampled ids straight to the first
-    (``pprun.distributed.feedback``); the executor turns it on with async scheduling."""
+    (``pprun.distributed.feedback``) into a ring of this many steps (the executor's steps in
+    flight plus spares); 0: off."""
     fault_injection: dict | None = None
     """Tests only: ``{"raise_at_step": k}``, ``{"delay_s": d}`` (sleep each step) or
     ``{"rename_sent_keys": True}`` (send intermediate tensors under wrong names)."""
@@ -80,7 +81,7 @@ class Worker:
         if transport is None and self.layout.pp_size > 1:
             self.transport = PipelineTransport.init(
                 self.layout, self.device, spec.init_method, rc.cfg.parallel.stage_timeout_s,
-                feedback=spec.sample_feedback,
+                feedback=spec.sample_feedback_slots > 0,
             )
         self.model = None
         self.runner = None
@@ -137,7 +138,7 @@ class Worker:
 
             self.runner = V2ModelRunner(
                 self.model, self.layout, self.device, rc, num_blocks, self.transport,
-                sample_feedback=self.spec.sample_feedback,
+                sample_feedback_slots=self.spec.sample_feedback_slots,
             )
         else:
             from pprun.worker.v1.runner import V1ModelRunner
@@ -213,7 +214,7 @@ class Worker:
     def launches_quickly(self, so: SchedulerOutput) -> bool:
         """True when launching ``so`` takes little host time: a V2 step replayed as one full
         CUDA graph (eager and piecewise steps launch kernel by kernel)."""
-        if self.spec.sample_feedback:
+        if self.spec.sample_feedback_slots:
             # Async pipeline steps: the first stage may be waiting for the previous step's ids,
             # which go out with its answer; launching first would only delay them.
             return False

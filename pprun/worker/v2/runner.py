@@ -152,12 +152,13 @@ class V2ModelRunner:
         resolved: Any,
         num_blocks: int,
         transport: PipelineTransport | None = None,
-        sample_feedback: bool = False,
+        sample_feedback_slots: int = 0,
     ) -> None:
         """``transport``: the stage's channel when the pipeline has more than one stage (its
         decode graphs may then carry the hop, see :data:`GRAPH_HOP_ENABLED`);
-        ``sample_feedback``: async pipeline steps, the last stage sending its sampled ids to the
-        first (``pprun.distributed.feedback``; the first and last stage must agree)."""
+        ``sample_feedback_slots``: async pipeline steps, the last stage sending its sampled ids to
+        the first into a ring of that many steps (``pprun.distributed.feedback``; the first and
+        last stage must agree); 0: off."""
         cfg = resolved.cfg
         self.model = model
         self.layout = layout
@@ -204,16 +205,15 @@ class V2ModelRunner:
         """Request id -> its row in :attr:`prev_sampled`."""
         self.feedback: SampleFeedback | None = None
         """First and last stage of an async pipeline: the sampled ids' channel between them."""
-        if sample_feedback and layout.pp_size > 1 and (layout.is_first or layout.is_last):
+        if sample_feedback_slots and layout.pp_size > 1 and (layout.is_first or layout.is_last):
             if transport is None or transport.feedback_group is None:
                 raise ValueError(
-                    f"stage {layout.pp_rank}: sample_feedback needs a transport with a feedback group "
+                    f"stage {layout.pp_rank}: sample_feedback_slots needs a transport with a feedback group "
                     "(pprun's own executors make one)"
                 )
-            batches = cfg.parallel.microbatches or layout.pp_size
             peer = transport.global_ranks[-1 if layout.is_first else 0]
             self.feedback = SampleFeedback(
-                transport.feedback_group, peer, layout.is_first, self.max_num_reqs, 2 * batches + 2
+                transport.feedback_group, peer, layout.is_first, self.max_num_reqs, sample_feedback_slots
             )
         # Graph replays read received hidden states from fixed addresses (contract 2).
         self.graph_intermediate: IntermediateTensors | None = None
