@@ -651,6 +651,37 @@ def test_async_scheduling_over_pipeline_batches_keeps_batch_order():
     assert fifth.scheduled_cached_reqs.new_token_ids == [[7], [8]]
 
 
+@pytest.mark.parametrize("batches", [2, 3])
+def test_async_pipeline_steps_join_a_whole_round_behind(batches):
+    """Pipeline with async steps, prompts admitted in chunks of uneven size: a request joins a
+    step while its previous one is still in flight only when that one is at least a round of
+    batches back (the first stage computes the joiner's next token from ids the last stage
+    sends once that step left the pipeline; a join right behind it stalls every stage)."""
+    n = 16 * batches
+    sched = Scheduler(n, 40, max_model_len=256, block_size=4, num_blocks=2000, max_in_flight=2 * batches,
+                      spread_over_in_flight=True, async_scheduling=True)
+    for i in range(n):
+        sched.add_request(make_req(f"r{i}", 12, max_tokens=40, ignore_eos=True))
+    outstanding: deque[SchedulerOutput] = deque()
+    last_step: dict[str, int] = {}
+    distances = []
+    while sched.has_unfinished_requests() or outstanding:
+        while sched.can_schedule() and sched.has_unfinished_requests():
+            so = sched.schedule()
+            if so.is_empty():
+                break
+            in_flight = {r for prev in outstanding for r in prev.num_scheduled_tokens}
+            distances += [so.step_id - last_step[r] for r in so.num_scheduled_tokens if r in in_flight]
+            last_step.update(dict.fromkeys(so.num_scheduled_tokens, so.step_id))
+            outstanding.append(so)
+        so = outstanding.popleft()
+        rids = list(so.num_scheduled_tokens)
+        sampled = [[5] if sched.get_request(r).num_pending_samples else [] for r in rids]
+        sched.update_from_output(so, ModelRunnerOutput(so.step_id, rids, sampled))
+    assert len(distances) > 10 * n  # most decode tokens were computed by joiners
+    assert min(distances) >= batches
+
+
 def test_async_scheduling_over_batches_needs_two_steps_per_batch():
     with pytest.raises(ValueError, match="even max_in_flight"):
         Scheduler(8, 256, max_model_len=64, block_size=4, num_blocks=65, max_in_flight=3,

@@ -246,11 +246,18 @@ class Scheduler:
         candidates, joiners = self._running, []
         if async_scheduling and self.spread_over_in_flight:
             # Pipeline batches with async steps: requests out of flight (and the waiting ones)
-            # first, then those joining a step they are still in, so that a batch's next step
-            # goes behind the other batches' steps instead of straight behind its own (which
-            # the first stage would have to wait for).
+            # first, then those joining a step they are still in — only a step at least a
+            # round of batches back, oldest first.  The first stage computes a joiner's next
+            # token from the ids the last stage sends it once that step is through the whole
+            # pipeline: a join straight behind its own step (what taking joiners in arrival
+            # order drifted into) made every step wait for the one before it, 0.42x of the
+            # synchronous pipeline on two H200s.
             candidates = [r for r in self._running if not r.num_steps_in_flight]
-            joiners = [r for r in self._running if r.num_steps_in_flight]
+            newest_allowed = self._next_step_id - self.max_in_flight // 2
+            joiners = sorted(
+                (r for r in self._running if r.num_steps_in_flight and r.last_step_id <= newest_allowed),
+                key=lambda r: r.last_step_id,
+            )
 
         def take_running(reqs: list[Request]) -> None:
             nonlocal token_budget, preempted_this_step
@@ -452,6 +459,7 @@ class Scheduler:
     ) -> None:
         num_scheduled_tokens[req.req_id] = num_new_tokens
         req.num_computed_tokens += num_new_tokens
+        req.last_step_id = self._next_step_id  # the step being built takes this id
         # Set now, so a later preemption in this same step cannot pick it.
         req.num_steps_in_flight += 1
         num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)

@@ -26,6 +26,9 @@ slot comes round again only after every reader of it was prepared.
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -49,6 +52,12 @@ class SampleFeedback:
         self._slot = -1
         self.index: dict[str, int] = {}
         """First stage: request id -> where its newest pending sample lands (flat ring index)."""
+        prefix = os.environ.get("PPRUN_STEP_TRACE")
+        self.trace_path = f"{prefix}.feedback_{'first' if is_first else 'last'}.json" if prefix else None
+        self.trace: list[tuple[float, float]] | None = [] if prefix else None
+        """With ``PPRUN_STEP_TRACE``: per send (last stage) or per fill (first stage) the host
+        clock before and after it (``time.perf_counter``, comparable between the processes of
+        one host), written beside the step trace at :meth:`close`."""
 
     def _next_slot(self) -> int:
         """The next ring slot, once whatever last used it is complete (a send must have read
@@ -72,10 +81,13 @@ class SampleFeedback:
     def send(self, sampled_ids: torch.Tensor) -> None:
         """Last stage: send a step's sampled ids (host ``[num_sampled]``, sampling order, ready
         to read) to the first stage; copied into the ring, which outlives the send."""
+        t0 = time.perf_counter()
         slot = self._next_slot()
         buf = self.ring[slot, : sampled_ids.shape[0]]
         buf.copy_(sampled_ids)
         self._works[slot] = dist.isend(buf, self.peer, group=self.group)
+        if self.trace is not None:
+            self.trace.append((t0, time.perf_counter()))
 
     def expect(self, req_ids: Sequence[str], sample_batch_idx: torch.Tensor, num_sampled: int) -> None:
         """First stage, right after launching a step that samples ``num_sampled`` requests (batch
@@ -96,16 +108,26 @@ class SampleFeedback:
     def fill(self, input_ids: np.ndarray, token_idx: np.ndarray, flat_indices: np.ndarray) -> None:
         """First stage: ``input_ids[token_idx] = the ids at flat_indices``, once the receives of
         every slot they come from are complete (blocks the host until the last stage sent them)."""
+        t0 = time.perf_counter()
         for slot in np.unique(flat_indices // self.max_num_reqs).tolist():
             work = self._works[slot]
             if work is not None:
                 work.wait()
                 self._works[slot] = None
         input_ids[token_idx] = self._flat[flat_indices]
+        if self.trace is not None:
+            self.trace.append((t0, time.perf_counter()))
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Wait (bounded) for the outstanding sends and receives before the group is torn down;
         one that cannot complete any more (the other end is gone) is left behind."""
+        if self.trace_path is not None and self.trace:
+            try:
+                with open(self.trace_path, "w") as f:
+                    json.dump({"end": "first" if self.is_first else "last", "calls": self.trace}, f)
+            except OSError:
+                pass
+            self.trace = None
         for i, work in enumerate(self._works):
             if work is not None:
                 try:

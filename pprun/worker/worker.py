@@ -214,10 +214,11 @@ class Worker:
     def launches_quickly(self, so: SchedulerOutput) -> bool:
         """True when launching ``so`` takes little host time: a V2 step replayed as one full
         CUDA graph (eager and piecewise steps launch kernel by kernel)."""
-        if self.spec.sample_feedback_slots:
-            # Async pipeline steps: the first stage may be waiting for the previous step's ids,
-            # which go out with its answer; launching first would only delay them.
-            return False
+        # With async pipeline steps the previous step's ids go to the first stage with its
+        # answer, so launching first delays them by this launch; answering first instead kept
+        # the device idle through every step's host work (two H200s, 3 batches: 1.82 ms per
+        # step against 0.82 without async steps).  A full-graph launch blocks on nothing from
+        # the first stage (the hop is a device-side receive), so it cannot wait on those ids.
         plan = getattr(self.runner, "plan", None)
         return plan is not None and bool(so.num_scheduled_tokens) and plan(so).mode == "full"
 
