@@ -279,6 +279,7 @@ def test_resolve_executor() -> None:
         ),
         ({"microbatches": 2}, r"parallel\.microbatches=2.*executor 'uni'.*mp and ray"),
         ({"async_pipeline": True}, r"parallel\.async_pipeline=True.*pipeline_parallel_size=1.*executor 'uni'"),
+        ({"async_pipeline": "yes"}, r"parallel\.async_pipeline='yes' is invalid: must be true, false or null"),
         ({"cudagraph_capture_sizes": [1, 0]}, r"compilation\.cudagraph_capture_sizes=\[1, 0\]"),
         ({"log_level": "LOUD"}, r"log_level='LOUD'"),
         (

@@ -82,7 +82,7 @@ def test_v2_three_batches_in_flight_through_two_stages(tiny_llama_dir, tiny_refe
     """parallel.microbatches=3 with two stages: three steps in flight, the last stage launching
     a step before the previous one's sampled ids are read; tokens as in one process."""
     with LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2,
-             microbatches=3, runner="v2") as llm:
+             microbatches=3, runner="v2", async_pipeline=False) as llm:
         assert llm.engine.executor.max_in_flight == 3
         for conn in llm.engine.executor.conns:  # no 40 ms delayed-ACK stalls (see set_nodelay)
             with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -122,6 +122,9 @@ def test_async_pipeline_steps_give_the_outputs_of_one_process(demo_model_dir):
     assert facts_one == (False, False, 1)
     facts, got = run(executor="mp", pipeline_parallel_size=2, microbatches=3, runner="v2", async_pipeline=True)
     assert facts == (True, True, 6)  # three batches, two steps each
+    assert got == want
+    facts, got = run(executor="mp", pipeline_parallel_size=2, runner="v2")  # the default: on where it applies
+    assert facts == (True, True, 4)
     assert got == want
 
 

@@ -167,7 +167,12 @@ def _check_values(cfg: PprunConfig, env: Mapping[str, str]) -> None:
                 "only the mp and ray executors keep several batches in flight; leave it null"
             )
 
-    if cfg.parallel.async_pipeline:
+    if cfg.parallel.async_pipeline is not None and not isinstance(cfg.parallel.async_pipeline, bool):
+        raise ValueError(
+            f"parallel.async_pipeline={cfg.parallel.async_pipeline!r} is invalid: must be true, false or "
+            "null (on wherever it applies)"
+        )
+    if cfg.parallel.async_pipeline is True:
         executor = resolve_executor(cfg, env)
         if pp_size < 2 or executor not in ("mp", "ray"):
             raise ValueError(

@@ -160,11 +160,12 @@ class RemoteStagesExecutor(Executor):
         self.timeout_s = timeout_s
         self.pp_size = len(resolved.layer_partition)
         batches = resolved.cfg.parallel.microbatches or self.pp_size
-        self.async_steps = runner == "v2" and self.pp_size > 1 and resolved.cfg.parallel.async_pipeline
+        wanted = resolved.cfg.parallel.async_pipeline
+        self.async_steps = runner == "v2" and self.pp_size > 1 and wanted is not False
         """Async pipeline steps: each batch's next step is submitted while its current one is in
         the pipeline, its input ids sent by the last stage to the first (``WorkerSpec.
         sample_feedback_slots``): two steps per batch in flight, and the engine off the loop."""
-        if resolved.cfg.parallel.async_pipeline and not self.async_steps:
+        if wanted is True and not self.async_steps:
             logger.warning("parallel.async_pipeline is off: it needs the V2 runner (this pipeline runs %s)", runner)
         self.max_in_flight = 2 * batches if self.async_steps else batches
         # A step's ids are read only by a step submitted while it is in flight: one ring slot per
