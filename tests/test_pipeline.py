@@ -546,7 +546,7 @@ def test_two_gpu_stages_full_graphs_match_one_gpu(tiny_llama_dir, monkeypatch, g
     """pp=2 on two GPUs, V2 with full decode graphs, three batches in flight: the same tokens
     as one GPU, with the hop inside the decode graphs (send at the end of stage 0's graph,
     receive at the start of stage 1's) and, with ``PPRUN_DISABLE_GRAPH_HOP=1``, outside them;
-    with async steps (the sampled ids sent by NCCL from the last stage to the first) and without."""
+    with async steps (the sampled ids sent host to host from the last stage to the first) and without."""
     prompts = TOKEN_PROMPTS * 3  # several decode batches of different sizes
     kw = dict(dtype="float32", device="cuda", runner="v2", cudagraph_mode="full", max_num_seqs=16)
     with LLM(str(tiny_llama_dir), executor="uni", **kw) as llm:
