@@ -123,8 +123,8 @@ def test_async_pipeline_steps_give_the_outputs_of_one_process(demo_model_dir):
     facts, got = run(executor="mp", pipeline_parallel_size=2, microbatches=3, runner="v2", async_pipeline=True)
     assert facts == (True, True, 6)  # three batches, two steps each
     assert got == want
-    facts, got = run(executor="mp", pipeline_parallel_size=2, runner="v2")  # the default: on where it applies
-    assert facts == (True, True, 4)
+    facts, got = run(executor="mp", pipeline_parallel_size=2, runner="v2")  # the default: off on CPU
+    assert facts == (False, False, 2)
     assert got == want
 
 

@@ -72,8 +72,9 @@ class ParallelConfig:
     its sampled ids straight to the first stage's host (``pprun.distributed.feedback``), so the
     engine is off the loop that feeds a batch's next step.  Twice ``microbatches`` steps in
     flight; a request that stops has computed one extra token, which is dropped.  None (the
-    default): on wherever it applies (V2, pp >= 2, mp or ray), off elsewhere; True: required
-    (an error where it cannot apply); False: off.  On two H200s, pp=2 at batch 64: 1.64x of one
+    default): on wherever it applies on GPUs (V2, pp >= 2, mp or ray), off elsewhere (on CPU
+    the stages compute on their own hosts and it gained nothing); True: required (an error
+    where it cannot apply); False: off.  On two H200s, pp=2 at batch 64: 1.64x of one
     GPU with 2 batches (1.09x without), 1.84x with 3 (1.60x without) — docs/performance.md."""
 
 
