@@ -37,10 +37,11 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     timeout 900 python3 scripts/bench_pipeline.py --device cuda --model /tmp/llama1b --parts throughput,hop \
       --num-prompts 64 --input-len 512 --output-len 512 --microbatches 3,4 --pp2-executors mp \
       --out "$OUT/bench_pipeline_cuda.json" 2>"$OUT/bench_pipeline_cuda.err" | tail -c 3000
-    # Async pipeline steps (parallel.async_pipeline, opt-in) against the default, same machine.
+    # Async pipeline steps (parallel.async_pipeline, the default on GPUs) on and off, same machine;
+    # then a 64 MiB NCCL message against a CUDA IPC peer copy.
     pp2="python3 -m pprun bench model.model=/tmp/llama1b model.dtype=bfloat16 device=cuda peer=none input_len=512
       output_len=512 parallel=pp2_mp hydra.run.dir=/tmp/hy"
-    for mb in 3 4; do
+    for mb in 2 3; do
       for ap in false true; do
         timeout 200 $pp2 parallel.microbatches=$mb num_prompts=$((64 * mb)) scheduler.max_num_seqs=$((64 * mb)) \
           parallel.async_pipeline=$ap output_json="$OUT/pp2_mb${mb}_async_$ap.json" >/dev/null 2>&1
@@ -48,5 +49,6 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
       done
     done
     timeout 60 python3 scripts/nccl_order_probe.py 2>&1 | grep '^{' | tee "$OUT/nccl_order_probe.log"
+    timeout 60 python3 scripts/ipc_copy_probe.py 2>&1 | grep '^{' | tee "$OUT/ipc_copy_probe.log"
   fi
 fi

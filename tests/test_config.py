@@ -279,6 +279,10 @@ def test_resolve_executor() -> None:
         ),
         ({"microbatches": 2}, r"parallel\.microbatches=2.*executor 'uni'.*mp and ray"),
         ({"async_pipeline": True}, r"parallel\.async_pipeline=True.*pipeline_parallel_size=1.*executor 'uni'"),
+        (
+            {"runner": "v1", "executor": "mp", "pipeline_parallel_size": 2, "async_pipeline": True},
+            r"parallel\.async_pipeline=True is not allowed with the v1 runner",
+        ),
         ({"async_pipeline": "yes"}, r"parallel\.async_pipeline='yes' is invalid: must be true, false or null"),
         ({"cudagraph_capture_sizes": [1, 0]}, r"compilation\.cudagraph_capture_sizes=\[1, 0\]"),
         ({"log_level": "LOUD"}, r"log_level='LOUD'"),

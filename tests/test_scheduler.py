@@ -651,35 +651,65 @@ def test_async_scheduling_over_pipeline_batches_keeps_batch_order():
     assert fifth.scheduled_cached_reqs.new_token_ids == [[7], [8]]
 
 
-@pytest.mark.parametrize("batches", [2, 3])
-def test_async_pipeline_steps_join_a_whole_round_behind(batches):
-    """Pipeline with async steps, prompts admitted in chunks of uneven size: a request joins a
-    step while its previous one is still in flight only when that one is at least a round of
-    batches back (the first stage computes the joiner's next token from ids the last stage
-    sends once that step left the pipeline; a join right behind it stalls every stage)."""
-    n = 16 * batches
-    sched = Scheduler(n, 40, max_model_len=256, block_size=4, num_blocks=2000, max_in_flight=2 * batches,
-                      spread_over_in_flight=True, async_scheduling=True)
+def _async_pipeline_join_distances(batches: int, n: int, max_num_seqs: int, max_tokens: int, budget: int) -> list[int]:
+    """Drive a scheduler with async pipeline steps as ``LLMEngine.step`` does (submit while
+    there is room, an empty step is not submitted; then apply the oldest output) and return,
+    for every request scheduled while a step of it was still in flight, how many submitted
+    steps lie between the two (1: straight behind)."""
+    sched = Scheduler(max_num_seqs, budget, max_model_len=256, block_size=4, num_blocks=2000,
+                      max_in_flight=2 * batches, spread_over_in_flight=True, async_scheduling=True)
     for i in range(n):
-        sched.add_request(make_req(f"r{i}", 12, max_tokens=40, ignore_eos=True))
+        sched.add_request(make_req(f"r{i}", 12, max_tokens=max_tokens, ignore_eos=True))
     outstanding: deque[SchedulerOutput] = deque()
-    last_step: dict[str, int] = {}
-    distances = []
-    while sched.has_unfinished_requests() or outstanding:
-        while sched.can_schedule() and sched.has_unfinished_requests():
+    position: dict[str, int] = {}
+    distances: list[int] = []
+    submitted = 0
+
+    def submit() -> None:
+        nonlocal submitted
+        while sched.can_schedule():
             so = sched.schedule()
             if so.is_empty():
                 break
             in_flight = {r for prev in outstanding for r in prev.num_scheduled_tokens}
-            distances += [so.step_id - last_step[r] for r in so.num_scheduled_tokens if r in in_flight]
-            last_step.update(dict.fromkeys(so.num_scheduled_tokens, so.step_id))
+            distances.extend(submitted - position[r] for r in so.num_scheduled_tokens if r in in_flight)
+            position.update(dict.fromkeys(so.num_scheduled_tokens, submitted))
+            submitted += 1
             outstanding.append(so)
+
+    while sched.has_unfinished_requests() or outstanding:
+        submit()
         so = outstanding.popleft()
         rids = list(so.num_scheduled_tokens)
         sampled = [[5] if sched.get_request(r).num_pending_samples else [] for r in rids]
         sched.update_from_output(so, ModelRunnerOutput(so.step_id, rids, sampled))
+        submit()
+    return distances
+
+
+@pytest.mark.parametrize(
+    "batches, n, max_num_seqs, budget",
+    [(2, 32, 32, 40), (3, 48, 48, 40), (2, 40, 8, 2048), (3, 36, 12, 2048)],
+)
+def test_async_pipeline_steps_join_a_whole_round_behind(batches, n, max_num_seqs, budget):
+    """Pipeline with async steps (prompts admitted in uneven chunks; more requests than
+    ``max_num_seqs``, so some wait): a request joins a step while its previous one is still in
+    flight only a whole round of batches later, counted in steps that run.  The first stage
+    computes the joiner's next token from ids the last stage sends once that step left the
+    pipeline; a join right behind it stalls every stage (0.42x on two H200s).  (Requests come in
+    whole rounds of ``max_num_seqs`` here: with fewer left than fill every batch, the round is
+    the batches still in use, down to the lone request below.)"""
+    distances = _async_pipeline_join_distances(batches, n, max_num_seqs, max_tokens=40, budget=budget)
     assert len(distances) > 10 * n  # most decode tokens were computed by joiners
     assert min(distances) >= batches
+
+
+@pytest.mark.parametrize("batches", [2, 3])
+def test_async_pipeline_steps_keep_a_lone_request_joining(batches):
+    """Fewer requests than batches: the lone request still joins the step right behind its own
+    (it is all the pipeline has), rather than waiting for its output every token."""
+    distances = _async_pipeline_join_distances(batches, 1, 8, max_tokens=30, budget=2048)
+    assert len(distances) >= 25 and set(distances) == {1}
 
 
 def test_async_scheduling_over_batches_needs_two_steps_per_batch():

@@ -289,6 +289,8 @@ def run(cfg: BenchAppConfig) -> dict[str, Any]:
             "device": facts.get("device"),
             "dtype": facts.get("dtype"),
             "batch": cfg.scheduler.max_num_seqs,
+            "steps_in_flight": facts.get("steps_in_flight"),
+            "async_pipeline_steps": facts.get("async_pipeline_steps"),
             # CUDA graphs are only captured on GPU.
             "cudagraph_mode": cfg.compilation.cudagraph_mode
             if str(facts.get("device")).startswith("cuda")

@@ -350,7 +350,13 @@ def validate_config(
     env = os.environ if env is None else env
     _check_values(cfg, env)
     executor = resolve_executor(cfg, env)
-    runner, _ = choose_runner(cfg, executor)
+    runner, reasons = choose_runner(cfg, executor)
+    if cfg.parallel.async_pipeline is True and runner != "v2":
+        raise ValueError(
+            f"parallel.async_pipeline=True is not allowed with the {runner} runner (it needs V2"
+            + (f"; V2 is not used because: {'; '.join(reasons)}" if reasons else "")
+            + "); set it to null or false"
+        )
 
     if cuda_available is None:
         import torch

@@ -75,9 +75,9 @@ class Request:
     num_pending_samples: int = 0
     """In-flight steps that will sample a token for this request: with async scheduling the
     next step may already compute that token's KV before the host knows the token."""
-    last_step_id: int = -1
-    """The newest step this request was scheduled in (async pipeline steps keep a batch's next
-    step a whole round behind it: ``Scheduler.schedule``)."""
+    last_step_pos: int = -1
+    """The newest step this request was scheduled in, counted in non-empty steps (async pipeline
+    steps keep a batch's next step a whole round behind it: ``Scheduler.schedule``)."""
     num_preemptions: int = 0
     num_output_tokens_sent: int = 0
     """Output tokens the runners already hold (sent in a prompt on resume or as new tokens)."""

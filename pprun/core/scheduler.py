@@ -108,6 +108,8 @@ class Scheduler:
         self._running: list[Request] = []
         self._num_arrived = 0
         self._next_step_id = 0
+        self._num_built = 0
+        """Non-empty steps built so far (ids also go to empty steps, which never run)."""
         # Ids the runners must drop, reported in the next SchedulerOutput.
         self._pending_finished_req_ids: dict[str, None] = {}
         # Non-empty steps whose output has not come back: step_id -> the requests scheduled.
@@ -247,16 +249,19 @@ class Scheduler:
         if async_scheduling and self.spread_over_in_flight:
             # Pipeline batches with async steps: requests out of flight (and the waiting ones)
             # first, then those joining a step they are still in — only a step at least a
-            # round of batches back, oldest first.  The first stage computes a joiner's next
-            # token from the ids the last stage sends it once that step is through the whole
-            # pipeline: a join straight behind its own step (what taking joiners in arrival
-            # order drifted into) made every step wait for the one before it, 0.42x of the
-            # synchronous pipeline on two H200s.
+            # round of batches back (counted in steps that run), oldest first.  The first stage
+            # computes a joiner's next token from the ids the last stage sends it once that
+            # step is through the whole pipeline: a join straight behind its own step (what
+            # taking joiners in arrival order drifted into) made every step wait for the one
+            # before it, 0.42x of the synchronous pipeline on two H200s.  The round is the
+            # batches the unfinished requests fill: a lone request joins right behind itself.
             candidates = [r for r in self._running if not r.num_steps_in_flight]
-            newest_allowed = self._next_step_id - self.max_in_flight // 2
+            num_unfinished = min(len(self._requests), self.max_num_seqs)
+            rounds = min(self.max_in_flight // 2, -(-num_unfinished // step_cap))
+            newest_allowed = self._num_built - rounds
             joiners = sorted(
-                (r for r in self._running if r.num_steps_in_flight and r.last_step_id <= newest_allowed),
-                key=lambda r: r.last_step_id,
+                (r for r in self._running if r.num_steps_in_flight and r.last_step_pos <= newest_allowed),
+                key=lambda r: r.last_step_pos,
             )
 
         def take_running(reqs: list[Request]) -> None:
@@ -333,6 +338,7 @@ class Scheduler:
         step_id = self._next_step_id
         self._next_step_id += 1
         if scheduled:
+            self._num_built += 1
             self._steps_in_flight[step_id] = scheduled
             self._step_samples[step_id] = self._samples_this_step
         finished_req_ids = set(self._pending_finished_req_ids)
@@ -459,7 +465,7 @@ class Scheduler:
     ) -> None:
         num_scheduled_tokens[req.req_id] = num_new_tokens
         req.num_computed_tokens += num_new_tokens
-        req.last_step_id = self._next_step_id  # the step being built takes this id
+        req.last_step_pos = self._num_built  # the step being built, counted in non-empty steps
         # Set now, so a later preemption in this same step cannot pick it.
         req.num_steps_in_flight += 1
         num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)

@@ -436,6 +436,8 @@ class LLMEngine:
             "device": rc.device,
             "dtype": str(rc.dtype).removeprefix("torch."),
             "kv_blocks_per_stage": self.num_blocks,
+            "steps_in_flight": getattr(self.executor, "max_in_flight", 1),
+            "async_pipeline_steps": bool(getattr(self.executor, "async_steps", False)),
         }
 
 

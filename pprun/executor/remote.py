@@ -170,8 +170,6 @@ class RemoteStagesExecutor(Executor):
         """Async pipeline steps: each batch's next step is submitted while its current one is in
         the pipeline, its input ids sent by the last stage to the first (``WorkerSpec.
         sample_feedback_slots``): two steps per batch in flight, and the engine off the loop."""
-        if wanted is True and not self.async_steps:
-            logger.warning("parallel.async_pipeline is off: it needs the V2 runner (this pipeline runs %s)", runner)
         self.max_in_flight = 2 * batches if self.async_steps else batches
         # A step's ids are read only by a step submitted while it is in flight: one ring slot per
         # step in flight, and spares.
