@@ -255,13 +255,28 @@ def test_pipeline_submit_failing_after_an_output_fails_every_request(tiny_llama_
         assert [o.outputs[0].finish_reason for o in info.value.outputs] == ["error"]
 
 
-def test_step_trace_written_by_every_stage_and_the_engine(tiny_llama_dir, tmp_path, monkeypatch):
-    """PPRUN_STEP_TRACE: each stage process and the engine write their per-step timings at shutdown."""
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_step_trace_written_by_every_stage_and_the_engine(tiny_llama_dir, tmp_path, monkeypatch, async_steps):
+    """PPRUN_STEP_TRACE: each stage process and the engine write their per-step timings at
+    shutdown; with async pipeline steps the first and last stage also their waits for and sends
+    of sampled ids."""
     prefix = tmp_path / "trace"
     monkeypatch.setenv("PPRUN_STEP_TRACE", str(prefix))
-    with LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2, runner="v2") as llm:
+    with LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2, runner="v2",
+             async_pipeline=async_steps) as llm:
         llm.generate(TOKEN_PROMPTS, GREEDY)
         num_steps = llm.engine.num_steps
+    feedback = sorted(p.name for p in tmp_path.glob("trace.feedback_*.json"))
+    if not async_steps:
+        assert feedback == []
+    else:
+        assert feedback == ["trace.feedback_first.json", "trace.feedback_last.json"]
+        sends = json.loads((tmp_path / "trace.feedback_last.json").read_text())["calls"]
+        fills = json.loads((tmp_path / "trace.feedback_first.json").read_text())["calls"]
+        # A send per step that samples (every step here: short prompts), a fill per step that
+        # reads pending ids (every decode step that a request joined while in flight).
+        assert len(sends) == num_steps and 0 < len(fills) < num_steps
+        assert all(t1 >= t0 for t0, t1 in sends + fills)
     engine = json.loads((tmp_path / "trace.engine.json").read_text())
     assert engine["num_steps"] == num_steps == len(engine["steps"])
     assert engine["summary"]["get_output_wait_us"]["n"] == num_steps

@@ -36,6 +36,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pprun.worker.step_trace import MAX_STEPS
+
 
 class SampleFeedback:
     """The first or last stage's end of the sampled-ids channel (see the module docstring)."""
@@ -57,7 +59,8 @@ class SampleFeedback:
         self.trace: list[tuple[float, float]] | None = [] if prefix else None
         """With ``PPRUN_STEP_TRACE``: per send (last stage) or per fill (first stage) the host
         clock before and after it (``time.perf_counter``, comparable between the processes of
-        one host), written beside the step trace at :meth:`close`."""
+        one host), written beside the step trace at :meth:`close`; the first ``MAX_STEPS``, as
+        the step trace keeps."""
 
     def _next_slot(self) -> int:
         """The next ring slot, once whatever last used it is complete (a send must have read
@@ -86,7 +89,7 @@ class SampleFeedback:
         buf = self.ring[slot, : sampled_ids.shape[0]]
         buf.copy_(sampled_ids)
         self._works[slot] = dist.isend(buf, self.peer, group=self.group)
-        if self.trace is not None:
+        if self.trace is not None and len(self.trace) < MAX_STEPS:
             self.trace.append((t0, time.perf_counter()))
 
     def expect(self, req_ids: Sequence[str], sample_batch_idx: torch.Tensor, num_sampled: int) -> None:
@@ -115,7 +118,7 @@ class SampleFeedback:
                 work.wait()
                 self._works[slot] = None
         input_ids[token_idx] = self._flat[flat_indices]
-        if self.trace is not None:
+        if self.trace is not None and len(self.trace) < MAX_STEPS:
             self.trace.append((t0, time.perf_counter()))
 
     def close(self, timeout_s: float = 5.0) -> None:
