@@ -108,8 +108,11 @@ class Scheduler:
         self._running: list[Request] = []
         self._num_arrived = 0
         self._next_step_id = 0
-        self._num_built = 0
+        self._num_steps_built = 0
         """Non-empty steps built so far (ids also go to empty steps, which never run)."""
+        self._num_batches = max_in_flight // 2 if async_scheduling else max_in_flight
+        """Batches a pipeline's requests are spread over (``spread_over_in_flight``): with async
+        scheduling each batch has two steps in flight."""
         # Ids the runners must drop, reported in the next SchedulerOutput.
         self._pending_finished_req_ids: dict[str, None] = {}
         # Non-empty steps whose output has not come back: step_id -> the requests scheduled.
@@ -239,7 +242,8 @@ class Scheduler:
         scheduled: list[Request] = []
         self._samples_this_step = []
         preempted_this_step = False
-        step_cap = self._step_request_cap()
+        num_unfinished = min(len(self._requests), self.max_num_seqs)
+        step_cap = self._step_request_cap(num_unfinished)
 
         # Running requests first, earliest arrival first.  The common case (a decode token
         # within the request's last block) allocates nothing and reads lengths directly: with a
@@ -256,9 +260,8 @@ class Scheduler:
             # before it, 0.42x of the synchronous pipeline on two H200s.  The round is the
             # batches the unfinished requests fill: a lone request joins right behind itself.
             candidates = [r for r in self._running if not r.num_steps_in_flight]
-            num_unfinished = min(len(self._requests), self.max_num_seqs)
-            rounds = min(self.max_in_flight // 2, -(-num_unfinished // step_cap))
-            newest_allowed = self._num_built - rounds
+            batches_in_use = min(self._num_batches, -(-num_unfinished // step_cap))
+            newest_allowed = self._num_steps_built - batches_in_use
             joiners = sorted(
                 (r for r in self._running if r.num_steps_in_flight and r.last_step_pos <= newest_allowed),
                 key=lambda r: r.last_step_pos,
@@ -338,7 +341,7 @@ class Scheduler:
         step_id = self._next_step_id
         self._next_step_id += 1
         if scheduled:
-            self._num_built += 1
+            self._num_steps_built += 1
             self._steps_in_flight[step_id] = scheduled
             self._step_samples[step_id] = self._samples_this_step
         finished_req_ids = set(self._pending_finished_req_ids)
@@ -352,18 +355,16 @@ class Scheduler:
             finished_req_ids=finished_req_ids,
         )
 
-    def _step_request_cap(self) -> int:
+    def _step_request_cap(self, num_unfinished: int) -> int:
         """Most requests one step may take.
 
-        With several steps in flight (pipeline parallelism), the unfinished requests are
-        spread evenly over ``max_in_flight`` steps: one step taking them all would leave the
-        other stages idle, since a request can be in only one step at a time.
+        With several steps in flight (pipeline parallelism), the unfinished requests
+        (``num_unfinished``, at most ``max_num_seqs``) are spread evenly over the batches: one
+        step taking them all would leave the other stages idle.
         """
         if self.max_in_flight == 1 or not self.spread_over_in_flight:
             return self.max_num_seqs
-        num_unfinished = min(len(self._requests), self.max_num_seqs)
-        batches = self.max_in_flight // 2 if self.async_scheduling else self.max_in_flight
-        return max(1, -(-num_unfinished // batches))
+        return max(1, -(-num_unfinished // self._num_batches))
 
     def _allocate_or_preempt(self, req: Request, num_total_tokens: int) -> tuple[list[int] | None, bool]:
         """Grow ``req``'s blocks to ``num_total_tokens``, preempting the most recently arrived
@@ -465,7 +466,7 @@ class Scheduler:
     ) -> None:
         num_scheduled_tokens[req.req_id] = num_new_tokens
         req.num_computed_tokens += num_new_tokens
-        req.last_step_pos = self._num_built  # the step being built, counted in non-empty steps
+        req.last_step_pos = self._num_steps_built  # the step being built, counted in non-empty steps
         # Set now, so a later preemption in this same step cannot pick it.
         req.num_steps_in_flight += 1
         num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
