@@ -215,6 +215,11 @@ class V2ModelRunner:
             self.feedback = SampleFeedback(
                 transport.feedback_group, peer, layout.is_first, self.max_num_reqs, sample_feedback_slots
             )
+        self._ids_from_last = self.feedback if layout.is_first else None
+        """The first stage's end of :attr:`feedback` (input ids of pending tokens come from it)."""
+        self._plan_of: tuple[SchedulerOutput, GraphPlan] | None = None
+        """The newest :meth:`plan` and its step (held, so compared by identity): the last stage's
+        worker asks for it before launching the step, the step itself again."""
         # Graph replays read received hidden states from fixed addresses (contract 2).
         self.graph_intermediate: IntermediateTensors | None = None
         if not layout.is_first:
@@ -239,7 +244,7 @@ class V2ModelRunner:
 
     def update_states(self, so: SchedulerOutput) -> None:
         """Apply the step's deltas to the request table and the model-state plug-in."""
-        feedback = self.feedback if self.layout.is_first else None
+        feedback = self._ids_from_last
         for req_id in so.finished_req_ids:
             row = self.table.remove(req_id)
             if row is not None:
@@ -397,18 +402,18 @@ class V2ModelRunner:
             pending_from = self.prev_sample_index
         elif not self.layout.is_first:
             pending_from = ANY_SAMPLE  # later stages read no input ids
-        elif self.feedback is not None:
-            pending_from = self.feedback.index
+        elif self._ids_from_last is not None:
+            pending_from = self._ids_from_last.index
         else:
             pending_from = {}  # synchronous pipeline steps: every input id is known
         batch = prepare_step(self.table, so, self.bufs, plan.num_reqs_padded, plan.num_tokens_padded, pending_from)
         if self.layout.is_last:
             self.table.flush_sampling_params()
         num_pending_on_device = batch.num_pending if self.layout.pp_size == 1 else 0
-        if batch.num_pending and self.feedback is not None and self.layout.is_first:
+        if batch.num_pending and self._ids_from_last is not None:
             # Async pipeline steps: the ids the last stage sent (waits for them on the host).
             n = batch.num_pending
-            self.feedback.fill(self.bufs.input_ids.np, self.bufs.pending_token_idx.np[:n], self.bufs.pending_sample_idx.np[:n])
+            self._ids_from_last.fill(self.bufs.input_ids.np, self.bufs.pending_token_idx.np[:n], self.bufs.pending_sample_idx.np[:n])
         self.bufs.to_device(plan.num_reqs_padded, plan.num_tokens_padded, batch.num_sampled, num_pending_on_device)
         if num_pending_on_device:
             # Async scheduling at pp = 1: these inputs are what the previous step sampled, still
@@ -428,16 +433,19 @@ class V2ModelRunner:
             into = self.graph_intermediate if in_graph_buffers else None
             intermediate_tensors = receive(into, hop_in_graph)
         out = self._run_model(plan, batch, meta, intermediate_tensors, in_graph_buffers, hop_in_graph)
-        if self.feedback is not None and self.layout.is_first and batch.num_sampled:
-            self.feedback.expect(batch.req_ids, batch.sample_batch_idx, batch.num_sampled)
+        if self._ids_from_last is not None and batch.num_sampled:
+            self._ids_from_last.expect(batch.req_ids, batch.sample_batch_idx, batch.num_sampled)
         if not self.layout.is_last:
             return SENT_IN_GRAPH if hop_in_graph else out[:num_tokens]
         return self.sample(so, batch, out, plan.mode == "full")
 
     def plan(self, so: SchedulerOutput) -> GraphPlan:
         """How ``so`` runs: a full or piecewise graph (with its padded counts) or eagerly."""
-        num_scheduled = so.num_scheduled_tokens
-        return self.graphs.plan(so.num_reqs, so.total_num_scheduled_tokens, max(num_scheduled.values(), default=0))
+        if self._plan_of is None or self._plan_of[0] is not so:
+            num_scheduled = so.num_scheduled_tokens
+            plan = self.graphs.plan(so.num_reqs, so.total_num_scheduled_tokens, max(num_scheduled.values(), default=0))
+            self._plan_of = (so, plan)
+        return self._plan_of[1]
 
     def _run_model(
         self,
