@@ -327,7 +327,7 @@ def _graph_round(rank, forward, backward, tensors, buffers, warm_up, sync):
     return graph_round
 
 
-def _streamed_hops(rank, forward, tensors, buffers, num_tokens, n_iter, sync) -> dict[str, Any]:
+def _streamed_hops(rank, forward, tensors, buffers, num_tokens, nbytes, n_iter, sync) -> dict[str, Any]:
     """Large hops back to back in one direction, as a prefill's chunks leave a stage: rank 0
     sends ``n_iter`` through ``PipelineTransport.send``, rank 1 receives them; µs per hop = the
     whole stream (from a barrier to the barrier after rank 1's last receive completed) / n_iter.
@@ -345,7 +345,6 @@ def _streamed_hops(rank, forward, tensors, buffers, num_tokens, n_iter, sync) ->
     sync()
     dist.barrier(group=group)
     us = (time.perf_counter() - t0) / n_iter * 1e6
-    nbytes = sum(v.numel() * v.element_size() for v in tensors.values())
     return {"hops": n_iter, "us_per_hop": round(us, 1), "GBps": round(nbytes / us / 1e3, 3)}
 
 
@@ -425,8 +424,10 @@ def hop_rank_main(rank: int, init_method: str, iters: int, device_type: str = "c
                 fn()
                 samples.append((time.perf_counter() - t0) / 2)  # one hop = half a round trip
             row[label] = _stats_us(samples)
-        if num_tokens > GRAPH_HOP_MAX_TOKENS:
-            row["transport_streamed"] = _streamed_hops(rank, forward, tensors, buffers, num_tokens, n_iter, sync)
+        if num_tokens == large_tokens:  # the 64 MiB case: also one way, back to back
+            row["transport_streamed"] = _streamed_hops(
+                rank, forward, tensors, buffers, num_tokens, row["bytes"], n_iter, sync
+            )
         # What PipelineTransport adds to bare sends (stacking small hops into one message).
         row["transport_minus_bare_us"] = round(row["transport"]["median_us"] - row["tensors_only"]["median_us"], 1)
         for label, _ in rounds:

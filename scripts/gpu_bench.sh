@@ -18,7 +18,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 300 python3 -m pytest -q tests/test_skinny.py tests/test_fused_ops.py tests/test_triton_ops.py \
+  timeout 300 python3 -m pytest -q -m "not gpu" tests/test_skinny.py tests/test_fused_ops.py tests/test_triton_ops.py \
     tests/test_norm_linear.py -p no:cacheprovider 2>&1 | tail -20 | tee "$OUT/kernel_tests.log"
   timeout 600 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
 fi

@@ -21,42 +21,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pprun.executor.mp import free_port
 
 
-def _time_copies(dst: torch.Tensor, src: torch.Tensor, iters: int) -> float:
-    """Mean µs per copy on the current stream (after warm-up)."""
+def _time(op, iters: int) -> float:
+    """Mean µs per ``op()`` on the current stream, after a warm-up, by CUDA events."""
     for _ in range(5):
-        dst.copy_(src, non_blocking=True)
+        op()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
-        dst.copy_(src, non_blocking=True)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
-
-
-def _time_nccl(rank: int, buf: torch.Tensor, iters: int) -> float:
-    for _ in range(5):
-        dist.send(buf, 1) if rank == 0 else dist.recv(buf, 0)
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        dist.send(buf, 1) if rank == 0 else dist.recv(buf, 0)
+        op()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / iters
@@ -72,17 +53,17 @@ def _rank(rank: int, port: int, nbytes: int, iters: int, to_peer, from_peer, res
     dist.barrier()
     out = {}
     if rank == 1:
-        out["pull_us"] = _time_copies(mine, peer, iters)
+        out["pull_us"] = _time(lambda: mine.copy_(peer, non_blocking=True), iters)
         out["pull_equal"] = bool(torch.equal(mine.cpu(), peer.cpu()))
     dist.barrier()
     if rank == 0:
         mine.random_(0, 255)
-        out["push_us"] = _time_copies(peer, mine, iters)
+        out["push_us"] = _time(lambda: peer.copy_(mine, non_blocking=True), iters)
     dist.barrier()
-    out["nccl_us"] = _time_nccl(rank, mine, iters)
+    out["nccl_us"] = _time(lambda: dist.send(mine, 1) if rank == 0 else dist.recv(mine, 0), iters)
     dist.barrier()
     results.put((rank, out))
-    del peer
+    peer = None  # unmap the peer's buffer before the group goes
     dist.barrier()
     dist.destroy_process_group()
 
@@ -96,7 +77,7 @@ def main() -> None:
         raise SystemExit("needs two GPUs")
     ctx = mp.get_context("spawn")
     q01, q10, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    nbytes, port = args.mib << 20, _free_port()
+    nbytes, port = args.mib << 20, free_port()
     procs = [ctx.Process(target=_rank, args=(0, port, nbytes, args.iters, q01, q10, results)),
              ctx.Process(target=_rank, args=(1, port, nbytes, args.iters, q10, q01, results))]
     for p in procs:

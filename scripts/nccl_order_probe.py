@@ -67,4 +67,6 @@ def _rank(rank: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    mp.spawn(_rank, args=(29557,), nprocs=2)
+    from pprun.executor.mp import free_port
+
+    mp.spawn(_rank, args=(free_port(),), nprocs=2)

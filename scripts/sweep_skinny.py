@@ -5,8 +5,9 @@ every timing as a JSON line in ``--out``).
     python scripts/sweep_skinny.py [--rows 1,16,32,64] [--workers 12] [--out sweep.jsonl]
 
 Compiling hundreds of Triton variants one after another would take most of a GPU session, so
-a pool of processes compiles every variant first (each runs it once, with PDL as under
-capture, filling Triton's on-disk cache); one process then times them all, graph-replayed,
+a pool of processes compiles every matmul variant first (each runs it once, with PDL as under
+capture, filling Triton's on-disk cache; the attention variants compile as they are timed); one
+process then times them all, graph-replayed,
 each call reading its own copy of the weights so that nothing comes from L2
 (``layer_bench.time_us``).  Rows above one sweep the swapped form (weight tile as the MMA's M
 side) and, for reference, the default settings; one row sweeps pipeline stages around the
@@ -121,14 +122,24 @@ def time_matmuls(rows: list[int], shapes: list[str], out) -> None:
             print(json.dumps({"best": best}), flush=True)
 
 
-def time_attention(out, ctx: int = 512, max_len: int = 2048, block: int = 16) -> None:
+def time_attention(out) -> None:
+    """Decode attention launch settings at 32 and 64 rows (``decode_attention_inputs``' context),
+    compiled as they are timed; the module's defaults are put back whatever happens."""
     import pprun.attention.triton_ops as ops
 
     defaults = (ops._DECODE_BLOCK_N, ops._DECODE_NUM_WARPS, ops._DECODE_NUM_STAGES)
     real_splits = ops.num_decode_splits
+    try:
+        _sweep_attention(out, ops, defaults, real_splits)
+    finally:
+        ops._DECODE_BLOCK_N, ops._DECODE_NUM_WARPS, ops._DECODE_NUM_STAGES = defaults
+        ops.num_decode_splits = real_splits
+
+
+def _sweep_attention(out, ops, defaults, real_splits) -> None:
     for batch in (32, 64):
-        d = decode_attention_inputs(batch, ctx, max_len, block)
-        default_splits = real_splits(batch, KV_HEADS, max_len, d.q.device)
+        d = decode_attention_inputs(batch)
+        default_splits = real_splits(batch, KV_HEADS, d.cos.shape[0], d.q.device)  # max_len
         best = None
         for bn, warps, stages, splits in itertools.product((64, 128), (4, 8), (2, 3), sorted({default_splits, 1})):
             ops._DECODE_BLOCK_N, ops._DECODE_NUM_WARPS, ops._DECODE_NUM_STAGES = bn, warps, stages
@@ -146,8 +157,6 @@ def time_attention(out, ctx: int = 512, max_len: int = 2048, block: int = 16) ->
             if best is None or us < best["us"]:
                 best = rec
         print(json.dumps({"best": best}), flush=True)
-    ops._DECODE_BLOCK_N, ops._DECODE_NUM_WARPS, ops._DECODE_NUM_STAGES = defaults
-    ops.num_decode_splits = real_splits
 
 
 def main() -> None:
