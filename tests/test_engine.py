@@ -210,25 +210,32 @@ def test_text_prompt_errors(demo_llm):
         demo_llm.generate(["word " * 3000])
 
 
+STOP_MIX = [
+    SamplingParams(temperature=0, max_tokens=30),  # natural EOS stops
+    SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=30, stop=["\n"]),
+    SamplingParams(temperature=0.8, seed=7, max_tokens=12),
+    SamplingParams(temperature=0, max_tokens=1),
+    SamplingParams(temperature=0, max_tokens=30, min_tokens=5),
+]
+"""One demo prompt each (``DEMO_PROMPTS[:6]``): every way a request stops, and seeded sampling
+(what async steps, which overshoot a stopping request by one dropped token, must keep)."""
+
+
+def outcomes(outs) -> list[tuple]:
+    """Token ids, text, finish and stop reason of each request: what two runs must agree on."""
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+            for o in outs]
+
+
 def test_async_scheduling_gives_the_same_outputs(demo_model_dir):
     """Async steps (V2, one stage) overshoot a stopping request by one dropped token: the
     outputs, stops and finish reasons are those of synchronous steps."""
-    prompts = DEMO_PROMPTS[:6]
-    params = [
-        SamplingParams(temperature=0, max_tokens=30),  # natural EOS stops
-        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=30, stop=["\n"]),
-        SamplingParams(temperature=0.8, seed=7, max_tokens=12),
-        SamplingParams(temperature=0, max_tokens=1),
-        SamplingParams(temperature=0, max_tokens=30, min_tokens=5),
-    ]
     got = {}
     for async_on in (False, True):
         with LLM("smollm2-135m-instruct", dtype="float32", max_model_len=512, async_scheduling=async_on) as llm:
             assert llm.engine.async_scheduling is async_on
-            outs = llm.generate(prompts, params)
-            got[async_on] = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
-                              o.outputs[0].stop_reason) for o in outs]
+            got[async_on] = outcomes(llm.generate(DEMO_PROMPTS[:6], STOP_MIX))
     assert got[True] == got[False]
 
 

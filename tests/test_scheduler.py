@@ -651,14 +651,16 @@ def test_async_scheduling_over_pipeline_batches_keeps_batch_order():
     assert fifth.scheduled_cached_reqs.new_token_ids == [[7], [8]]
 
 
-def _async_pipeline_join_distances(batches: int, n: int, max_num_seqs: int, max_tokens: int, budget: int) -> list[int]:
+def _async_pipeline_join_distances(
+    batches: int, num_requests: int, max_num_seqs: int, max_tokens: int, max_num_batched_tokens: int
+) -> list[int]:
     """Drive a scheduler with async pipeline steps as ``LLMEngine.step`` does (submit while
     there is room, an empty step is not submitted; then apply the oldest output) and return,
-    for every request scheduled while a step of it was still in flight, how many submitted
-    steps lie between the two (1: straight behind)."""
-    sched = Scheduler(max_num_seqs, budget, max_model_len=256, block_size=4, num_blocks=2000,
+    for every request scheduled while a step of it was still in flight, the difference of the
+    two steps' submission indices (1: straight behind)."""
+    sched = Scheduler(max_num_seqs, max_num_batched_tokens, max_model_len=256, block_size=4, num_blocks=2000,
                       max_in_flight=2 * batches, spread_over_in_flight=True, async_scheduling=True)
-    for i in range(n):
+    for i in range(num_requests):
         sched.add_request(make_req(f"r{i}", 12, max_tokens=max_tokens, ignore_eos=True))
     outstanding: deque[SchedulerOutput] = deque()
     position: dict[str, int] = {}
@@ -688,10 +690,10 @@ def _async_pipeline_join_distances(batches: int, n: int, max_num_seqs: int, max_
 
 
 @pytest.mark.parametrize(
-    "batches, n, max_num_seqs, budget",
+    "batches, num_requests, max_num_seqs, max_num_batched_tokens",
     [(2, 32, 32, 40), (3, 48, 48, 40), (2, 40, 8, 2048), (3, 36, 12, 2048)],
 )
-def test_async_pipeline_steps_join_a_whole_round_behind(batches, n, max_num_seqs, budget):
+def test_async_pipeline_steps_join_a_whole_round_behind(batches, num_requests, max_num_seqs, max_num_batched_tokens):
     """Pipeline with async steps (prompts admitted in uneven chunks; more requests than
     ``max_num_seqs``, so some wait): a request joins a step while its previous one is still in
     flight only a whole round of batches later, counted in steps that run.  The first stage
@@ -699,8 +701,10 @@ def test_async_pipeline_steps_join_a_whole_round_behind(batches, n, max_num_seqs
     pipeline; a join right behind it stalls every stage (0.42x on two H200s).  (Requests come in
     whole rounds of ``max_num_seqs`` here: with fewer left than fill every batch, the round is
     the batches still in use, down to the lone request below.)"""
-    distances = _async_pipeline_join_distances(batches, n, max_num_seqs, max_tokens=40, budget=budget)
-    assert len(distances) > 10 * n  # most decode tokens were computed by joiners
+    distances = _async_pipeline_join_distances(
+        batches, num_requests, max_num_seqs, max_tokens=40, max_num_batched_tokens=max_num_batched_tokens
+    )
+    assert len(distances) > 10 * num_requests  # most decode tokens were computed by joiners
     assert min(distances) >= batches
 
 
@@ -708,7 +712,7 @@ def test_async_pipeline_steps_join_a_whole_round_behind(batches, n, max_num_seqs
 def test_async_pipeline_steps_keep_a_lone_request_joining(batches):
     """Fewer requests than batches: the lone request still joins the step right behind its own
     (it is all the pipeline has), rather than waiting for its output every token."""
-    distances = _async_pipeline_join_distances(batches, 1, 8, max_tokens=30, budget=2048)
+    distances = _async_pipeline_join_distances(batches, 1, 8, max_tokens=30, max_num_batched_tokens=2048)
     assert len(distances) >= 25 and set(distances) == {1}
 
 
