@@ -72,15 +72,13 @@ def time_us(fns, iters: int = 10) -> float:
 
 
 def bench_skinny(sweep: bool = True) -> dict:
-    """Split-K kernels (``pprun.layers.skinny``): the default config and the best of a sweep,
-    against cuBLAS (+ ``silu_and_mul`` for gate_up, which the kernel folds in)."""
+    """Split-K kernels (``pprun.layers.skinny``): the default config, and at one row the best of
+    a sweep, against cuBLAS (+ ``silu_and_mul`` for gate_up, which the kernel folds in).  More
+    rows take the swapped form, swept by ``scripts/sweep_skinny.py``."""
     out: dict = {}
-    sweeps = {
-        1: itertools.product((8, 16, 32), (256, 512, 1024), (1, 2, 4, 8)),
-        32: itertools.product((16, 32, 64), (64, 128, 256), (1, 2, 4, 8)),
-    }
+    one_row_sweep = itertools.product((8, 16, 32), (256, 512, 1024), (1, 2, 4, 8))
     for m in (1, 8, 32):
-        candidates = list(sweeps.get(m, ())) if sweep else []
+        candidates = list(one_row_sweep) if sweep and m == 1 else []
         for name, (k, n) in SHAPES.items():
             swiglu = name == "gate_up"
             ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies_for(n * k * 2))]
