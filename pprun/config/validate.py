@@ -172,15 +172,6 @@ def _check_values(cfg: PprunConfig, env: Mapping[str, str]) -> None:
             f"parallel.async_pipeline={cfg.parallel.async_pipeline!r} is invalid: must be true, false or "
             "null (on wherever it applies)"
         )
-    if cfg.parallel.async_pipeline is True:
-        executor = resolve_executor(cfg, env)
-        if pp_size < 2 or executor not in ("mp", "ray"):
-            raise ValueError(
-                f"parallel.async_pipeline=True is not allowed with pipeline_parallel_size={pp_size} and "
-                f"executor {executor!r}: it needs pp >= 2 on the mp or ray executor (one stage in process "
-                "uses scheduler.async_scheduling instead); set it to false"
-            )
-
     _check_min("scheduler.max_num_seqs", cfg.scheduler.max_num_seqs, 1, "an integer >= 1")
     _check_min("scheduler.max_num_batched_tokens", cfg.scheduler.max_num_batched_tokens, 1, "an integer >= 1")
 
@@ -335,6 +326,23 @@ def _resolve_layer_partition(cfg: PprunConfig, num_layers: int) -> list[int]:
     return partition
 
 
+def _check_async_pipeline(pp_size: int, executor: str, runner: str, reasons: list[str]) -> None:
+    """``parallel.async_pipeline=True`` asks for async pipeline steps: an error where they cannot
+    run (null turns them on only where they can)."""
+    if pp_size < 2 or executor not in ("mp", "ray"):
+        raise ValueError(
+            f"parallel.async_pipeline=True is not allowed with pipeline_parallel_size={pp_size} and "
+            f"executor {executor!r}: it needs pp >= 2 on the mp or ray executor (one stage in process "
+            "uses scheduler.async_scheduling instead); set it to null or false"
+        )
+    if runner != "v2":
+        raise ValueError(
+            f"parallel.async_pipeline=True is not allowed with the {runner} runner (it needs V2"
+            + (f"; V2 is not used because: {'; '.join(reasons)}" if reasons else "")
+            + "); set it to null or false"
+        )
+
+
 def validate_config(
     cfg: PprunConfig,
     *,
@@ -351,12 +359,8 @@ def validate_config(
     _check_values(cfg, env)
     executor = resolve_executor(cfg, env)
     runner, reasons = choose_runner(cfg, executor)
-    if cfg.parallel.async_pipeline is True and runner != "v2":
-        raise ValueError(
-            f"parallel.async_pipeline=True is not allowed with the {runner} runner (it needs V2"
-            + (f"; V2 is not used because: {'; '.join(reasons)}" if reasons else "")
-            + "); set it to null or false"
-        )
+    if cfg.parallel.async_pipeline is True:
+        _check_async_pipeline(cfg.parallel.pipeline_parallel_size, executor, runner, reasons)
 
     if cuda_available is None:
         import torch
