@@ -209,21 +209,26 @@ def test_pipeline_engine_submits_before_its_bookkeeping():
         assert "gsr" not in late and "grs" in late
 
 
+def fail_submission(executor, n: int, message: str) -> None:
+    """Make the ``n``-th ``executor.submit`` call from now on raise ``StageFailedError(message)``."""
+    real_submit, calls = executor.submit, [0]
+
+    def submit(so):
+        calls[0] += 1
+        if calls[0] == n:
+            raise StageFailedError(message)
+        real_submit(so)
+
+    executor.submit = submit
+
+
 def test_pipeline_submit_failing_after_an_output_fails_every_request(tiny_llama_dir):
     """A submission that fails right after an output was applied (the early submission of a
     pipeline's engine): that call still returns what finished, the engine is dead, and the
     caller gets every unfinished request back as an error."""
     with LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2, runner="v2") as llm:
-        eng, ex = llm.engine, llm.engine.executor
-        real_submit, calls = ex.submit, {"n": 0}
-
-        def submit(so):
-            calls["n"] += 1
-            if calls["n"] == 8:
-                raise StageFailedError("stage 0 died (injected at submission 8)")
-            real_submit(so)
-
-        ex.submit = submit
+        eng = llm.engine
+        fail_submission(eng.executor, 8, "stage 0 died (injected at submission 8)")
         with pytest.raises(StageFailedError, match="injected at submission 8") as info:
             llm.generate(TOKEN_PROMPTS, GREEDY)
         assert eng.dead and "injected" in eng.dead
@@ -232,15 +237,7 @@ def test_pipeline_submit_failing_after_an_output_fails_every_request(tiny_llama_
         assert all(o.outputs[0].finish_reason == "error" for o in outs)
     # One prompt: the failing submission follows its own output; generate must still raise.
     with LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2, runner="v2") as llm:
-        real_submit, calls = llm.engine.executor.submit, {"n": 0}
-
-        def submit_one(so):
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise StageFailedError("stage 1 died (injected at submission 3)")
-            real_submit(so)
-
-        llm.engine.executor.submit = submit_one
+        fail_submission(llm.engine.executor, 3, "stage 1 died (injected at submission 3)")
         with pytest.raises(StageFailedError, match="injected at submission 3") as info:
             llm.generate(TOKEN_PROMPTS[:1], GREEDY)
         assert [o.outputs[0].finish_reason for o in info.value.outputs] == ["error"]
