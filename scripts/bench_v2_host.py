@@ -62,7 +62,8 @@ def params_for(i: int, mix: str) -> SamplingParams:
 
 
 def bench(batch: int, steps: int, mix: str, ctx: int = 512, max_model_len: int | None = None) -> dict[str, Any]:
-    runner = make_runner(batch, max_model_len or ctx + steps + 64)
+    max_model_len = max_model_len or ctx + steps + 64
+    runner = make_runner(batch, max_model_len)
     ids = [f"r{i}" for i in range(batch)]
     lengths = {r: ctx for r in ids}
     blocks = {r: -(-ctx // BLOCK) for r in ids}
@@ -117,7 +118,7 @@ def bench(batch: int, steps: int, mix: str, ctx: int = 512, max_model_len: int |
             t0 = time.perf_counter()
             runner.execute_model(so)
             phases["execute_model"].append(time.perf_counter() - t0)
-    result = {"batch": batch, "mix": mix}
+    result = {"batch": batch, "mix": mix, "max_model_len": max_model_len}
     for name, ts in phases.items():
         result[f"{name}_us"] = round(statistics.median(ts) * 1e6, 1)
     return result
@@ -134,7 +135,7 @@ def main() -> None:
     for batch in args.batches:
         for mix in ("greedy", "mixed"):
             result = bench(batch, args.steps, mix, max_model_len=args.max_model_len)
-            print(json.dumps({**result, "max_model_len": args.max_model_len}))
+            print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -163,25 +163,28 @@ def main() -> None:
         import pprun.layers.triton_utils
         import pprun.worker.v2.runner
 
-        switches = [(pprun.layers, "SKINNY_ENABLED"), (pprun.layers, "FUSED_DECODE_ENABLED"),
-                    (pprun.layers.triton_utils, "PDL_ENABLED"), (pprun.layers, "NORM_FOLD_ENABLED"),
-                    (pprun.worker.v2.runner, "GRAPH_LOGITS_ENABLED"), (pprun.layers.skinny, "DISPATCH_MAX_M")]
+        # (module, flag, the other value, whether batch 1 runs differently with it)
+        switches = [(pprun.layers, "SKINNY_ENABLED", False, True),
+                    (pprun.layers, "FUSED_DECODE_ENABLED", False, True),
+                    (pprun.layers.triton_utils, "PDL_ENABLED", False, True),
+                    (pprun.layers, "NORM_FOLD_ENABLED", False, True),
+                    (pprun.worker.v2.runner, "GRAPH_LOGITS_ENABLED", False, True),
+                    (pprun.layers.skinny, "DISPATCH_MAX_M", 1, False)]  # 1: cuBLAS above one row
         if args.ab_only:
             only = set(args.ab_only.split(","))
-            unknown = only - {f for _, f in switches}
+            unknown = only - {s[1] for s in switches}
             if unknown:
-                raise SystemExit(f"--ab-only {sorted(unknown)} unknown; choose from {[f for _, f in switches]}")
-            switches = [(m, f) for m, f in switches if f in only]
-        defaults = {flag: getattr(module, flag) for module, flag in switches}
-        for module, flag in switches:
-            flipped = 1 if flag == "DISPATCH_MAX_M" else not defaults[flag]
+                raise SystemExit(f"--ab-only {sorted(unknown)} unknown; choose from {[s[1] for s in switches]}")
+            switches = [s for s in switches if s[1] in only]
+        for module, flag, flipped, b1_differs in switches:
+            default = getattr(module, flag)
             setattr(module, flag, flipped)
             # Same max_model_len as the runs above (it sets the decode split count).
-            if flag != "DISPATCH_MAX_M":  # one row is the same either way
+            if b1_differs:
                 res[f"decode_b1_{flag}={flipped}"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps,
                                                             measure_memory=False)
             res[f"decode_b32_{flag}={flipped}"] = decode(args.model, 32, 512, 100)
-            setattr(module, flag, defaults[flag])
+            setattr(module, flag, default)
         # Everything on again: the spread between this and the first run is the noise.
         res["decode_b1_again"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps, measure_memory=False)
         res["decode_b32_again"] = decode(args.model, 32, 512, 100)
