@@ -623,3 +623,58 @@ def test_graph_hop_protocol_over_gloo():
         assert p.exitcode == 0
     assert got[0] == {"same": True, "differ": False, "swapped_refused": True}
     assert got[1] == {"same": True, "differ": False, "landed": [True, True], "rest_untouched": True}
+
+
+def _large_hop_rank(rank: int, init_method: str, results) -> None:
+    """One side of test_two_gpu_large_hops_land_whole (a spawned process on GPU ``rank``)."""
+    from pprun.distributed.intermediate import IntermediateTensors
+    from pprun.distributed.layout import StageLayout
+    from pprun.distributed.transport import PACK_MAX_BYTES, PipelineTransport
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    rows = 2 * PACK_MAX_BYTES // (2 * 2048)  # two bf16 [rows, 2048] tensors, 4x past the stacking limit
+    t = PipelineTransport.init(StageLayout.from_partition([1, 1], rank), device, init_method, 60.0)
+    try:
+        seen = []
+        buffers = IntermediateTensors({k: torch.zeros(rows, 2048, dtype=torch.bfloat16, device=device)
+                                       for k in ("hidden_states", "residual")})
+        for hop in range(3):  # the first hop message by message, the later ones as one NCCL group
+            n = rows - hop  # a different token count each time
+            if rank == 0:
+                g = torch.Generator(device=device).manual_seed(hop)
+                t.send(IntermediateTensors({k: torch.randn(n, 2048, generator=g, device=device).to(torch.bfloat16)
+                                            for k in ("hidden_states", "residual")}))
+            else:
+                g = torch.Generator(device=device).manual_seed(hop)
+                want = [torch.randn(n, 2048, generator=g, device=device).to(torch.bfloat16) for _ in range(2)]
+                got = t.recv(buffers, n)
+                seen.append([torch.equal(got["hidden_states"], want[0]), torch.equal(got["residual"], want[1])])
+        torch.cuda.synchronize(device)
+        results.put((rank, {"seen": seen, "batched": t._batch_large}))
+    finally:
+        t.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_two_gpu_large_hops_land_whole():
+    """Hops past the stacking limit (prefill) between two GPUs: the first goes message by
+    message, later ones as one NCCL group (``batch_isend_irecv``); every tensor lands whole in
+    the buffer of its key, hop after hop."""
+    import multiprocessing
+
+    from pprun.executor.mp import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=_large_hop_rank, args=(r, init_method, results)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=180) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert got[1] == {"seen": [[True, True]] * 3, "batched": True}
+    assert got[0]["batched"] is True
