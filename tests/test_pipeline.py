@@ -93,6 +93,29 @@ def test_v2_three_batches_in_flight_through_two_stages(tiny_llama_dir, tiny_refe
         assert facts == [{"runner": "v2", "cudagraph_mode": "none", "hop_in_graph": False}] * 2
 
 
+def test_control_sockets_polled_before_blocking(tiny_llama_dir, tiny_reference, monkeypatch):
+    """PPRUN_CONTROL_SPIN_US: driver and stages poll their sockets before blocking (the default
+    on hosts with cores to spare); same tokens, and a stage killed meanwhile is still seen."""
+    from pprun.executor.remote import control_spin_s
+
+    monkeypatch.setenv("PPRUN_CONTROL_SPIN_US", "300")  # the stage processes inherit it
+    with LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2, runner="v2") as llm:
+        assert llm.engine.executor.spin_s == pytest.approx(3e-4)
+        assert llm.engine.executor._spinner is not None
+        assert tokens(llm.generate(TOKEN_PROMPTS, GREEDY)) == tiny_reference
+        pids = list(llm.engine.executor.stage_pids)
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(StageFailedError, match="stage 1"):
+            llm.generate(TOKEN_PROMPTS, GREEDY)
+    assert pids_gone(pids)
+    monkeypatch.setenv("PPRUN_CONTROL_SPIN_US", "0")
+    assert control_spin_s(3) == 0.0
+    for bad in ("-5", "1.5", "fast"):
+        monkeypatch.setenv("PPRUN_CONTROL_SPIN_US", bad)
+        with pytest.raises(ValueError, match=f"PPRUN_CONTROL_SPIN_US='{bad}' is invalid.*microseconds"):
+            LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2)
+
+
 def test_async_pipeline_steps_give_the_outputs_of_one_process(demo_model_dir):
     """pp=2 with async steps (``async_pipeline``): each batch's next step is submitted while its
     current one is in the pipeline and computes on the ids the last stage sent the first; stops

@@ -6,7 +6,8 @@ same bytes to every stage; the last stage writes the ModelRunnerOutput back.  No
 on the per-step path: Ray only places and starts the stage processes.  A stage that raises sends
 its traceback; a stage that dies closes its socket; a stage that hangs trips the stage timeout.
 Each of these becomes a :class:`StageFailedError` at the caller, and the driver then stops
-every stage process.
+every stage process.  Readers poll their sockets briefly before blocking where the host has cores
+to spare (:func:`control_spin_s`, ``PPRUN_CONTROL_SPIN_US``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import os
 import pickle
 import secrets
+import select
 import socket
 import time
 import traceback
@@ -48,13 +50,65 @@ EARLY_ANSWER: bool = enabled_unless("PPRUN_DISABLE_EARLY_ANSWER")
 (``PPRUN_DISABLE_EARLY_ANSWER=1``: always launch first, the A/B switch of ``serve_steps``)."""
 
 
+SPIN_ENV = "PPRUN_CONTROL_SPIN_US"
+
+
+def control_spin_s(num_processes: int) -> float:
+    """How long a control-socket reader polls before it blocks, in seconds.
+
+    A process blocked in a socket read is woken by the kernel when the bytes land, which on
+    GPU hosts (virtual machines, idle cores in deep sleep) costs tens of microseconds per wake,
+    twice per step (driver -> stage, stage -> driver).  Polling first keeps the reader on its
+    core.  By default it polls up to 1 ms when the host has at least two cores for each of the
+    ``num_processes`` processes of the pipeline (driver and stages), else not at all (on a
+    2-core machine the spinning would take the stages' cores).  ``PPRUN_CONTROL_SPIN_US``
+    sets the budget in microseconds (0: never poll).
+    """
+    text = os.environ.get(SPIN_ENV)
+    if text is not None and text.strip() != "":
+        try:
+            us = int(text)
+        except ValueError:
+            us = -1
+        if us < 0:
+            raise ValueError(f"{SPIN_ENV}={text!r} is invalid: expected a whole number of microseconds >= 0")
+        return us * 1e-6
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return 1e-3 if cores >= 2 * num_processes else 0.0
+
+
+class Spinner:
+    """Polls a set of sockets without blocking for up to ``budget_s`` (see :func:`control_spin_s`)."""
+
+    def __init__(self, conns: list, budget_s: float) -> None:
+        self.budget_s = budget_s
+        self._poller = select.poll()
+        for conn in conns:
+            self._poller.register(conn.fileno(), select.POLLIN)
+
+    def wait(self) -> bool:
+        """True as soon as one socket is readable (or closed); False after the budget."""
+        poll = self._poller.poll
+        deadline = time.perf_counter() + self.budget_s
+        while True:
+            if poll(0):
+                return True
+            if time.perf_counter() >= deadline:
+                return False
+
+
 def _finished(out) -> bool:
     return EARLY_ANSWER and getattr(out, "done", lambda: True)()
 
 
-def serve_steps(conn: Connection, worker) -> None:
+def serve_steps(conn: Connection, worker, spin_s: float = 0.0) -> None:
     """A stage's loop over the driver's messages until ``shutdown``: steps, and calls between
-    steps (``Worker`` methods, answered with their result).  Only the last stage answers steps."""
+    steps (``Worker`` methods, answered with their result).  Only the last stage answers steps.
+    ``spin_s``: how long to poll for the next message before blocking (:func:`control_spin_s`)."""
+    spinner = Spinner([conn], spin_s) if spin_s > 0 else None
 
     def send_output(out) -> None:
         if hasattr(out, "result"):
@@ -72,6 +126,8 @@ def serve_steps(conn: Connection, worker) -> None:
         if pending is not None and not conn.poll():
             send_output(pending)
             pending = None
+        if spinner is not None:
+            spinner.wait()
         kind, *args = conn.recv()
         if kind == "step":
             so = args[0]
@@ -125,7 +181,7 @@ def worker_main(address: tuple[str, int], authkey: bytes, rank: int, spec=None) 
         worker = Worker(spec)
         n_params = worker.load_model()
         conn.send(("loaded", n_params, worker.num_available_blocks()))
-        serve_steps(conn, worker)
+        serve_steps(conn, worker, control_spin_s(spec.layout.pp_size + 1))
     except (EOFError, OSError):
         return  # the driver went away: nothing to report to
     except BaseException:
@@ -182,6 +238,9 @@ class RemoteStagesExecutor(Executor):
         self.stage_params: list[int] = []
         self.stage_pids: list[int | None] = [None] * self.pp_size
         """Process id of each stage (reported by the stage itself)."""
+        self.spin_s = control_spin_s(self.pp_size + 1)
+        """How long a wait for a stage's message polls before blocking (:func:`control_spin_s`)."""
+        self._spinner: Spinner | None = None
 
     # --- start-up ------------------------------------------------------------------------------
 
@@ -223,7 +282,10 @@ class RemoteStagesExecutor(Executor):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self._fail(f"stage {rank} sent nothing for {timeout_s:.0f}s (waiting for {expect})")
-            self._poll(min(remaining, 1.0))
+            if self._spinner is not None and self._spinner.wait():
+                self._poll(0)
+            else:
+                self._poll(min(remaining, 1.0))
         msg = self.inbox[rank].popleft()
         if msg[0] != expect:
             self._fail(f"stage {rank} sent {msg[0]!r}, expected {expect!r}")
@@ -275,6 +337,8 @@ class RemoteStagesExecutor(Executor):
         return []
 
     def _setup_stages(self) -> None:
+        if self.spin_s > 0:
+            self._spinner = Spinner(self.conns, self.spin_s)
         loaded = self._gather("loaded")
         self.stage_params = [m[1] for m in loaded]
         self.num_blocks = min(m[2] for m in loaded)
@@ -337,6 +401,7 @@ class RemoteStagesExecutor(Executor):
                 conn.send(("shutdown",))
             except OSError:
                 pass
+        self._spinner = None
         self._stop_processes(grace_s=5.0 if graceful else 0.0)
         for conn in self.conns:
             if conn is not None:
