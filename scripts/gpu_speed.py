@@ -148,7 +148,9 @@ def main() -> None:
                          "(PPRUN_DISABLE_FUSED_DECODE), programmatic dependent launch (PPRUN_DISABLE_PDL), "
                          "add + RMSNorm folded into the matmuls (PPRUN_DISABLE_NORM_FOLD), LM head and "
                          "greedy argmax inside the decode graphs (PPRUN_DISABLE_GRAPH_LOGITS), the split-K "
-                         "kernels above one row (DISPATCH_MAX_M set to 1: cuBLAS from two rows on)")
+                         "kernels above one row (DISPATCH_MAX_M set to 1: cuBLAS from two rows on), the decode "
+                         "attention's first K/V tile loaded before its PDL wait (DECODE_PRELOAD_KV) and its "
+                         "unrolled split merge (DECODE_MERGE_UNROLLED)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED)")
     args = ap.parse_args()
@@ -158,6 +160,7 @@ def main() -> None:
     res["decode_b1"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps)
     res["decode_b32"] = decode(args.model, 32, 512, 100)
     if args.ab:
+        import pprun.attention.triton_ops
         import pprun.layers
         import pprun.layers.skinny
         import pprun.layers.triton_utils
@@ -169,7 +172,9 @@ def main() -> None:
                     (pprun.layers.triton_utils, "PDL_ENABLED", False, True),
                     (pprun.layers, "NORM_FOLD_ENABLED", False, True),
                     (pprun.worker.v2.runner, "GRAPH_LOGITS_ENABLED", False, True),
-                    (pprun.layers.skinny, "DISPATCH_MAX_M", 1, False)]  # 1: cuBLAS above one row
+                    (pprun.layers.skinny, "DISPATCH_MAX_M", 1, False),  # 1: cuBLAS above one row
+                    (pprun.attention.triton_ops, "DECODE_PRELOAD_KV", False, True),
+                    (pprun.attention.triton_ops, "DECODE_MERGE_UNROLLED", False, True)]
         if args.ab_only:
             only = set(args.ab_only.split(","))
             unknown = only - {s[1] for s in switches}

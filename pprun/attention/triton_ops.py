@@ -33,6 +33,12 @@ _MAX_SPLITS = 32
 _DECODE_BLOCK_N = 64
 _DECODE_NUM_WARPS = 4
 _DECODE_NUM_STAGES = 2
+DECODE_PRELOAD_KV = True
+"""Decode with a new token: each program loads its first K/V tile (and the step's metadata)
+before waiting for the qkv kernel (PDL), overlapping that kernel's tail; ``scripts/gpu_speed.py
+--ab`` flips it."""
+DECODE_MERGE_UNROLLED = True
+"""The in-kernel merge of the context splits unrolled (every partial's load issued at once)."""
 # The CPU interpreter multiplies bf16/fp16 dot operands as raw bits; it gets fp32 dots.
 # The rotary products are rounded one by one, as torch does them (see pprun.layers.fused): NO_FMA.
 
@@ -219,6 +225,55 @@ def _rope_row(x_ptr, partner_ptr, mask, cos_row_ptr, sin_row_ptr, offs_d, HALF: 
 
 
 @triton.jit
+def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, DOT_F32: tl.constexpr):
+    """One K/V tile of online softmax: returns the updated (running max, sum, accumulator)."""
+    if DOT_F32:
+        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = tl.where(n_mask[None, :], qk * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_F32:
+        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kv_head, offs_d, d_mask,
+             stride_c_blk, stride_c_off, stride_c_head, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Load the K and V tile of cached positions ``[n0, n0 + BLOCK_N)`` (masked at ``end``)."""
+    n_pos = n0 + tl.arange(0, BLOCK_N)
+    n_mask = n_pos < end
+    blk = tl.load(bt_row + n_pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    kv_off = blk * stride_c_blk + (n_pos % PAGE_SIZE) * stride_c_off + kv_head * stride_c_head
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    return k, v, n_mask
+
+
+@triton.jit
+def _merge_split(part_m_ptr, part_l_ptr, part_acc_ptr, rows, offs_d, g_mask, qd_mask, m_max, total, merged,
+                 BLOCK_D: tl.constexpr):
+    """Fold one split's partial (running max, sum, accumulator at ``rows``) into the merge."""
+    # .cg: read from L2, where the other programs' stores landed.
+    m_s = tl.load(part_m_ptr + rows, mask=g_mask, other=_NEG_BIG, cache_modifier=".cg")
+    l_s = tl.load(part_l_ptr + rows, mask=g_mask, other=0.0, cache_modifier=".cg")
+    a_s = tl.load(part_acc_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], mask=qd_mask, other=0.0,
+                  cache_modifier=".cg")
+    m_next = tl.maximum(m_max, m_s)
+    w_old = tl.exp2(m_max - m_next)
+    w_s = tl.exp2(m_s - m_next)
+    return m_next, total * w_old + l_s * w_s, merged * w_old[:, None] + a_s * w_s[:, None]
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -264,6 +319,8 @@ def _decode_kernel(
     PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr,
+    PRELOAD_KV: tl.constexpr,
+    MERGE_UNROLLED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # One program per (request, kv head, context split).  With NEW_TOKEN the request's new
@@ -273,8 +330,13 @@ def _decode_kernel(
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # q/k/v come from the kernel just before (PDL: wait for it before reading anything).
-    pdl_sync(USE_PDL)
+    if not NEW_TOKEN:
+        # The cache was written by the kernel just before (PDL: wait before reading anything).
+        pdl_sync(USE_PDL)
+    # With NEW_TOKEN nothing read up to the wait below comes from a kernel of this step: the
+    # step's metadata was copied in before its first kernel, and the cached tokens were written
+    # by earlier steps (this step's token is never read back).  So they are read while the
+    # kernel before (the qkv matmul) still runs.
     seq_len = tl.load(seq_lens_ptr + req)
     if NEW_TOKEN:
         cached = tl.maximum(seq_len - 1, 0)
@@ -292,11 +354,21 @@ def _decode_kernel(
     qd_mask = g_mask[:, None] & d_mask[None, :]
     q_rows = q_ptr + req * stride_q_tok + heads[:, None] * stride_q_head
     k_row = k_ptr + req * stride_k_tok + kv_head * stride_k_head
+    bt_row = block_table_ptr + req * stride_bt_req
+    if PRELOAD_KV:
+        # The first tile of this split's cached tokens, in flight across the wait.
+        k0, v0, n_mask0 = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, start, end, kv_head, offs_d, d_mask,
+                                   stride_c_blk, stride_c_off, stride_c_head, BLOCK_N, PAGE_SIZE)
     if HAS_ROPE:
         partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
         pos = tl.load(pos_ptr + req).to(tl.int64)
         cos_row = cos_ptr + pos * stride_cos
         sin_row = sin_ptr + pos * stride_sin
+    if NEW_TOKEN:
+        slot = tl.load(slot_ptr + req).to(tl.int64)
+        # q/k/v come from the kernel just before.
+        pdl_sync(USE_PDL)
+    if HAS_ROPE:
         q = _rope_row(q_rows + offs_d[None, :], q_rows + partner[None, :], qd_mask, cos_row, sin_row, offs_d, HALF)
     else:
         q = tl.load(q_rows + offs_d[None, :], mask=qd_mask, other=0.0)
@@ -313,7 +385,6 @@ def _decode_kernel(
             else:
                 k_new = tl.load(k_row + offs_d, mask=d_mask, other=0.0)
             v_new = tl.load(v_ptr + req * stride_v_tok + kv_head * stride_v_head + offs_d, mask=d_mask, other=0.0)
-            slot = tl.load(slot_ptr + req).to(tl.int64)
             if slot >= 0:
                 dst = (slot // PAGE_SIZE) * stride_c_blk + (slot % PAGE_SIZE) * stride_c_off + kv_head * stride_c_head
                 tl.store(k_cache_ptr + dst + offs_d, k_new.to(k_cache_ptr.dtype.element_ty), mask=d_mask)
@@ -324,30 +395,14 @@ def _decode_kernel(
             m_i = tl.sum(q.to(tl.float32) * k_new[None, :], 1) * scale_log2
             l_i = tl.full([BLOCK_G], 1.0, tl.float32)
             acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + v_new[None, :]
-    bt_row = block_table_ptr + req * stride_bt_req
-    for n0 in range(start, end, BLOCK_N):
-        n_pos = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n_pos < end
-        blk = tl.load(bt_row + n_pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        kv_off = blk * stride_c_blk + (n_pos % PAGE_SIZE) * stride_c_off + kv_head * stride_c_head
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if DOT_F32:
-            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(n_mask[None, :], qk * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if DOT_F32:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    first = start
+    if PRELOAD_KV:
+        m_i, l_i, acc = _attend_tile(q, k0, v0, n_mask0, m_i, l_i, acc, scale_log2, DOT_F32)
+        first = start + BLOCK_N
+    for n0 in range(first, end, BLOCK_N):
+        k, v, n_mask = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kv_head, offs_d, d_mask,
+                                stride_c_blk, stride_c_off, stride_c_head, BLOCK_N, PAGE_SIZE)
+        m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, DOT_F32)
 
     out_rows = out_ptr + req * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
     if NUM_SPLITS == 1:
@@ -369,22 +424,15 @@ def _decode_kernel(
             total = tl.zeros([BLOCK_G], tl.float32)
             merged = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
             base = (req * NUM_HEADS + heads) * NUM_SPLITS
-            for s in range(NUM_SPLITS):
-                # .cg: read from L2, where the other programs' stores landed.
-                m_s = tl.load(part_m_ptr + base + s, mask=g_mask, other=_NEG_BIG, cache_modifier=".cg")
-                l_s = tl.load(part_l_ptr + base + s, mask=g_mask, other=0.0, cache_modifier=".cg")
-                a_s = tl.load(
-                    part_acc_ptr + (base + s)[:, None] * BLOCK_D + offs_d[None, :],
-                    mask=qd_mask,
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                m_next = tl.maximum(m_max, m_s)
-                w_old = tl.exp2(m_max - m_next)
-                w_s = tl.exp2(m_s - m_next)
-                total = total * w_old + l_s * w_s
-                merged = merged * w_old[:, None] + a_s * w_s[:, None]
-                m_max = m_next
+            if MERGE_UNROLLED:
+                # Unrolled: the partials' loads are all issued before the first is used.
+                for s in tl.static_range(NUM_SPLITS):
+                    m_max, total, merged = _merge_split(part_m_ptr, part_l_ptr, part_acc_ptr, base + s, offs_d,
+                                                        g_mask, qd_mask, m_max, total, merged, BLOCK_D)
+            else:
+                for s in range(NUM_SPLITS):
+                    m_max, total, merged = _merge_split(part_m_ptr, part_l_ptr, part_acc_ptr, base + s, offs_d,
+                                                        g_mask, qd_mask, m_max, total, merged, BLOCK_D)
             out = merged / tl.where(total > 0, total, 1.0)[:, None]
             tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=qd_mask)
             # Ready for the next launch (and the next graph replay).
@@ -472,6 +520,8 @@ def _launch_decode(
         PAGE_SIZE=page_size,
         NUM_SPLITS=num_splits,
         DOT_F32=_dot_in_fp32(q.dtype),
+        PRELOAD_KV=DECODE_PRELOAD_KV,
+        MERGE_UNROLLED=DECODE_MERGE_UNROLLED,
         num_warps=_DECODE_NUM_WARPS,
         num_stages=_DECODE_NUM_STAGES,
         **(_NO_FMA if has_rope else {}),
