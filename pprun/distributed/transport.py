@@ -74,8 +74,6 @@ class PipelineTransport:
         """The keys the previous stage announced, in its send order."""
         self._stack_out = False
         """Whether this stage's tensors go stacked (see :func:`_packable`; up to PACK_MAX_BYTES)."""
-        self._batch_large = False
-        """Whether hops too large to stack go as one NCCL group (see :meth:`_p2p_each`)."""
         self._stacked_in: torch.Tensor | None = None
         """Landing buffer of the previous stage's stacked hops (None when they never stack)."""
 
@@ -156,23 +154,8 @@ class PipelineTransport:
             # host time in torch.distributed (measured with NCCL on H200s), the stack a few us.
             dist.send(torch.stack(values), dst, group=self.device_group)
             return
-        self._p2p_each(dist.isend, [v.contiguous() for v in values], dst)
-
-    def _p2p_each(self, op, tensors: list[torch.Tensor], peer: int) -> None:
-        """One message per tensor (hops too large to stack).  Between GPUs, after this stage's
-        first such hop, the messages go out as one NCCL group (``batch_isend_irecv``): both
-        transfers share the link at once instead of one after the other (two 32 MiB messages
-        streamed at 289 GB/s one by one, one 64 MiB message at 337 GB/s on two H200s).  The
-        first one goes plainly: a batch that is a group's first operation would need every
-        rank of the group to join it."""
-        if self._batch_large and len(tensors) > 1:
-            for work in dist.batch_isend_irecv([dist.P2POp(op, t, peer, group=self.device_group) for t in tensors]):
-                work.wait()
-            return
-        plain = dist.send if op is dist.isend else dist.recv
-        for t in tensors:
-            plain(t, peer, group=self.device_group)
-        self._batch_large = self.device.type == "cuda" and dist.get_backend(self.device_group) == "nccl"
+        for v in values:
+            dist.send(v.contiguous(), dst, group=self.device_group)
 
     def recv(self, buffers: IntermediateTensors, num_tokens: int) -> IntermediateTensors:
         """Receive from the previous stage into ``buffers[:num_tokens]`` (persistent buffers);
@@ -205,7 +188,8 @@ class PipelineTransport:
             for i, key in enumerate(keys):
                 view[key].copy_(stacked[i])
             return view
-        self._p2p_each(dist.irecv, [view[key] for key in keys], src)
+        for key in keys:
+            dist.recv(view[key], src, group=self.device_group)
         return view
 
     # --- hops captured in CUDA graphs ---------------------------------------------------------
