@@ -11,6 +11,8 @@ Prints one JSON object (and writes it to ``--out``).  Four parts, each selectabl
 ``hop``         two gloo processes ping-pong decode-sized IntermediateTensors through
                 ``PipelineTransport.send``/``recv``; one hop = round trip / 2.  The same tensors
                 through bare ``dist.send``/``recv`` (one message each) show what the transport adds.
+                What a Llama stage sends: one [tokens, hidden] tensor, the residual stream
+                (``--hop-tensors 2``: the (hidden_states, residual) pair sent before).
 ``control``     a 2-layer, hidden-64 random model; SchedulerOutputs are fed to the executor
                 directly (``submit`` + ``get_output``, one step in flight): an *empty* step
                 (nothing to compute: the control path alone) and a 1-request decode step, for
@@ -47,6 +49,8 @@ HIDDEN_SIZE = 576
 """Hidden size of the demo model: the hop benchmark's row width."""
 HOP_NUM_TOKENS = (1, 32, 256)
 HOP_LARGE_BYTES = 64 * 2**20
+HOP_KEYS = ("hidden_states", "residual")
+"""Keys of the hop's tensors, the first ``--hop-tensors`` of them (a Llama stage sends the first)."""
 MEMORY_KV_BYTES = 64 * 2**20
 """KV-cache bytes per stage in the memory part: small, so the weights dominate RSS."""
 PARTS = ("throughput", "memory", "hop", "control")
@@ -265,7 +269,7 @@ def _linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 # --- 3. one pipeline hop ------------------------------------------------------------------------
 
 
-def bench_hop(iters: int, device: str = "cpu", hidden: int = HIDDEN_SIZE) -> dict[str, Any]:
+def bench_hop(iters: int, device: str = "cpu", hidden: int = HIDDEN_SIZE, num_tensors: int = 1) -> dict[str, Any]:
     """Start two processes (this script, ``--hop-rank``) and collect rank 0's timings: gloo on
     CPU, NCCL between GPU 0 and GPU 1 on ``cuda`` (bf16 tensors, metadata still on gloo)."""
     from pprun.executor.mp import free_port
@@ -286,6 +290,8 @@ def bench_hop(iters: int, device: str = "cpu", hidden: int = HIDDEN_SIZE) -> dic
                 device,
                 "--hidden",
                 str(hidden),
+                "--hop-tensors",
+                str(num_tensors),
             ],
             cwd=REPO,
             env=_child_env(),
@@ -348,7 +354,9 @@ def _streamed_hops(rank, forward, tensors, buffers, num_tokens, nbytes, n_iter, 
     return {"hops": n_iter, "us_per_hop": round(us, 1), "GBps": round(nbytes / us / 1e3, 3)}
 
 
-def hop_rank_main(rank: int, init_method: str, iters: int, device_type: str = "cpu", hidden: int = HIDDEN_SIZE) -> None:
+def hop_rank_main(
+    rank: int, init_method: str, iters: int, device_type: str = "cpu", hidden: int = HIDDEN_SIZE, num_tensors: int = 1
+) -> None:
     """One side of the ping-pong: rank 0 sends and waits for the echo, rank 1 echoes."""
     import torch
     import torch.distributed as dist
@@ -374,12 +382,13 @@ def hop_rank_main(rank: int, init_method: str, iters: int, device_type: str = "c
 
     element = torch.empty((), dtype=dtype).element_size()
     cases = [(f"{n}_tokens", n) for n in HOP_NUM_TOKENS]
-    large_tokens = HOP_LARGE_BYTES // (2 * hidden * element)
+    keys = HOP_KEYS[:num_tensors]
+    large_tokens = HOP_LARGE_BYTES // (len(keys) * hidden * element)
     cases.append((f"{large_tokens}_tokens_64MiB", large_tokens))
     results: dict[str, Any] = {}
     for name, num_tokens in cases:
         tensors = IntermediateTensors(
-            {k: torch.randn(num_tokens, hidden, device=device).to(dtype) for k in ("hidden_states", "residual")}
+            {k: torch.randn(num_tokens, hidden, device=device).to(dtype) for k in keys}
         )
         buffers = IntermediateTensors({k: torch.empty_like(v) for k, v in tensors.items()})
         n_iter = iters if num_tokens <= 256 else max(30, iters // 10)
@@ -439,7 +448,7 @@ def hop_rank_main(rank: int, init_method: str, iters: int, device_type: str = "c
         print(
             json.dumps(
                 {
-                    "what": f"PipelineTransport.send + recv of hidden_states and residual [num_tokens, {hidden}] "
+                    "what": f"PipelineTransport.send + recv of {' and '.join(keys)} [num_tokens, {hidden}] "
                     f"{str(dtype).removeprefix('torch.')} over {link}, ping-pong, µs per hop = round trip / 2",
                     "cases": results,
                 }
@@ -616,6 +625,9 @@ def main() -> None:
                     help="cuda: run the first pp=2 case again with this environment variable set "
                          "(e.g. PPRUN_DISABLE_GRAPH_HOP=1); repeatable")
     ap.add_argument("--hidden", type=int, help=f"hop row width (default {HIDDEN_SIZE}; 2048 on cuda)")
+    ap.add_argument("--hop-tensors", type=int, choices=(1, 2), default=1,
+                    help="tensors per hop: 1, what a Llama stage sends (the residual stream); 2, the "
+                         "(hidden_states, residual) pair")
     ap.add_argument("--hop-rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--init-method", help=argparse.SUPPRESS)
     ap.add_argument("--iters", type=int, default=500, help=argparse.SUPPRESS)
@@ -624,7 +636,7 @@ def main() -> None:
         raise SystemExit("--ab-env applies to --device cuda runs only")
     hidden = args.hidden or (2048 if args.device == "cuda" else HIDDEN_SIZE)
     if args.hop_rank is not None:
-        hop_rank_main(args.hop_rank, args.init_method, args.iters, args.device, hidden)
+        hop_rank_main(args.hop_rank, args.init_method, args.iters, args.device, hidden, args.hop_tensors)
         return
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     for p in parts:
@@ -659,7 +671,7 @@ def main() -> None:
     if "memory" in parts:
         result["memory"] = bench_memory(tuple(int(x) for x in args.memory_pp.split(",")))
     if "hop" in parts:
-        result["hop"] = {"load_before": load_info(), **bench_hop(args.hop_iters, args.device, hidden)}
+        result["hop"] = {"load_before": load_info(), **bench_hop(args.hop_iters, args.device, hidden, args.hop_tensors)}
     if "control" in parts:
         result["control"] = bench_control(args.control_steps, args.device)
     result["machine"]["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)

@@ -263,9 +263,9 @@ def _signature(tensors: IntermediateTensors) -> list[tuple[str, tuple[int, ...],
 
 
 def _packable(signature: list[tuple[str, tuple[int, ...], str]]) -> bool:
-    """Several tensors of one trailing shape and dtype travel stacked, as one message (the
-    Llama family's ``hidden_states`` and ``residual``); both sides decide from the announced
-    signature, so they agree."""
+    """Several tensors of one trailing shape and dtype travel stacked, as one message (say a
+    model that sends its hidden states and residual apart; the Llama family sends one tensor);
+    both sides decide from the announced signature, so they agree."""
     return len(signature) > 1 and len({(shape, dtype) for _, shape, dtype in signature}) == 1
 
 

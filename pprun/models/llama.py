@@ -7,8 +7,12 @@ weights), and only the stage's own layers are ever allocated.  Checkpoint quirks
 q/k/v and gate/up tensors fused into one matmul each) are handled in ``load_weights``.
 
 Forward follows DESIGN.md contract 1: ``forward(input_ids, positions, inputs_embeds,
-intermediate_tensors, attn_metadata)``; a non-last stage returns ``IntermediateTensors``
-(``hidden_states``, ``residual``), the last returns final hidden states.
+intermediate_tensors, attn_metadata)``; a non-last stage returns ``IntermediateTensors`` with
+one tensor, ``hidden_states``: the residual stream after its last layer (that layer's output
+added to its residual, which the layers otherwise carry apart to fold the add into the next
+norm).  The next stage's first layer takes it as the first stage's first layer takes the
+embeddings, so a hop carries half the bytes of the (output, residual) pair in one message, and
+the tokens do not change: the add rounds as the next norm's fused add would have.
 """
 
 from __future__ import annotations
@@ -288,11 +292,12 @@ class LlamaForCausalLM(nn.Module):
                     "intermediate_tensors"
                 )
             h = intermediate_tensors["hidden_states"]
-            residual = intermediate_tensors["residual"]
+            residual = None
         for layer in self.layers:
             h, residual = layer(positions, h, residual, attn_metadata)
         if not self.layout.is_last:
-            return IntermediateTensors({"hidden_states": h, "residual": residual})
+            # The residual stream itself (see the module docstring): one tensor on the wire.
+            return IntermediateTensors({"hidden_states": h + residual})
         h, _ = self.norm(h, residual)
         return h
 
@@ -303,14 +308,10 @@ class LlamaForCausalLM(nn.Module):
     def make_empty_intermediate_tensors(
         self, num_tokens: int, dtype: torch.dtype, device: torch.device
     ) -> IntermediateTensors:
-        """Receive buffers for what the previous stage sends (persistent in the runner)."""
+        """Receive buffers for what the previous stage sends (persistent in the runner): the
+        residual stream, ``hidden_states``."""
         shape = (num_tokens, self.arch.hidden_size)
-        return IntermediateTensors(
-            {
-                "hidden_states": torch.zeros(shape, dtype=dtype, device=device),
-                "residual": torch.zeros(shape, dtype=dtype, device=device),
-            }
-        )
+        return IntermediateTensors({"hidden_states": torch.zeros(shape, dtype=dtype, device=device)})
 
     # --- KV cache ----------------------------------------------------------------------------
 
