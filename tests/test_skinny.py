@@ -67,27 +67,6 @@ def test_skinny_swiglu_matches_linear_then_silu_and_mul(dtype, m, split_k, bias,
 
 
 @triton_only
-@pytest.mark.parametrize("swiglu", [False, True])
-def test_skinny_unrolled_split_merge_sums_in_the_same_order(swiglu, monkeypatch):
-    """The split-K merge unrolled or as a loop: the same partials added in the same order, so
-    the same bits."""
-    from pprun.layers import skinny
-
-    x, w, b = _inputs(1, 96, 320, torch.float32, True, seed=2)
-    cfg = skinny.SkinnyConfig(block_n=16, block_k=64, split_k=5)
-    got = {}
-    for unrolled in (True, False):
-        monkeypatch.setattr(skinny, "MERGE_UNROLLED", unrolled)
-        got[unrolled] = skinny.skinny_linear(x, w, b, swiglu=swiglu, config=cfg)
-    assert torch.equal(got[True], got[False])
-    want = F.linear(x, w, b)
-    if swiglu:
-        gate, up = want.split(48, dim=-1)
-        want = F.silu(gate) * up
-    torch.testing.assert_close(got[True], want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
-
-
-@triton_only
 def test_skinny_default_config_splits_long_k():
     from pprun.layers.skinny import default_config, skinny_linear
 

@@ -436,14 +436,13 @@ def test_triton_rope_decode_matches_rotary_then_reference(num_heads, num_kv_head
 
 @triton_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("preload_kv, merge_unrolled", [(True, True), (False, False)])
-def test_triton_rope_decode_split_context_merged_in_kernel(dtype, preload_kv, merge_unrolled, monkeypatch):
+@pytest.mark.parametrize("preload_kv", [True, False])
+def test_triton_rope_decode_split_context_merged_in_kernel(dtype, preload_kv, monkeypatch):
     from pprun.attention import triton_ops
     from pprun.attention.triton_ops import num_decode_splits
 
-    # The first K/V tile loaded before the PDL wait or in the loop; the merge unrolled or not.
+    # The first K/V tile loaded before the PDL wait, or in the loop.
     monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_KV", preload_kv)
-    monkeypatch.setattr(triton_ops, "DECODE_MERGE_UNROLLED", merge_unrolled)
 
     max_blocks = 64
     assert num_decode_splits(3, 1, max_blocks * 16, torch.device(TRITON_DEVICE)) > 1
