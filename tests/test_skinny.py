@@ -67,6 +67,31 @@ def test_skinny_swiglu_matches_linear_then_silu_and_mul(dtype, m, split_k, bias,
 
 
 @triton_only
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_weights_ahead_one_row(dtype, bias, monkeypatch):
+    """weights_ahead at one row: the whole weight slice in one K tile, loaded before the wait;
+    the same product as torch (ragged: 100 columns over 8-wide tiles, K = 200 in a 256 tile);
+    off above one row, for SwiGLU, beyond WEIGHTS_AHEAD_MAX_K, or switched off."""
+    from pprun.layers import skinny
+
+    x, w, b = _inputs(1, 100, 200, dtype, bias, seed=3)
+    cfg = skinny.default_config(1, 100, 200, False, x.device, weights_ahead=True)
+    assert cfg.preload and cfg.split_k == 1 and cfg.block_k >= 200
+    got = skinny.skinny_linear(x, w, b, weights_ahead=True)
+    torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert not skinny.default_config(2, 100, 200, False, x.device, weights_ahead=True).preload
+    assert not skinny.default_config(1, 100, 200, True, x.device, weights_ahead=True).preload
+    assert not skinny.default_config(1, 100, 8192, False, x.device, weights_ahead=True).preload
+    if HAS_CUDA:  # the 1.1B model's o_proj (a 2048-wide row held in registers)
+        x, w, b = _inputs(1, 2048, 2048, dtype, bias, seed=4)
+        got = skinny.skinny_linear(x, w, b, weights_ahead=True)
+        torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), atol=TOL[dtype], rtol=TOL[dtype])
+    monkeypatch.setattr(skinny, "WEIGHTS_AHEAD_ENABLED", False)
+    assert not skinny.default_config(1, 100, 200, False, x.device, weights_ahead=True).preload
+
+
+@triton_only
 def test_skinny_default_config_splits_long_k():
     from pprun.layers.skinny import default_config, skinny_linear
 

@@ -94,12 +94,15 @@ def _skinny_for(layer: nn.Linear, x: torch.Tensor):
     return skinny
 
 
-def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)``; decode-sized CUDA batches take the split-K kernels of ``skinny``."""
+def linear(layer: nn.Linear, x: torch.Tensor, weights_ahead: bool = False) -> torch.Tensor:
+    """``layer(x)``; decode-sized CUDA batches take the split-K kernels of ``skinny``.
+
+    ``weights_ahead``: the caller knows that the kernel just before leaves the memory bandwidth
+    idle (decode attention before ``o_proj``), so a one-row matmul loads its weights first."""
     skinny = _skinny_for(layer, x)
     if skinny is None:
         return layer(x)
-    return skinny.skinny_linear(x, layer.weight, layer.bias)
+    return skinny.skinny_linear(x, layer.weight, layer.bias, weights_ahead=weights_ahead)
 
 
 def linear_swiglu(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:

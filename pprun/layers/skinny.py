@@ -53,6 +53,14 @@ o_proj 5.7 vs 6.1, gate_up 18.2 vs 20.3, down 11.5 vs 13.3, LM head 33.5 vs 34.8
 cuBLAS wins on qkv and o_proj and the rest is within a few percent, so it takes them."""
 
 
+WEIGHTS_AHEAD_ENABLED = True
+"""Whether a one-row matmul whose caller asks for it (``weights_ahead``: the kernel before it
+leaves the memory bandwidth idle, as decode attention does before ``o_proj``) loads its whole
+weight slice before its PDL wait; ``scripts/gpu_speed.py --ab`` flips it."""
+WEIGHTS_AHEAD_MAX_K = 4096
+"""Longest K a program of the weights-ahead form holds in registers (8 rows x K)."""
+
+
 @triton.jit
 def _tile_product(x, w, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
     """``x [BLOCK_M, BLOCK_K] @ w[BLOCK_N, BLOCK_K].T`` in fp32 (one return: Triton compiles
@@ -179,6 +187,7 @@ def _skinny_kernel(
     SWAP_AB: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
+    PRELOAD_W: tl.constexpr,
     USE_PDL: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -201,8 +210,13 @@ def _skinny_kernel(
     k_begin = pid_k * K_PER
     k_end = tl.minimum(k_begin + K_PER, K)
     # x comes from the kernel before (PDL: wait for it). Loading the first weight tile before
-    # the wait, or asking L2 for its lines there, measured slower (docs/performance.md), so
-    # nothing is hoisted above it.
+    # the wait, or asking L2 for its lines there, measured slower behind another matmul
+    # (docs/performance.md); only PRELOAD_W (one K tile, no split: the whole slice) loads its
+    # weights first, for a caller whose previous kernel leaves the bandwidth idle.
+    if PRELOAD_W:
+        offs_k_all = tl.arange(0, BLOCK_K)
+        k_mask_all = offs_k_all < K
+        w_all = tl.load(w_rows + offs_k_all[None, :], mask=n_mask[:, None] & k_mask_all[None, :], other=0.0)
     pdl_sync(USE_PDL)
     if NORM:
         rstd = _norm_row_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_hidden, eps, (pid_n == 0) & (pid_k == 0),
@@ -212,26 +226,30 @@ def _skinny_kernel(
     # SWAP_AB accumulates the transposed product, weight rows as the MMA's M side.
     acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_up_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_end
-        if NORM:
-            x = _norm_tile(x_ptr + offs_k[None, :], res_ptr + offs_k[None, :], norm_w_ptr + offs_k[None, :],
-                           k_mask[None, :], rstd, HAS_RESIDUAL)
-        else:
-            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        wk_mask = n_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_rows + offs_k[None, :], mask=wk_mask, other=0.0)
-        if SWAP_AB:
-            acc_t += _swapped_product(x, w, DOT_F32)
-        else:
-            acc += _tile_product(x, w, USE_DOT, DOT_F32)
-        if SWIGLU:
-            wu = tl.load(up_rows + offs_k[None, :], mask=wk_mask, other=0.0)
-            if SWAP_AB:
-                acc_up_t += _swapped_product(x, wu, DOT_F32)
+    if PRELOAD_W:
+        x = tl.load(x_rows + offs_k_all[None, :], mask=m_mask[:, None] & k_mask_all[None, :], other=0.0)
+        acc += _tile_product(x, w_all, USE_DOT, DOT_F32)
+    else:
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < k_end
+            if NORM:
+                x = _norm_tile(x_ptr + offs_k[None, :], res_ptr + offs_k[None, :], norm_w_ptr + offs_k[None, :],
+                               k_mask[None, :], rstd, HAS_RESIDUAL)
             else:
-                acc_up += _tile_product(x, wu, USE_DOT, DOT_F32)
+                x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            wk_mask = n_mask[:, None] & k_mask[None, :]
+            w = tl.load(w_rows + offs_k[None, :], mask=wk_mask, other=0.0)
+            if SWAP_AB:
+                acc_t += _swapped_product(x, w, DOT_F32)
+            else:
+                acc += _tile_product(x, w, USE_DOT, DOT_F32)
+            if SWIGLU:
+                wu = tl.load(up_rows + offs_k[None, :], mask=wk_mask, other=0.0)
+                if SWAP_AB:
+                    acc_up_t += _swapped_product(x, wu, DOT_F32)
+                else:
+                    acc_up += _tile_product(x, wu, USE_DOT, DOT_F32)
     if SWAP_AB:
         acc = tl.trans(acc_t)
         acc_up = tl.trans(acc_up_t)
@@ -276,6 +294,9 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = False
+    preload: bool = False
+    """One row: each program loads its whole weight slice (one K tile, ``block_k >= K``, no
+    split) before its PDL wait (see :data:`WEIGHTS_AHEAD_ENABLED`)."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -285,7 +306,9 @@ def _num_sms(device: torch.device) -> int:
     return 132
 
 
-def default_config(m: int, n_out: int, k: int, swiglu: bool, device: torch.device) -> SkinnyConfig:
+def default_config(
+    m: int, n_out: int, k: int, swiglu: bool, device: torch.device, weights_ahead: bool = False
+) -> SkinnyConfig:
     """Launch settings from ``scripts/layer_bench.py`` / ``sweep_skinny.py`` sweeps on an H200
     (the 1.1B model's shapes).
 
@@ -296,7 +319,12 @@ def default_config(m: int, n_out: int, k: int, swiglu: bool, device: torch.devic
     More rows: the swapped form (64 weight rows as the MMA's M side, the activation rows as
     its N side) over 128-wide K tiles, 4 pipeline stages, and K split until there are about 128
     programs (qkv 2, o_proj and down 4, gate_up and the LM head 1): the fastest setting, or
-    within 2% of it, on every shape at 16 and 32 rows."""
+    within 2% of it, on every shape at 16 and 32 rows.
+
+    ``weights_ahead`` (one row, no SwiGLU, K up to :data:`WEIGHTS_AHEAD_MAX_K`): 8-row column
+    tiles over one K tile holding the whole row, loaded before the PDL wait."""
+    if weights_ahead and WEIGHTS_AHEAD_ENABLED and m == 1 and not swiglu and k <= WEIGHTS_AHEAD_MAX_K:
+        return SkinnyConfig(8, triton.next_power_of_2(k), 1, num_warps=8, num_stages=1, preload=True)
     if m > 1:
         block_n, block_k = 64, min(128, triton.next_power_of_2(k))
         split = max(1, min(128 // triton.cdiv(n_out, block_n), k // block_k))
@@ -359,12 +387,14 @@ def _launch(
     swiglu: bool,
     config: SkinnyConfig | None,
     norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None = None,
+    weights_ahead: bool = False,
 ) -> None:
     """One launch of :func:`_skinny_kernel` writing ``out``; ``norm`` is ``(residual,
     norm_weight, residual_out, eps)`` for the norm prologue (one row), None for a plain matmul."""
     m, k = x.shape
     n_out = out.shape[1]
-    cfg = config or default_config(m, n_out, k, swiglu, x.device)
+    cfg = config or default_config(m, n_out, k, swiglu, x.device, weights_ahead)
+    preload = cfg.preload and m == 1 and norm is None and not swiglu and cfg.split_k == 1 and cfg.block_k >= k
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
     col_blocks = triton.cdiv(n_out, cfg.block_n)
     k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -405,6 +435,7 @@ def _launch(
         HAS_BIAS=bias is not None,
         SWIGLU=swiglu,
         USE_DOT=block_m > 1,
+        PRELOAD_W=preload,
         SWAP_AB=cfg.swap_ab and block_m > 1,
         DOT_F32=x.dtype == torch.float32 or _INTERPRETED,
         PRECISE_EXP=not _INTERPRETED,
@@ -425,6 +456,7 @@ def skinny_linear(
     *,
     swiglu: bool = False,
     config: SkinnyConfig | None = None,
+    weights_ahead: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)``, or with ``swiglu`` ``silu(gate) * up`` of that product.
 
@@ -433,7 +465,9 @@ def skinny_linear(
         weight: ``[N, K]`` contiguous (an ``nn.Linear`` weight); with ``swiglu``, ``[gate; up]``
             with ``N`` even.
         bias: ``[N]`` or None.
-        config: launch settings (default: :func:`default_config`).
+        config: launch settings (default: :func:`default_config`, given ``weights_ahead``).
+        weights_ahead: the kernel launched just before this one leaves the memory bandwidth
+            idle, so at one row the weights are read before waiting for it.
 
     Returns a new ``[M, N]`` (``[M, N // 2]`` with ``swiglu``) tensor in ``x``'s dtype.
     """
@@ -441,7 +475,7 @@ def skinny_linear(
     m, n = x.shape[0], weight.shape[0]
     out = torch.empty((m, n // 2 if swiglu else n), dtype=x.dtype, device=x.device)
     if m > 0:
-        _launch(x, weight, bias, out, swiglu, config)
+        _launch(x, weight, bias, out, swiglu, config, weights_ahead=weights_ahead)
     return out
 
 

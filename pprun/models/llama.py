@@ -158,7 +158,8 @@ class Attention(nn.Module):
         else:
             q, k = self.rotary(positions, q, k)
             out = self.backend(q, k, v, self.kv_cache, meta, self.scale)
-        return linear(self.o_proj, out.reshape(num_tokens, self.q_size))
+        # Attention reads little and leaves most SMs idle: o_proj may load its weights meanwhile.
+        return linear(self.o_proj, out.reshape(num_tokens, self.q_size), weights_ahead=True)
 
 
 class MLP(nn.Module):
