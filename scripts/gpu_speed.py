@@ -150,7 +150,7 @@ def main() -> None:
                          "greedy argmax inside the decode graphs (PPRUN_DISABLE_GRAPH_LOGITS), the split-K "
                          "kernels above one row (DISPATCH_MAX_M set to 1: cuBLAS from two rows on), the decode "
                          "attention's first K/V tile loaded before its PDL wait (DECODE_PRELOAD_KV), o_proj's weights "
-                         "loaded before its wait at one row (WEIGHTS_AHEAD_ENABLED), and qkv's (WEIGHTS_AHEAD_NORM_ENABLED)")
+                         "loaded before its wait at one row (WEIGHTS_AHEAD_ENABLED)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED)")
     args = ap.parse_args()
@@ -174,8 +174,7 @@ def main() -> None:
                     (pprun.worker.v2.runner, "GRAPH_LOGITS_ENABLED", False, True),
                     (pprun.layers.skinny, "DISPATCH_MAX_M", 1, False),  # 1: cuBLAS above one row
                     (pprun.attention.triton_ops, "DECODE_PRELOAD_KV", False, True),
-                    (pprun.layers.skinny, "WEIGHTS_AHEAD_ENABLED", False, True),
-                    (pprun.layers.skinny, "WEIGHTS_AHEAD_NORM_ENABLED", False, True)]
+                    (pprun.layers.skinny, "WEIGHTS_AHEAD_ENABLED", False, True)]
         if args.ab_only:
             only = set(args.ab_only.split(","))
             unknown = only - {s[1] for s in switches}

@@ -78,17 +78,6 @@ def test_skinny_norm_linear_matches_norm_then_linear(dtype, with_residual, swigl
 
 
 @triton_only
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_skinny_norm_linear_weights_ahead(with_residual):
-    """The norm prologue with the whole weight slice loaded first (one K tile, qkv's form)."""
-    from pprun.layers.skinny import SkinnyConfig
-
-    x, r, nw, w, b = _inputs(100, 200, torch.float32, with_residual, True, seed=2)
-    cfg = SkinnyConfig(block_n=8, block_k=256, split_k=1, num_warps=8, num_stages=1, preload=True)
-    _check_against_two_launches(x, r, nw, w, b, False, cfg)
-
-
-@triton_only
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_skinny_norm_linear_default_config_long_k(swiglu):
     from pprun.layers.skinny import default_config

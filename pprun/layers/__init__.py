@@ -115,12 +115,7 @@ def linear_swiglu(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
 
 
 def norm_linear(
-    norm: nn.Module,
-    layer: nn.Linear,
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    swiglu: bool = False,
-    weights_ahead: bool = False,
+    norm: nn.Module, layer: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None, swiglu: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``layer`` applied to ``norm(x, residual)``'s output (with ``swiglu``, as
     :func:`linear_swiglu` applies it), in one launch, for a one-row CUDA batch: the add + RMSNorm
@@ -131,7 +126,6 @@ def norm_linear(
     or None when the fold does not apply (then the caller runs ``norm`` and the layer itself):
     the fold switched off, more than one row, a layer ``_skinny_for`` refuses, a norm with hooks
     or a trainable weight, or a norm weight / residual of another dtype, device or layout.
-    ``weights_ahead`` as for :func:`linear`.
     """
     if not NORM_FOLD_ENABLED or x.dim() != 2 or x.shape[0] != 1:
         return None
@@ -154,6 +148,4 @@ def norm_linear(
         or residual.stride(1) != 1
     ):
         return None
-    return skinny.skinny_norm_linear(
-        x, residual, weight, norm.eps, layer.weight, layer.bias, swiglu=swiglu, weights_ahead=weights_ahead
-    )
+    return skinny.skinny_norm_linear(x, residual, weight, norm.eps, layer.weight, layer.bias, swiglu=swiglu)

@@ -57,9 +57,6 @@ WEIGHTS_AHEAD_ENABLED = True
 """Whether a one-row matmul whose caller asks for it (``weights_ahead``: the kernel before it
 leaves the memory bandwidth idle, as decode attention does before ``o_proj``) loads its whole
 weight slice before its PDL wait; ``scripts/gpu_speed.py --ab`` flips it."""
-WEIGHTS_AHEAD_NORM_ENABLED = True
-"""The same for a matmul with the norm prologue (``qkv``, behind the previous layer's ``down``);
-``scripts/gpu_speed.py --ab`` flips it."""
 WEIGHTS_AHEAD_MAX_K = 4096
 """Longest K a program of the weights-ahead form holds in registers (8 rows x K)."""
 
@@ -230,11 +227,7 @@ def _skinny_kernel(
     acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_up_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     if PRELOAD_W:
-        if NORM:
-            x = _norm_tile(x_ptr + offs_k_all[None, :], res_ptr + offs_k_all[None, :], norm_w_ptr + offs_k_all[None, :],
-                           k_mask_all[None, :], rstd, HAS_RESIDUAL)
-        else:
-            x = tl.load(x_rows + offs_k_all[None, :], mask=m_mask[:, None] & k_mask_all[None, :], other=0.0)
+        x = tl.load(x_rows + offs_k_all[None, :], mask=m_mask[:, None] & k_mask_all[None, :], other=0.0)
         acc += _tile_product(x, w_all, USE_DOT, DOT_F32)
     else:
         for k0 in range(k_begin, k_end, BLOCK_K):
@@ -314,8 +307,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_config(
-    m: int, n_out: int, k: int, swiglu: bool, device: torch.device, weights_ahead: bool = False,
-    norm: bool = False,
+    m: int, n_out: int, k: int, swiglu: bool, device: torch.device, weights_ahead: bool = False
 ) -> SkinnyConfig:
     """Launch settings from ``scripts/layer_bench.py`` / ``sweep_skinny.py`` sweeps on an H200
     (the 1.1B model's shapes).
@@ -331,8 +323,7 @@ def default_config(
 
     ``weights_ahead`` (one row, no SwiGLU, K up to :data:`WEIGHTS_AHEAD_MAX_K`): 8-row column
     tiles over one K tile holding the whole row, loaded before the PDL wait."""
-    enabled = WEIGHTS_AHEAD_NORM_ENABLED if norm else WEIGHTS_AHEAD_ENABLED
-    if weights_ahead and enabled and m == 1 and not swiglu and k <= WEIGHTS_AHEAD_MAX_K:
+    if weights_ahead and WEIGHTS_AHEAD_ENABLED and m == 1 and not swiglu and k <= WEIGHTS_AHEAD_MAX_K:
         return SkinnyConfig(8, triton.next_power_of_2(k), 1, num_warps=8, num_stages=1, preload=True)
     if m > 1:
         block_n, block_k = 64, min(128, triton.next_power_of_2(k))
@@ -402,8 +393,8 @@ def _launch(
     norm_weight, residual_out, eps)`` for the norm prologue (one row), None for a plain matmul."""
     m, k = x.shape
     n_out = out.shape[1]
-    cfg = config or default_config(m, n_out, k, swiglu, x.device, weights_ahead, norm is not None)
-    preload = cfg.preload and m == 1 and not swiglu and cfg.split_k == 1 and cfg.block_k >= k
+    cfg = config or default_config(m, n_out, k, swiglu, x.device, weights_ahead)
+    preload = cfg.preload and m == 1 and norm is None and not swiglu and cfg.split_k == 1 and cfg.block_k >= k
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
     col_blocks = triton.cdiv(n_out, cfg.block_n)
     k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -498,7 +489,6 @@ def skinny_norm_linear(
     *,
     swiglu: bool = False,
     config: SkinnyConfig | None = None,
-    weights_ahead: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``fused.fused_add_rms_norm`` followed by :func:`skinny_linear`, in one launch, for one row.
 
@@ -512,7 +502,7 @@ def skinny_norm_linear(
             itself is the residual, as in ``fused_add_rms_norm``).
         norm_weight: ``[K]`` contiguous, of ``x``'s dtype (so that the normed row has it too).
         eps: added to the mean square.
-        weight, bias, swiglu, config, weights_ahead: as for :func:`skinny_linear`.
+        weight, bias, swiglu, config: as for :func:`skinny_linear`.
 
     Returns ``(out, new_residual)``: ``out`` as :func:`skinny_linear` returns it for the normed
     row, ``new_residual`` a new ``[1, K]`` tensor (``x`` itself when ``residual`` is None).
@@ -539,6 +529,5 @@ def skinny_norm_linear(
         new_residual = x
     n = weight.shape[0]
     out = torch.empty((1, n // 2 if swiglu else n), dtype=x.dtype, device=x.device)
-    _launch(x, weight, bias, out, swiglu, config, norm=(residual, norm_weight, new_residual, eps),
-            weights_ahead=weights_ahead)
+    _launch(x, weight, bias, out, swiglu, config, norm=(residual, norm_weight, new_residual, eps))
     return out, new_residual

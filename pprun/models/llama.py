@@ -211,10 +211,7 @@ class DecoderLayer(nn.Module):
         A one-row CUDA batch folds each norm into the matmul after it (``norm_linear``: qkv,
         then gate_up with its SwiGLU); otherwise each norm runs on its own.
         """
-        # qkv's weights are read before it waits for the previous layer's down projection: its
-        # tail leaves bandwidth (measured: docs/performance.md).
-        folded = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden_states, residual,
-                             weights_ahead=True)
+        folded = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden_states, residual)
         if folded is not None:
             qkv, residual = folded
             h = self.self_attn.attend(positions, qkv, meta)
