@@ -109,10 +109,12 @@ def test_control_sockets_polled_before_blocking(tiny_llama_dir, tiny_reference, 
             llm.generate(TOKEN_PROMPTS, GREEDY)
     assert pids_gone(pids)
     monkeypatch.setenv("PPRUN_CONTROL_SPIN_US", "0")
-    assert control_spin_s(3) == 0.0
-    for bad in ("-5", "1.5", "fast"):
+    assert control_spin_s(3, "cuda") == 0.0
+    monkeypatch.delenv("PPRUN_CONTROL_SPIN_US")
+    assert control_spin_s(3, "cpu") == 0.0  # CPU stages need the cores
+    for bad in ("-5", "1.5", "fast", "100001"):
         monkeypatch.setenv("PPRUN_CONTROL_SPIN_US", bad)
-        with pytest.raises(ValueError, match=f"PPRUN_CONTROL_SPIN_US='{bad}' is invalid.*microseconds"):
+        with pytest.raises(ValueError, match=f"PPRUN_CONTROL_SPIN_US='{bad}' is invalid.*microseconds from 0 to 100000"):
             LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2)
 
 

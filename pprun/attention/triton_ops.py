@@ -333,7 +333,11 @@ def _decode_kernel(
     # With NEW_TOKEN nothing read up to the wait below comes from a kernel of this step: the
     # step's metadata was copied in before its first kernel, and the cached tokens were written
     # by earlier steps (this step's token is never read back).  So they are read while the
-    # kernel before (the qkv matmul) still runs.
+    # kernel before (the qkv matmul) still runs.  This rests on every kernel of the step calling
+    # pdl_sync (wait, then let the next one launch: when this one starts, every kernel before the
+    # qkv matmul has finished) and on the metadata being written by the host; a kernel that lets
+    # its successor launch before it waits, or metadata computed on the device within the step,
+    # would break it (the CPU interpreter cannot tell).
     seq_len = tl.load(seq_lens_ptr + req)
     if NEW_TOKEN:
         cached = tl.maximum(seq_len - 1, 0)

@@ -45,6 +45,7 @@ class MpExecutor(RemoteStagesExecutor):
                 init_method=init_method,
                 device_index=rank if resolved.device == "cuda" else None,
                 sample_feedback_slots=self.sample_feedback_slots,
+                control_spin_s=self.spin_s,
                 fault_injection=(fault_injection or {}).get(rank),
             )
             for rank in range(self.pp_size)

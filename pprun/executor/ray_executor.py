@@ -110,6 +110,7 @@ class RayExecutor(RemoteStagesExecutor):
                     init_method=f"tcp://{ip0}:{port0}",
                     device_index=0 if on_gpu else None,  # Ray sets CUDA_VISIBLE_DEVICES per actor
                     sample_feedback_slots=self.sample_feedback_slots,
+                    control_spin_s=self.spin_s,
                     fault_injection=(fault_injection or {}).get(rank),
                 )
                 self.run_refs.append(actor.run.remote(spec, listener.address, self.authkey))

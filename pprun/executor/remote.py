@@ -53,16 +53,21 @@ EARLY_ANSWER: bool = enabled_unless("PPRUN_DISABLE_EARLY_ANSWER")
 SPIN_ENV = "PPRUN_CONTROL_SPIN_US"
 
 
-def control_spin_s(num_processes: int) -> float:
-    """How long a control-socket reader polls before it blocks, in seconds.
+SPIN_MAX_US = 100_000
+"""Largest ``PPRUN_CONTROL_SPIN_US`` accepted (0.1 s of polling per wait)."""
+
+
+def control_spin_s(num_processes: int, device: str) -> float:
+    """How long a control-socket reader polls before it blocks, in seconds (the driver decides;
+    the stages get it in their ``WorkerSpec``).
 
     A process blocked in a socket read is woken by the kernel when the bytes land, which on
     GPU hosts (virtual machines, idle cores in deep sleep) costs tens of microseconds per wake,
     twice per step (driver -> stage, stage -> driver).  Polling first keeps the reader on its
-    core.  By default it polls up to 1 ms when the host has at least two cores for each of the
-    ``num_processes`` processes of the pipeline (driver and stages), else not at all (on a
-    2-core machine the spinning would take the stages' cores).  ``PPRUN_CONTROL_SPIN_US``
-    sets the budget in microseconds (0: never poll).
+    core.  By default it polls up to 1 ms with stages on GPUs on a host with at least two cores
+    for each of the ``num_processes`` processes of the pipeline (driver and stages); never with
+    stages on CPUs, whose computation needs the cores.  ``PPRUN_CONTROL_SPIN_US`` sets the budget
+    in microseconds (0: never poll; at most :data:`SPIN_MAX_US`).
     """
     text = os.environ.get(SPIN_ENV)
     if text is not None and text.strip() != "":
@@ -70,9 +75,13 @@ def control_spin_s(num_processes: int) -> float:
             us = int(text)
         except ValueError:
             us = -1
-        if us < 0:
-            raise ValueError(f"{SPIN_ENV}={text!r} is invalid: expected a whole number of microseconds >= 0")
+        if not 0 <= us <= SPIN_MAX_US:
+            raise ValueError(
+                f"{SPIN_ENV}={text!r} is invalid: expected a whole number of microseconds from 0 to {SPIN_MAX_US}"
+            )
         return us * 1e-6
+    if device != "cuda":
+        return 0.0
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -89,10 +98,12 @@ class Spinner:
         for conn in conns:
             self._poller.register(conn.fileno(), select.POLLIN)
 
-    def wait(self) -> bool:
-        """True as soon as one socket is readable (or closed); False after the budget."""
+    def wait(self, limit_s: float | None = None) -> bool:
+        """True as soon as one socket is readable (or closed); False after the budget (or
+        ``limit_s``, when shorter)."""
         poll = self._poller.poll
-        deadline = time.perf_counter() + self.budget_s
+        budget = self.budget_s if limit_s is None else min(self.budget_s, limit_s)
+        deadline = time.perf_counter() + budget
         while True:
             if poll(0):
                 return True
@@ -181,7 +192,7 @@ def worker_main(address: tuple[str, int], authkey: bytes, rank: int, spec=None) 
         worker = Worker(spec)
         n_params = worker.load_model()
         conn.send(("loaded", n_params, worker.num_available_blocks()))
-        serve_steps(conn, worker, control_spin_s(spec.layout.pp_size + 1))
+        serve_steps(conn, worker, spec.control_spin_s)
     except (EOFError, OSError):
         return  # the driver went away: nothing to report to
     except BaseException:
@@ -238,7 +249,7 @@ class RemoteStagesExecutor(Executor):
         self.stage_params: list[int] = []
         self.stage_pids: list[int | None] = [None] * self.pp_size
         """Process id of each stage (reported by the stage itself)."""
-        self.spin_s = control_spin_s(self.pp_size + 1)
+        self.spin_s = control_spin_s(self.pp_size + 1, resolved.device)
         """How long a wait for a stage's message polls before blocking (:func:`control_spin_s`)."""
         self._spinner: Spinner | None = None
 
@@ -282,7 +293,7 @@ class RemoteStagesExecutor(Executor):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self._fail(f"stage {rank} sent nothing for {timeout_s:.0f}s (waiting for {expect})")
-            if self._spinner is not None and self._spinner.wait():
+            if self._spinner is not None and self._spinner.wait(remaining):
                 self._poll(0)
             else:
                 self._poll(min(remaining, 1.0))

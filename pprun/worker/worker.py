@@ -39,6 +39,9 @@ class WorkerSpec:
     """Async pipeline steps: the last stage sends its sampled ids straight to the first
     (``pprun.distributed.feedback``) into a ring of this many steps (the executor's steps in
     flight plus spares); 0: off."""
+    control_spin_s: float = 0.0
+    """How long the stage polls its control socket before a blocking read (the driver's
+    ``pprun.executor.remote.control_spin_s``)."""
     fault_injection: dict | None = None
     """Tests only: ``{"raise_at_step": k}``, ``{"delay_s": d}`` (sleep each step) or
     ``{"rename_sent_keys": True}`` (send intermediate tensors under wrong names)."""
