@@ -450,6 +450,7 @@ def hop_rank_main(
                 {
                     "what": f"PipelineTransport.send + recv of {' and '.join(keys)} [num_tokens, {hidden}] "
                     f"{str(dtype).removeprefix('torch.')} over {link}, ping-pong, µs per hop = round trip / 2",
+                    "num_tensors": len(keys),
                     "cases": results,
                 }
             ),
