@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session: the Triton kernel tests and every GPU-marked test, then the 1.1B benchmarks
 # (V2 full graphs, V1 eager, transformers' generate as the peer; the decode step, prefill and
-# memory of scripts/gpu_speed.py; with two GPUs pp=1 vs pp=2, the hop, async pipeline steps on and
-# off, and the NCCL ordering probe).  Results land in
+# memory of scripts/gpu_speed.py; with two GPUs pp=1 vs pp=2, the hop, the control path, async
+# pipeline steps on and off, and the NCCL ordering probe).  Results land in
 # $OUT (or ./gpu_out).
 #   bash scripts/gpu_bench.sh [tests|bench|all]
 set -uo pipefail
@@ -34,7 +34,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 400 python3 scripts/gpu_speed.py /tmp/llama1b --memory-steps 1000 --out "$OUT/gpu_speed.json" \
     >"$OUT/gpu_speed.log" 2>&1; tail -c 1500 "$OUT/gpu_speed.json"
   if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-    timeout 900 python3 scripts/bench_pipeline.py --device cuda --model /tmp/llama1b --parts throughput,hop \
+    timeout 900 python3 scripts/bench_pipeline.py --device cuda --model /tmp/llama1b --parts throughput,hop,control \
       --num-prompts 64 --input-len 512 --output-len 512 --microbatches 3,4 --pp2-executors mp \
       --out "$OUT/bench_pipeline_cuda.json" 2>"$OUT/bench_pipeline_cuda.err" | tail -c 3000
     # Async pipeline steps (parallel.async_pipeline, the default on GPUs) on and off, same machine;
