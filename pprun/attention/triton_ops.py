@@ -223,34 +223,58 @@ def _rope_row(x_ptr, partner_ptr, mask, cos_row_ptr, sin_row_ptr, offs_d, HALF: 
 
 
 @triton.jit
-def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, DOT_F32: tl.constexpr):
-    """One K/V tile of online softmax: returns the updated (running max, sum, accumulator)."""
+def _softmax_tile(q, k, visible, m_i, l_i, scale_log2, DOT_F32: tl.constexpr):
+    """First half of one K/V tile of online softmax: the probabilities ``p`` of the ``visible``
+    keys against the new running max, the rescale ``alpha`` of what came before, and the new
+    (running max, sum)."""
     if DOT_F32:
         qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k))
-    qk = tl.where(n_mask[None, :], qk * scale_log2, float("-inf"))
+    qk = tl.where(visible, qk * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _accumulate_tile(acc, alpha, p, v, DOT_F32: tl.constexpr):
+    """Second half: ``acc * alpha + p @ v``, ``p`` rounded to ``v``'s dtype first (in fp32 the
+    product is then exact, as the low-precision path rounds it)."""
     if DOT_F32:
         pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
     else:
         pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
-    return m_new, l_i, acc
+    return acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, DOT_F32: tl.constexpr):
+    """One K/V tile of online softmax over the keys in ``n_mask``: the updated (running max,
+    sum, accumulator)."""
+    p, alpha, m_i, l_i = _softmax_tile(q, k, n_mask[None, :], m_i, l_i, scale_log2, DOT_F32)
+    return m_i, l_i, _accumulate_tile(acc, alpha, p, v, DOT_F32)
+
+
+@triton.jit
+def _kv_offsets(bt_row, n0, end, kv_head, d_mask, stride_c_blk, stride_c_off, stride_c_head,
+                BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Cache offsets of the K/V rows of positions ``[n0, n0 + BLOCK_N)`` through the block table
+    row ``bt_row``; returns (positions, their mask at ``end``, offsets, the rows' load mask)."""
+    n_pos = n0 + tl.arange(0, BLOCK_N)
+    n_mask = n_pos < end
+    blk = tl.load(bt_row + n_pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    kv_off = blk * stride_c_blk + (n_pos % PAGE_SIZE) * stride_c_off + kv_head * stride_c_head
+    return n_pos, n_mask, kv_off, n_mask[:, None] & d_mask[None, :]
 
 
 @triton.jit
 def _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kv_head, offs_d, d_mask,
              stride_c_blk, stride_c_off, stride_c_head, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Load the K and V tile of cached positions ``[n0, n0 + BLOCK_N)`` (masked at ``end``)."""
-    n_pos = n0 + tl.arange(0, BLOCK_N)
-    n_mask = n_pos < end
-    blk = tl.load(bt_row + n_pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-    kv_off = blk * stride_c_blk + (n_pos % PAGE_SIZE) * stride_c_off + kv_head * stride_c_head
-    kv_mask = n_mask[:, None] & d_mask[None, :]
+    _, n_mask, kv_off, kv_mask = _kv_offsets(bt_row, n0, end, kv_head, d_mask, stride_c_blk, stride_c_off,
+                                             stride_c_head, BLOCK_N, PAGE_SIZE)
     k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     return k, v, n_mask
@@ -679,30 +703,14 @@ def _prefill_kernel(
     # Keys past the last row of this query block are masked for every row: skip them.
     end = tl.minimum(seq_len, context_len + (m_block + 1) * BLOCK_M)
     for n0 in range(0, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        n_mask = pos < end
-        blk = tl.load(bt_row + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        kv_off = blk * stride_c_blk + (pos % PAGE_SIZE) * stride_c_off + kv_head * stride_c_head
-        kv_mask = n_mask[:, None] & d_mask[None, :]
+        pos, n_mask, kv_off, kv_mask = _kv_offsets(bt_row, n0, end, kv_head, d_mask, stride_c_blk, stride_c_off,
+                                                   stride_c_head, BLOCK_N, PAGE_SIZE)
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if DOT_F32:
-            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
         visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
-        qk = tl.where(visible, qk * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _softmax_tile(q, k, visible, m_i, l_i, scale_log2, DOT_F32)
+        # V loaded after the softmax: the order the prefill rate was measured with.
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if DOT_F32:
-            # Round p as the low-precision path does, then multiply exactly in fp32.
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        acc = _accumulate_tile(acc, alpha, p, v, DOT_F32)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
