@@ -89,6 +89,8 @@ def test_skinny_weights_ahead_one_row(dtype, bias, monkeypatch):
         torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), atol=TOL[dtype], rtol=TOL[dtype])
     monkeypatch.setattr(skinny, "WEIGHTS_AHEAD_ENABLED", False)
     assert not skinny.default_config(1, 100, 200, False, x.device, weights_ahead=True).preload
+    with pytest.raises(ValueError, match="preload needs one row.*block_k >= K=200"):
+        skinny.skinny_linear(x, w, b, config=skinny.SkinnyConfig(8, 64, 1, preload=True))
 
 
 @triton_only

@@ -66,11 +66,15 @@ class SampleFeedback:
         """The next ring slot, once whatever last used it is complete (a send must have read
         it; a receive is waited on so that the operations never pile up unbounded)."""
         self._slot = (self._slot + 1) % self.ring.shape[0]
-        work = self._works[self._slot]
+        self._wait_slot(self._slot)
+        return self._slot
+
+    def _wait_slot(self, slot: int) -> None:
+        """Complete the send or receive outstanding on ``slot``, if any."""
+        work = self._works[slot]
         if work is not None:
             work.wait()
-            self._works[self._slot] = None
-        return self._slot
+            self._works[slot] = None
 
     def warm_up(self) -> None:
         """One id from the last stage to the first before any step (both ends call it): the
@@ -113,10 +117,7 @@ class SampleFeedback:
         every slot they come from are complete (blocks the host until the last stage sent them)."""
         t0 = time.perf_counter()
         for slot in np.unique(flat_indices // self.max_num_reqs).tolist():
-            work = self._works[slot]
-            if work is not None:
-                work.wait()
-                self._works[slot] = None
+            self._wait_slot(slot)
         input_ids[token_idx] = self._flat[flat_indices]
         if self.trace is not None and len(self.trace) < MAX_STEPS:
             self.trace.append((t0, time.perf_counter()))

@@ -394,7 +394,11 @@ def _launch(
     m, k = x.shape
     n_out = out.shape[1]
     cfg = config or default_config(m, n_out, k, swiglu, x.device, weights_ahead)
-    preload = cfg.preload and m == 1 and norm is None and not swiglu and cfg.split_k == 1 and cfg.block_k >= k
+    if cfg.preload and (m != 1 or norm is not None or swiglu or cfg.split_k != 1 or cfg.block_k < k):
+        raise ValueError(
+            f"SkinnyConfig.preload needs one row, no norm prologue, no SwiGLU, split_k=1 and block_k >= K={k}; "
+            f"got {m} rows, norm={norm is not None}, swiglu={swiglu}, {cfg}"
+        )
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
     col_blocks = triton.cdiv(n_out, cfg.block_n)
     k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -435,7 +439,7 @@ def _launch(
         HAS_BIAS=bias is not None,
         SWIGLU=swiglu,
         USE_DOT=block_m > 1,
-        PRELOAD_W=preload,
+        PRELOAD_W=cfg.preload,
         SWAP_AB=cfg.swap_ab and block_m > 1,
         DOT_F32=x.dtype == torch.float32 or _INTERPRETED,
         PRECISE_EXP=not _INTERPRETED,

@@ -283,9 +283,9 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor | IntermediateTensors:
         """Run this stage's layers over a flattened batch of tokens."""
+        residual = None  # the first layer of every stage starts from the residual stream alone
         if self.layout.is_first:
             h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-            residual = None
         else:
             if intermediate_tensors is None:
                 raise ValueError(
@@ -293,7 +293,6 @@ class LlamaForCausalLM(nn.Module):
                     "intermediate_tensors"
                 )
             h = intermediate_tensors["hidden_states"]
-            residual = None
         for layer in self.layers:
             h, residual = layer(positions, h, residual, attn_metadata)
         if not self.layout.is_last:
