@@ -12,8 +12,8 @@ destination buffer; each shares its buffer with the other through ``torch.multip
 - ``push``: rank 0 copies its buffer into rank 1's;
 - ``nccl``: a bare ``dist.send``/``dist.recv`` of the same bytes, for the peer in the same run.
 
-The pipeline's large eager hops go over NCCL today (266-272 GB/s for 64 MiB measured); this
-says whether a copy-engine path would reach the 300 GB/s target before anyone builds one.
+The pipeline's large eager hops go over NCCL (a Llama stage's 64 MiB hop, one tensor: 306 GB/s
+streamed on two H200s); this says what a copy-engine path would reach before anyone builds one.
 """
 
 from __future__ import annotations

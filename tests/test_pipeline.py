@@ -94,8 +94,9 @@ def test_v2_three_batches_in_flight_through_two_stages(tiny_llama_dir, tiny_refe
 
 
 def test_control_sockets_polled_before_blocking(tiny_llama_dir, tiny_reference, monkeypatch):
-    """PPRUN_CONTROL_SPIN_US: driver and stages poll their sockets before blocking (the default
-    on hosts with cores to spare); same tokens, and a stage killed meanwhile is still seen."""
+    """PPRUN_CONTROL_SPIN_US: driver and stages poll their sockets before blocking (by default
+    with GPU stages on hosts with cores to spare); same tokens, and a stage killed meanwhile is
+    still seen."""
     from pprun.executor.remote import control_spin_s
 
     monkeypatch.setenv("PPRUN_CONTROL_SPIN_US", "300")  # the stage processes inherit it

@@ -6,8 +6,8 @@ same bytes to every stage; the last stage writes the ModelRunnerOutput back.  No
 on the per-step path: Ray only places and starts the stage processes.  A stage that raises sends
 its traceback; a stage that dies closes its socket; a stage that hangs trips the stage timeout.
 Each of these becomes a :class:`StageFailedError` at the caller, and the driver then stops
-every stage process.  Readers poll their sockets briefly before blocking where the host has cores
-to spare (:func:`control_spin_s`, ``PPRUN_CONTROL_SPIN_US``).
+every stage process.  With stages on GPUs, readers poll their sockets briefly before blocking
+where the host has cores to spare (:func:`control_spin_s`, ``PPRUN_CONTROL_SPIN_US``).
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ EARLY_ANSWER: bool = enabled_unless("PPRUN_DISABLE_EARLY_ANSWER")
 
 
 SPIN_ENV = "PPRUN_CONTROL_SPIN_US"
-
-
+"""Microseconds a control-socket reader polls before blocking (see :func:`control_spin_s`)."""
 SPIN_MAX_US = 100_000
 """Largest ``PPRUN_CONTROL_SPIN_US`` accepted (0.1 s of polling per wait)."""
 
