@@ -7,7 +7,11 @@
 - prefill: 2048-token prompts, achieved TFLOP/s (2 * params * tokens + attention) and its share
   of the matmul rate;
 - memory: weights, KV cache (configured share vs allocated), CUDA-graph pool, and device memory
-  in use before/after 1,000 decode steps (flat = nothing allocated in steady state).
+  in use before/after 1,000 decode steps (flat = nothing allocated in steady state);
+- with --graph-trace: every kernel of the decode graph as the profiler sees it inside replays
+  (CUPTI traces graph-launched kernels): per kernel name its count and mean time per replay, and
+  the replay's span against the sum of its kernels (the rest is launch gaps and dependency waits,
+  less any overlap that programmatic dependent launch allows).
 """
 
 from __future__ import annotations
@@ -44,8 +48,48 @@ def until_decoding(eng, batch: int) -> None:
             return
 
 
+def graph_trace(graph, replays: int = 20) -> dict:
+    """Kernels of ``replays`` replays of ``graph``, summarised per kernel name and per replay."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+            torch.cuda.synchronize()  # a gap between replays marks where one ends
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if not kernels:
+        return {"error": "the profiler saw no kernels inside the graph replays"}
+    # Split into replays at the largest gaps (the host synchronises between replays).
+    gaps = sorted(range(1, len(kernels)), key=lambda i: kernels[i]["ts"] - kernels[i - 1]["ts"] -
+                  kernels[i - 1]["dur"], reverse=True)[: replays - 1]
+    bounds = [0, *sorted(gaps), len(kernels)]
+    runs = [kernels[a:b] for a, b in zip(bounds, bounds[1:])]
+    per_name: dict[str, list[float]] = {}
+    spans, busy = [], []
+    for run in runs[1:]:  # the first replay may pay for cold caches
+        spans.append(run[-1]["ts"] + run[-1]["dur"] - run[0]["ts"])
+        busy.append(sum(k["dur"] for k in run))
+        for k in run:
+            per_name.setdefault(k["name"], []).append(k["dur"])
+    n = len(runs) - 1
+    table = sorted(({"kernel": name[:90], "per_replay": round(len(d) / n, 2),
+                     "mean_us": round(sum(d) / len(d), 2), "us_per_replay": round(sum(d) / n, 1)}
+                    for name, d in per_name.items()), key=lambda r: -r["us_per_replay"])
+    order = [{"kernel": k["name"][:60], "start_us": round(k["ts"] - runs[-1][0]["ts"], 2),
+              "dur_us": round(k["dur"], 2)} for k in runs[-1]]
+    return {"replays": n, "kernels_per_replay": round(sum(len(r) for r in runs[1:]) / n, 1),
+            "span_us": round(sum(spans) / n, 1), "kernel_time_us": round(sum(busy) / n, 1),
+            "kernels": table, "last_replay": order}
+
+
 def decode(model: str, batch: int, ctx: int, steps: int, memory_steps: int = 0,
-           measure_memory: bool = True) -> dict:
+           measure_memory: bool = True, trace: bool = False) -> dict:
     util = 0.3
     free_before, total = torch.cuda.mem_get_info()
     llm = LLM(model, runner="v2", cudagraph_mode="full", max_num_seqs=batch,
@@ -79,6 +123,8 @@ def decode(model: str, batch: int, ctx: int, steps: int, memory_steps: int = 0,
         torch.cuda.synchronize()
         out["graph_replay_ms"] = round(s.elapsed_time(e) / 100, 4)
         out["host_overhead_ms"] = round(step_ms - out["graph_replay_ms"], 4)
+        if trace:
+            out["graph_trace"] = graph_trace(graph)
     if memory_steps and measure_memory:
         torch.cuda.synchronize()
         used0 = torch.cuda.memory_allocated()
@@ -142,6 +188,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--memory-steps", type=int, default=1000)
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--graph-trace", action="store_true",
+                    help="also trace the kernels inside the batch-1 and batch-32 decode graphs")
     ap.add_argument("--ab", action="store_true",
                     help="also run decode with each switch flipped in turn: split-K matmuls "
                          "(PPRUN_DISABLE_SKINNY_GEMM), the fused decode attention "
@@ -157,8 +205,8 @@ def main() -> None:
     if args.ab_only and not args.ab:
         raise SystemExit("--ab-only needs --ab")
     res = {"device": torch.cuda.get_device_name(), "matmul_tflops": round(matmul_tflops(), 1)}
-    res["decode_b1"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps)
-    res["decode_b32"] = decode(args.model, 32, 512, 100)
+    res["decode_b1"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps, trace=args.graph_trace)
+    res["decode_b32"] = decode(args.model, 32, 512, 100, trace=args.graph_trace)
     if args.ab:
         import pprun.attention.triton_ops
         import pprun.layers

@@ -84,9 +84,9 @@ def test_skinny_weights_ahead_one_row(dtype, bias, monkeypatch):
     assert not skinny.default_config(1, 100, 200, True, x.device, weights_ahead=True).preload
     assert not skinny.default_config(1, 100, 8192, False, x.device, weights_ahead=True).preload
     if HAS_CUDA:  # the 1.1B model's o_proj (a 2048-wide row held in registers)
-        x, w, b = _inputs(1, 2048, 2048, dtype, bias, seed=4)
-        got = skinny.skinny_linear(x, w, b, weights_ahead=True)
-        torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), atol=TOL[dtype], rtol=TOL[dtype])
+        xo, wo, bo = _inputs(1, 2048, 2048, dtype, bias, seed=4)
+        got = skinny.skinny_linear(xo, wo, bo, weights_ahead=True)
+        torch.testing.assert_close(got.float(), F.linear(xo, wo, bo).float(), atol=TOL[dtype], rtol=TOL[dtype])
     monkeypatch.setattr(skinny, "WEIGHTS_AHEAD_ENABLED", False)
     assert not skinny.default_config(1, 100, 200, False, x.device, weights_ahead=True).preload
     with pytest.raises(ValueError, match="preload needs one row.*block_k >= K=200"):
