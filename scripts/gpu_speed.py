@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import time
 from pathlib import Path
@@ -182,6 +183,41 @@ def prefill(model: str, prompt_len: int = 2048, num_prompts: int = 8) -> dict:
             "tokens_per_s": round(tokens / elapsed, 1), "tflops": round(flops / elapsed / 1e12, 1)}
 
 
+def switches() -> list[tuple]:
+    """The A/B switches: (module, flag, the other value, whether batch 1 runs differently with it)."""
+    import pprun.attention.triton_ops
+    import pprun.layers
+    import pprun.layers.skinny
+    import pprun.layers.triton_utils
+    import pprun.worker.v2.runner
+
+    return [(pprun.layers, "SKINNY_ENABLED", False, True),
+            (pprun.layers, "FUSED_DECODE_ENABLED", False, True),
+            (pprun.layers.triton_utils, "PDL_ENABLED", False, True),
+            (pprun.layers, "NORM_FOLD_ENABLED", False, True),
+            (pprun.worker.v2.runner, "GRAPH_LOGITS_ENABLED", False, True),
+            (pprun.layers.skinny, "DISPATCH_MAX_M", 1, False),  # 1: cuBLAS above one row
+            (pprun.attention.triton_ops, "DECODE_PRELOAD_KV", False, True),
+            (pprun.layers.skinny, "WEIGHTS_AHEAD_ENABLED", False, True),
+            (pprun.layers.skinny, "NORM_WEIGHTS_FIRST", False, True),
+            (pprun.worker.v2.runner, "GREEDY_KERNEL_ENABLED", False, True),
+            (pprun.attention.triton_ops, "DECODE_MIN_TOKENS_PER_SPLIT", 64, True),
+            (pprun.attention.triton_ops, "_DECODE_BLOCK_N", 32, True)]
+
+
+def parse_settings(text: str) -> list[tuple]:
+    """``NAME`` (the switch's other value) or ``NAME=VALUE`` (a Python literal), comma-separated."""
+    by_name = {sw[1]: sw for sw in switches()}
+    chosen = []
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in by_name:
+            raise SystemExit(f"{name!r} unknown; choose from {sorted(by_name)}")
+        module, flag, flipped, b1_differs = by_name[name]
+        chosen.append((module, flag, ast.literal_eval(value) if value else flipped, b1_differs))
+    return chosen
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -198,38 +234,30 @@ def main() -> None:
                          "greedy argmax inside the decode graphs (PPRUN_DISABLE_GRAPH_LOGITS), the split-K "
                          "kernels above one row (DISPATCH_MAX_M set to 1: cuBLAS from two rows on), the decode "
                          "attention's first K/V tile loaded before its PDL wait (DECODE_PRELOAD_KV), o_proj's weights "
-                         "loaded before its wait at one row (WEIGHTS_AHEAD_ENABLED)")
+                         "loaded before its wait at one row (WEIGHTS_AHEAD_ENABLED), the norm-prologue matmuls' first weight "
+                         "tile loaded before the row's rstd (NORM_WEIGHTS_FIRST), the logits copy and argmax as one "
+                         "Triton launch (GREEDY_KERNEL_ENABLED), decode splits of at least 64 tokens of the longest "
+                         "context instead of 256 (DECODE_MIN_TOKENS_PER_SPLIT), 32-token decode K/V tiles instead of 64 "
+                         "(_DECODE_BLOCK_N)")
     ap.add_argument("--ab-only", default="",
-                    help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED)")
+                    help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
+                         "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")
+    ap.add_argument("--set", default="",
+                    help="NAME=VALUE,...: set these switches for every run (the baseline of --ab too)")
     args = ap.parse_args()
     if args.ab_only and not args.ab:
         raise SystemExit("--ab-only needs --ab")
-    res = {"device": torch.cuda.get_device_name(), "matmul_tflops": round(matmul_tflops(), 1)}
+    res = {}
+    if args.set:
+        for module, flag, value, _ in parse_settings(args.set):
+            setattr(module, flag, value)
+            res.setdefault("set", {})[flag] = value
+    res.update({"device": torch.cuda.get_device_name(), "matmul_tflops": round(matmul_tflops(), 1)})
     res["decode_b1"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps, trace=args.graph_trace)
     res["decode_b32"] = decode(args.model, 32, 512, 100, trace=args.graph_trace)
     if args.ab:
-        import pprun.attention.triton_ops
-        import pprun.layers
-        import pprun.layers.skinny
-        import pprun.layers.triton_utils
-        import pprun.worker.v2.runner
-
-        # (module, flag, the other value, whether batch 1 runs differently with it)
-        switches = [(pprun.layers, "SKINNY_ENABLED", False, True),
-                    (pprun.layers, "FUSED_DECODE_ENABLED", False, True),
-                    (pprun.layers.triton_utils, "PDL_ENABLED", False, True),
-                    (pprun.layers, "NORM_FOLD_ENABLED", False, True),
-                    (pprun.worker.v2.runner, "GRAPH_LOGITS_ENABLED", False, True),
-                    (pprun.layers.skinny, "DISPATCH_MAX_M", 1, False),  # 1: cuBLAS above one row
-                    (pprun.attention.triton_ops, "DECODE_PRELOAD_KV", False, True),
-                    (pprun.layers.skinny, "WEIGHTS_AHEAD_ENABLED", False, True)]
-        if args.ab_only:
-            only = set(args.ab_only.split(","))
-            unknown = only - {s[1] for s in switches}
-            if unknown:
-                raise SystemExit(f"--ab-only {sorted(unknown)} unknown; choose from {[s[1] for s in switches]}")
-            switches = [s for s in switches if s[1] in only]
-        for module, flag, flipped, b1_differs in switches:
+        chosen = parse_settings(args.ab_only) if args.ab_only else switches()
+        for module, flag, flipped, b1_differs in chosen:
             default = getattr(module, flag)
             setattr(module, flag, flipped)
             # Same max_model_len as the runs above (it sets the decode split count).

@@ -47,7 +47,7 @@ def main() -> None:
         results = []
         for bn, warps, stages, min_split in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (64, 128, 256)):
             ops._DECODE_BLOCK_N, ops._DECODE_NUM_WARPS, ops._DECODE_NUM_STAGES = bn, warps, stages
-            ops._MIN_TOKENS_PER_SPLIT = min_split
+            ops.DECODE_MIN_TOKENS_PER_SPLIT = min_split
             try:
                 def fn(q=q, kv=kv, table=table, seq_lens=seq_lens, out=out) -> None:
                     ops.paged_decode_attention(q, kv, table, seq_lens, dim**-0.5, out)

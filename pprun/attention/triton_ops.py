@@ -27,7 +27,9 @@ LOG2_E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)
 # Below this many tokens of (possible) context per split, a split costs more in the
 # merge than it wins in parallelism.
-_MIN_TOKENS_PER_SPLIT = 256
+DECODE_MIN_TOKENS_PER_SPLIT = 256
+"""Fewest tokens of the longest possible context (the block table's width) per decode split;
+``scripts/gpu_speed.py --ab`` tries 64 (one K/V tile)."""
 _MAX_SPLITS = 32
 # Decode launch settings; scripts/tune_decode.py sweeps them on a GPU.
 _DECODE_BLOCK_N = 64
@@ -163,7 +165,7 @@ def num_decode_splits(
     if num_programs >= target:
         return 1
     by_occupancy = -(-target // num_programs)
-    by_length = max(1, max_context_len // _MIN_TOKENS_PER_SPLIT)
+    by_length = max(1, max_context_len // DECODE_MIN_TOKENS_PER_SPLIT)
     return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
 
 

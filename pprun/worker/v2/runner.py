@@ -46,6 +46,10 @@ GRAPH_LOGITS_ENABLED: bool = enabled_unless("PPRUN_DISABLE_GRAPH_LOGITS")
 all-greedy decode step then launches nothing but the graph and the ids' copy to the host).
 ``PPRUN_DISABLE_GRAPH_LOGITS=1`` computes the logits after the replay (the A/B switch)."""
 
+GREEDY_KERNEL_ENABLED: bool = enabled_unless("PPRUN_DISABLE_GREEDY_KERNEL")
+"""Whether the graphs' logits copy and argmax are one Triton launch
+(``pprun.sampling.greedy_kernel``) rather than ``copy_`` and ``torch.argmax``."""
+
 GRAPH_HOP_ENABLED: bool = enabled_unless("PPRUN_DISABLE_GRAPH_HOP")
 """Whether full decode graphs of a pipeline carry the hop to the next stage (the send at the end
 of a stage's graph, the receive at the start of the next one's): a decode hop then costs no host
@@ -332,8 +336,13 @@ class V2ModelRunner:
                 (self.graphs.max_size, logits.shape[-1]), dtype=logits.dtype, device=self.device
             )
             self.graph_greedy = torch.empty(self.graphs.max_size, dtype=torch.int64, device=self.device)
-        self.graph_logits[:num_tokens_padded].copy_(logits)
-        torch.argmax(logits, dim=-1, out=self.graph_greedy[:num_tokens_padded])
+        if GREEDY_KERNEL_ENABLED and logits.is_cuda and logits.stride(-1) == 1:
+            from pprun.sampling.greedy_kernel import copy_and_argmax
+
+            copy_and_argmax(logits, self.graph_logits[:num_tokens_padded], self.graph_greedy[:num_tokens_padded])
+        else:
+            self.graph_logits[:num_tokens_padded].copy_(logits)
+            torch.argmax(logits, dim=-1, out=self.graph_greedy[:num_tokens_padded])
 
     def _graph_intermediate(self, num_tokens_padded: int) -> IntermediateTensors | None:
         if self.graph_intermediate is None:

@@ -1,0 +1,122 @@
+"""Greedy token ids on the GPU in one launch: copy each row of logits out and take its argmax.
+
+The last stage's full decode graphs end with the LM head, a copy of its logits into a buffer
+shared by every graph size, and each row's argmax.  As two torch ops those cost two launches,
+and torch's argmax reduces a 32,000-wide row with one block: 10 us of a 0.83 ms batch-1 step
+on an H200 (``scripts/gpu_speed.py --graph-trace``).  Here every row is cut into chunks, one
+program each: it copies its chunk, finds the chunk's largest value and its first index, and
+the last program of the row to finish (an arrival counter, as in ``pprun.layers.skinny``)
+merges the chunks' winners in chunk order.
+
+The result is ``torch.argmax``'s: the first index of the largest value, NaN counting as larger
+than anything (so the first NaN wins), and index 0 for a row of ``-inf``.  Capture-safe (grid
+from shapes, persistent counters, no host reads) and launched with programmatic dependent
+launch under capture, like the other kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pprun.layers.skinny import arrival_counters
+from pprun.layers.triton_utils import pdl_options, pdl_sync
+
+BLOCK_V = 2048
+"""Vocabulary entries per program (16 programs per row of a 32,000-word vocabulary)."""
+
+_NO_INDEX = tl.constexpr(2**31 - 1)
+
+
+@triton.jit
+def _chunk_winner(x, offs, mask):
+    """(value, first index) of the largest entry, NaN above everything; value NaN if any."""
+    is_nan = (x != x) & mask
+    nan_idx = tl.min(tl.where(is_nan, offs, _NO_INDEX), axis=0)
+    best = tl.max(tl.where(mask & ~is_nan, x, float("-inf")), axis=0)
+    best_idx = tl.min(tl.where(mask & (x == best), offs, _NO_INDEX), axis=0)
+    has_nan = nan_idx != _NO_INDEX
+    # A row (chunk) of -inf only: x == best holds for each, so the first index wins.
+    return tl.where(has_nan, float("nan"), best), tl.where(has_nan, nan_idx, best_idx)
+
+
+@triton.jit
+def _copy_argmax_kernel(
+    x_ptr,
+    out_ptr,
+    ids_ptr,
+    part_v_ptr,
+    part_i_ptr,
+    counter_ptr,
+    V,
+    stride_x,
+    stride_out,
+    BLOCK: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    CHUNKS_P2: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < V
+    pdl_sync(USE_PDL)  # the logits come from the kernel before
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=mask, other=float("-inf"))
+    tl.store(out_ptr + row.to(tl.int64) * stride_out + offs, x, mask=mask)
+    value, index = _chunk_winner(x.to(tl.float32), offs, mask)
+    if CHUNKS == 1:
+        tl.store(ids_ptr + row, index.to(tl.int64))
+    else:
+        tl.store(part_v_ptr + row * CHUNKS + chunk, value)
+        tl.store(part_i_ptr + row * CHUNKS + chunk, index)
+        tl.debug_barrier()
+        done = tl.atomic_add(counter_ptr + row, 1, sem="acq_rel", scope="gpu")
+        if done == CHUNKS - 1:
+            c = tl.arange(0, CHUNKS_P2)
+            c_mask = c < CHUNKS
+            values = tl.load(part_v_ptr + row * CHUNKS + c, mask=c_mask, other=float("-inf"))
+            indices = tl.load(part_i_ptr + row * CHUNKS + c, mask=c_mask, other=_NO_INDEX)
+            # Each chunk's index is its first best; chunks ascend, so the smallest index among
+            # the chunks holding the row's best is the row's first best.
+            _, index = _chunk_winner(values, indices, c_mask)
+            tl.store(ids_ptr + row, index.to(tl.int64))
+            tl.atomic_xchg(counter_ptr + row, 0, sem="relaxed", scope="gpu")
+
+
+def copy_and_argmax(logits: torch.Tensor, logits_out: torch.Tensor, ids_out: torch.Tensor,
+                    block_v: int = BLOCK_V) -> None:
+    """``logits_out.copy_(logits)`` and ``torch.argmax(logits, -1, out=ids_out)`` in one launch.
+
+    Args:
+        logits: ``[rows, vocab]``, contiguous in its last dim.
+        logits_out: same shape and dtype (rows may be strided).
+        ids_out: ``[rows]`` int64.
+        block_v: vocabulary entries per program (a power of two; tests use small ones).
+    """
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"logits must be [rows, vocab] and contiguous in vocab, got shape "
+                         f"{tuple(logits.shape)}, strides {logits.stride()}")
+    if logits_out.shape != logits.shape or logits_out.dtype != logits.dtype or logits_out.stride(1) != 1:
+        raise ValueError(f"logits_out must be {tuple(logits.shape)} {logits.dtype}, contiguous in vocab; got "
+                         f"{tuple(logits_out.shape)} {logits_out.dtype}, strides {logits_out.stride()}")
+    if ids_out.shape != (logits.shape[0],) or ids_out.dtype != torch.int64:
+        raise ValueError(f"ids_out must be a ({logits.shape[0]},) int64 tensor, got "
+                         f"{tuple(ids_out.shape)} {ids_out.dtype}")
+    if block_v < 16 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
+    rows, vocab = logits.shape
+    if rows == 0:
+        return
+    chunks = triton.cdiv(vocab, block_v)
+    if chunks > 1:
+        counters = arrival_counters(logits.device, rows)
+        part_v = torch.empty(rows * chunks, dtype=torch.float32, device=logits.device)
+        part_i = torch.empty(rows * chunks, dtype=torch.int32, device=logits.device)
+    else:
+        counters = part_v = part_i = ids_out  # unread with one chunk
+    _copy_argmax_kernel[(rows, chunks)](
+        logits, logits_out, ids_out, part_v, part_i, counters, vocab, logits.stride(0), logits_out.stride(0),
+        BLOCK=block_v, CHUNKS=chunks, CHUNKS_P2=max(2, triton.next_power_of_2(chunks)),
+        num_warps=4, **pdl_options(logits.device),
+    )
