@@ -89,12 +89,17 @@ def graph_trace(graph, replays: int = 20) -> dict:
             "kernels": table, "last_replay": order}
 
 
+MAX_MODEL_LEN: int | None = None
+"""--max-model-len: the engines' max_model_len (None: context + steps + 64, just enough).  It sets
+the decode attention's split count, which graphs fix at capture."""
+
+
 def decode(model: str, batch: int, ctx: int, steps: int, memory_steps: int = 0,
            measure_memory: bool = True, trace: bool = False) -> dict:
     util = 0.3
     free_before, total = torch.cuda.mem_get_info()
     llm = LLM(model, runner="v2", cudagraph_mode="full", max_num_seqs=batch,
-              max_model_len=ctx + steps + memory_steps + 64, gpu_memory_utilization=util)
+              max_model_len=MAX_MODEL_LEN or ctx + steps + memory_steps + 64, gpu_memory_utilization=util)
     eng = llm.engine
     runner = eng.executor.worker.runner
     g = torch.Generator().manual_seed(0)
@@ -199,10 +204,10 @@ def switches() -> list[tuple]:
             (pprun.layers.skinny, "DISPATCH_MAX_M", 1, False),  # 1: cuBLAS above one row
             (pprun.attention.triton_ops, "DECODE_PRELOAD_KV", False, True),
             (pprun.layers.skinny, "WEIGHTS_AHEAD_ENABLED", False, True),
-            (pprun.layers.skinny, "NORM_WEIGHTS_FIRST", False, True),
             (pprun.worker.v2.runner, "GREEDY_KERNEL_ENABLED", False, True),
-            (pprun.attention.triton_ops, "DECODE_MIN_TOKENS_PER_SPLIT", 64, True),
-            (pprun.attention.triton_ops, "_DECODE_BLOCK_N", 32, True)]
+            (pprun.attention.triton_ops, "DECODE_MIN_TOKENS_PER_SPLIT", 256, True),
+            (pprun.attention.triton_ops, "_DECODE_BLOCK_N", 32, True),
+            (pprun.attention.triton_ops, "_DECODE_NUM_WARPS", 2, True)]
 
 
 def parse_settings(text: str) -> list[tuple]:
@@ -234,20 +239,23 @@ def main() -> None:
                          "greedy argmax inside the decode graphs (PPRUN_DISABLE_GRAPH_LOGITS), the split-K "
                          "kernels above one row (DISPATCH_MAX_M set to 1: cuBLAS from two rows on), the decode "
                          "attention's first K/V tile loaded before its PDL wait (DECODE_PRELOAD_KV), o_proj's weights "
-                         "loaded before its wait at one row (WEIGHTS_AHEAD_ENABLED), the norm-prologue matmuls' first weight "
-                         "tile loaded before the row's rstd (NORM_WEIGHTS_FIRST), the logits copy and argmax as one "
-                         "Triton launch (GREEDY_KERNEL_ENABLED), decode splits of at least 64 tokens of the longest "
-                         "context instead of 256 (DECODE_MIN_TOKENS_PER_SPLIT), 32-token decode K/V tiles instead of 64 "
-                         "(_DECODE_BLOCK_N)")
+                         "loaded before its wait at one row (WEIGHTS_AHEAD_ENABLED), the logits copy and argmax as one "
+                         "Triton launch (GREEDY_KERNEL_ENABLED), decode splits of at least 256 tokens of the longest "
+                         "context instead of 64 (DECODE_MIN_TOKENS_PER_SPLIT), 32-token decode K/V tiles instead of 64 "
+                         "(_DECODE_BLOCK_N), 2 warps per decode program instead of 4 (_DECODE_NUM_WARPS)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
                          "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="the decode engines' max_model_len (default: context + steps + 64)")
     ap.add_argument("--set", default="",
                     help="NAME=VALUE,...: set these switches for every run (the baseline of --ab too)")
     args = ap.parse_args()
     if args.ab_only and not args.ab:
         raise SystemExit("--ab-only needs --ab")
-    res = {}
+    global MAX_MODEL_LEN
+    MAX_MODEL_LEN = args.max_model_len
+    res = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     if args.set:
         for module, flag, value, _ in parse_settings(args.set):
             setattr(module, flag, value)

@@ -27,9 +27,13 @@ LOG2_E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)
 # Below this many tokens of (possible) context per split, a split costs more in the
 # merge than it wins in parallelism.
-DECODE_MIN_TOKENS_PER_SPLIT = 256
-"""Fewest tokens of the longest possible context (the block table's width) per decode split;
-``scripts/gpu_speed.py --ab`` tries 64 (one K/V tile)."""
+DECODE_MIN_TOKENS_PER_SPLIT = 64
+"""Fewest tokens of the longest possible context (the block table's width) per decode split:
+one K/V tile.  The split count is fixed at capture while contexts vary, so a short context in a
+graph built for long ones has its tokens spread one tile per split and the rest of the splits
+empty, which costs little (each still merges); at batch 1 and context 512 with room for 976
+tokens, 15 splits instead of 3 took the H200's decode step from 0.958 to 0.902 ms
+(``scripts/gpu_speed.py --ab --ab-only DECODE_MIN_TOKENS_PER_SPLIT=64``, 256 before)."""
 _MAX_SPLITS = 32
 # Decode launch settings; scripts/tune_decode.py sweeps them on a GPU.
 _DECODE_BLOCK_N = 64
@@ -157,8 +161,9 @@ def num_decode_splits(
     """Context splits per (request, kv head) for decode, from shapes only (capture-safe).
 
     Splitting pays when (request, kv head) programs alone cannot fill the GPU, e.g. batch 1
-    with 8 KV heads on 132 SMs; each split keeps at least a few hundred tokens of the
-    longest possible context so the in-kernel merge stays cheap.
+    with 8 KV heads on 132 SMs; each split keeps at least
+    :data:`DECODE_MIN_TOKENS_PER_SPLIT` tokens of the longest possible context (at most
+    ``_MAX_SPLITS`` splits, so the in-kernel merge stays cheap).
     """
     num_programs = num_reqs_padded * num_kv_heads
     target = 2 * _num_sms(device)

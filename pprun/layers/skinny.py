@@ -60,10 +60,6 @@ weight slice before its PDL wait; ``scripts/gpu_speed.py --ab`` flips it."""
 WEIGHTS_AHEAD_MAX_K = 4096
 """Longest K a program of the weights-ahead form holds in registers (8 rows x K)."""
 
-NORM_WEIGHTS_FIRST = True
-"""With the norm prologue, whether each program loads its first weight tile right after its PDL
-wait, before it reduces the row's rstd; ``scripts/gpu_speed.py --ab`` flips it."""
-
 
 @triton.jit
 def _tile_product(x, w, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
@@ -197,7 +193,6 @@ def _skinny_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_ROW: tl.constexpr,
     EXACT_MUL: tl.constexpr,
-    NORM_W_FIRST: tl.constexpr,
 ):
     """``x @ w.T`` (see the module docstring).  With ``NORM`` (one row, ``BLOCK_M == 1``) the
     matmul's input is ``norm_w * norm(x + residual)`` instead of ``x``: every program reads the
@@ -223,14 +218,6 @@ def _skinny_kernel(
         k_mask_all = offs_k_all < K
         w_all = tl.load(w_rows + offs_k_all[None, :], mask=n_mask[:, None] & k_mask_all[None, :], other=0.0)
     pdl_sync(USE_PDL)
-    if NORM_W_FIRST:
-        # After the wait, the first weight tile is in flight while the row's rstd is reduced
-        # (the loop's own prefetch would start only after it).
-        offs_k0 = k_begin + tl.arange(0, BLOCK_K)
-        k_mask0 = offs_k0 < k_end
-        w0 = tl.load(w_rows + offs_k0[None, :], mask=n_mask[:, None] & k_mask0[None, :], other=0.0)
-        if SWIGLU:
-            wu0 = tl.load(up_rows + offs_k0[None, :], mask=n_mask[:, None] & k_mask0[None, :], other=0.0)
     if NORM:
         rstd = _norm_row_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_hidden, eps, (pid_n == 0) & (pid_k == 0),
                               HAS_RESIDUAL, BLOCK_ROW, EXACT_MUL)
@@ -239,19 +226,11 @@ def _skinny_kernel(
     # SWAP_AB accumulates the transposed product, weight rows as the MMA's M side.
     acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_up_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    loop_begin = k_begin
-    if NORM_W_FIRST:  # one row: the plain tile product, first tile first as in the loop
-        x0 = _norm_tile(x_ptr + offs_k0[None, :], res_ptr + offs_k0[None, :], norm_w_ptr + offs_k0[None, :],
-                        k_mask0[None, :], rstd, HAS_RESIDUAL)
-        acc += _tile_product(x0, w0, USE_DOT, DOT_F32)
-        if SWIGLU:
-            acc_up += _tile_product(x0, wu0, USE_DOT, DOT_F32)
-        loop_begin = k_begin + BLOCK_K
     if PRELOAD_W:
         x = tl.load(x_rows + offs_k_all[None, :], mask=m_mask[:, None] & k_mask_all[None, :], other=0.0)
         acc += _tile_product(x, w_all, USE_DOT, DOT_F32)
     else:
-        for k0 in range(loop_begin, k_end, BLOCK_K):
+        for k0 in range(k_begin, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < k_end
             if NORM:
@@ -468,7 +447,6 @@ def _launch(
         HAS_RESIDUAL=norm is not None and norm[0] is not None,
         BLOCK_ROW=block_row,
         EXACT_MUL=not _INTERPRETED,
-        NORM_W_FIRST=norm is not None and NORM_WEIGHTS_FIRST,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_options(x.device),
