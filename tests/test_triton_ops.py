@@ -457,6 +457,25 @@ def test_triton_rope_decode_split_context_merged_in_kernel(dtype, preload_kv, mo
 
 
 @triton_only
+@pytest.mark.parametrize("preload_kv", [True, False])
+def test_triton_rope_decode_every_split_holding_tokens(preload_kv, monkeypatch):
+    from pprun.attention import triton_ops
+    from pprun.attention.triton_ops import num_decode_splits
+
+    monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_KV", preload_kv)
+    # Room for 256 tokens: 4 splits of one tile.  249 cached tokens fill all four (the last one
+    # also takes the new token), 130 fill three (the last split then holds the new token alone),
+    # 0 none (only the last split computes and writes); one padded row.
+    assert num_decode_splits(4, 1, 16 * 16, torch.device(TRITON_DEVICE)) == 4
+    case = make_case(
+        [1, 1, 1], [249, 130, 0], num_heads=4, num_kv_heads=1, head_dim=64, block_size=16,
+        dtype=torch.float32, device=TRITON_DEVICE, num_reqs_padded=4, num_tokens_padded=4,
+        max_blocks_per_req=16, seed=9,
+    )
+    _check_rope_decode(case, torch.float32, repeats=2)
+
+
+@triton_only
 def test_triton_rope_decode_without_rotary_and_fewer_token_rows():
     # A model without rotary (cos/sin None) takes q and k as they are; token rows past the
     # request rows (padding) come out zero.
