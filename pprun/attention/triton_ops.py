@@ -25,19 +25,19 @@ LOG2_E = 1.4426950408889634
 # Stands in for -inf as the running max so that a fully masked tile gives
 # exp2(-inf - m) = 0 instead of exp2(-inf + inf) = nan.
 _NEG_BIG = tl.constexpr(-1.0e30)
-# Below this many tokens of (possible) context per split, a split costs more in the
-# merge than it wins in parallelism.
 DECODE_MIN_TOKENS_PER_SPLIT = 64
 """Fewest tokens of the longest possible context (the block table's width) per decode split:
-one K/V tile.  The split count is fixed at capture while contexts vary, so a short context in a
-graph built for long ones has its tokens spread one tile per split and the rest of the splits
-empty, which costs little (each still merges); at batch 1 and context 512 with room for 976
-tokens, 15 splits instead of 3 took the H200's decode step from 0.958 to 0.902 ms
-(``scripts/gpu_speed.py --ab --ab-only DECODE_MIN_TOKENS_PER_SPLIT=64``, 256 before)."""
-_MAX_SPLITS = 32
+one K/V tile.  The split count is fixed at capture while contexts vary; a context shorter than
+the graph's longest leaves the last splits empty, and those return at once (the merge reads only
+the splits that hold tokens).  H200, batch 1, context 512, engine step
+(``scripts/gpu_speed.py --ab --ab-only DECODE_MIN_TOKENS_PER_SPLIT``, 256 before): room for 976
+tokens, 15 splits 0.787 ms against 3 splits 0.850."""
+_MAX_SPLITS = 16
+"""At most this many splits: with room for 4,096 tokens 16 splits took 0.788 ms and 32 splits
+0.812 (batch 1, context 512: eight splits hold tokens either way)."""
 # Decode launch settings; scripts/tune_decode.py sweeps them on a GPU.
 _DECODE_BLOCK_N = 64
-_DECODE_NUM_WARPS = 2  # 4 before: batch 1 0.786 vs 0.793 ms, batch 32 1.122 vs 1.126 (H200)
+_DECODE_NUM_WARPS = 2  # 4 before: batch 1 0.803 vs 0.817 ms, batch 32 1.126 vs 1.135 (H200, same process)
 _DECODE_NUM_STAGES = 2
 DECODE_PRELOAD_KV = True
 """Decode with a new token: each program loads its first K/V tile (and the step's metadata)
