@@ -32,6 +32,11 @@ the graph's longest leaves the last splits empty, and those return at once (the 
 the splits that hold tokens).  H200, batch 1, context 512, engine step
 (``scripts/gpu_speed.py --ab --ab-only DECODE_MIN_TOKENS_PER_SPLIT``, 256 before): room for 976
 tokens, 15 splits 0.787 ms against 3 splits 0.850."""
+DECODE_PROGRAMS_PER_SM = 2
+"""Programs per SM the decode splits aim for: (request, KV head) pairs fewer than this many per
+SM get their context split.  Batch 32 of the 1.1B model (256 pairs) gets 2 splits; its programs
+each walk 4 dependent 64-token tiles at context 512 (``scripts/gpu_speed.py --ab --ab-only
+DECODE_PROGRAMS_PER_SM=8`` tries shorter chains; not yet measured)."""
 _MAX_SPLITS = 16
 """At most this many splits: with room for 4,096 tokens 16 splits took 0.788 ms and 32 splits
 0.812 (batch 1, context 512: eight splits hold tokens either way)."""
@@ -166,7 +171,7 @@ def num_decode_splits(
     ``_MAX_SPLITS`` splits, so the in-kernel merge stays cheap).
     """
     num_programs = num_reqs_padded * num_kv_heads
-    target = 2 * _num_sms(device)
+    target = DECODE_PROGRAMS_PER_SM * _num_sms(device)
     if num_programs >= target:
         return 1
     by_occupancy = -(-target // num_programs)
