@@ -213,7 +213,8 @@ def switches() -> list[tuple]:
             (pprun.attention.triton_ops, "DECODE_MIN_TOKENS_PER_SPLIT", 256, True),
             (pprun.attention.triton_ops, "_DECODE_BLOCK_N", 32, True),
             (pprun.attention.triton_ops, "_DECODE_NUM_WARPS", 4, True),
-            (pprun.attention.triton_ops, "DECODE_PROGRAMS_PER_SM", 4, False)]
+            (pprun.attention.triton_ops, "DECODE_PROGRAMS_PER_SM", 4, False),
+            (pprun.layers.skinny, "SWAPPED_TARGET_PROGRAMS", 256, False)]
 
 
 def parse_settings(text: str) -> list[tuple]:
@@ -249,7 +250,8 @@ def main() -> None:
                          "Triton launch (GREEDY_KERNEL_ENABLED), decode splits of at least 256 tokens of the longest "
                          "context instead of 64 (DECODE_MIN_TOKENS_PER_SPLIT), 32-token decode K/V tiles instead of 64 "
                          "(_DECODE_BLOCK_N), 4 warps per decode program instead of 2 (_DECODE_NUM_WARPS), decode splits aiming "
-                         "at 4 programs per SM instead of 2 (DECODE_PROGRAMS_PER_SM: more splits above one row)")
+                         "at 4 programs per SM instead of 2 (DECODE_PROGRAMS_PER_SM: more splits above one row), the "
+                         "2-32-row matmuls split K until ~256 programs instead of ~128 (SWAPPED_TARGET_PROGRAMS)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
                          "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")

@@ -60,6 +60,11 @@ weight slice before its PDL wait; ``scripts/gpu_speed.py --ab`` flips it."""
 WEIGHTS_AHEAD_MAX_K = 4096
 """Longest K a program of the weights-ahead form holds in registers (8 rows x K)."""
 
+SWAPPED_TARGET_PROGRAMS = 128
+"""Above one row, K is split until about this many programs run (``scripts/sweep_skinny.py``:
+the fastest setting or within 2% of it at 16 and 32 rows, each matmul timed alone);
+``scripts/gpu_speed.py --ab --ab-only SWAPPED_TARGET_PROGRAMS`` tries 256 inside the step."""
+
 
 @triton.jit
 def _tile_product(x, w, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
@@ -327,7 +332,7 @@ def default_config(
         return SkinnyConfig(8, triton.next_power_of_2(k), 1, num_warps=8, num_stages=1, preload=True)
     if m > 1:
         block_n, block_k = 64, min(128, triton.next_power_of_2(k))
-        split = max(1, min(128 // triton.cdiv(n_out, block_n), k // block_k))
+        split = max(1, min(SWAPPED_TARGET_PROGRAMS // triton.cdiv(n_out, block_n), k // block_k))
         return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=4, swap_ab=True)
     long_k = k > 4096
     block_n = 16 if (swiglu or long_k) else 8
