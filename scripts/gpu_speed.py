@@ -62,7 +62,8 @@ def graph_trace(graph, replays: int = 20) -> dict:
             torch.cuda.synchronize()  # a gap between replays marks where one ends
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        with open(f.name) as trace:
+            events = json.load(trace)["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     if not kernels:
         return {"error": "the profiler saw no kernels inside the graph replays"}
@@ -71,6 +72,8 @@ def graph_trace(graph, replays: int = 20) -> dict:
                   kernels[i - 1]["dur"], reverse=True)[: replays - 1]
     bounds = [0, *sorted(gaps), len(kernels)]
     runs = [kernels[a:b] for a, b in zip(bounds, bounds[1:])]
+    if len(runs) < 2:
+        return {"error": f"the trace split into {len(runs)} replay(s); need at least 2"}
     per_name: dict[str, list[float]] = {}
     spans, busy = [], []
     for run in runs[1:]:  # the first replay may pay for cold caches
@@ -226,7 +229,10 @@ def parse_settings(text: str) -> list[tuple]:
         if name not in by_name:
             raise SystemExit(f"{name!r} unknown; choose from {sorted(by_name)}")
         module, flag, flipped, b1_differs = by_name[name]
-        chosen.append((module, flag, ast.literal_eval(value) if value else flipped, b1_differs))
+        try:
+            chosen.append((module, flag, ast.literal_eval(value) if value else flipped, b1_differs))
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"{item!r}: the value must be a Python literal (e.g. {flag}=2)") from None
     return chosen
 
 

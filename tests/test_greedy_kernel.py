@@ -28,7 +28,7 @@ def _logits(rows: int, vocab: int, dtype: torch.dtype, seed: int = 0) -> torch.T
 def test_copy_and_argmax_matches_torch(dtype, vocab, block_v):
     from pprun.sampling.greedy_kernel import copy_and_argmax
 
-    rows = 5
+    rows = 6
     x = _logits(rows, vocab, dtype)
     x[1, vocab - 1] = 100.0  # the best in the ragged last chunk
     x[2, :] = float("-inf")  # torch: index 0
@@ -37,14 +37,19 @@ def test_copy_and_argmax_matches_torch(dtype, vocab, block_v):
     x[3, 3] = float("inf")
     x[4, vocab // 3] = float("inf")  # +inf twice: the first
     x[4, vocab - 2] = float("inf")
+    x[5, 0] = float("inf")  # +inf in the first chunk, NaN only in the last: NaN wins across chunks
+    x[5, vocab - 1] = float("nan")
     x = x.to(DEVICE)
     out = torch.full((rows + 2, vocab), 9.0, dtype=dtype, device=DEVICE)[1:-1]  # rows in a bigger buffer
     ids = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
-    for _ in range(2):  # the arrival counters are left at zero for the next launch
+    for launch in range(2):  # the arrival counters are left at zero for the next launch
+        ids.fill_(-1)
+        out.fill_(9.0)
         copy_and_argmax(x, out, ids, block_v=block_v)
-        assert torch.equal(ids.cpu(), torch.argmax(x.cpu().float(), dim=-1))
+        assert torch.equal(ids.cpu(), torch.argmax(x.cpu().float(), dim=-1)), launch
         torch.testing.assert_close(out, x, rtol=0, atol=0, equal_nan=True)
     assert ids[3].item() == 7 and ids[2].item() == 0 and ids[4].item() == vocab // 3
+    assert ids[5].item() == vocab - 1
 
 
 @triton_only

@@ -75,8 +75,9 @@ def _copy_argmax_kernel(
         if done == CHUNKS - 1:
             c = tl.arange(0, CHUNKS_P2)
             c_mask = c < CHUNKS
-            values = tl.load(part_v_ptr + row * CHUNKS + c, mask=c_mask, other=float("-inf"))
-            indices = tl.load(part_i_ptr + row * CHUNKS + c, mask=c_mask, other=_NO_INDEX)
+            # .cg: read from L2, where the other programs' stores landed.
+            values = tl.load(part_v_ptr + row * CHUNKS + c, mask=c_mask, other=float("-inf"), cache_modifier=".cg")
+            indices = tl.load(part_i_ptr + row * CHUNKS + c, mask=c_mask, other=_NO_INDEX, cache_modifier=".cg")
             # Each chunk's index is its first best; chunks ascend, so the smallest index among
             # the chunks holding the row's best is the row's first best.
             _, index = _chunk_winner(values, indices, c_mask)
