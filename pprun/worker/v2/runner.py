@@ -31,6 +31,7 @@ from pprun.distributed.feedback import SampleFeedback
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
 from pprun.distributed.transport import SENT_IN_GRAPH, PipelineTransport
+from pprun.layers import fused_ops_for
 from pprun.sampling.sampler import Sampler, SamplerOutput, SamplingTensors, to_logprobs
 from pprun.switches import enabled_unless
 from pprun.worker.model_inputs import build_model_inputs
@@ -48,7 +49,8 @@ all-greedy decode step then launches nothing but the graph and the ids' copy to 
 
 GREEDY_KERNEL_ENABLED: bool = enabled_unless("PPRUN_DISABLE_GREEDY_KERNEL")
 """Whether the graphs' logits copy and argmax are one Triton launch
-(``pprun.sampling.greedy_kernel``) rather than ``copy_`` and ``torch.argmax``."""
+(``pprun.sampling.greedy_kernel``) rather than ``copy_`` and ``torch.argmax``; like every Triton
+op, only where ``pprun.layers.fused_ops_for`` allows (CUDA, ``PPRUN_DISABLE_FUSED`` unset)."""
 
 GRAPH_HOP_ENABLED: bool = enabled_unless("PPRUN_DISABLE_GRAPH_HOP")
 """Whether full decode graphs of a pipeline carry the hop to the next stage (the send at the end
@@ -336,7 +338,7 @@ class V2ModelRunner:
                 (self.graphs.max_size, logits.shape[-1]), dtype=logits.dtype, device=self.device
             )
             self.graph_greedy = torch.empty(self.graphs.max_size, dtype=torch.int64, device=self.device)
-        if GREEDY_KERNEL_ENABLED and logits.is_cuda and logits.stride(-1) == 1:
+        if GREEDY_KERNEL_ENABLED and fused_ops_for(logits) is not None and logits.stride(-1) == 1:
             from pprun.sampling.greedy_kernel import copy_and_argmax
 
             copy_and_argmax(logits, self.graph_logits[:num_tokens_padded], self.graph_greedy[:num_tokens_padded])
