@@ -89,8 +89,32 @@ def test_skinny_weights_ahead_one_row(dtype, bias, monkeypatch):
         torch.testing.assert_close(got.float(), F.linear(xo, wo, bo).float(), atol=TOL[dtype], rtol=TOL[dtype])
     monkeypatch.setattr(skinny, "WEIGHTS_AHEAD_ENABLED", False)
     assert not skinny.default_config(1, 100, 200, False, x.device, weights_ahead=True).preload
-    with pytest.raises(ValueError, match="preload needs one row.*block_k >= K=200"):
+    with pytest.raises(ValueError, match=r"one K tile per split \(block_k \* split_k >= K=200\)"):
         skinny.skinny_linear(x, w, b, config=skinny.SkinnyConfig(8, 64, 1, preload=True))
+    with pytest.raises(ValueError, match="no SwiGLU"):
+        skinny.skinny_linear(x, w, b, swiglu=True, config=skinny.SkinnyConfig(8, 256, 1, preload=True))
+
+
+@triton_only
+@pytest.mark.parametrize("m", [2, 17, 32])
+@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_weights_ahead_swapped_rows(m, split_k, bias, monkeypatch):
+    """The weights-ahead form above one row: the swapped product over one K tile per split
+    (K = 200: one 256 tile, or four 64 tiles merged), 100 ragged columns over 64-wide tiles."""
+    from pprun.layers import skinny
+
+    dtype = DTYPES[-1]
+    x, w, b = _inputs(m, 100, 200, dtype, bias, seed=5)
+    cfg = skinny.SkinnyConfig(64, 256 if split_k == 1 else 64, split_k, num_stages=1, swap_ab=True, preload=True)
+    got = skinny.skinny_linear(x, w, b, config=cfg)
+    torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert not skinny.default_config(m, 100, 200, False, x.device, weights_ahead=True).preload
+    monkeypatch.setattr(skinny, "WEIGHTS_AHEAD_MAX_ROWS", 32)
+    cfg = skinny.default_config(m, 100, 200, False, x.device, weights_ahead=True)
+    assert cfg.preload and cfg.swap_ab and cfg.block_k * cfg.split_k >= 200
+    got = skinny.skinny_linear(x, w, b, weights_ahead=True)
+    torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @triton_only

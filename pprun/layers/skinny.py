@@ -60,6 +60,11 @@ weight slice before its PDL wait; ``scripts/gpu_speed.py --ab`` flips it."""
 WEIGHTS_AHEAD_MAX_K = 4096
 """Longest K a program of the weights-ahead form holds in registers (8 rows x K)."""
 
+WEIGHTS_AHEAD_MAX_ROWS = 1
+"""Most rows that take the weights-ahead form; from two rows it is the swapped form with each
+program's 64 x 256 weight slice held across the wait (``scripts/gpu_speed.py --ab --ab-only
+WEIGHTS_AHEAD_MAX_ROWS=32`` tries it at batch 32; not yet measured, so one row only)."""
+
 SWAPPED_TARGET_PROGRAMS = 128
 """Above one row, K is split until about this many programs run (``scripts/sweep_skinny.py``:
 the fastest setting or within 2% of it at 16 and 32 rows, each matmul timed alone);
@@ -216,11 +221,11 @@ def _skinny_kernel(
     k_end = tl.minimum(k_begin + K_PER, K)
     # x comes from the kernel before (PDL: wait for it). Loading the first weight tile before
     # the wait, or asking L2 for its lines there, measured slower behind another matmul
-    # (docs/performance.md); only PRELOAD_W (one K tile, no split: the whole slice) loads its
-    # weights first, for a caller whose previous kernel leaves the bandwidth idle.
+    # (docs/performance.md); only PRELOAD_W (one K tile per split: the program's whole slice)
+    # loads its weights first, for a caller whose previous kernel leaves the bandwidth idle.
     if PRELOAD_W:
-        offs_k_all = tl.arange(0, BLOCK_K)
-        k_mask_all = offs_k_all < K
+        offs_k_all = k_begin + tl.arange(0, BLOCK_K)
+        k_mask_all = offs_k_all < k_end
         w_all = tl.load(w_rows + offs_k_all[None, :], mask=n_mask[:, None] & k_mask_all[None, :], other=0.0)
     pdl_sync(USE_PDL)
     if NORM:
@@ -233,7 +238,10 @@ def _skinny_kernel(
     acc_up_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     if PRELOAD_W:
         x = tl.load(x_rows + offs_k_all[None, :], mask=m_mask[:, None] & k_mask_all[None, :], other=0.0)
-        acc += _tile_product(x, w_all, USE_DOT, DOT_F32)
+        if SWAP_AB:
+            acc_t += _swapped_product(x, w_all, DOT_F32)
+        else:
+            acc += _tile_product(x, w_all, USE_DOT, DOT_F32)
     else:
         for k0 in range(k_begin, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -300,8 +308,8 @@ class SkinnyConfig:
     num_stages: int = 3
     swap_ab: bool = False
     preload: bool = False
-    """One row: each program loads its whole weight slice (one K tile, ``block_k >= K``, no
-    split) before its PDL wait (see :data:`WEIGHTS_AHEAD_ENABLED`)."""
+    """Each program loads its whole weight slice (one K tile per split: ``block_k * split_k >=
+    K``) before its PDL wait (see :data:`WEIGHTS_AHEAD_ENABLED`); no norm prologue, no SwiGLU."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -326,10 +334,17 @@ def default_config(
     programs (qkv 2, o_proj and down 4, gate_up and the LM head 1): the fastest setting, or
     within 2% of it, on every shape at 16 and 32 rows.
 
-    ``weights_ahead`` (one row, no SwiGLU, K up to :data:`WEIGHTS_AHEAD_MAX_K`): 8-row column
-    tiles over one K tile holding the whole row, loaded before the PDL wait."""
-    if weights_ahead and WEIGHTS_AHEAD_ENABLED and m == 1 and not swiglu and k <= WEIGHTS_AHEAD_MAX_K:
-        return SkinnyConfig(8, triton.next_power_of_2(k), 1, num_warps=8, num_stages=1, preload=True)
+    ``weights_ahead`` (no SwiGLU): at one row (K up to :data:`WEIGHTS_AHEAD_MAX_K`), 8-row
+    column tiles over one K tile holding the whole row, loaded before the PDL wait; from two rows
+    up to :data:`WEIGHTS_AHEAD_MAX_ROWS`, the swapped form with K split into 256-wide slices, each
+    program's slice loaded before the wait."""
+    if weights_ahead and WEIGHTS_AHEAD_ENABLED and not swiglu:
+        if m == 1 and k <= WEIGHTS_AHEAD_MAX_K:
+            return SkinnyConfig(8, triton.next_power_of_2(k), 1, num_warps=8, num_stages=1, preload=True)
+        if 1 < m <= WEIGHTS_AHEAD_MAX_ROWS:
+            block_k = min(256, triton.next_power_of_2(k))
+            return SkinnyConfig(64, block_k, triton.cdiv(k, block_k), num_warps=4, num_stages=1, swap_ab=True,
+                                preload=True)
     if m > 1:
         block_n, block_k = 64, min(128, triton.next_power_of_2(k))
         split = max(1, min(SWAPPED_TARGET_PROGRAMS // triton.cdiv(n_out, block_n), k // block_k))
@@ -399,10 +414,10 @@ def _launch(
     m, k = x.shape
     n_out = out.shape[1]
     cfg = config or default_config(m, n_out, k, swiglu, x.device, weights_ahead)
-    if cfg.preload and (m != 1 or norm is not None or swiglu or cfg.split_k != 1 or cfg.block_k < k):
+    if cfg.preload and (norm is not None or swiglu or cfg.block_k * cfg.split_k < k):
         raise ValueError(
-            f"SkinnyConfig.preload needs one row, no norm prologue, no SwiGLU, split_k=1 and block_k >= K={k}; "
-            f"got {m} rows, norm={norm is not None}, swiglu={swiglu}, {cfg}"
+            f"SkinnyConfig.preload needs no norm prologue, no SwiGLU and one K tile per split "
+            f"(block_k * split_k >= K={k}); got norm={norm is not None}, swiglu={swiglu}, {cfg}"
         )
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
     col_blocks = triton.cdiv(n_out, cfg.block_n)
