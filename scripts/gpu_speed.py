@@ -244,7 +244,7 @@ def main() -> None:
     ap.add_argument("--memory-steps", type=int, default=1000)
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--graph-trace", action="store_true",
-                    help="also trace the kernels inside the batch-1 and batch-32 decode graphs")
+                    help="also trace the kernels inside the batch-1 and batch-32 decode graphs (every A/B run too)")
     ap.add_argument("--ab", action="store_true",
                     help="also run decode with each switch flipped in turn: split-K matmuls "
                          "(PPRUN_DISABLE_SKINNY_GEMM), the fused decode attention "
@@ -288,8 +288,8 @@ def main() -> None:
             # Same max_model_len as the runs above (it sets the decode split count).
             if b1_differs:
                 res[f"decode_b1_{flag}={flipped}"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps,
-                                                            measure_memory=False)
-            res[f"decode_b32_{flag}={flipped}"] = decode(args.model, 32, 512, 100)
+                                                            measure_memory=False, trace=args.graph_trace)
+            res[f"decode_b32_{flag}={flipped}"] = decode(args.model, 32, 512, 100, trace=args.graph_trace)
             setattr(module, flag, default)
         # Everything on again: the spread between this and the first run is the noise.
         res["decode_b1_again"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps, measure_memory=False)

@@ -98,7 +98,8 @@ def linear(layer: nn.Linear, x: torch.Tensor, weights_ahead: bool = False) -> to
     """``layer(x)``; decode-sized CUDA batches take the split-K kernels of ``skinny``.
 
     ``weights_ahead``: the caller knows that the kernel just before leaves the memory bandwidth
-    idle (decode attention before ``o_proj``), so a one-row matmul loads its weights first."""
+    idle (decode attention before ``o_proj``, a norm on its own before ``qkv``), so a decode
+    matmul may load its weights first (``skinny.default_config`` decides for which rows)."""
     skinny = _skinny_for(layer, x)
     if skinny is None:
         return layer(x)

@@ -139,7 +139,8 @@ class Attention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Attend ``x [T, hidden]`` over the request contexts described by ``meta``."""
-        return self.attend(positions, linear(self.qkv_proj, x), meta)
+        # The kernel before is the input norm on its own, which leaves the bandwidth idle.
+        return self.attend(positions, linear(self.qkv_proj, x, weights_ahead=True), meta)
 
     def attend(
         self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata
