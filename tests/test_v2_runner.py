@@ -637,6 +637,29 @@ def test_pdl_graphs_match_plain_launches_gpu(model_dir, monkeypatch, lengths):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("setting", [
+    ("pprun.layers.skinny", "WEIGHTS_AHEAD_MAX_ROWS", 32),
+    ("pprun.layers.skinny", "SWAPPED_TARGET_PROGRAMS", 256),
+    ("pprun.attention.triton_ops", "DECODE_PROGRAMS_PER_SM", 8),
+])
+def test_batch_settings_keep_tokens_gpu(model_dir, monkeypatch, setting):
+    """The batch-32 settings that ``scripts/gpu_speed.py --ab`` tries (weights read ahead above
+    one row, more split-K programs, more decode splits) give the default's tokens through full
+    graphs with PDL, three requests at a time (fp32: only the sums' order differs)."""
+    import importlib
+
+    prompts = prompts_of([6, 30, 20])
+    rc = resolved_for(model_dir, "cuda", "float32", cudagraph_mode="full", cudagraph_capture_sizes=[4],
+                      max_model_len=1024)
+    want, _ = drive(build_runner("v2", rc, backend="triton")[0], prompts, 8)
+    module_name, name, value = setting
+    monkeypatch.setattr(importlib.import_module(module_name), name, value)
+    got, _ = drive(build_runner("v2", rc, backend="triton")[0], prompts, 8)
+    assert got == want
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_capture_leaves_kv_cache_and_requests_untouched_gpu(model_dir):
     rc = resolved_for(model_dir, "cuda", "bfloat16", cudagraph_mode="full", cudagraph_capture_sizes=[1, 4, 8])
     runner, caches = build_runner("v2", rc, backend="triton")
