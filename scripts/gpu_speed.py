@@ -216,6 +216,7 @@ def switches() -> list[tuple]:
             (pprun.attention.triton_ops, "DECODE_MIN_TOKENS_PER_SPLIT", 256, True),
             (pprun.attention.triton_ops, "_DECODE_BLOCK_N", 32, True),
             (pprun.attention.triton_ops, "_DECODE_NUM_WARPS", 4, True),
+            (pprun.attention.triton_ops, "_DECODE_NUM_STAGES", 3, True),
             (pprun.attention.triton_ops, "DECODE_PROGRAMS_PER_SM", 4, False),
             (pprun.layers.skinny, "SWAPPED_TARGET_PROGRAMS", 256, False),
             (pprun.layers.skinny, "WEIGHTS_AHEAD_MAX_ROWS", 32, False)]
@@ -256,7 +257,8 @@ def main() -> None:
                          "loaded before its wait at one row (WEIGHTS_AHEAD_ENABLED), the logits copy and argmax as one "
                          "Triton launch (GREEDY_KERNEL_ENABLED), decode splits of at least 256 tokens of the longest "
                          "context instead of 64 (DECODE_MIN_TOKENS_PER_SPLIT), 32-token decode K/V tiles instead of 64 "
-                         "(_DECODE_BLOCK_N), 4 warps per decode program instead of 2 (_DECODE_NUM_WARPS), decode splits aiming "
+                         "(_DECODE_BLOCK_N), 4 warps per decode program instead of 2 (_DECODE_NUM_WARPS), 3 pipeline stages for the "
+                         "decode K/V tiles instead of 2 (_DECODE_NUM_STAGES), decode splits aiming "
                          "at 4 programs per SM instead of 2 (DECODE_PROGRAMS_PER_SM: more splits above one row), the "
                          "2-32-row matmuls split K until ~256 programs instead of ~128 (SWAPPED_TARGET_PROGRAMS), o_proj's "
                          "weights loaded before its wait up to 32 rows instead of at one row (WEIGHTS_AHEAD_MAX_ROWS)")
