@@ -385,10 +385,10 @@ def _decode_kernel(
     # The splits holding cached tokens, and the last split, which takes the new token and
     # writes the output when no other does: a context shorter than the graph's longest leaves
     # the rest empty, and they neither compute nor take part in the merge.
-    num_active = tl.cdiv(cached, tl.maximum(split_len, 1))
-    num_merged = num_active + (num_active < NUM_SPLITS).to(tl.int32)
+    filled_splits = tl.cdiv(cached, tl.maximum(split_len, 1))
+    merged_splits = filled_splits + (filled_splits < NUM_SPLITS).to(tl.int32)
     if NUM_SPLITS > 1:
-        if (split >= num_active) & (split != NUM_SPLITS - 1):
+        if (split >= filled_splits) & (split != NUM_SPLITS - 1):
             return
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -464,7 +464,7 @@ def _decode_kernel(
         tl.debug_barrier()
         counter = counter_ptr + req * NUM_KV_HEADS + kv_head
         done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if done == num_merged - 1:
+        if done == merged_splits - 1:
             m_max = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
             total = tl.zeros([BLOCK_G], tl.float32)
             merged = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -474,7 +474,7 @@ def _decode_kernel(
             for s in tl.static_range(NUM_SPLITS):
                 # An empty split's masked loads stand for the empty partial it would have written
                 # (max -big, sum 0): the same result, bit for bit.
-                merged_s = (s < num_active) | (s == NUM_SPLITS - 1)
+                merged_s = (s < filled_splits) | (s == NUM_SPLITS - 1)
                 m_max, total, merged = _merge_split(part_m_ptr, part_l_ptr, part_acc_ptr, base + s, offs_d,
                                                     g_mask & merged_s, qd_mask & merged_s, m_max, total, merged,
                                                     BLOCK_D)

@@ -93,8 +93,7 @@ class SampleFeedback:
         buf = self.ring[slot, : sampled_ids.shape[0]]
         buf.copy_(sampled_ids)
         self._works[slot] = dist.isend(buf, self.peer, group=self.group)
-        if self.trace is not None and len(self.trace) < MAX_STEPS:
-            self.trace.append((t0, time.perf_counter()))
+        self._record(t0)
 
     def expect(self, req_ids: Sequence[str], sample_batch_idx: torch.Tensor, num_sampled: int) -> None:
         """First stage, right after launching a step that samples ``num_sampled`` requests (batch
@@ -119,6 +118,10 @@ class SampleFeedback:
         for slot in np.unique(flat_indices // self.max_num_reqs).tolist():
             self._wait_slot(slot)
         input_ids[token_idx] = self._flat[flat_indices]
+        self._record(t0)
+
+    def _record(self, t0: float) -> None:
+        """With ``PPRUN_STEP_TRACE``: one call's host clock, from ``t0`` to now."""
         if self.trace is not None and len(self.trace) < MAX_STEPS:
             self.trace.append((t0, time.perf_counter()))
 

@@ -54,11 +54,12 @@ cuBLAS wins on qkv and o_proj and the rest is within a few percent, so it takes 
 
 
 WEIGHTS_AHEAD_ENABLED = True
-"""Whether a one-row matmul whose caller asks for it (``weights_ahead``: the kernel before it
-leaves the memory bandwidth idle, as decode attention does before ``o_proj``) loads its whole
-weight slice before its PDL wait; ``scripts/gpu_speed.py --ab`` flips it."""
+"""Whether a matmul whose caller asks for it (``weights_ahead``: the kernel before it leaves the
+memory bandwidth idle, as decode attention does before ``o_proj``) loads its whole weight slice
+before its PDL wait, at one row and up to :data:`WEIGHTS_AHEAD_MAX_ROWS`; ``scripts/gpu_speed.py
+--ab`` flips it."""
 WEIGHTS_AHEAD_MAX_K = 4096
-"""Longest K a program of the weights-ahead form holds in registers (8 rows x K)."""
+"""Longest K a program of the one-row weights-ahead form holds in registers (8 rows x K)."""
 
 WEIGHTS_AHEAD_MAX_ROWS = 1
 """Most rows that take the weights-ahead form; from two rows it is the swapped form with each
@@ -491,7 +492,8 @@ def skinny_linear(
         bias: ``[N]`` or None.
         config: launch settings (default: :func:`default_config`, given ``weights_ahead``).
         weights_ahead: the kernel launched just before this one leaves the memory bandwidth
-            idle, so at one row the weights are read before waiting for it.
+            idle, so the weights may be read before waiting for it (:func:`default_config`
+            decides for which rows).
 
     Returns a new ``[M, N]`` (``[M, N // 2]`` with ``swiglu``) tensor in ``x``'s dtype.
     """
