@@ -202,6 +202,7 @@ def switches() -> list[tuple]:
     import pprun.layers
     import pprun.layers.skinny
     import pprun.layers.triton_utils
+    import pprun.worker.kv_cache
     import pprun.worker.v2.runner
 
     return [(pprun.layers, "SKINNY_ENABLED", False, True),
@@ -219,7 +220,9 @@ def switches() -> list[tuple]:
             (pprun.attention.triton_ops, "_DECODE_NUM_STAGES", 3, True),
             (pprun.attention.triton_ops, "DECODE_PROGRAMS_PER_SM", 4, False),
             (pprun.layers.skinny, "SWAPPED_TARGET_PROGRAMS", 256, False),
-            (pprun.layers.skinny, "WEIGHTS_AHEAD_MAX_ROWS", 32, False)]
+            (pprun.layers.skinny, "WEIGHTS_AHEAD_MAX_ROWS", 32, False),
+            (pprun.worker.kv_cache, "HEAD_MAJOR", not pprun.worker.kv_cache.HEAD_MAJOR, True),
+            (pprun.layers, "DEFER_MERGE_ENABLED", False, False)]
 
 
 def parse_settings(text: str) -> list[tuple]:
@@ -261,7 +264,9 @@ def main() -> None:
                          "decode K/V tiles instead of 2 (_DECODE_NUM_STAGES), decode splits aiming "
                          "at 4 programs per SM instead of 2 (DECODE_PROGRAMS_PER_SM: more splits above one row), the "
                          "2-32-row matmuls split K until ~256 programs instead of ~128 (SWAPPED_TARGET_PROGRAMS), o_proj's "
-                         "weights loaded before its wait up to 32 rows instead of at one row (WEIGHTS_AHEAD_MAX_ROWS)")
+                         "weights loaded before its wait up to 32 rows instead of at one row (WEIGHTS_AHEAD_MAX_ROWS), the KV cache "
+                         "stored head-major or token-major, whichever is not the default (HEAD_MAJOR), o_proj's and down's split-K partials merged by "
+                         "their own launch instead of the next norm's (DEFER_MERGE_ENABLED)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
                          "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")

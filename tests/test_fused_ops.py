@@ -273,3 +273,33 @@ def test_tiny_llama_norm_fold_matches_separate_norms(monkeypatch, tiny_llama_dir
     want = logits(False)
     got = logits(True)
     torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.gpu
+def test_tiny_llama_deferred_merges_match_in_kernel_merges(monkeypatch, tmp_path):
+    """A whole bf16 model on CUDA, three rows: o_proj's and down's split-K partials merged by
+    the next norm's kernel give the logits of the matmuls merging them, bit for bit (a model
+    wide enough for their K to be split: hidden 256, intermediate 1024)."""
+    from tiny_models import make_tiny_llama
+
+    from pprun.layers import SplitPartials, fused
+
+    model_dir = make_tiny_llama(tmp_path / "wide", num_layers=2, hidden_size=256, intermediate_size=1024)
+    arch, model_logits = _tiny_llama_on_cuda(model_dir, torch.bfloat16, [[42], [7], [9]])
+    seen = []
+    real_norm = fused.fused_add_rms_norm
+
+    def spy(x, *args, **kwargs):
+        seen.append(isinstance(x, SplitPartials))
+        return real_norm(x, *args, **kwargs)
+
+    monkeypatch.setattr(fused, "fused_add_rms_norm", spy)
+    monkeypatch.setattr(pprun.layers, "DEFER_MERGE_ENABLED", False)
+    want = model_logits()
+    assert not any(seen)
+    seen.clear()
+    monkeypatch.setattr(pprun.layers, "DEFER_MERGE_ENABLED", True)
+    got = model_logits()
+    # Every norm after the first layer's input norm takes partials: 2 per layer - 1, plus the final one.
+    assert sum(seen) == 2 * arch.num_hidden_layers
+    assert torch.equal(got, want)

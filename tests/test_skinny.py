@@ -118,6 +118,42 @@ def test_skinny_weights_ahead_swapped_rows(m, split_k, bias, monkeypatch):
 
 
 @triton_only
+@pytest.mark.parametrize("m", [2, 17, 32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_deferred_merge_matches_in_kernel_merge(m, bias):
+    """``defer_merge``: the partials, merged by torch or by the norm's kernel, give what the
+    matmul's own merge writes, bit for bit."""
+    from pprun.layers import SplitPartials
+    from pprun.layers.fused import fused_add_rms_norm
+    from pprun.layers.skinny import SkinnyConfig, arrival_counters, skinny_linear
+
+    dtype = DTYPES[-1]
+    x, w, b = _inputs(m, 100, 200, dtype, bias, seed=6)
+    cfg = SkinnyConfig(64, 64, 3, swap_ab=True)
+    want = skinny_linear(x, w, b, config=cfg)
+    parts = skinny_linear(x, w, b, config=cfg, defer_merge=True)
+    # Three splits asked for over K = 200 in 64-wide tiles: two of 128 (the last one ragged).
+    assert isinstance(parts, SplitPartials) and parts.parts.shape == (2, m, 100) and parts.shape == (m, 100)
+    assert parts.parts.dtype == torch.float32 and parts.dtype == dtype
+    assert torch.equal(parts.merge(), want)
+    assert not arrival_counters(x.device, 1).any()  # the deferred launch touched no counter
+    g = torch.Generator().manual_seed(7)
+    residual = torch.randn(m, 100, generator=g).to(dtype).to(DEVICE)
+    norm_w = torch.randn(100, generator=g).to(dtype).to(DEVICE)
+    got_out, got_res = fused_add_rms_norm(parts, residual, norm_w, 1e-5)
+    want_out, want_res = fused_add_rms_norm(want, residual, norm_w, 1e-5)
+    assert torch.equal(got_res, want_res) and torch.equal(got_out, want_out)
+    # Without a residual the norm merges them first (torch), then normalises.
+    got_out, got_res = fused_add_rms_norm(parts, None, norm_w, 1e-5)
+    want_out, _ = fused_add_rms_norm(want, None, norm_w, 1e-5)
+    assert torch.equal(got_res, want) and torch.equal(got_out, want_out)
+    # One split has nothing to defer: the output itself.
+    one = skinny_linear(x, w, b, config=SkinnyConfig(64, 256, 1, swap_ab=True), defer_merge=True)
+    assert isinstance(one, torch.Tensor)
+    torch.testing.assert_close(one.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@triton_only
 def test_skinny_default_config_splits_long_k():
     from pprun.layers.skinny import default_config, skinny_linear
 

@@ -55,11 +55,13 @@ def make_case(
     num_tokens_padded: int | None = None,
     max_blocks_per_req: int | None = None,
     seed: int = 0,
+    head_major: bool = False,
 ) -> Case:
     """Random step: each request has ``context_lens[i]`` cached tokens and ``query_lens[i]`` new ones.
 
     Blocks are handed out in a random order so block tables are non-contiguous; padded
-    requests get seq_len 0 and null-block rows, padded tokens get slot -1.
+    requests get seq_len 0 and null-block rows, padded tokens get slot -1.  ``head_major``
+    stores the cache as ``pprun.worker.kv_cache.HEAD_MAJOR`` does (same shape, other strides).
     """
     gen = torch.Generator().manual_seed(seed)
     num_reqs = len(query_lens)
@@ -77,6 +79,8 @@ def make_case(
 
     block_table = torch.zeros(num_reqs_padded, max_blocks_per_req, dtype=torch.int32)
     kv_cache = randn(2, num_blocks, block_size, num_kv_heads, head_dim)  # garbage outside context
+    if head_major:
+        kv_cache = kv_cache.transpose(2, 3).contiguous().transpose(2, 3)
     q = randn(num_tokens_padded, num_heads, head_dim)
     k = randn(num_tokens_padded, num_kv_heads, head_dim)
     v = randn(num_tokens_padded, num_kv_heads, head_dim)
@@ -192,6 +196,19 @@ def test_write_kv_cache_skips_padded_slots():
     assert kv_cache[1].reshape(12, 2)[8].tolist() == [2.0, 2.0]
 
 
+def test_write_kv_cache_head_major_storage():
+    # The same writes land on the same logical slots whatever the storage order.
+    k, v = torch.randn(4, 3, 2), torch.randn(4, 3, 2)
+    slots = torch.tensor([5, -1, 8, 0])
+    flat = torch.zeros(2, 3, 4, 3, 2)
+    head_major = torch.zeros(2, 3, 3, 4, 2).transpose(2, 3)
+    write_kv_cache(k, v, flat, slots)
+    write_kv_cache(k, v, head_major, slots)
+    assert not head_major.is_contiguous()
+    assert torch.equal(flat, head_major)
+    assert torch.equal(flat[0, 2, 0], k[2]) and torch.equal(flat[1, 1, 1], v[0])
+
+
 def test_ref_rejects_bad_kv_cache_shape():
     with pytest.raises(ValueError, match="kv_cache"):
         write_kv_cache(torch.zeros(2, 1, 4), torch.zeros(2, 1, 4), torch.zeros(2, 3, 4, 2, 4), torch.zeros(2))
@@ -260,6 +277,28 @@ def test_triton_prefill_mixed_batch(num_heads, num_kv_heads, head_dim, block_siz
         seed=1,
     )
     _check(case, dtype)
+
+
+@triton_only
+@pytest.mark.parametrize("rope_decode", [False, True])
+def test_triton_head_major_cache(rope_decode):
+    # pprun.worker.kv_cache.HEAD_MAJOR: the kernels take the cache by its strides; prefill,
+    # chunked prefill and decode (and the fused rotary decode) over head-major storage.
+    if rope_decode:
+        case = make_case(
+            [1, 1, 1], [400, 20, 255], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+            dtype=torch.float32, device=TRITON_DEVICE, num_reqs_padded=4, num_tokens_padded=4,
+            max_blocks_per_req=64, seed=11, head_major=True,
+        )
+        _check_rope_decode(case, torch.float32)
+    else:
+        case = make_case(
+            [70, 9, 1], [0, 45, 33], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+            dtype=torch.float32, device=TRITON_DEVICE, num_reqs_padded=4, num_tokens_padded=84,
+            max_blocks_per_req=7, seed=12, head_major=True,
+        )
+        _check(case, torch.float32)
+    assert not case.kv_cache.is_contiguous()
 
 
 @triton_only

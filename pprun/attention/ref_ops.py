@@ -60,14 +60,14 @@ def write_kv_cache(
             f"got {tuple(slot_mapping.shape)}"
         )
     check_kv_cache(kv_cache, k.shape[1], k.shape[2])
-    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
-    # A view over [num_slots, kv_heads, head_dim] makes the scatter one index_copy.
-    k_flat = kv_cache[0].view(num_slots, *kv_cache.shape[3:])
-    v_flat = kv_cache[1].view(num_slots, *kv_cache.shape[3:])
-    k_flat.index_copy_(0, slots, k[valid].to(kv_cache.dtype))
-    v_flat.index_copy_(0, slots, v[valid].to(kv_cache.dtype))
+    block_size = kv_cache.shape[2]
+    # (block, offset) indexing, not a flat view: the cache may be stored head-major
+    # (pprun.worker.kv_cache.HEAD_MAJOR), where blocks x offsets is not one dimension.
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[0, blocks, offsets] = k[valid].to(kv_cache.dtype)
+    kv_cache[1, blocks, offsets] = v[valid].to(kv_cache.dtype)
 
 
 def paged_attention_ref(

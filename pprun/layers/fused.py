@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from pprun.layers import SplitPartials
 from pprun.layers.triton_utils import INTERPRETED as _INTERPRETED
 from pprun.layers.triton_utils import NO_FMA as _NO_FMA
 from pprun.layers.triton_utils import pdl_options, pdl_sync
@@ -56,16 +57,30 @@ def _add_rms_norm_kernel(
     hidden,
     inv_hidden,
     eps,
+    bias_ptr,
+    stride_part,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
+    NUM_PARTS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)  # a weight: readable before the wait (PDL)
     pdl_sync(USE_PDL)
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if NUM_PARTS > 0:
+        # x is a split-K matmul's fp32 partials (pprun.layers.SplitPartials): merged as that
+        # matmul's own merge would, in split order, plus its bias, rounded once.
+        total = tl.zeros([BLOCK], tl.float32)
+        for s in tl.static_range(NUM_PARTS):
+            total += tl.load(x_ptr + s * stride_part + row * stride_x + offs, mask=mask, other=0.0)
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = total.to(res_out_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
         # torch's ``x + residual``: add in fp32, round once to the result dtype.
@@ -80,12 +95,13 @@ def _add_rms_norm_kernel(
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor | SplitPartials, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``RMSNorm.forward`` in one launch: ``(weight * norm(x + residual), x + residual)``.
 
     Args:
-        x: ``[num_tokens, hidden]``.
+        x: ``[num_tokens, hidden]``, or a split-K matmul's partials (merged in this launch when
+            a residual of their output dtype comes with them; otherwise first, by torch).
         residual: ``[num_tokens, hidden]`` or None (then ``x`` itself is returned as the residual).
         weight: ``[hidden]``.
         eps: added to the mean square.
@@ -93,6 +109,16 @@ def fused_add_rms_norm(
     Returns new tensors (inputs are not written); dtypes follow torch's promotion, as in
     ``llama.RMSNorm``.
     """
+    parts = None
+    if isinstance(x, SplitPartials):
+        if residual is None or residual.dtype != x.dtype or not x.parts.is_contiguous():
+            x = x.merge()
+        else:
+            parts = x
+            x = parts.parts[0]
+            if x.shape != residual.shape:
+                raise ValueError(f"residual must match the partials' shape {tuple(x.shape)}, "
+                                 f"got {tuple(residual.shape)}")
     _check_rows("x", x, 2)
     num_tokens, hidden = x.shape
     if weight.shape != (hidden,):
@@ -103,7 +129,8 @@ def fused_add_rms_norm(
         _check_rows("residual", residual, 2)
         if residual.shape != x.shape:
             raise ValueError(f"residual must match x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
-        new_residual = torch.empty(x.shape, dtype=torch.result_type(x, residual), device=x.device)
+        out_dtype = parts.dtype if parts is not None else torch.result_type(x, residual)
+        new_residual = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     else:
         new_residual = x
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, new_residual.dtype), device=x.device)
@@ -123,8 +150,12 @@ def fused_add_rms_norm(
         hidden,
         1.0 / hidden,
         eps,
+        parts.bias if parts is not None and parts.bias is not None else weight,
+        x.numel(),
         HAS_RESIDUAL=residual is not None,
         BLOCK=triton.next_power_of_2(hidden),
+        NUM_PARTS=parts.parts.shape[0] if parts is not None else 0,
+        HAS_BIAS=parts is not None and parts.bias is not None,
         num_warps=4 if hidden <= 4096 else 8,
         **_NO_FMA,
         **pdl_options(x.device),

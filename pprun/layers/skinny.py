@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pprun.layers import SplitPartials
 from pprun.layers.fused import silu_mul
 from pprun.layers.triton_utils import INTERPRETED as _INTERPRETED
 from pprun.layers.triton_utils import pdl_options, pdl_sync
@@ -204,6 +205,7 @@ def _skinny_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_ROW: tl.constexpr,
     EXACT_MUL: tl.constexpr,
+    DEFER_MERGE: tl.constexpr,
 ):
     """``x @ w.T`` (see the module docstring).  With ``NORM`` (one row, ``BLOCK_M == 1``) the
     matmul's input is ``norm_w * norm(x + residual)`` instead of ``x``: every program reads the
@@ -283,18 +285,23 @@ def _skinny_kernel(
         tl.store(part_rows + pid_k * split_stride, acc, mask=out_mask)
         if SWIGLU:
             tl.store(part_rows + pid_k * split_stride + N_OUT, acc_up, mask=out_mask)
-        tl.debug_barrier()
-        done = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT_K - 1:
-            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            total_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            # Unrolled: every partial's load issued before the first is added (against a loop:
-            # 0.837 vs 0.838 ms at batch 1, 1.131 vs 1.133 at 32, within noise).
-            for s in tl.static_range(SPLIT_K):
-                total, total_up = _add_partial(part_rows + s * split_stride, out_mask, N_OUT, total, total_up, SWIGLU)
-            y = _epilogue(total, total_up, bias_ptr, offs_n, n_mask, N_OUT, dtype, HAS_BIAS, SWIGLU, PRECISE_EXP)
-            tl.store(out_ptrs, y, mask=out_mask)
-            tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+        # DEFER_MERGE: the partials are the output, merged by the kernel after this one
+        # (fused.fused_add_rms_norm), in the same order and with the same rounding.
+        if not DEFER_MERGE:
+            tl.debug_barrier()
+            done = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if done == SPLIT_K - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                total_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                # Unrolled: every partial's load issued before the first is added (against a
+                # loop: 0.837 vs 0.838 ms at batch 1, 1.131 vs 1.133 at 32, within noise).
+                for s in tl.static_range(SPLIT_K):
+                    total, total_up = _add_partial(part_rows + s * split_stride, out_mask, N_OUT, total, total_up,
+                                                   SWIGLU)
+                y = _epilogue(total, total_up, bias_ptr, offs_n, n_mask, N_OUT, dtype, HAS_BIAS, SWIGLU,
+                              PRECISE_EXP)
+                tl.store(out_ptrs, y, mask=out_mask)
+                tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
 @dataclass(frozen=True)
@@ -400,35 +407,51 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"swiglu needs an even number of weight rows (gate | up), got {n}")
 
 
+def _plan(m: int, n_out: int, k: int, swiglu: bool, device: torch.device, config: SkinnyConfig | None,
+          weights_ahead: bool) -> tuple[SkinnyConfig, int, int]:
+    """The launch settings, K per split and the number of splits for these shapes."""
+    cfg = config or default_config(m, n_out, k, swiglu, device, weights_ahead)
+    k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    return cfg, k_per, triton.cdiv(k, k_per)
+
+
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    out: torch.Tensor,
+    out: torch.Tensor | None,
+    n_out: int,
     swiglu: bool,
     config: SkinnyConfig | None,
     norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None = None,
     weights_ahead: bool = False,
-) -> None:
+    defer_merge: bool = False,
+) -> torch.Tensor | None:
     """One launch of :func:`_skinny_kernel` writing ``out``; ``norm`` is ``(residual,
-    norm_weight, residual_out, eps)`` for the norm prologue (one row), None for a plain matmul."""
+    norm_weight, residual_out, eps)`` for the norm prologue (one row), None for a plain matmul.
+    With ``defer_merge`` and K split, nothing is written to ``out`` (None is allowed then) and
+    the fp32 partials ``[splits, M, n_out]`` are returned; otherwise None."""
     m, k = x.shape
-    n_out = out.shape[1]
-    cfg = config or default_config(m, n_out, k, swiglu, x.device, weights_ahead)
+    cfg, k_per, split = _plan(m, n_out, k, swiglu, x.device, config, weights_ahead)
     if cfg.preload and (norm is not None or swiglu or cfg.block_k * cfg.split_k < k):
         raise ValueError(
             f"SkinnyConfig.preload needs no norm prologue, no SwiGLU and one K tile per split "
             f"(block_k * split_k >= K={k}); got norm={norm is not None}, swiglu={swiglu}, {cfg}"
         )
+    deferred = defer_merge and split > 1
+    if deferred and (swiglu or norm is not None):
+        raise ValueError("defer_merge applies to a plain matmul (no SwiGLU, no norm prologue)")
+    if out is None and not deferred:
+        raise ValueError(f"out is needed unless K is split and the merge deferred (splits={split})")
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
     col_blocks = triton.cdiv(n_out, cfg.block_n)
-    k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, k_per)
     if split > 1:
         counters = arrival_counters(x.device, col_blocks)
         part = torch.empty(split * m * n_out * (2 if swiglu else 1), dtype=torch.float32, device=x.device)
     else:
         part = counters = out  # unused when SPLIT_K == 1
+    if out is None:
+        out = part  # unwritten with DEFER_MERGE
     if norm is not None:
         residual, norm_weight, residual_out, eps = norm
         res_in = residual if residual is not None else x  # unread without a residual
@@ -449,7 +472,7 @@ def _launch(
         n_out,
         x.stride(0),
         weight.stride(0),
-        out.stride(0),
+        n_out if deferred else out.stride(0),
         k_per,
         inv_hidden,
         eps,
@@ -468,10 +491,12 @@ def _launch(
         HAS_RESIDUAL=norm is not None and norm[0] is not None,
         BLOCK_ROW=block_row,
         EXACT_MUL=not _INTERPRETED,
+        DEFER_MERGE=deferred,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_options(x.device),
     )
+    return part.view(split, m, n_out) if deferred else None
 
 
 def skinny_linear(
@@ -482,7 +507,8 @@ def skinny_linear(
     swiglu: bool = False,
     config: SkinnyConfig | None = None,
     weights_ahead: bool = False,
-) -> torch.Tensor:
+    defer_merge: bool = False,
+) -> torch.Tensor | SplitPartials:
     """``x @ weight.T (+ bias)``, or with ``swiglu`` ``silu(gate) * up`` of that product.
 
     Args:
@@ -494,14 +520,25 @@ def skinny_linear(
         weights_ahead: the kernel launched just before this one leaves the memory bandwidth
             idle, so the weights may be read before waiting for it (:func:`default_config`
             decides for which rows).
+        defer_merge: where K is split (no SwiGLU), return the split's partial sums as
+            :class:`~pprun.layers.SplitPartials` instead of merging them in this launch: the
+            caller's next kernel (``fused.fused_add_rms_norm``) merges them as this one would
+            have, and the merge's arrival counter and L2 round trip leave the critical path.
 
-    Returns a new ``[M, N]`` (``[M, N // 2]`` with ``swiglu``) tensor in ``x``'s dtype.
+    Returns a new ``[M, N]`` (``[M, N // 2]`` with ``swiglu``) tensor in ``x``'s dtype, or the
+    partials (see ``defer_merge``).
     """
     _check_linear(x, weight, bias, swiglu)
     m, n = x.shape[0], weight.shape[0]
-    out = torch.empty((m, n // 2 if swiglu else n), dtype=x.dtype, device=x.device)
+    n_out = n // 2 if swiglu else n
+    deferred = defer_merge and not swiglu and m > 0
+    deferred = deferred and _plan(m, n_out, x.shape[1], swiglu, x.device, config, weights_ahead)[2] > 1
+    out = None if deferred else torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m > 0:
-        _launch(x, weight, bias, out, swiglu, config, weights_ahead=weights_ahead)
+        part = _launch(x, weight, bias, out, n_out, swiglu, config, weights_ahead=weights_ahead,
+                       defer_merge=deferred)
+        if part is not None:
+            return SplitPartials(part, bias, x.dtype)
     return out
 
 
@@ -555,5 +592,5 @@ def skinny_norm_linear(
         new_residual = x
     n = weight.shape[0]
     out = torch.empty((1, n // 2 if swiglu else n), dtype=x.dtype, device=x.device)
-    _launch(x, weight, bias, out, swiglu, config, norm=(residual, norm_weight, new_residual, eps))
+    _launch(x, weight, bias, out, out.shape[1], swiglu, config, norm=(residual, norm_weight, new_residual, eps))
     return out, new_residual

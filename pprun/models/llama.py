@@ -27,7 +27,15 @@ from torch import nn
 from pprun.attention.metadata import AttentionMetadata
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
-from pprun.layers import fused_decode_enabled, fused_ops_for, linear, linear_swiglu, norm_linear
+from pprun.layers import (
+    SplitPartials,
+    fused_decode_enabled,
+    fused_ops_for,
+    linear,
+    linear_swiglu,
+    merged,
+    norm_linear,
+)
 from pprun.models.hf_config import ModelArchConfig
 
 
@@ -40,12 +48,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor | SplitPartials, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``(norm(x + residual), x + residual)``; with no residual, ``x`` is it."""
-        fused = fused_ops_for(x)
+        """Return ``(norm(x + residual), x + residual)``; with no residual, ``x`` is it.
+
+        ``x`` may be a decode matmul's unmerged partials (``o_proj``, ``down``): the fused
+        kernel merges them as it reads them."""
+        fused = fused_ops_for(x.parts if isinstance(x, SplitPartials) else x)
         if fused is not None:  # CUDA: one Triton launch with the same rounding steps
             return fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        x = merged(x)
         if residual is not None:
             x = x + residual
         residual = x
@@ -137,14 +149,15 @@ class Attention(nn.Module):
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """Attend ``x [T, hidden]`` over the request contexts described by ``meta``."""
+    ) -> torch.Tensor | SplitPartials:
+        """Attend ``x [T, hidden]`` over the request contexts described by ``meta``; returns
+        ``o_proj``'s output, or on the decode path its unmerged partials (for the next norm)."""
         # The kernel before is the input norm on its own, which leaves the bandwidth idle.
         return self.attend(positions, linear(self.qkv_proj, x, weights_ahead=True), meta)
 
     def attend(
         self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | SplitPartials:
         """The rest of :meth:`forward` from ``qkv = qkv_proj(x)`` on (``DecoderLayer`` projects
         with the input norm folded in)."""
         num_tokens = qkv.shape[0]
@@ -160,7 +173,8 @@ class Attention(nn.Module):
             q, k = self.rotary(positions, q, k)
             out = self.backend(q, k, v, self.kv_cache, meta, self.scale)
         # Attention reads little and leaves most SMs idle: o_proj may load its weights meanwhile.
-        return linear(self.o_proj, out.reshape(num_tokens, self.q_size), weights_ahead=True)
+        # Its split partials are merged by the post-attention norm's kernel.
+        return linear(self.o_proj, out.reshape(num_tokens, self.q_size), weights_ahead=True, defer_merge=True)
 
 
 class MLP(nn.Module):
@@ -168,12 +182,15 @@ class MLP(nn.Module):
 
     def __init__(self, arch: ModelArchConfig) -> None:
         super().__init__()
+        self.defer_merge = True
+        """Whether a split-K decode ``down`` may leave its partials to the next norm (not in a
+        stage's last layer when another stage follows: the hop sends a merged tensor)."""
         self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``down(silu(gate(x)) * up(x))``."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitPartials:
+        """``down(silu(gate(x)) * up(x))`` (see :meth:`down`)."""
         act = linear_swiglu(self.gate_up_proj, x)
         if act is not None:
             return self.down(act)
@@ -184,10 +201,10 @@ class MLP(nn.Module):
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
-    def down(self, act: torch.Tensor) -> torch.Tensor:
+    def down(self, act: torch.Tensor) -> torch.Tensor | SplitPartials:
         """``down_proj`` of the activation ``silu(gate) * up`` (the path after a fused
-        gate_up + SwiGLU)."""
-        return linear(self.down_proj, act)
+        gate_up + SwiGLU); a split-K decode matmul leaves its partials to the next norm."""
+        return linear(self.down_proj, act, defer_merge=self.defer_merge)
 
 
 class DecoderLayer(nn.Module):
@@ -206,11 +223,12 @@ class DecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | SplitPartials, torch.Tensor]:
         """Return the block's output and the updated residual (not yet added together).
 
         A one-row CUDA batch folds each norm into the matmul after it (``norm_linear``: qkv,
-        then gate_up with its SwiGLU); otherwise each norm runs on its own.
+        then gate_up with its SwiGLU); otherwise each norm runs on its own, and merges the
+        partials of a split-K ``o_proj`` or ``down`` before it (the output may be such partials).
         """
         folded = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden_states, residual)
         if folded is not None:
@@ -264,6 +282,8 @@ class LlamaForCausalLM(nn.Module):
             else:
                 self.norm = None
                 self.lm_head = None
+        if not layout.is_last and len(self.layers):
+            self.layers[-1].mlp.defer_merge = False
         self.to_empty(device=device)
         self.to(dtype)
         if layout.is_first and layout.is_last and arch.tie_word_embeddings:
@@ -298,7 +318,7 @@ class LlamaForCausalLM(nn.Module):
             h, residual = layer(positions, h, residual, attn_metadata)
         if not self.layout.is_last:
             # The residual stream itself (see the module docstring): one tensor on the wire.
-            return IntermediateTensors({"hidden_states": h + residual})
+            return IntermediateTensors({"hidden_states": merged(h) + residual})
         h, _ = self.norm(h, residual)
         return h
 

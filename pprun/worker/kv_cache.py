@@ -6,6 +6,14 @@ import torch
 
 from pprun.models.hf_config import ModelArchConfig
 
+HEAD_MAJOR = False
+"""Store each block's tokens head by head (``[2, num_blocks, num_kv_heads, block_size,
+head_dim]`` in memory) while the tensor keeps its logical ``[2, num_blocks, block_size,
+num_kv_heads, head_dim]`` shape: one KV head's rows of a block are then contiguous instead of
+``num_kv_heads * head_dim`` elements apart.  Every kernel and the reference take the cache by its
+strides, so only the bytes' order changes; ``scripts/gpu_speed.py --ab --ab-only HEAD_MAJOR``
+measures it."""
+
 
 def bytes_per_block(arch: ModelArchConfig, num_layers: int, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one KV block costs on a stage owning ``num_layers`` layers (keys and values)."""
@@ -24,7 +32,11 @@ def allocate_kv_caches(
     """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per owned layer.
 
     Zero-filled so that the reserved null block 0 (target of padded CUDA-graph rows) holds
-    finite values.
+    finite values.  With :data:`HEAD_MAJOR` the same logical shape over head-major storage.
     """
-    shape = (2, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+    heads, dim = arch.num_key_value_heads, arch.head_dim
+    if HEAD_MAJOR:
+        shape = (2, num_blocks, heads, block_size, dim)
+        return [torch.zeros(shape, dtype=dtype, device=device).transpose(2, 3) for _ in range(num_layers)]
+    shape = (2, num_blocks, block_size, heads, dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
