@@ -222,7 +222,8 @@ def switches() -> list[tuple]:
             (pprun.layers.skinny, "SWAPPED_TARGET_PROGRAMS", 256, False),
             (pprun.layers.skinny, "WEIGHTS_AHEAD_MAX_ROWS", 32, False),
             (pprun.worker.kv_cache, "HEAD_MAJOR", not pprun.worker.kv_cache.HEAD_MAJOR, True),
-            (pprun.layers, "DEFER_MERGE_ENABLED", False, False)]
+            (pprun.layers, "DEFER_MERGE_ENABLED", False, False),
+            (pprun.layers.skinny, "DEFERRED_TARGET_PROGRAMS", 256, False)]
 
 
 def parse_settings(text: str) -> list[tuple]:
@@ -266,7 +267,8 @@ def main() -> None:
                          "2-32-row matmuls split K until ~256 programs instead of ~128 (SWAPPED_TARGET_PROGRAMS), o_proj's "
                          "weights loaded before its wait up to 32 rows instead of at one row (WEIGHTS_AHEAD_MAX_ROWS), the KV cache "
                          "stored head-major or token-major, whichever is not the default (HEAD_MAJOR), o_proj's and down's split-K partials merged by "
-                         "their own launch instead of the next norm's (DEFER_MERGE_ENABLED)")
+                         "their own launch instead of the next kernel's (DEFER_MERGE_ENABLED), those matmuls split K until ~256 "
+                         "programs instead of ~128 (DEFERRED_TARGET_PROGRAMS)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
                          "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")

@@ -162,12 +162,12 @@ def test_silu_and_mul(dtype, inter):
     assert_matches(silu_and_mul(gate_up), want, bit_exact_on_cuda=True)
 
 
-def _tiny_llama_on_cuda(tiny_llama_dir, dtype: torch.dtype, prompts: list[list[int]]):
-    """The tiny model on CUDA with the reference attention, and ``logits()`` of one prefill
-    step over ``prompts`` (fresh KV caches each call)."""
+def _tiny_llama_on_cuda(tiny_llama_dir, dtype: torch.dtype, prompts: list[list[int]], backend: str = "reference"):
+    """The tiny model on CUDA with the reference attention (or ``backend``), and ``logits()`` of
+    one prefill step over ``prompts`` (fresh KV caches each call)."""
     from test_model_parity import BLOCK, prefill_batch
 
-    from pprun.attention.backend import reference_backend
+    from pprun.attention.backend import get_backend
     from pprun.distributed.layout import StageLayout
     from pprun.worker.kv_cache import allocate_kv_caches
     from pprun.worker.model_loader import load_stage_model
@@ -186,7 +186,7 @@ def _tiny_llama_on_cuda(tiny_llama_dir, dtype: torch.dtype, prompts: list[list[i
     layout = StageLayout.from_partition([arch.num_hidden_layers], 0)
     model = load_stage_model(
         tiny_llama_dir, arch, layout, device=device, dtype=dtype, max_positions=256,
-        attn_backend=reference_backend,
+        attn_backend=get_backend(backend, device),
     )
 
     def logits() -> torch.Tensor:
@@ -276,16 +276,18 @@ def test_tiny_llama_norm_fold_matches_separate_norms(monkeypatch, tiny_llama_dir
 
 
 @pytest.mark.gpu
-def test_tiny_llama_deferred_merges_match_in_kernel_merges(monkeypatch, tmp_path):
-    """A whole bf16 model on CUDA, three rows: o_proj's and down's split-K partials merged by
-    the next norm's kernel give the logits of the matmuls merging them, bit for bit (a model
-    wide enough for their K to be split: hidden 256, intermediate 1024)."""
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_tiny_llama_deferred_merges_match_in_kernel_merges(monkeypatch, tmp_path, backend):
+    """A whole bf16 model on CUDA, three one-token requests: o_proj's and down's split-K
+    partials merged by the next norm's kernel (and with the Triton backend's one-kernel decode,
+    qkv's by the attention kernel) give the logits of the matmuls merging them, bit for bit (a
+    model wide enough for their K to be split: hidden 256, intermediate 1024)."""
     from tiny_models import make_tiny_llama
 
     from pprun.layers import SplitPartials, fused
 
     model_dir = make_tiny_llama(tmp_path / "wide", num_layers=2, hidden_size=256, intermediate_size=1024)
-    arch, model_logits = _tiny_llama_on_cuda(model_dir, torch.bfloat16, [[42], [7], [9]])
+    arch, model_logits = _tiny_llama_on_cuda(model_dir, torch.bfloat16, [[42], [7], [9]], backend)
     seen = []
     real_norm = fused.fused_add_rms_norm
 
@@ -294,12 +296,24 @@ def test_tiny_llama_deferred_merges_match_in_kernel_merges(monkeypatch, tmp_path
         return real_norm(x, *args, **kwargs)
 
     monkeypatch.setattr(fused, "fused_add_rms_norm", spy)
+    from pprun.attention import triton_ops
+
+    qkv_parts = []
+    real_decode = triton_ops.paged_decode_attention_rope
+
+    def spy_decode(*args, **kwargs):
+        qkv_parts.append(kwargs.get("qkv_parts") is not None)
+        return real_decode(*args, **kwargs)
+
+    monkeypatch.setattr(triton_ops, "paged_decode_attention_rope", spy_decode)
     monkeypatch.setattr(pprun.layers, "DEFER_MERGE_ENABLED", False)
     want = model_logits()
-    assert not any(seen)
+    assert not any(seen) and not any(qkv_parts)
     seen.clear()
+    qkv_parts.clear()
     monkeypatch.setattr(pprun.layers, "DEFER_MERGE_ENABLED", True)
     got = model_logits()
     # Every norm after the first layer's input norm takes partials: 2 per layer - 1, plus the final one.
     assert sum(seen) == 2 * arch.num_hidden_layers
+    assert qkv_parts == ([True] * arch.num_hidden_layers if backend == "triton" else [])
     assert torch.equal(got, want)

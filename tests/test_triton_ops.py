@@ -515,6 +515,47 @@ def test_triton_rope_decode_every_split_holding_tokens(preload_kv, monkeypatch):
 
 
 @triton_only
+@pytest.mark.parametrize("bias", [False, True])
+def test_triton_rope_decode_merges_qkv_partials(bias):
+    """``qkv_parts``: q/k/v read from a split qkv matmul's fp32 partials (merged with its bias
+    as they are read) give what the merged q/k/v give, cache and output bit for bit."""
+    from pprun.attention.triton_ops import paged_decode_attention_rope
+    from pprun.layers import SplitPartials
+
+    dtype = torch.bfloat16 if TRITON_DEVICE == "cuda" else torch.float32
+    heads, kv_heads, dim, tokens = 4, 2, 64, 4
+    case = make_case(
+        [1, 1, 1], [40, 0, 90], num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, block_size=16,
+        dtype=dtype, device=TRITON_DEVICE, num_reqs_padded=tokens, num_tokens_padded=tokens, seed=13,
+    )
+    width = (heads + 2 * kv_heads) * dim
+    g = torch.Generator().manual_seed(3)
+    parts = torch.randn(3, tokens, width, generator=g).to(TRITON_DEVICE)
+    b = torch.randn(width, generator=g).to(dtype).to(TRITON_DEVICE) if bias else None
+    partials = SplitPartials(parts, b, dtype)
+    cos, sin = _rope_tables(128, dim, TRITON_DEVICE)
+    positions = torch.clamp(case.seq_lens.long() - 1, min=0)
+
+    def run(src: torch.Tensor, qkv_parts: SplitPartials | None) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v = src.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        cache = case.kv_cache.clone()
+        out = torch.full((tokens, heads, dim), float("nan"), dtype=dtype, device=TRITON_DEVICE)
+        paged_decode_attention_rope(
+            q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim), cos, sin,
+            positions, cache, case.slot_mapping, case.block_table, case.seq_lens, case.scale, out,
+            qkv_parts=qkv_parts,
+        )
+        return out, cache
+
+    want_out, want_cache = run(partials.merge(), None)
+    got_out, got_cache = run(parts[0], partials)
+    assert torch.equal(got_cache, want_cache)
+    assert torch.equal(got_out, want_out)
+    with pytest.raises(ValueError, match="view of qkv_parts"):
+        run(parts[1].clone(), partials)
+
+
+@triton_only
 def test_triton_rope_decode_without_rotary_and_fewer_token_rows():
     # A model without rotary (cos/sin None) takes q and k as they are; token rows past the
     # request rows (padding) come out zero.

@@ -8,7 +8,9 @@ num_kv_heads, head_dim]``, ``kv_cache [2, num_blocks, block_size, num_kv_heads, 
 A backend may also carry a ``rope_decode`` attribute: a function that does a pure decode step
 (``meta.max_query_len == 1``) with the rotary embedding folded in, from the un-rotated q and k
 (see :func:`triton_rope_decode`).  Attention layers call it when present, and otherwise rotate
-q and k themselves before calling the backend.
+q and k themselves before calling the backend.  It takes ``qkv_parts=``: a decode-sized qkv
+matmul's unmerged split-K partials (``pprun.layers.SplitPartials``), which q, k and v are then
+float32 views of.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Protocol
 import torch
 
 from pprun.attention.metadata import AttentionMetadata
+from pprun.layers import SplitPartials
 
 BACKENDS = ("reference", "triton")
 
@@ -92,8 +95,11 @@ def triton_rope_decode(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    qkv_parts: SplitPartials | None = None,
 ) -> torch.Tensor:
-    """A decode step in one kernel: rotary, cache write, attention and split merge (CUDA)."""
+    """A decode step in one kernel: rotary, cache write, attention and split merge (CUDA);
+    with ``qkv_parts`` also the merge of the qkv matmul's split-K partials, which ``q``, ``k``
+    and ``v`` are views of (see ``paged_decode_attention_rope``)."""
     from pprun.attention.triton_ops import paged_decode_attention_rope
 
     if meta.max_query_len != 1:
@@ -110,7 +116,8 @@ def triton_rope_decode(
         meta.block_table,
         meta.seq_lens,
         scale,
-        torch.empty_like(q),
+        torch.empty(q.shape, dtype=qkv_parts.dtype if qkv_parts is not None else q.dtype, device=q.device),
+        qkv_parts=qkv_parts,
     )
 
 

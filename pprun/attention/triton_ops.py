@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from pprun.attention.ref_ops import check_kv_cache
+from pprun.layers import SplitPartials
 from pprun.layers.skinny import arrival_counters
 from pprun.layers.triton_utils import INTERPRETED as _INTERPRETED
 from pprun.layers.triton_utils import NO_FMA as _NO_FMA
@@ -219,11 +220,27 @@ def _check_attention_inputs(
 
 
 @triton.jit
-def _rope_row(x_ptr, partner_ptr, mask, cos_row_ptr, sin_row_ptr, offs_d, HALF: tl.constexpr):
-    """``x * cos + rotate_half(x) * sin`` for rows ``x`` (last dim at ``offs_d``), rounding each
-    product and the sum to the activation dtype exactly as ``fused.rotary_qk`` does."""
-    x = tl.load(x_ptr, mask=mask, other=0.0)
-    partner = tl.load(partner_ptr, mask=mask, other=0.0)
+def _load_act(ptrs, mask, bias_ptrs, part_stride, dtype, NUM_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Rows of q, k or v: as they are, or (``NUM_PARTS > 0``) merged from the qkv matmul's
+    split-K fp32 partials as that matmul's own merge would: in split order from zero, plus its
+    bias, rounded once to ``dtype`` (``pprun.layers.SplitPartials``)."""
+    if NUM_PARTS == 0:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        total = 0.0 + tl.load(ptrs, mask=mask, other=0.0)
+        for s in tl.static_range(1, NUM_PARTS):
+            total += tl.load(ptrs + s * part_stride, mask=mask, other=0.0)
+        if HAS_BIAS:
+            total += tl.load(bias_ptrs, mask=mask, other=0.0).to(tl.float32)
+        x = total.to(dtype)
+    return x
+
+
+@triton.jit
+def _rope_row(x, partner, cos_row_ptr, sin_row_ptr, offs_d, HALF: tl.constexpr):
+    """``x * cos + rotate_half(x) * sin`` for rows ``x`` (last dim at ``offs_d``; ``partner``
+    holds each element's rotate_half partner), rounding each product and the sum to the
+    activation dtype exactly as ``fused.rotary_qk`` does."""
     dtype = x.dtype
     d_mask = offs_d < 2 * HALF
     c = tl.load(cos_row_ptr + offs_d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
@@ -325,6 +342,8 @@ def _decode_kernel(
     part_l_ptr,
     part_acc_ptr,
     counter_ptr,
+    qkv_bias_ptr,
+    qkv_part_stride,
     scale_log2,
     stride_q_tok,
     stride_q_head,
@@ -355,8 +374,11 @@ def _decode_kernel(
     DOT_F32: tl.constexpr,
     PRELOAD_KV: tl.constexpr,
     USE_PDL: tl.constexpr,
+    QKV_PARTS: tl.constexpr,
+    QKV_BIAS: tl.constexpr,
 ):
-    # One program per (request, kv head, context split).  With NEW_TOKEN the request's new
+    # One program per (request, kv head, context split).  With QKV_PARTS q/k/v point into the
+    # qkv matmul's fp32 split-K partials, merged here as they are read (_load_act).  With NEW_TOKEN the request's new
     # token (position seq_len - 1) is never read back from the cache: the last split takes it
     # from registers, and the same program writes it to the cache, so no program races the
     # write.  Without it the cache already holds every token (k/v/rotary/slot unused).
@@ -413,10 +435,14 @@ def _decode_kernel(
         slot = tl.load(slot_ptr + req).to(tl.int64)
         # q/k/v come from the kernel just before.
         pdl_sync(USE_PDL)
+    act = out_ptr.dtype.element_ty
+    q_bias = qkv_bias_ptr + heads[:, None] * HEAD_DIM
+    q = _load_act(q_rows + offs_d[None, :], qd_mask, q_bias + offs_d[None, :], qkv_part_stride, act,
+                  QKV_PARTS, QKV_BIAS)
     if HAS_ROPE:
-        q = _rope_row(q_rows + offs_d[None, :], q_rows + partner[None, :], qd_mask, cos_row, sin_row, offs_d, HALF)
-    else:
-        q = tl.load(q_rows + offs_d[None, :], mask=qd_mask, other=0.0)
+        q_partner = _load_act(q_rows + partner[None, :], qd_mask, q_bias + partner[None, :], qkv_part_stride, act,
+                              QKV_PARTS, QKV_BIAS)
+        q = _rope_row(q, q_partner, cos_row, sin_row, offs_d, HALF)
 
     m_i = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -425,11 +451,15 @@ def _decode_kernel(
         if (split == NUM_SPLITS - 1) & (seq_len > 0):
             # The new token first: its loads do not wait behind the cache loop.  The running
             # max starts at its score, so its weight is exactly 1 until rescaled.
+            k_bias = qkv_bias_ptr + (NUM_HEADS + kv_head) * HEAD_DIM
+            v_bias = qkv_bias_ptr + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
+            k_new = _load_act(k_row + offs_d, d_mask, k_bias + offs_d, qkv_part_stride, act, QKV_PARTS, QKV_BIAS)
             if HAS_ROPE:
-                k_new = _rope_row(k_row + offs_d, k_row + partner, d_mask, cos_row, sin_row, offs_d, HALF)
-            else:
-                k_new = tl.load(k_row + offs_d, mask=d_mask, other=0.0)
-            v_new = tl.load(v_ptr + req * stride_v_tok + kv_head * stride_v_head + offs_d, mask=d_mask, other=0.0)
+                k_partner = _load_act(k_row + partner, d_mask, k_bias + partner, qkv_part_stride, act, QKV_PARTS,
+                                      QKV_BIAS)
+                k_new = _rope_row(k_new, k_partner, cos_row, sin_row, offs_d, HALF)
+            v_new = _load_act(v_ptr + req * stride_v_tok + kv_head * stride_v_head + offs_d, d_mask, v_bias + offs_d,
+                              qkv_part_stride, act, QKV_PARTS, QKV_BIAS)
             if slot >= 0:
                 dst = (slot // PAGE_SIZE) * stride_c_blk + (slot % PAGE_SIZE) * stride_c_off + kv_head * stride_c_head
                 tl.store(k_cache_ptr + dst + offs_d, k_new.to(k_cache_ptr.dtype.element_ty), mask=d_mask)
@@ -493,11 +523,13 @@ def _launch_decode(
     out: torch.Tensor,
     num_reqs_padded: int,
     new_token: tuple[torch.Tensor, ...] | None = None,
+    qkv_parts: SplitPartials | None = None,
 ) -> torch.Tensor:
     """Launch :func:`_decode_kernel` over ``min(q rows, num_reqs_padded)`` rows (inputs checked
     by the caller); ``new_token`` is ``(k, v, cos, sin, positions, slot_mapping)`` (cos/sin may
-    be None) or None when the cache already holds every token.  Token rows past the request
-    rows are zeroed."""
+    be None) or None when the cache already holds every token; ``qkv_parts`` the partials that
+    ``q``/``k``/``v`` are views of (with a new token only).  Token rows past the request rows
+    are zeroed."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, page_size = kv_cache.shape[3], kv_cache.shape[2]
     num_rows_padded = min(q.shape[0], num_reqs_padded)
@@ -519,6 +551,8 @@ def _launch_decode(
     has_rope = cos is not None
     cos, sin = (cos, sin) if has_rope else (q, q)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    num_parts = qkv_parts.parts.shape[0] if qkv_parts is not None else 0
+    qkv_bias = qkv_parts.bias if qkv_parts is not None else None
     _decode_kernel[(num_rows_padded, num_kv_heads, num_splits)](
         q,
         k,
@@ -536,6 +570,8 @@ def _launch_decode(
         part_l,
         part_acc,
         counter,
+        qkv_bias if qkv_bias is not None else q,
+        qkv_parts.parts.stride(0) if qkv_parts is not None else 0,
         scale * LOG2_E,
         q.stride(0),
         q.stride(1),
@@ -564,8 +600,10 @@ def _launch_decode(
         BLOCK_N=max(_DECODE_BLOCK_N, page_size),
         PAGE_SIZE=page_size,
         NUM_SPLITS=num_splits,
-        DOT_F32=_dot_in_fp32(q.dtype),
+        DOT_F32=_dot_in_fp32(out.dtype),
         PRELOAD_KV=DECODE_PRELOAD_KV,
+        QKV_PARTS=num_parts,
+        QKV_BIAS=qkv_bias is not None,
         num_warps=_DECODE_NUM_WARPS,
         num_stages=_DECODE_NUM_STAGES,
         **(_NO_FMA if has_rope else {}),
@@ -616,9 +654,16 @@ def paged_decode_attention_rope(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    qkv_parts: SplitPartials | None = None,
 ) -> torch.Tensor:
     """A decode step's attention in one launch: rotary on q and k, the new K/V written to the
     cache, flash-decoding over the cache, and the context splits merged in the same kernel.
+
+    ``qkv_parts``: the qkv matmul left its split-K partials unmerged
+    (``skinny_linear(..., defer_merge=True)``); ``q``/``k``/``v`` are then float32 views of
+    ``qkv_parts.parts[0]`` (split as the merged output would be), merged with the bias as they
+    are read and rounded to ``out``'s dtype, the activations' (bit for bit what the matmul's own
+    merge writes).
 
     Equals ``rotary_qk`` then :func:`paged_attention` with ``max_query_len == 1`` (rounding
     aside: the new token's score is summed outside the tile dot).  ``q``/``k``/``v`` are the
@@ -637,9 +682,23 @@ def paged_decode_attention_rope(
             f"k and v must be [{num_tokens_padded}, {num_kv_heads}, {head_dim}], "
             f"got k={tuple(k.shape)} v={tuple(v.shape)}"
         )
-    for name, t in (("k", k), ("v", v), ("out", out)):
-        if t.dtype != q.dtype:
-            raise ValueError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+    if qkv_parts is not None:
+        parts = qkv_parts.parts
+        if parts.dim() != 3 or parts.dtype != torch.float32 or out.dtype != qkv_parts.dtype:
+            raise ValueError(
+                f"qkv_parts must hold float32 [splits, tokens, q+k+v] partials of out's dtype {out.dtype}, "
+                f"got {parts.dtype} {tuple(parts.shape)} of {qkv_parts.dtype}"
+            )
+        inside = parts[0].data_ptr(), parts[0].data_ptr() + parts[0].numel() * parts.element_size()
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dtype != torch.float32 or not inside[0] <= t.data_ptr() < inside[1] or t.stride(0) != parts.stride(1):
+                raise ValueError(f"with qkv_parts, {name} must be a float32 view of qkv_parts.parts[0]")
+        if qkv_parts.bias is not None and qkv_parts.bias.shape != (parts.shape[2],):
+            raise ValueError(f"qkv_parts.bias must have shape ({parts.shape[2]},), got {tuple(qkv_parts.bias.shape)}")
+    else:
+        for name, t in (("k", k), ("v", v), ("out", out)):
+            if t.dtype != q.dtype:
+                raise ValueError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
     for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
         if t.shape != (num_tokens_padded,):
             raise ValueError(f"{name} must have shape ({num_tokens_padded},), got {tuple(t.shape)}")
@@ -661,7 +720,7 @@ def paged_decode_attention_rope(
         _check_last_dim_contiguous(name, t)
     return _launch_decode(
         q, kv_cache, block_table, seq_lens, scale, out, num_reqs_padded,
-        new_token=(k, v, cos, sin, positions, slot_mapping),
+        new_token=(k, v, cos, sin, positions, slot_mapping), qkv_parts=qkv_parts,
     )
 
 

@@ -72,6 +72,11 @@ SWAPPED_TARGET_PROGRAMS = 128
 the fastest setting or within 2% of it at 16 and 32 rows, each matmul timed alone);
 ``scripts/gpu_speed.py --ab --ab-only SWAPPED_TARGET_PROGRAMS`` tries 256 inside the step."""
 
+DEFERRED_TARGET_PROGRAMS = 128
+"""The same for a matmul whose partials the next kernel merges (``defer_merge``), where more
+splits cost that kernel a few more loads instead of this one a longer merge
+(``scripts/gpu_speed.py --ab --ab-only DEFERRED_TARGET_PROGRAMS=256``)."""
+
 
 @triton.jit
 def _tile_product(x, w, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
@@ -328,7 +333,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_config(
-    m: int, n_out: int, k: int, swiglu: bool, device: torch.device, weights_ahead: bool = False
+    m: int, n_out: int, k: int, swiglu: bool, device: torch.device, weights_ahead: bool = False,
+    defer_merge: bool = False,
 ) -> SkinnyConfig:
     """Launch settings from ``scripts/layer_bench.py`` / ``sweep_skinny.py`` sweeps on an H200
     (the 1.1B model's shapes).
@@ -345,7 +351,8 @@ def default_config(
     ``weights_ahead`` (no SwiGLU): at one row (K up to :data:`WEIGHTS_AHEAD_MAX_K`), 8-row
     column tiles over one K tile holding the whole row, loaded before the PDL wait; from two rows
     up to :data:`WEIGHTS_AHEAD_MAX_ROWS`, the swapped form with K split into 256-wide slices, each
-    program's slice loaded before the wait."""
+    program's slice loaded before the wait.  ``defer_merge`` (above one row, no SwiGLU): K is
+    split toward :data:`DEFERRED_TARGET_PROGRAMS` programs instead."""
     if weights_ahead and WEIGHTS_AHEAD_ENABLED and not swiglu:
         if m == 1 and k <= WEIGHTS_AHEAD_MAX_K:
             return SkinnyConfig(8, triton.next_power_of_2(k), 1, num_warps=8, num_stages=1, preload=True)
@@ -355,7 +362,8 @@ def default_config(
                                 preload=True)
     if m > 1:
         block_n, block_k = 64, min(128, triton.next_power_of_2(k))
-        split = max(1, min(SWAPPED_TARGET_PROGRAMS // triton.cdiv(n_out, block_n), k // block_k))
+        target = DEFERRED_TARGET_PROGRAMS if defer_merge and not swiglu else SWAPPED_TARGET_PROGRAMS
+        split = max(1, min(target // triton.cdiv(n_out, block_n), k // block_k))
         return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=4, swap_ab=True)
     long_k = k > 4096
     block_n = 16 if (swiglu or long_k) else 8
@@ -408,9 +416,9 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def _plan(m: int, n_out: int, k: int, swiglu: bool, device: torch.device, config: SkinnyConfig | None,
-          weights_ahead: bool) -> tuple[SkinnyConfig, int, int]:
+          weights_ahead: bool, defer_merge: bool = False) -> tuple[SkinnyConfig, int, int]:
     """The launch settings, K per split and the number of splits for these shapes."""
-    cfg = config or default_config(m, n_out, k, swiglu, device, weights_ahead)
+    cfg = config or default_config(m, n_out, k, swiglu, device, weights_ahead, defer_merge)
     k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     return cfg, k_per, triton.cdiv(k, k_per)
 
@@ -432,7 +440,7 @@ def _launch(
     With ``defer_merge`` and K split, nothing is written to ``out`` (None is allowed then) and
     the fp32 partials ``[splits, M, n_out]`` are returned; otherwise None."""
     m, k = x.shape
-    cfg, k_per, split = _plan(m, n_out, k, swiglu, x.device, config, weights_ahead)
+    cfg, k_per, split = _plan(m, n_out, k, swiglu, x.device, config, weights_ahead, defer_merge)
     if cfg.preload and (norm is not None or swiglu or cfg.block_k * cfg.split_k < k):
         raise ValueError(
             f"SkinnyConfig.preload needs no norm prologue, no SwiGLU and one K tile per split "
@@ -532,7 +540,7 @@ def skinny_linear(
     m, n = x.shape[0], weight.shape[0]
     n_out = n // 2 if swiglu else n
     deferred = defer_merge and not swiglu and m > 0
-    deferred = deferred and _plan(m, n_out, x.shape[1], swiglu, x.device, config, weights_ahead)[2] > 1
+    deferred = deferred and _plan(m, n_out, x.shape[1], swiglu, x.device, config, weights_ahead, True)[2] > 1
     out = None if deferred else torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m > 0:
         part = _launch(x, weight, bias, out, n_out, swiglu, config, weights_ahead=weights_ahead,

@@ -152,23 +152,40 @@ class Attention(nn.Module):
     ) -> torch.Tensor | SplitPartials:
         """Attend ``x [T, hidden]`` over the request contexts described by ``meta``; returns
         ``o_proj``'s output, or on the decode path its unmerged partials (for the next norm)."""
-        # The kernel before is the input norm on its own, which leaves the bandwidth idle.
-        return self.attend(positions, linear(self.qkv_proj, x, weights_ahead=True), meta)
+        # The kernel before is the input norm on its own, which leaves the bandwidth idle.  A
+        # decode step's attention kernel merges a split qkv's partials as it reads q, k and v.
+        defer = self._rope_decode(meta, x) is not None
+        return self.attend(positions, linear(self.qkv_proj, x, weights_ahead=True, defer_merge=defer), meta)
+
+    def _rope_decode(self, meta: AttentionMetadata, x: torch.Tensor) -> Callable | None:
+        """The backend's one-kernel decode step, if this step takes it."""
+        rope_decode = getattr(self.backend, "rope_decode", None)
+        if rope_decode is not None and meta.max_query_len == 1 and fused_decode_enabled(x):
+            return rope_decode
+        return None
 
     def attend(
-        self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata
+        self, positions: torch.Tensor, qkv: torch.Tensor | SplitPartials, meta: AttentionMetadata
     ) -> torch.Tensor | SplitPartials:
         """The rest of :meth:`forward` from ``qkv = qkv_proj(x)`` on (``DecoderLayer`` projects
-        with the input norm folded in)."""
-        num_tokens = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        with the input norm folded in); ``qkv`` may be the projection's unmerged partials on a
+        decode step that :meth:`_rope_decode` takes."""
+        parts = qkv if isinstance(qkv, SplitPartials) else None
+        src = parts.parts[0] if parts is not None else qkv
+        num_tokens = src.shape[0]
+        rope_decode = self._rope_decode(meta, src)
+        if parts is not None and rope_decode is None:
+            src, parts = parts.merge(), None
+        q, k, v = src.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        rope_decode = getattr(self.backend, "rope_decode", None)
-        if rope_decode is not None and meta.max_query_len == 1 and fused_decode_enabled(q):
+        if rope_decode is not None:
             # One kernel: rotary, cache write, attention (see pprun.attention.backend).
-            out = rope_decode(q, k, v, self.rotary.cos, self.rotary.sin, positions, self.kv_cache, meta, self.scale)
+            extra = {"qkv_parts": parts} if parts is not None else {}
+            out = rope_decode(
+                q, k, v, self.rotary.cos, self.rotary.sin, positions, self.kv_cache, meta, self.scale, **extra
+            )
         else:
             q, k = self.rotary(positions, q, k)
             out = self.backend(q, k, v, self.kv_cache, meta, self.scale)
