@@ -200,6 +200,7 @@ def switches() -> list[tuple]:
     """The A/B switches: (module, flag, the other value, whether batch 1 runs differently with it)."""
     import pprun.attention.triton_ops
     import pprun.layers
+    import pprun.layers.fused
     import pprun.layers.skinny
     import pprun.layers.triton_utils
     import pprun.worker.kv_cache
@@ -223,7 +224,8 @@ def switches() -> list[tuple]:
             (pprun.layers.skinny, "WEIGHTS_AHEAD_MAX_ROWS", 32, False),
             (pprun.worker.kv_cache, "HEAD_MAJOR", not pprun.worker.kv_cache.HEAD_MAJOR, True),
             (pprun.layers, "DEFER_MERGE_ENABLED", False, False),
-            (pprun.layers.skinny, "DEFERRED_TARGET_PROGRAMS", 256, False)]
+            (pprun.layers.skinny, "DEFERRED_TARGET_PROGRAMS", 256, False),
+            (pprun.layers.fused, "NORM_PARTS_NUM_WARPS", 4, False)]
 
 
 def parse_settings(text: str) -> list[tuple]:
@@ -268,7 +270,8 @@ def main() -> None:
                          "weights loaded before its wait up to 32 rows instead of at one row (WEIGHTS_AHEAD_MAX_ROWS), the KV cache "
                          "stored head-major or token-major, whichever is not the default (HEAD_MAJOR), o_proj's and down's split-K partials merged by "
                          "their own launch instead of the next kernel's (DEFER_MERGE_ENABLED), those matmuls split K until ~256 "
-                         "programs instead of ~128 (DEFERRED_TARGET_PROGRAMS)")
+                         "programs instead of ~128 (DEFERRED_TARGET_PROGRAMS), 4 warps per row instead of 16 in the norm "
+                         "that merges partials (NORM_PARTS_NUM_WARPS)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
                          "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")

@@ -42,6 +42,13 @@ def _check_rows(name: str, t: torch.Tensor, ndim: int) -> None:
 # Residual add + RMSNorm
 # --------------------------------------------------------------------------------------
 
+NORM_PARTS_NUM_WARPS = 16
+"""Warps per row (hidden up to 4096; twice as many above) of the add + RMSNorm launch that
+merges a matmul's split-K partials: each thread has ``splits`` times the loads of a plain row,
+so more threads shorten the row's latency.  H200, 1.1B model, batch 32, graph replay
+(``scripts/gpu_speed.py --ab --ab-only NORM_PARTS_NUM_WARPS=8``): 4 warps 1.059 ms, 8 warps
+1.062, 16 warps 1.029 (the norm after o_proj 2.1 -> 1.4 us)."""
+
 
 @triton.jit
 def _add_rms_norm_kernel(
@@ -156,7 +163,7 @@ def fused_add_rms_norm(
         BLOCK=triton.next_power_of_2(hidden),
         NUM_PARTS=parts.parts.shape[0] if parts is not None else 0,
         HAS_BIAS=parts is not None and parts.bias is not None,
-        num_warps=4 if hidden <= 4096 else 8,
+        num_warps=(NORM_PARTS_NUM_WARPS if parts is not None else 4) * (1 if hidden <= 4096 else 2),
         **_NO_FMA,
         **pdl_options(x.device),
     )
