@@ -131,7 +131,7 @@ def test_skinny_deferred_merge_matches_in_kernel_merge(m, bias):
     x, w, b = _inputs(m, 100, 200, dtype, bias, seed=6)
     cfg = SkinnyConfig(64, 64, 3, swap_ab=True)
     want = skinny_linear(x, w, b, config=cfg)
-    parts = skinny_linear(x, w, b, config=cfg, defer_merge=True)
+    parts = skinny_linear(x, w, b, config=cfg, defer_merge="norm")
     # Three splits asked for over K = 200 in 64-wide tiles: two of 128 (the last one ragged).
     assert isinstance(parts, SplitPartials) and parts.parts.shape == (2, m, 100) and parts.shape == (m, 100)
     assert parts.parts.dtype == torch.float32 and parts.dtype == dtype
@@ -147,10 +147,27 @@ def test_skinny_deferred_merge_matches_in_kernel_merge(m, bias):
     got_out, got_res = fused_add_rms_norm(parts, None, norm_w, 1e-5)
     want_out, _ = fused_add_rms_norm(want, None, norm_w, 1e-5)
     assert torch.equal(got_res, want) and torch.equal(got_out, want_out)
+    with pytest.raises(ValueError, match="defer_merge must be one of"):
+        skinny_linear(x, w, b, config=cfg, defer_merge="o_proj")
     # One split has nothing to defer: the output itself.
-    one = skinny_linear(x, w, b, config=SkinnyConfig(64, 256, 1, swap_ab=True), defer_merge=True)
+    one = skinny_linear(x, w, b, config=SkinnyConfig(64, 256, 1, swap_ab=True), defer_merge="attention")
     assert isinstance(one, torch.Tensor)
     torch.testing.assert_close(one.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_skinny_deferred_split_targets(monkeypatch):
+    """A norm merges each row's partials once, so partials it takes may be split further
+    (DEFERRED_TARGET_PROGRAMS); the decode attention re-merges per program and keeps the usual
+    split."""
+    pytest.importorskip("triton")
+    from pprun.layers import skinny
+
+    dev = torch.device("cpu")
+    monkeypatch.setattr(skinny, "DEFERRED_TARGET_PROGRAMS", 256)
+    # down at 32 rows: 32 column blocks of 64, K = 8192 in 128-wide tiles.
+    assert skinny.default_config(32, 2048, 8192, False, dev, defer_merge="norm").split_k == 8
+    assert skinny.default_config(32, 2048, 8192, False, dev, defer_merge="attention").split_k == 4
+    assert skinny.default_config(32, 2048, 8192, False, dev).split_k == 4
 
 
 @triton_only

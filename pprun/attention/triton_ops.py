@@ -660,7 +660,7 @@ def paged_decode_attention_rope(
     cache, flash-decoding over the cache, and the context splits merged in the same kernel.
 
     ``qkv_parts``: the qkv matmul left its split-K partials unmerged
-    (``skinny_linear(..., defer_merge=True)``); ``q``/``k``/``v`` are then float32 views of
+    (``skinny_linear(..., defer_merge="attention")``); ``q``/``k``/``v`` are then float32 views of
     ``qkv_parts.parts[0]`` (split as the merged output would be), merged with the bias as they
     are read and rounded to ``out``'s dtype, the activations' (bit for bit what the matmul's own
     merge writes).

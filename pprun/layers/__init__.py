@@ -42,7 +42,7 @@ kernel (the A/B switch of ``scripts/gpu_speed.py``).  H200, 1.1B model, batch 32
 class SplitPartials:
     """A decode matmul's output still as the fp32 partial sums of its K splits.
 
-    ``skinny.skinny_linear(..., defer_merge=True)`` returns it where K is split, so that the
+    ``skinny.skinny_linear(..., defer_merge=...)`` returns it where K is split, so that the
     kernel after the matmul merges the partials (in split order, plus the bias, rounded once to
     ``dtype``: what the matmul's own merge would write) and the matmul's launch ends as soon as
     its programs have stored them.  ``fused.fused_add_rms_norm`` takes it as its ``x``;
@@ -139,21 +139,21 @@ def _skinny_for(layer: nn.Linear, x: torch.Tensor):
 
 
 def linear(
-    layer: nn.Linear, x: torch.Tensor, weights_ahead: bool = False, defer_merge: bool = False
+    layer: nn.Linear, x: torch.Tensor, weights_ahead: bool = False, defer_merge: str | None = None
 ) -> torch.Tensor | SplitPartials:
     """``layer(x)``; decode-sized CUDA batches take the split-K kernels of ``skinny``.
 
     ``weights_ahead``: the caller knows that the kernel just before leaves the memory bandwidth
     idle (decode attention before ``o_proj``, a norm on its own before ``qkv``), so a decode
     matmul may load its weights first (``skinny.default_config`` decides for which rows).
-    ``defer_merge``: the caller takes :class:`SplitPartials` (and hands them to an RMSNorm, or
-    merges them); a split-K decode matmul of two rows or more then returns its partials
-    unmerged.  Not at one row: there the next norm folds into the matmul after it
+    ``defer_merge``: the caller takes :class:`SplitPartials` and names the kernel that merges
+    them, ``"norm"`` (``fused.fused_add_rms_norm``) or ``"attention"`` (the one-kernel decode);
+    a split-K decode matmul of two rows or more then returns its partials unmerged.  Not at one row: there the next norm folds into the matmul after it
     (:func:`norm_linear`), whose prologue reads a merged row."""
     skinny = _skinny_for(layer, x)
     if skinny is None:
         return layer(x)
-    defer = defer_merge and DEFER_MERGE_ENABLED and x.shape[0] > 1
+    defer = defer_merge if DEFER_MERGE_ENABLED and x.shape[0] > 1 else None
     return skinny.skinny_linear(x, layer.weight, layer.bias, weights_ahead=weights_ahead, defer_merge=defer)
 
 

@@ -73,9 +73,15 @@ the fastest setting or within 2% of it at 16 and 32 rows, each matmul timed alon
 ``scripts/gpu_speed.py --ab --ab-only SWAPPED_TARGET_PROGRAMS`` tries 256 inside the step."""
 
 DEFERRED_TARGET_PROGRAMS = 128
-"""The same for a matmul whose partials the next kernel merges (``defer_merge``), where more
-splits cost that kernel a few more loads instead of this one a longer merge
-(``scripts/gpu_speed.py --ab --ab-only DEFERRED_TARGET_PROGRAMS=256``)."""
+"""The same for a matmul whose partials a norm merges (``defer_merge="norm"``), where more
+splits cost that kernel a few more loads per row instead of this one a longer merge
+(``scripts/gpu_speed.py --ab --ab-only DEFERRED_TARGET_PROGRAMS=256``).  Partials that the decode
+attention merges (``"attention"``) keep :data:`SWAPPED_TARGET_PROGRAMS`: every program of a
+(request, KV head) merges its q/k/v rows again, so more splits cost it more (256 programs for
+both: qkv 7.1 -> 5.9 us, attention 15.3 -> 17.3 us per layer at batch 32)."""
+
+DEFER_MERGERS = ("norm", "attention")
+"""The kernels that may merge a matmul's deferred partials (``defer_merge``)."""
 
 
 @triton.jit
@@ -334,7 +340,7 @@ def _num_sms(device: torch.device) -> int:
 
 def default_config(
     m: int, n_out: int, k: int, swiglu: bool, device: torch.device, weights_ahead: bool = False,
-    defer_merge: bool = False,
+    defer_merge: str | None = None,
 ) -> SkinnyConfig:
     """Launch settings from ``scripts/layer_bench.py`` / ``sweep_skinny.py`` sweeps on an H200
     (the 1.1B model's shapes).
@@ -351,8 +357,8 @@ def default_config(
     ``weights_ahead`` (no SwiGLU): at one row (K up to :data:`WEIGHTS_AHEAD_MAX_K`), 8-row
     column tiles over one K tile holding the whole row, loaded before the PDL wait; from two rows
     up to :data:`WEIGHTS_AHEAD_MAX_ROWS`, the swapped form with K split into 256-wide slices, each
-    program's slice loaded before the wait.  ``defer_merge`` (above one row, no SwiGLU): K is
-    split toward :data:`DEFERRED_TARGET_PROGRAMS` programs instead."""
+    program's slice loaded before the wait.  ``defer_merge="norm"`` (above one row, no SwiGLU):
+    K is split toward :data:`DEFERRED_TARGET_PROGRAMS` programs instead."""
     if weights_ahead and WEIGHTS_AHEAD_ENABLED and not swiglu:
         if m == 1 and k <= WEIGHTS_AHEAD_MAX_K:
             return SkinnyConfig(8, triton.next_power_of_2(k), 1, num_warps=8, num_stages=1, preload=True)
@@ -362,7 +368,7 @@ def default_config(
                                 preload=True)
     if m > 1:
         block_n, block_k = 64, min(128, triton.next_power_of_2(k))
-        target = DEFERRED_TARGET_PROGRAMS if defer_merge and not swiglu else SWAPPED_TARGET_PROGRAMS
+        target = DEFERRED_TARGET_PROGRAMS if defer_merge == "norm" and not swiglu else SWAPPED_TARGET_PROGRAMS
         split = max(1, min(target // triton.cdiv(n_out, block_n), k // block_k))
         return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=4, swap_ab=True)
     long_k = k > 4096
@@ -416,7 +422,7 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def _plan(m: int, n_out: int, k: int, swiglu: bool, device: torch.device, config: SkinnyConfig | None,
-          weights_ahead: bool, defer_merge: bool = False) -> tuple[SkinnyConfig, int, int]:
+          weights_ahead: bool, defer_merge: str | None = None) -> tuple[SkinnyConfig, int, int]:
     """The launch settings, K per split and the number of splits for these shapes."""
     cfg = config or default_config(m, n_out, k, swiglu, device, weights_ahead, defer_merge)
     k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -433,7 +439,7 @@ def _launch(
     config: SkinnyConfig | None,
     norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None = None,
     weights_ahead: bool = False,
-    defer_merge: bool = False,
+    defer_merge: str | None = None,
 ) -> torch.Tensor | None:
     """One launch of :func:`_skinny_kernel` writing ``out``; ``norm`` is ``(residual,
     norm_weight, residual_out, eps)`` for the norm prologue (one row), None for a plain matmul.
@@ -446,7 +452,7 @@ def _launch(
             f"SkinnyConfig.preload needs no norm prologue, no SwiGLU and one K tile per split "
             f"(block_k * split_k >= K={k}); got norm={norm is not None}, swiglu={swiglu}, {cfg}"
         )
-    deferred = defer_merge and split > 1
+    deferred = defer_merge is not None and split > 1
     if deferred and (swiglu or norm is not None):
         raise ValueError("defer_merge applies to a plain matmul (no SwiGLU, no norm prologue)")
     if out is None and not deferred:
@@ -515,7 +521,7 @@ def skinny_linear(
     swiglu: bool = False,
     config: SkinnyConfig | None = None,
     weights_ahead: bool = False,
-    defer_merge: bool = False,
+    defer_merge: str | None = None,
 ) -> torch.Tensor | SplitPartials:
     """``x @ weight.T (+ bias)``, or with ``swiglu`` ``silu(gate) * up`` of that product.
 
@@ -528,10 +534,13 @@ def skinny_linear(
         weights_ahead: the kernel launched just before this one leaves the memory bandwidth
             idle, so the weights may be read before waiting for it (:func:`default_config`
             decides for which rows).
-        defer_merge: where K is split (no SwiGLU), return the split's partial sums as
-            :class:`~pprun.layers.SplitPartials` instead of merging them in this launch: the
-            caller's next kernel (``fused.fused_add_rms_norm``) merges them as this one would
-            have, and the merge's arrival counter and L2 round trip leave the critical path.
+        defer_merge: the kernel that will merge this matmul's partials, ``"norm"``
+            (``fused.fused_add_rms_norm``) or ``"attention"`` (the decode attention's
+            ``qkv_parts``), or None.  Where K is split (no SwiGLU) the split's partial sums are
+            returned as :class:`~pprun.layers.SplitPartials` instead of merged in this launch:
+            that kernel merges them as this one would have, and the merge's arrival counter and
+            L2 round trip leave the critical path.  It also sets how far K is split
+            (:data:`DEFERRED_TARGET_PROGRAMS`).
 
     Returns a new ``[M, N]`` (``[M, N // 2]`` with ``swiglu``) tensor in ``x``'s dtype, or the
     partials (see ``defer_merge``).
@@ -539,12 +548,14 @@ def skinny_linear(
     _check_linear(x, weight, bias, swiglu)
     m, n = x.shape[0], weight.shape[0]
     n_out = n // 2 if swiglu else n
-    deferred = defer_merge and not swiglu and m > 0
-    deferred = deferred and _plan(m, n_out, x.shape[1], swiglu, x.device, config, weights_ahead, True)[2] > 1
+    if defer_merge is not None and defer_merge not in DEFER_MERGERS:
+        raise ValueError(f"defer_merge must be one of {DEFER_MERGERS} or None, got {defer_merge!r}")
+    deferred = defer_merge is not None and not swiglu and m > 0
+    deferred = deferred and _plan(m, n_out, x.shape[1], swiglu, x.device, config, weights_ahead, defer_merge)[2] > 1
     out = None if deferred else torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m > 0:
         part = _launch(x, weight, bias, out, n_out, swiglu, config, weights_ahead=weights_ahead,
-                       defer_merge=deferred)
+                       defer_merge=defer_merge if deferred else None)
         if part is not None:
             return SplitPartials(part, bias, x.dtype)
     return out

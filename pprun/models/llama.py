@@ -154,7 +154,7 @@ class Attention(nn.Module):
         ``o_proj``'s output, or on the decode path its unmerged partials (for the next norm)."""
         # The kernel before is the input norm on its own, which leaves the bandwidth idle.  A
         # decode step's attention kernel merges a split qkv's partials as it reads q, k and v.
-        defer = self._rope_decode(meta, x) is not None
+        defer = "attention" if self._rope_decode(meta, x) is not None else None
         return self.attend(positions, linear(self.qkv_proj, x, weights_ahead=True, defer_merge=defer), meta)
 
     def _rope_decode(self, meta: AttentionMetadata, x: torch.Tensor) -> Callable | None:
@@ -191,7 +191,7 @@ class Attention(nn.Module):
             out = self.backend(q, k, v, self.kv_cache, meta, self.scale)
         # Attention reads little and leaves most SMs idle: o_proj may load its weights meanwhile.
         # Its split partials are merged by the post-attention norm's kernel.
-        return linear(self.o_proj, out.reshape(num_tokens, self.q_size), weights_ahead=True, defer_merge=True)
+        return linear(self.o_proj, out.reshape(num_tokens, self.q_size), weights_ahead=True, defer_merge="norm")
 
 
 class MLP(nn.Module):
@@ -221,7 +221,7 @@ class MLP(nn.Module):
     def down(self, act: torch.Tensor) -> torch.Tensor | SplitPartials:
         """``down_proj`` of the activation ``silu(gate) * up`` (the path after a fused
         gate_up + SwiGLU); a split-K decode matmul leaves its partials to the next norm."""
-        return linear(self.down_proj, act, defer_merge=self.defer_merge)
+        return linear(self.down_proj, act, defer_merge="norm" if self.defer_merge else None)
 
 
 class DecoderLayer(nn.Module):
