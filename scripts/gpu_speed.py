@@ -224,7 +224,7 @@ def switches() -> list[tuple]:
             (pprun.layers.skinny, "WEIGHTS_AHEAD_MAX_ROWS", 32, False),
             (pprun.worker.kv_cache, "HEAD_MAJOR", not pprun.worker.kv_cache.HEAD_MAJOR, True),
             (pprun.layers, "DEFER_MERGE_ENABLED", False, False),
-            (pprun.layers.skinny, "DEFERRED_TARGET_PROGRAMS", 256, False),
+            (pprun.layers.skinny, "DEFERRED_TARGET_PROGRAMS", 128, False),
             (pprun.layers.fused, "NORM_PARTS_NUM_WARPS", 4, False)]
 
 
@@ -269,8 +269,8 @@ def main() -> None:
                          "2-32-row matmuls split K until ~256 programs instead of ~128 (SWAPPED_TARGET_PROGRAMS), o_proj's "
                          "weights loaded before its wait up to 32 rows instead of at one row (WEIGHTS_AHEAD_MAX_ROWS), the KV cache "
                          "stored head-major or token-major, whichever is not the default (HEAD_MAJOR), o_proj's and down's split-K partials merged by "
-                         "their own launch instead of the next kernel's (DEFER_MERGE_ENABLED), those matmuls split K until ~256 "
-                         "programs instead of ~128 (DEFERRED_TARGET_PROGRAMS), 4 warps per row instead of 16 in the norm "
+                         "their own launch instead of the next kernel's (DEFER_MERGE_ENABLED), the norm-merged ones split K until ~128 "
+                         "programs instead of ~256 (DEFERRED_TARGET_PROGRAMS), 4 warps per row instead of 16 in the norm "
                          "that merges partials (NORM_PARTS_NUM_WARPS)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "

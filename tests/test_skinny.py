@@ -155,6 +155,25 @@ def test_skinny_deferred_merge_matches_in_kernel_merge(m, bias):
     torch.testing.assert_close(one.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@triton_only
+def test_skinny_deferred_merge_of_eight_splits():
+    """Eight splits (down's at batch 32) merged by the norm's kernel, bit for bit as in-kernel."""
+    from pprun.layers.fused import fused_add_rms_norm
+    from pprun.layers.skinny import SkinnyConfig, skinny_linear
+
+    dtype = DTYPES[-1]
+    x, w, b = _inputs(5, 64, 512, dtype, True, seed=8)
+    cfg = SkinnyConfig(64, 64, 8, swap_ab=True)
+    parts = skinny_linear(x, w, b, config=cfg, defer_merge="norm")
+    assert parts.parts.shape == (8, 5, 64)
+    want = skinny_linear(x, w, b, config=cfg)
+    residual = torch.randn(5, 64, generator=torch.Generator().manual_seed(9)).to(dtype).to(DEVICE)
+    norm_w = torch.rand(64, generator=torch.Generator().manual_seed(10)).to(dtype).to(DEVICE)
+    got = fused_add_rms_norm(parts, residual, norm_w, 1e-6)
+    expected = fused_add_rms_norm(want, residual, norm_w, 1e-6)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
 def test_skinny_deferred_split_targets(monkeypatch):
     """A norm merges each row's partials once, so partials it takes may be split further
     (DEFERRED_TARGET_PROGRAMS); the decode attention re-merges per program and keeps the usual
@@ -163,7 +182,7 @@ def test_skinny_deferred_split_targets(monkeypatch):
     from pprun.layers import skinny
 
     dev = torch.device("cpu")
-    monkeypatch.setattr(skinny, "DEFERRED_TARGET_PROGRAMS", 256)
+    monkeypatch.setattr(skinny, "DEFERRED_TARGET_PROGRAMS", 256)  # the default, pinned here
     # down at 32 rows: 32 column blocks of 64, K = 8192 in 128-wide tiles.
     assert skinny.default_config(32, 2048, 8192, False, dev, defer_merge="norm").split_k == 8
     assert skinny.default_config(32, 2048, 8192, False, dev, defer_merge="attention").split_k == 4

@@ -72,10 +72,12 @@ SWAPPED_TARGET_PROGRAMS = 128
 the fastest setting or within 2% of it at 16 and 32 rows, each matmul timed alone);
 ``scripts/gpu_speed.py --ab --ab-only SWAPPED_TARGET_PROGRAMS`` tries 256 inside the step."""
 
-DEFERRED_TARGET_PROGRAMS = 128
+DEFERRED_TARGET_PROGRAMS = 256
 """The same for a matmul whose partials a norm merges (``defer_merge="norm"``), where more
-splits cost that kernel a few more loads per row instead of this one a longer merge
-(``scripts/gpu_speed.py --ab --ab-only DEFERRED_TARGET_PROGRAMS=256``).  Partials that the decode
+splits cost that kernel a few more loads per row instead of this one a longer merge: o_proj
+and down at batch 32 split 8 ways instead of 4.  H200, 1.1B model, graph replay
+(``scripts/gpu_speed.py --ab --ab-only DEFERRED_TARGET_PROGRAMS=128``): 256 programs 1.012 ms,
+192 1.033, 128 1.034 (again 1.031).  Partials that the decode
 attention merges (``"attention"``) keep :data:`SWAPPED_TARGET_PROGRAMS`: every program of a
 (request, KV head) merges its q/k/v rows again, so more splits cost it more (256 programs for
 both: qkv 7.1 -> 5.9 us, attention 15.3 -> 17.3 us per layer at batch 32)."""
