@@ -34,8 +34,9 @@ split-K matmul then runs as its own launch (the A/B switch of :func:`norm_linear
 DEFER_MERGE_ENABLED: bool = enabled_unless("PPRUN_DISABLE_DEFER_MERGE")
 """False when ``PPRUN_DISABLE_DEFER_MERGE`` is set: a split-K decode matmul followed by a norm
 (``o_proj``, ``down``) then merges its partials itself instead of leaving them to the norm's
-kernel (the A/B switch of ``scripts/gpu_speed.py``).  H200, 1.1B model, batch 32: graph
-1.076 ms with it, 1.105 without (o_proj 7.1 -> 4.7 us per layer, the norm after it 1.2 -> 2.2)."""
+kernel, and a split-K qkv its own merge instead of leaving it to the decode attention (the A/B
+switch of ``scripts/gpu_speed.py``).  H200, 1.1B model, batch 32: graph 1.057 ms with it, 1.106
+without (per layer o_proj 8.0 -> 4.8 us, qkv 8.9 -> 7.1, down ~14 -> 11, the norms 1.3 -> 2.1)."""
 
 
 @dataclass(frozen=True)
