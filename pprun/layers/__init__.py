@@ -149,8 +149,9 @@ def linear(
     matmul may load its weights first (``skinny.default_config`` decides for which rows).
     ``defer_merge``: the caller takes :class:`SplitPartials` and names the kernel that merges
     them, ``"norm"`` (``fused.fused_add_rms_norm``) or ``"attention"`` (the one-kernel decode);
-    a split-K decode matmul of two rows or more then returns its partials unmerged.  Not at one row: there the next norm folds into the matmul after it
-    (:func:`norm_linear`), whose prologue reads a merged row."""
+    a split-K decode matmul of two rows or more then returns its partials unmerged.  Not at
+    one row: there the next norm folds into the matmul after it (:func:`norm_linear`), whose
+    prologue reads a merged row."""
     skinny = _skinny_for(layer, x)
     if skinny is None:
         return layer(x)
