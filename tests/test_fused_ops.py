@@ -281,10 +281,15 @@ def test_tiny_llama_deferred_merges_match_in_kernel_merges(monkeypatch, tmp_path
     """A whole bf16 model on CUDA, three one-token requests: o_proj's and down's split-K
     partials merged by the next norm's kernel (and with the Triton backend's one-kernel decode,
     qkv's by the attention kernel) give the logits of the matmuls merging them, bit for bit (a
-    model wide enough for their K to be split: hidden 256, intermediate 1024)."""
+    model wide enough for their K to be split: hidden 256, intermediate 1024).  The split counts
+    and the norm's warps are pinned to the in-kernel merge's, so that where the merge runs is
+    all that changes (those settings change fp32 sum orders, as any launch setting does)."""
     from tiny_models import make_tiny_llama
 
-    from pprun.layers import SplitPartials, fused
+    from pprun.layers import SplitPartials, fused, skinny
+
+    monkeypatch.setattr(fused, "NORM_PARTS_NUM_WARPS", 4)
+    monkeypatch.setattr(skinny, "DEFERRED_TARGET_PROGRAMS", skinny.SWAPPED_TARGET_PROGRAMS)
 
     model_dir = make_tiny_llama(tmp_path / "wide", num_layers=2, hidden_size=256, intermediate_size=1024)
     arch, model_logits = _tiny_llama_on_cuda(model_dir, torch.bfloat16, [[42], [7], [9]], backend)

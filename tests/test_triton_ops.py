@@ -553,6 +553,14 @@ def test_triton_rope_decode_merges_qkv_partials(bias):
     assert torch.equal(got_out, want_out)
     with pytest.raises(ValueError, match="view of qkv_parts"):
         run(parts[1].clone(), partials)
+    # k and v swapped: views of the partials, at the wrong columns.
+    q, k, v = parts[0].split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    with pytest.raises(ValueError, match="at column"):
+        paged_decode_attention_rope(
+            q.view(tokens, heads, dim), v.view(tokens, kv_heads, dim), k.view(tokens, kv_heads, dim), cos, sin,
+            positions, case.kv_cache.clone(), case.slot_mapping, case.block_table, case.seq_lens, case.scale,
+            torch.empty((tokens, heads, dim), dtype=dtype, device=TRITON_DEVICE), qkv_parts=partials,
+        )
 
 
 @triton_only

@@ -689,12 +689,24 @@ def paged_decode_attention_rope(
                 f"qkv_parts must hold float32 [splits, tokens, q+k+v] partials of out's dtype {out.dtype}, "
                 f"got {parts.dtype} {tuple(parts.shape)} of {qkv_parts.dtype}"
             )
-        inside = parts[0].data_ptr(), parts[0].data_ptr() + parts[0].numel() * parts.element_size()
+        width = (num_heads + 2 * num_kv_heads) * head_dim
+        if parts.shape[1:] != (num_tokens_padded, width) or not parts.is_contiguous():
+            raise ValueError(
+                f"qkv_parts.parts must be a contiguous [splits, {num_tokens_padded}, {width}] tensor "
+                f"(q, k, v side by side), got shape {tuple(parts.shape)}, strides {parts.stride()}"
+            )
+        base = parts[0].data_ptr()
+        columns = {"q": 0, "k": num_heads * head_dim, "v": (num_heads + num_kv_heads) * head_dim}
         for name, t in (("q", q), ("k", k), ("v", v)):
-            if t.dtype != torch.float32 or not inside[0] <= t.data_ptr() < inside[1] or t.stride(0) != parts.stride(1):
-                raise ValueError(f"with qkv_parts, {name} must be a float32 view of qkv_parts.parts[0]")
-        if qkv_parts.bias is not None and qkv_parts.bias.shape != (parts.shape[2],):
-            raise ValueError(f"qkv_parts.bias must have shape ({parts.shape[2]},), got {tuple(qkv_parts.bias.shape)}")
+            if t.dtype != torch.float32 or t.data_ptr() != base + columns[name] * 4 or t.stride(0) != width:
+                raise ValueError(
+                    f"with qkv_parts, {name} must be the float32 view of qkv_parts.parts[0] at column "
+                    f"{columns[name]} (q, k, v side by side)"
+                )
+        bias = qkv_parts.bias
+        if bias is not None and (bias.shape != (width,) or bias.stride(0) != 1 or bias.device != parts.device):
+            raise ValueError(f"qkv_parts.bias must be a contiguous ({width},) tensor on {parts.device}, got "
+                             f"shape {tuple(bias.shape)}, strides {bias.stride()} on {bias.device}")
     else:
         for name, t in (("k", k), ("v", v), ("out", out)):
             if t.dtype != q.dtype:

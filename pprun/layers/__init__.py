@@ -36,7 +36,10 @@ DEFER_MERGE_ENABLED: bool = enabled_unless("PPRUN_DISABLE_DEFER_MERGE")
 (``o_proj``, ``down``) then merges its partials itself instead of leaving them to the norm's
 kernel, and a split-K qkv its own merge instead of leaving it to the decode attention (the A/B
 switch of ``scripts/gpu_speed.py``).  H200, 1.1B model, batch 32: graph 1.057 ms with it, 1.106
-without (per layer o_proj 8.0 -> 4.8 us, qkv 8.9 -> 7.1, down ~14 -> 11, the norms 1.3 -> 2.1)."""
+without (per layer o_proj 8.0 -> 4.8 us, qkv 8.9 -> 7.1, down ~14 -> 11, the norms 1.3 -> 2.1).
+The merges are exact; the switch also changes the launch settings that come with deferral (the
+norm-merged matmuls' split count, the merging norm's warps), hence fp32 sum orders, so its two
+sides may differ in a last bit as two launch settings may."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,8 @@ def linear(
     a split-K decode matmul of two rows or more then returns its partials unmerged.  Not at
     one row: there the next norm folds into the matmul after it (:func:`norm_linear`), whose
     prologue reads a merged row."""
+    if defer_merge is not None:
+        _load_skinny().check_defer_merge(defer_merge)
     skinny = _skinny_for(layer, x)
     if skinny is None:
         return layer(x)

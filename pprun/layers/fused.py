@@ -118,6 +118,12 @@ def fused_add_rms_norm(
     """
     parts = None
     if isinstance(x, SplitPartials):
+        if x.parts.dim() != 3 or x.parts.dtype != torch.float32:
+            raise ValueError(f"x.parts must be float32 [splits, tokens, hidden], got {x.parts.dtype} "
+                             f"{tuple(x.parts.shape)}")
+        if x.bias is not None and (x.bias.shape != (x.parts.shape[2],) or x.bias.stride(0) != 1):
+            raise ValueError(f"x.bias must be a contiguous ({x.parts.shape[2]},) tensor, got shape "
+                             f"{tuple(x.bias.shape)}, strides {x.bias.stride()}")
         if residual is None or residual.dtype != x.dtype or not x.parts.is_contiguous():
             x = x.merge()
         else:
@@ -163,7 +169,7 @@ def fused_add_rms_norm(
         BLOCK=triton.next_power_of_2(hidden),
         NUM_PARTS=parts.parts.shape[0] if parts is not None else 0,
         HAS_BIAS=parts is not None and parts.bias is not None,
-        num_warps=(NORM_PARTS_NUM_WARPS if parts is not None else 4) * (1 if hidden <= 4096 else 2),
+        num_warps=min(32, (NORM_PARTS_NUM_WARPS if parts is not None else 4) * (1 if hidden <= 4096 else 2)),
         **_NO_FMA,
         **pdl_options(x.device),
     )

@@ -86,6 +86,12 @@ DEFER_MERGERS = ("norm", "attention")
 """The kernels that may merge a matmul's deferred partials (``defer_merge``)."""
 
 
+def check_defer_merge(defer_merge: str | None) -> None:
+    """Raise ValueError unless ``defer_merge`` is None or one of :data:`DEFER_MERGERS`."""
+    if defer_merge is not None and defer_merge not in DEFER_MERGERS:
+        raise ValueError(f"defer_merge must be one of {DEFER_MERGERS} or None, got {defer_merge!r}")
+
+
 @triton.jit
 def _tile_product(x, w, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
     """``x [BLOCK_M, BLOCK_K] @ w[BLOCK_N, BLOCK_K].T`` in fp32 (one return: Triton compiles
@@ -462,8 +468,8 @@ def _launch(
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
     col_blocks = triton.cdiv(n_out, cfg.block_n)
     if split > 1:
-        counters = arrival_counters(x.device, col_blocks)
         part = torch.empty(split * m * n_out * (2 if swiglu else 1), dtype=torch.float32, device=x.device)
+        counters = part if deferred else arrival_counters(x.device, col_blocks)  # unused when deferred
     else:
         part = counters = out  # unused when SPLIT_K == 1
     if out is None:
@@ -550,13 +556,13 @@ def skinny_linear(
     _check_linear(x, weight, bias, swiglu)
     m, n = x.shape[0], weight.shape[0]
     n_out = n // 2 if swiglu else n
-    if defer_merge is not None and defer_merge not in DEFER_MERGERS:
-        raise ValueError(f"defer_merge must be one of {DEFER_MERGERS} or None, got {defer_merge!r}")
-    deferred = defer_merge is not None and not swiglu and m > 0
-    deferred = deferred and _plan(m, n_out, x.shape[1], swiglu, x.device, config, weights_ahead, defer_merge)[2] > 1
+    check_defer_merge(defer_merge)
+    defer_merge = defer_merge if not swiglu else None
+    cfg, _, split = _plan(m, n_out, x.shape[1], swiglu, x.device, config, weights_ahead, defer_merge)
+    deferred = defer_merge is not None and m > 0 and split > 1
     out = None if deferred else torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m > 0:
-        part = _launch(x, weight, bias, out, n_out, swiglu, config, weights_ahead=weights_ahead,
+        part = _launch(x, weight, bias, out, n_out, swiglu, cfg, weights_ahead=weights_ahead,
                        defer_merge=defer_merge if deferred else None)
         if part is not None:
             return SplitPartials(part, bias, x.dtype)
