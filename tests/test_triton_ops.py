@@ -564,6 +564,67 @@ def test_triton_rope_decode_merges_qkv_partials(bias):
 
 
 @triton_only
+def test_triton_rope_decode_rejects_bad_prefetch():
+    from pprun.attention.triton_ops import paged_decode_attention_rope
+
+    case = make_case([1], [20], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
+                     device=TRITON_DEVICE, seed=14)
+    weight = torch.zeros(8, 36, device=TRITON_DEVICE)
+    # Rows a bulk prefetch cannot take are a hint skipped (misaligned, strided, 132-byte rows) ...
+    for skipped in (weight[:, 1:], weight.t(), weight[:, :33].contiguous()):
+        out = torch.empty_like(case.q)
+        paged_decode_attention_rope(
+            case.q, case.k, case.v, None, None, torch.zeros(1, dtype=torch.long, device=TRITON_DEVICE),
+            case.kv_cache.clone(), case.slot_mapping, case.block_table, case.seq_lens, case.scale, out,
+            prefetch=skipped,
+        )
+        assert not out.isnan().any()
+    # ... a tensor that is no weight matrix, or on another device, an error.
+    for bad in (weight[0], torch.zeros(8, 36, device="meta")):
+        with pytest.raises(ValueError, match="prefetch must be"):
+            paged_decode_attention_rope(
+                case.q, case.k, case.v, None, None, torch.zeros(1, dtype=torch.long, device=TRITON_DEVICE),
+                case.kv_cache.clone(), case.slot_mapping, case.block_table, case.seq_lens, case.scale,
+                torch.empty_like(case.q), prefetch=bad,
+            )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bulk L2 prefetch, sm_90)")
+@pytest.mark.parametrize("evict_last", [False, True])
+@pytest.mark.parametrize("kv_evict_first", [False, True])
+def test_triton_rope_decode_prefetch_changes_nothing_gpu(evict_last, kv_evict_first, monkeypatch):
+    """The L2 prefetch of the next weight (and the eviction hints) leave output and cache bit for
+    bit as they are."""
+    from pprun.attention import triton_ops
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cp.async.bulk.prefetch needs sm_90")
+    case = make_case(
+        [1, 1, 1], [400, 20, 255], num_heads=4, num_kv_heads=1, head_dim=64, block_size=16,
+        dtype=torch.bfloat16, device="cuda", num_reqs_padded=4, num_tokens_padded=4, max_blocks_per_req=64, seed=15,
+    )
+    weight = torch.randn(1000, 2048, device="cuda", dtype=torch.bfloat16)
+    positions = torch.clamp(case.seq_lens.long() - 1, min=0)
+    cos, sin = _rope_tables(512, 64, "cuda")
+
+    def run():
+        cache, out = case.kv_cache.clone(), torch.empty_like(case.q)
+        triton_ops.paged_decode_attention_rope(
+            case.q, case.k, case.v, cos, sin, positions, cache, case.slot_mapping, case.block_table,
+            case.seq_lens, case.scale, out, prefetch=weight,
+        )
+        return out, cache
+
+    want = run()
+    monkeypatch.setattr(triton_ops, "DECODE_PREFETCH_FRACTION", 0.3)
+    monkeypatch.setattr(triton_ops, "DECODE_PREFETCH_EVICT_LAST", evict_last)
+    monkeypatch.setattr(triton_ops, "DECODE_KV_EVICT_FIRST", kv_evict_first)
+    got = run()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@triton_only
 def test_triton_rope_decode_without_rotary_and_fewer_token_rows():
     # A model without rotary (cos/sin None) takes q and k as they are; token rows past the
     # request rows (padding) come out zero.

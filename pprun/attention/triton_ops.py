@@ -46,6 +46,21 @@ _DECODE_BLOCK_N = 64
 _DECODE_NUM_WARPS = 2  # 4 before: batch 1 0.803 vs 0.817 ms, batch 32 1.126 vs 1.135 (H200, same process)
 _DECODE_NUM_STAGES = 2
 DECODE_PRELOAD_KV = True
+DECODE_PREFETCH_FRACTION = 0.0
+"""Share of each row of the weight that follows attention in the layer (``gate_up``, handed over
+as ``prefetch``) that the decode attention asks L2 to fetch while it runs: attention is bound by
+its chain of dependent loads and leaves most of the memory bandwidth idle, ``gate_up`` streams
+67 MB at batch 32 right after ``o_proj``.  One ``cp.async.bulk.prefetch.L2`` per weight row,
+spread over the attention's programs and issued at their start (nothing waits for it); the
+leading bytes of every row, because every ``gate_up`` program streams its rows from K = 0 and
+the slowest program sets the kernel's time.  0 turns it off.  Prepared for measurement
+(``scripts/gpu_speed.py --ab --ab-only DECODE_PREFETCH_FRACTION=0.3``), not yet measured."""
+DECODE_PREFETCH_EVICT_LAST = False
+"""Prefetch with an L2 evict-last policy, so that the K/V tiles streaming through L2 meanwhile
+go first (A/B switch, not yet measured)."""
+DECODE_KV_EVICT_FIRST = False
+"""Load the decode K/V tiles with an evict-first policy: each is read once per step, while the
+prefetched weights are read by the next kernels (A/B switch, not yet measured)."""
 """Decode with a new token: each program loads its first K/V tile (and the step's metadata)
 before waiting for the qkv kernel (PDL), overlapping that kernel's tail; ``scripts/gpu_speed.py
 --ab`` flips it."""
@@ -300,13 +315,44 @@ def _kv_offsets(bt_row, n0, end, kv_head, d_mask, stride_c_blk, stride_c_off, st
 
 @triton.jit
 def _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kv_head, offs_d, d_mask,
-             stride_c_blk, stride_c_off, stride_c_head, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+             stride_c_blk, stride_c_off, stride_c_head, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+             EVICT_FIRST: tl.constexpr = False):
     """Load the K and V tile of cached positions ``[n0, n0 + BLOCK_N)`` (masked at ``end``)."""
     _, n_mask, kv_off, kv_mask = _kv_offsets(bt_row, n0, end, kv_head, d_mask, stride_c_blk, stride_c_off,
                                              stride_c_head, BLOCK_N, PAGE_SIZE)
-    k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    k_ptrs = k_cache_ptr + kv_off[:, None] + offs_d[None, :]
+    v_ptrs = v_cache_ptr + kv_off[:, None] + offs_d[None, :]
+    if EVICT_FIRST:
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0, eviction_policy="evict_first")
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0, eviction_policy="evict_first")
+    else:
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     return k, v, n_mask
+
+
+@triton.jit
+def _prefetch_rows_l2(ptr, row_stride, num_rows, row_bytes, first_row, rows_per_program,
+                      ROWS: tl.constexpr, EVICT_LAST: tl.constexpr):
+    """Ask L2 for the first ``row_bytes`` of rows ``[first_row, first_row + rows_per_program)``
+    of the matrix at ``ptr`` (rows ``row_stride`` elements apart, 16-byte aligned): one bulk
+    prefetch per row, fire-and-forget (sm_90+)."""
+    rows = first_row + tl.arange(0, ROWS)
+    mask = (rows < num_rows) & (rows < first_row + rows_per_program)
+    addrs = ptr + rows.to(tl.int64) * row_stride
+    size = tl.zeros([ROWS], tl.int32) + row_bytes
+    if EVICT_LAST:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b64 pol; setp.ne.b32 p, $2, 0; "
+            "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+            "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $3, pol; mov.u32 $0, 0; }",
+            "=r,l,r,r", [addrs, mask.to(tl.int32), size], dtype=tl.int32, is_pure=False, pack=1,
+        )
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
+            "=r,l,r,r", [addrs, mask.to(tl.int32), size], dtype=tl.int32, is_pure=False, pack=1,
+        )
 
 
 @triton.jit
@@ -344,6 +390,11 @@ def _decode_kernel(
     counter_ptr,
     qkv_bias_ptr,
     qkv_part_stride,
+    prefetch_ptr,
+    prefetch_row_stride,
+    prefetch_rows,
+    prefetch_row_bytes,
+    prefetch_rows_per_program,
     scale_log2,
     stride_q_tok,
     stride_q_head,
@@ -376,6 +427,9 @@ def _decode_kernel(
     USE_PDL: tl.constexpr,
     QKV_PARTS: tl.constexpr,
     QKV_BIAS: tl.constexpr,
+    PREFETCH_ROWS: tl.constexpr,
+    PREFETCH_EVICT_LAST: tl.constexpr,
+    KV_EVICT_FIRST: tl.constexpr,
 ):
     # One program per (request, kv head, context split).  With QKV_PARTS q/k/v point into the
     # qkv matmul's fp32 split-K partials, merged here as they are read (_load_act).  With NEW_TOKEN the request's new
@@ -385,6 +439,12 @@ def _decode_kernel(
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if PREFETCH_ROWS > 0:
+        # The next weights into L2 (DECODE_PREFETCH_FRACTION): they depend on nothing of this step.
+        program = (req * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split
+        _prefetch_rows_l2(prefetch_ptr, prefetch_row_stride, prefetch_rows, prefetch_row_bytes,
+                          program * prefetch_rows_per_program, prefetch_rows_per_program, PREFETCH_ROWS,
+                          PREFETCH_EVICT_LAST)
     if not NEW_TOKEN:
         # The cache was written by the kernel just before (PDL: wait before reading anything).
         pdl_sync(USE_PDL)
@@ -425,7 +485,7 @@ def _decode_kernel(
     if PRELOAD_KV:
         # The first tile of this split's cached tokens, in flight across the wait.
         k0, v0, n_mask0 = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, start, end, kv_head, offs_d, d_mask,
-                                   stride_c_blk, stride_c_off, stride_c_head, BLOCK_N, PAGE_SIZE)
+                                   stride_c_blk, stride_c_off, stride_c_head, BLOCK_N, PAGE_SIZE, KV_EVICT_FIRST)
     if HAS_ROPE:
         partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
         pos = tl.load(pos_ptr + req).to(tl.int64)
@@ -476,7 +536,7 @@ def _decode_kernel(
         first = start + BLOCK_N
     for n0 in range(first, end, BLOCK_N):
         k, v, n_mask = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kv_head, offs_d, d_mask,
-                                stride_c_blk, stride_c_off, stride_c_head, BLOCK_N, PAGE_SIZE)
+                                stride_c_blk, stride_c_off, stride_c_head, BLOCK_N, PAGE_SIZE, KV_EVICT_FIRST)
         m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, DOT_F32)
 
     out_rows = out_ptr + req * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
@@ -524,12 +584,13 @@ def _launch_decode(
     num_reqs_padded: int,
     new_token: tuple[torch.Tensor, ...] | None = None,
     qkv_parts: SplitPartials | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch :func:`_decode_kernel` over ``min(q rows, num_reqs_padded)`` rows (inputs checked
     by the caller); ``new_token`` is ``(k, v, cos, sin, positions, slot_mapping)`` (cos/sin may
     be None) or None when the cache already holds every token; ``qkv_parts`` the partials that
-    ``q``/``k``/``v`` are views of (with a new token only).  Token rows past the request rows
-    are zeroed."""
+    ``q``/``k``/``v`` are views of (with a new token only); ``prefetch`` the weight read next
+    (see :data:`DECODE_PREFETCH_FRACTION`).  Token rows past the request rows are zeroed."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, page_size = kv_cache.shape[3], kv_cache.shape[2]
     num_rows_padded = min(q.shape[0], num_reqs_padded)
@@ -553,6 +614,15 @@ def _launch_decode(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_parts = qkv_parts.parts.shape[0] if qkv_parts is not None else 0
     qkv_bias = qkv_parts.bias if qkv_parts is not None else None
+    pf_rows, pf_stride, pf_bytes, pf_per, pf_block = 0, 0, 0, 0, 0
+    if prefetch is not None and DECODE_PREFETCH_FRACTION > 0 and not _INTERPRETED:
+        pf_rows, row_len = prefetch.shape
+        pf_stride = prefetch.stride(0)
+        # Whole 16-byte units from each row's start (the bulk prefetch's granularity).
+        pf_bytes = int(row_len * prefetch.element_size() * min(DECODE_PREFETCH_FRACTION, 1.0)) // 16 * 16
+        programs = num_rows_padded * num_kv_heads * num_splits
+        pf_per = -(-pf_rows // programs)
+        pf_block = triton.next_power_of_2(pf_per) if pf_bytes > 0 else 0
     _decode_kernel[(num_rows_padded, num_kv_heads, num_splits)](
         q,
         k,
@@ -572,6 +642,11 @@ def _launch_decode(
         counter,
         qkv_bias if qkv_bias is not None else q,
         qkv_parts.parts.stride(0) if qkv_parts is not None else 0,
+        prefetch if pf_block else q,
+        pf_stride,
+        pf_rows,
+        pf_bytes,
+        pf_per,
         scale * LOG2_E,
         q.stride(0),
         q.stride(1),
@@ -604,6 +679,9 @@ def _launch_decode(
         PRELOAD_KV=DECODE_PRELOAD_KV,
         QKV_PARTS=num_parts,
         QKV_BIAS=qkv_bias is not None,
+        PREFETCH_ROWS=pf_block,
+        PREFETCH_EVICT_LAST=DECODE_PREFETCH_EVICT_LAST,
+        KV_EVICT_FIRST=DECODE_KV_EVICT_FIRST,
         num_warps=_DECODE_NUM_WARPS,
         num_stages=_DECODE_NUM_STAGES,
         **(_NO_FMA if has_rope else {}),
@@ -655,6 +733,7 @@ def paged_decode_attention_rope(
     scale: float,
     out: torch.Tensor,
     qkv_parts: SplitPartials | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A decode step's attention in one launch: rotary on q and k, the new K/V written to the
     cache, flash-decoding over the cache, and the context splits merged in the same kernel.
@@ -664,6 +743,11 @@ def paged_decode_attention_rope(
     ``qkv_parts.parts[0]`` (split as the merged output would be), merged with the bias as they
     are read and rounded to ``out``'s dtype, the activations' (bit for bit what the matmul's own
     merge writes).
+
+    ``prefetch``: a 2-d weight on ``q``'s device that a later kernel of the step reads (the
+    layer's ``gate_up``); with :data:`DECODE_PREFETCH_FRACTION` above 0 the leading share of each
+    row is fetched into L2 while this kernel runs (skipped for rows that do not start 16-byte
+    aligned or are not contiguous).  It changes no result.
 
     Equals ``rotary_qk`` then :func:`paged_attention` with ``max_query_len == 1`` (rounding
     aside: the new token's score is summed outside the tile dot).  ``q``/``k``/``v`` are the
@@ -730,9 +814,16 @@ def paged_decode_attention_rope(
                 )
     for name, t in (("k", k), ("v", v)):
         _check_last_dim_contiguous(name, t)
+    if prefetch is not None:
+        if prefetch.dim() != 2 or prefetch.device != q.device:
+            raise ValueError(
+                f"prefetch must be a 2-d tensor on {q.device}, got shape {tuple(prefetch.shape)} on {prefetch.device}"
+            )
+        if prefetch.stride(1) != 1 or (prefetch.stride(0) * prefetch.element_size()) % 16 or prefetch.data_ptr() % 16:
+            prefetch = None  # rows a bulk prefetch cannot take (16-byte aligned starts): a hint, skipped
     return _launch_decode(
         q, kv_cache, block_table, seq_lens, scale, out, num_reqs_padded,
-        new_token=(k, v, cos, sin, positions, slot_mapping), qkv_parts=qkv_parts,
+        new_token=(k, v, cos, sin, positions, slot_mapping), qkv_parts=qkv_parts, prefetch=prefetch,
     )
 
 

@@ -148,14 +148,17 @@ class Attention(nn.Module):
         """[2, num_blocks, block_size, num_kv_heads, head_dim], bound by the worker."""
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+        prefetch: torch.Tensor | None = None,
     ) -> torch.Tensor | SplitPartials:
         """Attend ``x [T, hidden]`` over the request contexts described by ``meta``; returns
-        ``o_proj``'s output, or on the decode path its unmerged partials (for the next norm)."""
+        ``o_proj``'s output, or on the decode path its unmerged partials (for the next norm).
+        ``prefetch``: a weight the layer reads after attention (see :meth:`attend`)."""
         # The kernel before is the input norm on its own, which leaves the bandwidth idle.  A
         # decode step's attention kernel merges a split qkv's partials as it reads q, k and v.
         defer = "attention" if self._rope_decode(meta, x) is not None else None
-        return self.attend(positions, linear(self.qkv_proj, x, weights_ahead=True, defer_merge=defer), meta)
+        qkv = linear(self.qkv_proj, x, weights_ahead=True, defer_merge=defer)
+        return self.attend(positions, qkv, meta, prefetch)
 
     def _rope_decode(self, meta: AttentionMetadata, x: torch.Tensor) -> Callable | None:
         """The backend's one-kernel decode step, if this step takes it."""
@@ -165,11 +168,13 @@ class Attention(nn.Module):
         return None
 
     def attend(
-        self, positions: torch.Tensor, qkv: torch.Tensor | SplitPartials, meta: AttentionMetadata
+        self, positions: torch.Tensor, qkv: torch.Tensor | SplitPartials, meta: AttentionMetadata,
+        prefetch: torch.Tensor | None = None,
     ) -> torch.Tensor | SplitPartials:
         """The rest of :meth:`forward` from ``qkv = qkv_proj(x)`` on (``DecoderLayer`` projects
         with the input norm folded in); ``qkv`` may be the projection's unmerged partials on a
-        decode step that :meth:`_rope_decode` takes."""
+        decode step that :meth:`_rope_decode` takes, which is also handed ``prefetch`` (a weight
+        the layer reads after attention, which the one-kernel decode may bring into L2)."""
         parts = qkv if isinstance(qkv, SplitPartials) else None
         src = parts.parts[0] if parts is not None else qkv
         num_tokens = src.shape[0]
@@ -183,6 +188,8 @@ class Attention(nn.Module):
         if rope_decode is not None:
             # One kernel: rotary, cache write, attention (see pprun.attention.backend).
             extra = {"qkv_parts": parts} if parts is not None else {}
+            if prefetch is not None:
+                extra["prefetch"] = prefetch
             out = rope_decode(
                 q, k, v, self.rotary.cos, self.rotary.sin, positions, self.kv_cache, meta, self.scale, **extra
             )
@@ -247,13 +254,15 @@ class DecoderLayer(nn.Module):
         then gate_up with its SwiGLU); otherwise each norm runs on its own, and merges the
         partials of a split-K ``o_proj`` or ``down`` before it (the output may be such partials).
         """
+        # gate_up reads the most bytes after attention, which leaves the bandwidth idle.
+        after = self.mlp.gate_up_proj.weight
         folded = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden_states, residual)
         if folded is not None:
             qkv, residual = folded
-            h = self.self_attn.attend(positions, qkv, meta)
+            h = self.self_attn.attend(positions, qkv, meta, after)
         else:
             h, residual = self.input_layernorm(hidden_states, residual)
-            h = self.self_attn(positions, h, meta)
+            h = self.self_attn(positions, h, meta, after)
         folded = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual, swiglu=True)
         if folded is not None:
             act, residual = folded
