@@ -226,7 +226,8 @@ def switches() -> list[tuple]:
             (pprun.layers, "DEFER_MERGE_ENABLED", False, False),
             (pprun.layers.skinny, "DEFERRED_TARGET_PROGRAMS", 128, False),
             (pprun.layers.fused, "NORM_PARTS_NUM_WARPS", 4, False),
-            (pprun.attention.triton_ops, "DECODE_PREFETCH_FRACTION", 0.3, True),
+            (pprun.attention.triton_ops, "DECODE_PREFETCH_FRACTION_1", 1.0, True),
+            (pprun.attention.triton_ops, "DECODE_PREFETCH_FRACTION_2", 0.3, True),
             (pprun.attention.triton_ops, "DECODE_PREFETCH_EVICT_LAST", True, True),
             (pprun.attention.triton_ops, "DECODE_KV_EVICT_FIRST", True, True)]
 
@@ -274,8 +275,9 @@ def main() -> None:
                          "stored head-major or token-major, whichever is not the default (HEAD_MAJOR), o_proj's and down's split-K partials merged by "
                          "their own launch instead of the next kernel's (DEFER_MERGE_ENABLED), the norm-merged ones split K until ~128 "
                          "programs instead of ~256 (DEFERRED_TARGET_PROGRAMS), 4 warps per row instead of 16 in the norm "
-                         "that merges partials (NORM_PARTS_NUM_WARPS), decode attention fetching the first 30%% of "
-                         "each gate_up weight row into L2 (DECODE_PREFETCH_FRACTION), with an evict-last policy "
+                         "that merges partials (NORM_PARTS_NUM_WARPS), decode attention fetching o_proj's weight "
+                         "into L2 (DECODE_PREFETCH_FRACTION_1) or the first 30%% of each gate_up weight row "
+                         "(DECODE_PREFETCH_FRACTION_2), with an evict-last policy "
                          "(DECODE_PREFETCH_EVICT_LAST), K/V tiles loaded evict-first (DECODE_KV_EVICT_FIRST)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "

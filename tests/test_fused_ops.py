@@ -326,13 +326,14 @@ def test_tiny_llama_deferred_merges_match_in_kernel_merges(monkeypatch, tmp_path
 
 @pytest.mark.gpu
 def test_tiny_llama_decode_prefetch_changes_nothing(monkeypatch, tiny_llama_dir):
-    """A whole bf16 model with the Triton decode: the attention's L2 prefetch of gate_up leaves the
-    logits bit for bit as they are."""
+    """A whole bf16 model with the Triton decode: the attention's L2 prefetch of o_proj and
+    gate_up leaves the logits bit for bit as they are."""
     from pprun.attention import triton_ops
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("cp.async.bulk.prefetch needs sm_90")
     _, model_logits = _tiny_llama_on_cuda(tiny_llama_dir, torch.bfloat16, [[42], [7], [9]], "triton")
     want = model_logits()
-    monkeypatch.setattr(triton_ops, "DECODE_PREFETCH_FRACTION", 0.5)
+    monkeypatch.setattr(triton_ops, "DECODE_PREFETCH_FRACTION_1", 1.0)
+    monkeypatch.setattr(triton_ops, "DECODE_PREFETCH_FRACTION_2", 0.5)
     assert torch.equal(model_logits(), want)

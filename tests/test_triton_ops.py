@@ -576,16 +576,22 @@ def test_triton_rope_decode_rejects_bad_prefetch():
         paged_decode_attention_rope(
             case.q, case.k, case.v, None, None, torch.zeros(1, dtype=torch.long, device=TRITON_DEVICE),
             case.kv_cache.clone(), case.slot_mapping, case.block_table, case.seq_lens, case.scale, out,
-            prefetch=skipped,
+            prefetch=(skipped, None),
         )
         assert not out.isnan().any()
-    # ... a tensor that is no weight matrix, or on another device, an error.
+    # ... a tensor that is no weight matrix, or on another device, or a third weight, an error.
+    with pytest.raises(ValueError, match="at most 2 weights"):
+        paged_decode_attention_rope(
+            case.q, case.k, case.v, None, None, torch.zeros(1, dtype=torch.long, device=TRITON_DEVICE),
+            case.kv_cache.clone(), case.slot_mapping, case.block_table, case.seq_lens, case.scale,
+            torch.empty_like(case.q), prefetch=(weight, weight, weight),
+        )
     for bad in (weight[0], torch.zeros(8, 36, device="meta")):
-        with pytest.raises(ValueError, match="prefetch must be"):
+        with pytest.raises(ValueError, match="prefetch must hold 2-d tensors"):
             paged_decode_attention_rope(
                 case.q, case.k, case.v, None, None, torch.zeros(1, dtype=torch.long, device=TRITON_DEVICE),
                 case.kv_cache.clone(), case.slot_mapping, case.block_table, case.seq_lens, case.scale,
-                torch.empty_like(case.q), prefetch=bad,
+                torch.empty_like(case.q), prefetch=(None, bad),
             )
 
 
@@ -612,12 +618,13 @@ def test_triton_rope_decode_prefetch_changes_nothing_gpu(evict_last, kv_evict_fi
         cache, out = case.kv_cache.clone(), torch.empty_like(case.q)
         triton_ops.paged_decode_attention_rope(
             case.q, case.k, case.v, cos, sin, positions, cache, case.slot_mapping, case.block_table,
-            case.seq_lens, case.scale, out, prefetch=weight,
+            case.seq_lens, case.scale, out, prefetch=(weight[:600], weight),
         )
         return out, cache
 
     want = run()
-    monkeypatch.setattr(triton_ops, "DECODE_PREFETCH_FRACTION", 0.3)
+    monkeypatch.setattr(triton_ops, "DECODE_PREFETCH_FRACTION_1", 1.0)
+    monkeypatch.setattr(triton_ops, "DECODE_PREFETCH_FRACTION_2", 0.3)
     monkeypatch.setattr(triton_ops, "DECODE_PREFETCH_EVICT_LAST", evict_last)
     monkeypatch.setattr(triton_ops, "DECODE_KV_EVICT_FIRST", kv_evict_first)
     got = run()

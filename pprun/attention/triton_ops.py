@@ -46,15 +46,18 @@ _DECODE_BLOCK_N = 64
 _DECODE_NUM_WARPS = 2  # 4 before: batch 1 0.803 vs 0.817 ms, batch 32 1.126 vs 1.135 (H200, same process)
 _DECODE_NUM_STAGES = 2
 DECODE_PRELOAD_KV = True
-DECODE_PREFETCH_FRACTION = 0.0
-"""Share of each row of the weight that follows attention in the layer (``gate_up``, handed over
-as ``prefetch``) that the decode attention asks L2 to fetch while it runs: attention is bound by
-its chain of dependent loads and leaves most of the memory bandwidth idle, ``gate_up`` streams
-67 MB at batch 32 right after ``o_proj``.  One ``cp.async.bulk.prefetch.L2`` per weight row,
-spread over the attention's programs and issued at their start (nothing waits for it); the
-leading bytes of every row, because every ``gate_up`` program streams its rows from K = 0 and
-the slowest program sets the kernel's time.  0 turns it off.  Prepared for measurement
-(``scripts/gpu_speed.py --ab --ab-only DECODE_PREFETCH_FRACTION=0.3``), not yet measured."""
+DECODE_PREFETCH_FRACTION_1 = 0.0
+"""Share of each row of the first weight read after attention (``prefetch[0]``: a Llama layer's
+``o_proj``) that the decode attention asks L2 to fetch while it runs (0: off).  Attention is
+bound by its chain of dependent loads and leaves most of the memory bandwidth idle.  One
+``cp.async.bulk.prefetch.L2`` per weight row, spread over the attention's programs and issued at
+their start (nothing waits for it); the leading bytes of every row, because every matmul program
+streams its rows from K = 0 and the slowest program sets the kernel's time.  Prepared for
+measurement (``scripts/gpu_speed.py --ab --ab-only DECODE_PREFETCH_FRACTION_1=1.0``), not yet
+measured."""
+DECODE_PREFETCH_FRACTION_2 = 0.0
+"""The same for the second weight (``prefetch[1]``: ``gate_up``, 67 MB at batch 32, more than
+attention's idle bandwidth brings in, hence a share: ``--ab-only DECODE_PREFETCH_FRACTION_2=0.3``)."""
 DECODE_PREFETCH_EVICT_LAST = False
 """Prefetch with an L2 evict-last policy, so that the K/V tiles streaming through L2 meanwhile
 go first (A/B switch, not yet measured)."""
@@ -332,11 +335,13 @@ def _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kv_head, offs_d, d_mask,
 
 
 @triton.jit
-def _prefetch_rows_l2(ptr, row_stride, num_rows, row_bytes, first_row, rows_per_program,
+def _prefetch_rows_l2(ptr, row_stride, num_rows, row_bytes, program, rows_per_program,
                       ROWS: tl.constexpr, EVICT_LAST: tl.constexpr):
     """Ask L2 for the first ``row_bytes`` of rows ``[first_row, first_row + rows_per_program)``
-    of the matrix at ``ptr`` (rows ``row_stride`` elements apart, 16-byte aligned): one bulk
-    prefetch per row, fire-and-forget (sm_90+)."""
+    of the matrix at ``ptr`` (rows ``row_stride`` elements apart, 16-byte aligned), with
+    ``first_row = program * rows_per_program``: one bulk prefetch per row, fire-and-forget
+    (sm_90+)."""
+    first_row = program * rows_per_program
     rows = first_row + tl.arange(0, ROWS)
     mask = (rows < num_rows) & (rows < first_row + rows_per_program)
     addrs = ptr + rows.to(tl.int64) * row_stride
@@ -390,11 +395,16 @@ def _decode_kernel(
     counter_ptr,
     qkv_bias_ptr,
     qkv_part_stride,
-    prefetch_ptr,
-    prefetch_row_stride,
-    prefetch_rows,
-    prefetch_row_bytes,
-    prefetch_rows_per_program,
+    pf1_ptr,
+    pf1_row_stride,
+    pf1_rows,
+    pf1_row_bytes,
+    pf1_rows_per_program,
+    pf2_ptr,
+    pf2_row_stride,
+    pf2_rows,
+    pf2_row_bytes,
+    pf2_rows_per_program,
     scale_log2,
     stride_q_tok,
     stride_q_head,
@@ -427,7 +437,8 @@ def _decode_kernel(
     USE_PDL: tl.constexpr,
     QKV_PARTS: tl.constexpr,
     QKV_BIAS: tl.constexpr,
-    PREFETCH_ROWS: tl.constexpr,
+    PF1_ROWS: tl.constexpr,
+    PF2_ROWS: tl.constexpr,
     PREFETCH_EVICT_LAST: tl.constexpr,
     KV_EVICT_FIRST: tl.constexpr,
 ):
@@ -439,12 +450,15 @@ def _decode_kernel(
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if PREFETCH_ROWS > 0:
-        # The next weights into L2 (DECODE_PREFETCH_FRACTION): they depend on nothing of this step.
-        program = (req * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split
-        _prefetch_rows_l2(prefetch_ptr, prefetch_row_stride, prefetch_rows, prefetch_row_bytes,
-                          program * prefetch_rows_per_program, prefetch_rows_per_program, PREFETCH_ROWS,
-                          PREFETCH_EVICT_LAST)
+    # The weights read after this kernel into L2 (DECODE_PREFETCH_FRACTION_*): they depend on
+    # nothing of this step.
+    program = (req * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split
+    if PF1_ROWS > 0:
+        _prefetch_rows_l2(pf1_ptr, pf1_row_stride, pf1_rows, pf1_row_bytes, program, pf1_rows_per_program,
+                          PF1_ROWS, PREFETCH_EVICT_LAST)
+    if PF2_ROWS > 0:
+        _prefetch_rows_l2(pf2_ptr, pf2_row_stride, pf2_rows, pf2_row_bytes, program, pf2_rows_per_program,
+                          PF2_ROWS, PREFETCH_EVICT_LAST)
     if not NEW_TOKEN:
         # The cache was written by the kernel just before (PDL: wait before reading anything).
         pdl_sync(USE_PDL)
@@ -584,13 +598,14 @@ def _launch_decode(
     num_reqs_padded: int,
     new_token: tuple[torch.Tensor, ...] | None = None,
     qkv_parts: SplitPartials | None = None,
-    prefetch: torch.Tensor | None = None,
+    prefetch: tuple[torch.Tensor, ...] = (),
 ) -> torch.Tensor:
     """Launch :func:`_decode_kernel` over ``min(q rows, num_reqs_padded)`` rows (inputs checked
     by the caller); ``new_token`` is ``(k, v, cos, sin, positions, slot_mapping)`` (cos/sin may
     be None) or None when the cache already holds every token; ``qkv_parts`` the partials that
-    ``q``/``k``/``v`` are views of (with a new token only); ``prefetch`` the weight read next
-    (see :data:`DECODE_PREFETCH_FRACTION`).  Token rows past the request rows are zeroed."""
+    ``q``/``k``/``v`` are views of (with a new token only); ``prefetch`` up to two weights read
+    next, in order (see :data:`DECODE_PREFETCH_FRACTION_1`), None for one to skip.  Token rows
+    past the request rows are zeroed."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, page_size = kv_cache.shape[3], kv_cache.shape[2]
     num_rows_padded = min(q.shape[0], num_reqs_padded)
@@ -614,15 +629,19 @@ def _launch_decode(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_parts = qkv_parts.parts.shape[0] if qkv_parts is not None else 0
     qkv_bias = qkv_parts.bias if qkv_parts is not None else None
-    pf_rows, pf_stride, pf_bytes, pf_per, pf_block = 0, 0, 0, 0, 0
-    if prefetch is not None and DECODE_PREFETCH_FRACTION > 0 and not _INTERPRETED:
-        pf_rows, row_len = prefetch.shape
-        pf_stride = prefetch.stride(0)
-        # Whole 16-byte units from each row's start (the bulk prefetch's granularity).
-        pf_bytes = int(row_len * prefetch.element_size() * min(DECODE_PREFETCH_FRACTION, 1.0)) // 16 * 16
-        programs = num_rows_padded * num_kv_heads * num_splits
-        pf_per = -(-pf_rows // programs)
-        pf_block = triton.next_power_of_2(pf_per) if pf_bytes > 0 else 0
+    programs = num_rows_padded * num_kv_heads * num_splits
+    slots = []  # per weight: (tensor, row stride, rows, bytes per row, rows per program, ROWS)
+    for weight, fraction in zip(prefetch, (DECODE_PREFETCH_FRACTION_1, DECODE_PREFETCH_FRACTION_2)):
+        row_bytes = 0
+        if weight is not None and fraction > 0 and not _INTERPRETED:
+            # Whole 16-byte units from each row's start (the bulk prefetch's granularity).
+            row_bytes = int(weight.shape[1] * weight.element_size() * min(fraction, 1.0)) // 16 * 16
+        if row_bytes:
+            per = -(-weight.shape[0] // programs)
+            slots.append((weight, weight.stride(0), weight.shape[0], row_bytes, per, triton.next_power_of_2(per)))
+        else:
+            slots.append((q, 0, 0, 0, 0, 0))  # off (q: a placeholder pointer, never read)
+    slots += [(q, 0, 0, 0, 0, 0)] * (2 - len(slots))
     _decode_kernel[(num_rows_padded, num_kv_heads, num_splits)](
         q,
         k,
@@ -642,11 +661,8 @@ def _launch_decode(
         counter,
         qkv_bias if qkv_bias is not None else q,
         qkv_parts.parts.stride(0) if qkv_parts is not None else 0,
-        prefetch if pf_block else q,
-        pf_stride,
-        pf_rows,
-        pf_bytes,
-        pf_per,
+        *slots[0][:5],
+        *slots[1][:5],
         scale * LOG2_E,
         q.stride(0),
         q.stride(1),
@@ -679,7 +695,8 @@ def _launch_decode(
         PRELOAD_KV=DECODE_PRELOAD_KV,
         QKV_PARTS=num_parts,
         QKV_BIAS=qkv_bias is not None,
-        PREFETCH_ROWS=pf_block,
+        PF1_ROWS=slots[0][5],
+        PF2_ROWS=slots[1][5],
         PREFETCH_EVICT_LAST=DECODE_PREFETCH_EVICT_LAST,
         KV_EVICT_FIRST=DECODE_KV_EVICT_FIRST,
         num_warps=_DECODE_NUM_WARPS,
@@ -733,7 +750,7 @@ def paged_decode_attention_rope(
     scale: float,
     out: torch.Tensor,
     qkv_parts: SplitPartials | None = None,
-    prefetch: torch.Tensor | None = None,
+    prefetch: tuple[torch.Tensor | None, ...] = (),
 ) -> torch.Tensor:
     """A decode step's attention in one launch: rotary on q and k, the new K/V written to the
     cache, flash-decoding over the cache, and the context splits merged in the same kernel.
@@ -744,9 +761,10 @@ def paged_decode_attention_rope(
     are read and rounded to ``out``'s dtype, the activations' (bit for bit what the matmul's own
     merge writes).
 
-    ``prefetch``: a 2-d weight on ``q``'s device that a later kernel of the step reads (the
-    layer's ``gate_up``); with :data:`DECODE_PREFETCH_FRACTION` above 0 the leading share of each
-    row is fetched into L2 while this kernel runs (skipped for rows that do not start 16-byte
+    ``prefetch``: up to two 2-d weights on ``q``'s device that later kernels of the step read, in
+    their order (a Llama layer's ``o_proj``, then ``gate_up``); with
+    :data:`DECODE_PREFETCH_FRACTION_1` / ``_2`` above 0 the leading share of each one's rows is
+    fetched into L2 while this kernel runs (skipped for a weight whose rows do not start 16-byte
     aligned or are not contiguous).  It changes no result.
 
     Equals ``rotary_qk`` then :func:`paged_attention` with ``max_query_len == 1`` (rounding
@@ -814,13 +832,16 @@ def paged_decode_attention_rope(
                 )
     for name, t in (("k", k), ("v", v)):
         _check_last_dim_contiguous(name, t)
-    if prefetch is not None:
-        if prefetch.dim() != 2 or prefetch.device != q.device:
-            raise ValueError(
-                f"prefetch must be a 2-d tensor on {q.device}, got shape {tuple(prefetch.shape)} on {prefetch.device}"
-            )
-        if prefetch.stride(1) != 1 or (prefetch.stride(0) * prefetch.element_size()) % 16 or prefetch.data_ptr() % 16:
-            prefetch = None  # rows a bulk prefetch cannot take (16-byte aligned starts): a hint, skipped
+    if len(prefetch) > 2:
+        raise ValueError(f"prefetch takes at most 2 weights, got {len(prefetch)}")
+    usable = []
+    for w in prefetch:
+        if w is not None and (w.dim() != 2 or w.device != q.device):
+            raise ValueError(f"prefetch must hold 2-d tensors on {q.device}, got shape {tuple(w.shape)} on {w.device}")
+        if w is not None and (w.stride(1) != 1 or (w.stride(0) * w.element_size()) % 16 or w.data_ptr() % 16):
+            w = None  # rows a bulk prefetch cannot take (16-byte aligned starts): a hint, skipped
+        usable.append(w)
+    prefetch = tuple(usable)
     return _launch_decode(
         q, kv_cache, block_table, seq_lens, scale, out, num_reqs_padded,
         new_token=(k, v, cos, sin, positions, slot_mapping), qkv_parts=qkv_parts, prefetch=prefetch,

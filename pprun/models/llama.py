@@ -153,7 +153,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor | SplitPartials:
         """Attend ``x [T, hidden]`` over the request contexts described by ``meta``; returns
         ``o_proj``'s output, or on the decode path its unmerged partials (for the next norm).
-        ``prefetch``: a weight the layer reads after attention (see :meth:`attend`)."""
+        ``prefetch``: the weight the layer reads after ``o_proj`` (see :meth:`attend`)."""
         # The kernel before is the input norm on its own, which leaves the bandwidth idle.  A
         # decode step's attention kernel merges a split qkv's partials as it reads q, k and v.
         defer = "attention" if self._rope_decode(meta, x) is not None else None
@@ -173,8 +173,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor | SplitPartials:
         """The rest of :meth:`forward` from ``qkv = qkv_proj(x)`` on (``DecoderLayer`` projects
         with the input norm folded in); ``qkv`` may be the projection's unmerged partials on a
-        decode step that :meth:`_rope_decode` takes, which is also handed ``prefetch`` (a weight
-        the layer reads after attention, which the one-kernel decode may bring into L2)."""
+        decode step that :meth:`_rope_decode` takes, which is also handed ``o_proj``'s weight and
+        ``prefetch`` (the weight the layer reads after it): the weights read after attention, in
+        order, which the one-kernel decode may bring into L2."""
         parts = qkv if isinstance(qkv, SplitPartials) else None
         src = parts.parts[0] if parts is not None else qkv
         num_tokens = src.shape[0]
@@ -188,8 +189,7 @@ class Attention(nn.Module):
         if rope_decode is not None:
             # One kernel: rotary, cache write, attention (see pprun.attention.backend).
             extra = {"qkv_parts": parts} if parts is not None else {}
-            if prefetch is not None:
-                extra["prefetch"] = prefetch
+            extra["prefetch"] = (self.o_proj.weight, prefetch)
             out = rope_decode(
                 q, k, v, self.rotary.cos, self.rotary.sin, positions, self.kv_cache, meta, self.scale, **extra
             )
