@@ -46,6 +46,9 @@ _DECODE_BLOCK_N = 64
 _DECODE_NUM_WARPS = 2  # 4 before: batch 1 0.803 vs 0.817 ms, batch 32 1.126 vs 1.135 (H200, same process)
 _DECODE_NUM_STAGES = 2
 DECODE_PRELOAD_KV = True
+"""Decode with a new token: each program loads its first K/V tile (and the step's metadata)
+before waiting for the qkv kernel (PDL), overlapping that kernel's tail; ``scripts/gpu_speed.py
+--ab`` flips it."""
 DECODE_PREFETCH_FRACTION_1 = 0.0
 """Share of each row of the first weight read after attention (``prefetch[0]``: a Llama layer's
 ``o_proj``) that the decode attention asks L2 to fetch while it runs (0: off).  Attention is
@@ -64,9 +67,6 @@ go first (A/B switch, not yet measured)."""
 DECODE_KV_EVICT_FIRST = False
 """Load the decode K/V tiles with an evict-first policy: each is read once per step, while the
 prefetched weights are read by the next kernels (A/B switch, not yet measured)."""
-"""Decode with a new token: each program loads its first K/V tile (and the step's metadata)
-before waiting for the qkv kernel (PDL), overlapping that kernel's tail; ``scripts/gpu_speed.py
---ab`` flips it."""
 # The CPU interpreter multiplies bf16/fp16 dot operands as raw bits; it gets fp32 dots.
 # The rotary products are rounded one by one, as torch does them (see pprun.layers.fused): NO_FMA.
 
@@ -443,10 +443,11 @@ def _decode_kernel(
     KV_EVICT_FIRST: tl.constexpr,
 ):
     # One program per (request, kv head, context split).  With QKV_PARTS q/k/v point into the
-    # qkv matmul's fp32 split-K partials, merged here as they are read (_load_act).  With NEW_TOKEN the request's new
-    # token (position seq_len - 1) is never read back from the cache: the last split takes it
-    # from registers, and the same program writes it to the cache, so no program races the
-    # write.  Without it the cache already holds every token (k/v/rotary/slot unused).
+    # qkv matmul's fp32 split-K partials, merged here as they are read (_load_act).  With
+    # NEW_TOKEN the request's new token (position seq_len - 1) is never read back from the cache:
+    # the last split takes it from registers, and the same program writes it to the cache, so no
+    # program races the write.  Without it the cache already holds every token (k/v/rotary/slot
+    # unused).
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
