@@ -595,6 +595,50 @@ def test_triton_rope_decode_rejects_bad_prefetch():
             )
 
 
+@pytest.mark.parametrize("evict", [False, True])
+def test_decode_prefetch_compiles_for_sm90(evict):
+    """The prepared L2 prefetch (inline PTX) and eviction hints assemble for an H100/H200 without a
+    GPU: Triton compiles the decode kernel ahead of time with its bundled ptxas, and the bulk
+    prefetches are in the PTX (not dropped as dead code)."""
+    triton = pytest.importorskip("triton")
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter has no compiler")
+    from triton.backends.compiler import GPUTarget
+
+    from pprun.attention import triton_ops
+
+    fn = triton_ops._decode_kernel
+    const = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=64, HALF=32, NEW_TOKEN=True, HAS_ROPE=True,
+                 BLOCK_G=16, BLOCK_D=64, BLOCK_N=64, PAGE_SIZE=16, NUM_SPLITS=2, DOT_F32=False, PRELOAD_KV=True,
+                 USE_PDL=True, QKV_PARTS=2, QKV_BIAS=True, PF1_ROWS=32, PF2_ROWS=64, PREFETCH_EVICT_LAST=evict,
+                 KV_EVICT_FIRST=evict)
+    pointers = {"pos_ptr": "*i64", "slot_ptr": "*i64", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+                "counter_ptr": "*i32", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
+                "qkv_bias_ptr": "*bf16", "pf1_ptr": "*bf16", "pf2_ptr": "*bf16"}
+    signature = {}
+    for name in fn.arg_names:
+        if name in const:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = pointers.get(name, "*fp32")
+        else:
+            signature[name] = "fp32" if name == "scale_log2" else "i32"
+    try:
+        compiled = triton.compile(
+            triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=const),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": 2, "num_stages": 2, "enable_fp_fusion": False},
+        )
+    except FileNotFoundError as e:  # a Triton build without the NVIDIA toolchain
+        pytest.skip(f"no ptxas: {e}")
+    ptx = compiled.asm["ptx"]
+    assert ptx.count("cp.async.bulk.prefetch.L2.global") >= 2  # both weights
+    assert ("createpolicy.fractional.L2::evict_last" in ptx) == evict
+    assert compiled.asm["cubin"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bulk L2 prefetch, sm_90)")
 @pytest.mark.parametrize("evict_last", [False, True])
