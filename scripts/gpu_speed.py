@@ -229,8 +229,7 @@ def switches() -> list[tuple]:
             (pprun.attention.triton_ops, "DECODE_PREFETCH_FRACTION_1", 1.0, True),
             (pprun.attention.triton_ops, "DECODE_PREFETCH_FRACTION_2", 0.3, True),
             (pprun.attention.triton_ops, "DECODE_PREFETCH_EVICT_LAST", True, True),
-            (pprun.attention.triton_ops, "DECODE_KV_EVICT_FIRST", True, True),
-            (pprun.attention.triton_ops, "DECODE_DOUBLE_BUFFER", True, True)]
+            (pprun.attention.triton_ops, "DECODE_KV_EVICT_FIRST", True, True)]
 
 
 def parse_settings(text: str) -> list[tuple]:
@@ -279,8 +278,7 @@ def main() -> None:
                          "that merges partials (NORM_PARTS_NUM_WARPS), decode attention fetching o_proj's weight "
                          "into L2 (DECODE_PREFETCH_FRACTION_1) or the first 30%% of each gate_up weight row "
                          "(DECODE_PREFETCH_FRACTION_2), with an evict-last policy "
-                         "(DECODE_PREFETCH_EVICT_LAST), K/V tiles loaded evict-first (DECODE_KV_EVICT_FIRST), each K/V tile's "
-                         "loads issued before the previous tile's math (DECODE_DOUBLE_BUFFER)")
+                         "(DECODE_PREFETCH_EVICT_LAST), K/V tiles loaded evict-first (DECODE_KV_EVICT_FIRST)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
                          "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")

@@ -497,38 +497,6 @@ def test_triton_rope_decode_split_context_merged_in_kernel(dtype, preload_kv, mo
 
 @triton_only
 @pytest.mark.parametrize("preload_kv", [True, False])
-def test_triton_rope_decode_double_buffer_is_the_same_loop(preload_kv, monkeypatch):
-    """``DECODE_DOUBLE_BUFFER`` loads each tile before the previous tile's math: the same tiles
-    in the same order, so output and cache match the plain loop bit for bit (splits of several
-    tiles, one of a single tile, an empty one, a padded row), and both match the reference."""
-    from pprun.attention import triton_ops
-
-    monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_KV", preload_kv)
-    dtype = torch.bfloat16 if TRITON_DEVICE == "cuda" else torch.float32
-    case = make_case(
-        [1, 1, 1], [400, 64, 0], num_heads=4, num_kv_heads=1, head_dim=64, block_size=16,
-        dtype=dtype, device=TRITON_DEVICE, num_reqs_padded=4, num_tokens_padded=4, max_blocks_per_req=64, seed=16,
-    )
-    positions = torch.clamp(case.seq_lens.long() - 1, min=0)
-    cos, sin = _rope_tables(512, 64, TRITON_DEVICE)
-
-    def run() -> tuple[torch.Tensor, torch.Tensor]:
-        cache, out = case.kv_cache.clone(), torch.full_like(case.q, float("nan"))
-        triton_ops.paged_decode_attention_rope(
-            case.q, case.k, case.v, cos, sin, positions, cache, case.slot_mapping, case.block_table,
-            case.seq_lens, case.scale, out,
-        )
-        return out, cache
-
-    want = run()
-    monkeypatch.setattr(triton_ops, "DECODE_DOUBLE_BUFFER", True)
-    got = run()
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    _check_rope_decode(case, dtype)  # and against the reference, double-buffered
-
-
-@triton_only
-@pytest.mark.parametrize("preload_kv", [True, False])
 def test_triton_rope_decode_every_split_holding_tokens(preload_kv, monkeypatch):
     from pprun.attention import triton_ops
     from pprun.attention.triton_ops import num_decode_splits
@@ -629,9 +597,9 @@ def test_triton_rope_decode_rejects_bad_prefetch():
 
 @pytest.mark.parametrize("evict", [False, True])
 def test_decode_prefetch_compiles_for_sm90(evict):
-    """The prepared L2 prefetch (inline PTX), eviction hints and double-buffered loop assemble for
-    an H100/H200 without a GPU: Triton compiles the decode kernel ahead of time with its bundled
-    ptxas, and the bulk prefetches are in the PTX (not dropped as dead code)."""
+    """The prepared L2 prefetch (inline PTX) and eviction hints assemble for an H100/H200 without a
+    GPU: Triton compiles the decode kernel ahead of time with its bundled ptxas, and the bulk
+    prefetches are in the PTX (not dropped as dead code)."""
     triton = pytest.importorskip("triton")
     import os
 
@@ -645,10 +613,7 @@ def test_decode_prefetch_compiles_for_sm90(evict):
     const = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=64, HALF=32, NEW_TOKEN=True, HAS_ROPE=True,
                  BLOCK_G=16, BLOCK_D=64, BLOCK_N=64, PAGE_SIZE=16, NUM_SPLITS=2, DOT_F32=False, PRELOAD_KV=True,
                  USE_PDL=True, QKV_PARTS=2, QKV_BIAS=True, PF1_ROWS=32, PF2_ROWS=64, PREFETCH_EVICT_LAST=evict,
-                 KV_EVICT_FIRST=evict, DOUBLE_BUFFER=evict)
-    assert set(const) <= set(fn.arg_names) and all(
-        name in const for name in fn.arg_names if name.isupper()
-    ), "every constexpr of the kernel is set here"
+                 KV_EVICT_FIRST=evict)
     pointers = {"pos_ptr": "*i64", "slot_ptr": "*i64", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
                 "counter_ptr": "*i32", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
                 "qkv_bias_ptr": "*bf16", "pf1_ptr": "*bf16", "pf2_ptr": "*bf16"}

@@ -67,13 +67,6 @@ go first (A/B switch, not yet measured)."""
 DECODE_KV_EVICT_FIRST = False
 """Load the decode K/V tiles with an evict-first policy: each is read once per step, while the
 prefetched weights are read by the next kernels (A/B switch, not yet measured)."""
-DECODE_DOUBLE_BUFFER = False
-"""Issue each K/V tile's loads before the previous tile's math (registers double-buffered).
-Compiled for sm_90 (Triton 3.7, ``num_stages`` 2 or 3 alike) the decode loop has no ``cp.async``
-pipelining: every tile waits a full load latency, 4-5 in a row per split at batch 32.  Costs
-registers: at 2 warps the kernel already holds 255 per thread and spills, at 4 warps 203-236 and
-none.  Prepared for measurement (``--ab-only DECODE_DOUBLE_BUFFER`` with and without ``--set
-_DECODE_NUM_WARPS=4``), not yet measured."""
 # The CPU interpreter multiplies bf16/fp16 dot operands as raw bits; it gets fp32 dots.
 # The rotary products are rounded one by one, as torch does them (see pprun.layers.fused): NO_FMA.
 
@@ -448,7 +441,6 @@ def _decode_kernel(
     PF2_ROWS: tl.constexpr,
     PREFETCH_EVICT_LAST: tl.constexpr,
     KV_EVICT_FIRST: tl.constexpr,
-    DOUBLE_BUFFER: tl.constexpr,
 ):
     # One program per (request, kv head, context split).  With QKV_PARTS q/k/v point into the
     # qkv matmul's fp32 split-K partials, merged here as they are read (_load_act).  With
@@ -553,30 +545,14 @@ def _decode_kernel(
             m_i = tl.sum(q.to(tl.float32) * k_new[None, :], 1) * scale_log2
             l_i = tl.full([BLOCK_G], 1.0, tl.float32)
             acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + v_new[None, :]
-    if DOUBLE_BUFFER:
-        # Each tile's loads are issued before the previous tile's math, so one load latency
-        # overlaps one tile of compute (Triton does not pipeline this loop with cp.async: its
-        # loads are plain ld.global, one tile after another).  Same tiles, same order, same
-        # math: bit for bit the loop below.  The tile past the end is masked (no memory access).
-        if PRELOAD_KV:
-            k_c, v_c, mask_c = k0, v0, n_mask0
-        else:
-            k_c, v_c, mask_c = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, start, end, kv_head, offs_d, d_mask,
-                                        stride_c_blk, stride_c_off, stride_c_head, BLOCK_N, PAGE_SIZE, KV_EVICT_FIRST)
-        for n0 in range(start + BLOCK_N, end + BLOCK_N, BLOCK_N):
-            k_n, v_n, mask_n = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kv_head, offs_d, d_mask,
-                                        stride_c_blk, stride_c_off, stride_c_head, BLOCK_N, PAGE_SIZE, KV_EVICT_FIRST)
-            m_i, l_i, acc = _attend_tile(q, k_c, v_c, mask_c, m_i, l_i, acc, scale_log2, DOT_F32)
-            k_c, v_c, mask_c = k_n, v_n, mask_n
-    else:
-        first = start
-        if PRELOAD_KV:
-            m_i, l_i, acc = _attend_tile(q, k0, v0, n_mask0, m_i, l_i, acc, scale_log2, DOT_F32)
-            first = start + BLOCK_N
-        for n0 in range(first, end, BLOCK_N):
-            k, v, n_mask = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kv_head, offs_d, d_mask,
-                                    stride_c_blk, stride_c_off, stride_c_head, BLOCK_N, PAGE_SIZE, KV_EVICT_FIRST)
-            m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, DOT_F32)
+    first = start
+    if PRELOAD_KV:
+        m_i, l_i, acc = _attend_tile(q, k0, v0, n_mask0, m_i, l_i, acc, scale_log2, DOT_F32)
+        first = start + BLOCK_N
+    for n0 in range(first, end, BLOCK_N):
+        k, v, n_mask = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kv_head, offs_d, d_mask,
+                                stride_c_blk, stride_c_off, stride_c_head, BLOCK_N, PAGE_SIZE, KV_EVICT_FIRST)
+        m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, DOT_F32)
 
     out_rows = out_ptr + req * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
     if NUM_SPLITS == 1:
@@ -724,7 +700,6 @@ def _launch_decode(
         PF2_ROWS=slots[1][5],
         PREFETCH_EVICT_LAST=DECODE_PREFETCH_EVICT_LAST,
         KV_EVICT_FIRST=DECODE_KV_EVICT_FIRST,
-        DOUBLE_BUFFER=DECODE_DOUBLE_BUFFER,
         num_warps=_DECODE_NUM_WARPS,
         num_stages=_DECODE_NUM_STAGES,
         **(_NO_FMA if has_rope else {}),
