@@ -625,9 +625,13 @@ def test_decode_prefetch_compiles_for_sm90(evict):
             signature[name] = pointers.get(name, "*fp32")
         else:
             signature[name] = "fp32" if name == "scale_log2" else "i32"
+    # As the runtime specializes a launch: pointers 16-byte aligned, strides multiples of 16
+    # (without this Triton neither vectorizes the loads nor pipelines the K/V loop).
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if signature[name].startswith("*") or name.startswith("stride_")}
     try:
         compiled = triton.compile(
-            triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=const),
+            triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=const, attrs=attrs),
             target=GPUTarget("cuda", 90, 32),
             options={"num_warps": 2, "num_stages": 2, "enable_fp_fusion": False},
         )
@@ -635,6 +639,7 @@ def test_decode_prefetch_compiles_for_sm90(evict):
         pytest.skip(f"no ptxas: {e}")
     ptx = compiled.asm["ptx"]
     assert ptx.count("cp.async.bulk.prefetch.L2.global") >= 2  # both weights
+    assert "cp.async.cg.shared.global" in ptx  # the K/V loop still pipelined
     assert ("createpolicy.fractional.L2::evict_last" in ptx) == evict
     assert compiled.asm["cubin"]
 
