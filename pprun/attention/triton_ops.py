@@ -36,15 +36,16 @@ tokens, 15 splits 0.787 ms against 3 splits 0.850."""
 DECODE_PROGRAMS_PER_SM = 2
 """Programs per SM the decode splits aim for: (request, KV head) pairs fewer than this many per
 SM get their context split.  Batch 32 of the 1.1B model (256 pairs) gets 2 splits; its programs
-each walk 4 dependent 64-token tiles at context 512 (``scripts/gpu_speed.py --ab --ab-only
-DECODE_PROGRAMS_PER_SM=8`` tries shorter chains; not yet measured)."""
+each walk 4-5 dependent 64-token tiles at context ~512.  Shorter chains did not pay: batch 32
+graph 1.107 ms at 2 per SM, 1.108 at 4, 1.190 at 8 (``scripts/gpu_speed.py --ab --ab-only
+DECODE_PROGRAMS_PER_SM=4,DECODE_PROGRAMS_PER_SM=8``, H200)."""
 _MAX_SPLITS = 16
 """At most this many splits: with room for 4,096 tokens 16 splits took 0.788 ms and 32 splits
 0.812 (batch 1, context 512: eight splits hold tokens either way)."""
 # Decode launch settings; scripts/tune_decode.py sweeps them on a GPU.
 _DECODE_BLOCK_N = 64
 _DECODE_NUM_WARPS = 2  # 4 before: batch 1 0.803 vs 0.817 ms, batch 32 1.126 vs 1.135 (H200, same process)
-_DECODE_NUM_STAGES = 2
+_DECODE_NUM_STAGES = 2  # 3: batch 32 graph 1.101 and 1.056 vs 1.107 and 1.059 ms, batch 1 slower (H200): no gain
 DECODE_PRELOAD_KV = True
 """Decode with a new token: each program loads its first K/V tile (and the step's metadata)
 before waiting for the qkv kernel (PDL), overlapping that kernel's tail; ``scripts/gpu_speed.py
@@ -589,6 +590,23 @@ def _decode_kernel(
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
+def _prefetch_args(
+    weight: torch.Tensor | None, fraction: float, num_programs: int, placeholder: torch.Tensor
+) -> tuple[tuple, int]:
+    """One prefetch slot of :func:`_decode_kernel`: its arguments (matrix, row stride, rows, bytes
+    per row, rows per program) and its ``ROWS`` block, 0 when the slot is off (then
+    ``placeholder`` stands for the matrix, never read)."""
+    row_bytes = 0
+    if weight is not None and fraction > 0 and not _INTERPRETED:
+        # Whole 16-byte units from each row's start (the bulk prefetch's granularity).
+        row_bytes = int(weight.shape[1] * weight.element_size() * min(fraction, 1.0)) // 16 * 16
+    if not row_bytes:
+        return (placeholder, 0, 0, 0, 0), 0
+    rows_per_program = -(-weight.shape[0] // num_programs)
+    args = (weight, weight.stride(0), weight.shape[0], row_bytes, rows_per_program)
+    return args, triton.next_power_of_2(rows_per_program)
+
+
 def _launch_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -630,19 +648,12 @@ def _launch_decode(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_parts = qkv_parts.parts.shape[0] if qkv_parts is not None else 0
     qkv_bias = qkv_parts.bias if qkv_parts is not None else None
-    programs = num_rows_padded * num_kv_heads * num_splits
-    slots = []  # per weight: (tensor, row stride, rows, bytes per row, rows per program, ROWS)
-    for weight, fraction in zip(prefetch, (DECODE_PREFETCH_FRACTION_1, DECODE_PREFETCH_FRACTION_2)):
-        row_bytes = 0
-        if weight is not None and fraction > 0 and not _INTERPRETED:
-            # Whole 16-byte units from each row's start (the bulk prefetch's granularity).
-            row_bytes = int(weight.shape[1] * weight.element_size() * min(fraction, 1.0)) // 16 * 16
-        if row_bytes:
-            per = -(-weight.shape[0] // programs)
-            slots.append((weight, weight.stride(0), weight.shape[0], row_bytes, per, triton.next_power_of_2(per)))
-        else:
-            slots.append((q, 0, 0, 0, 0, 0))  # off (q: a placeholder pointer, never read)
-    slots += [(q, 0, 0, 0, 0, 0)] * (2 - len(slots))
+    num_programs = num_rows_padded * num_kv_heads * num_splits
+    weights = tuple(prefetch) + (None,) * (2 - len(prefetch))
+    (pf1_args, pf1_block), (pf2_args, pf2_block) = (
+        _prefetch_args(w, fraction, num_programs, q)
+        for w, fraction in zip(weights, (DECODE_PREFETCH_FRACTION_1, DECODE_PREFETCH_FRACTION_2))
+    )
     _decode_kernel[(num_rows_padded, num_kv_heads, num_splits)](
         q,
         k,
@@ -662,8 +673,8 @@ def _launch_decode(
         counter,
         qkv_bias if qkv_bias is not None else q,
         qkv_parts.parts.stride(0) if qkv_parts is not None else 0,
-        *slots[0][:5],
-        *slots[1][:5],
+        *pf1_args,
+        *pf2_args,
         scale * LOG2_E,
         q.stride(0),
         q.stride(1),
@@ -696,8 +707,8 @@ def _launch_decode(
         PRELOAD_KV=DECODE_PRELOAD_KV,
         QKV_PARTS=num_parts,
         QKV_BIAS=qkv_bias is not None,
-        PF1_ROWS=slots[0][5],
-        PF2_ROWS=slots[1][5],
+        PF1_ROWS=pf1_block,
+        PF2_ROWS=pf2_block,
         PREFETCH_EVICT_LAST=DECODE_PREFETCH_EVICT_LAST,
         KV_EVICT_FIRST=DECODE_KV_EVICT_FIRST,
         num_warps=_DECODE_NUM_WARPS,

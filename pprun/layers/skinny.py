@@ -64,13 +64,15 @@ WEIGHTS_AHEAD_MAX_K = 4096
 
 WEIGHTS_AHEAD_MAX_ROWS = 1
 """Most rows that take the weights-ahead form; from two rows it is the swapped form with each
-program's 64 x 256 weight slice held across the wait (``scripts/gpu_speed.py --ab --ab-only
-WEIGHTS_AHEAD_MAX_ROWS=32`` tries it at batch 32; not yet measured, so one row only)."""
+program's 64 x 256 weight slice held across the wait.  At batch 32 it lost: graph 1.178 ms
+against 1.107 (attention 15 -> 18 us per layer; ``scripts/gpu_speed.py --ab --ab-only
+WEIGHTS_AHEAD_MAX_ROWS=32``, H200), so one row only."""
 
 SWAPPED_TARGET_PROGRAMS = 128
 """Above one row, K is split until about this many programs run (``scripts/sweep_skinny.py``:
-the fastest setting or within 2% of it at 16 and 32 rows, each matmul timed alone);
-``scripts/gpu_speed.py --ab --ab-only SWAPPED_TARGET_PROGRAMS`` tries 256 inside the step."""
+the fastest setting or within 2% of it at 16 and 32 rows, each matmul timed alone); inside the
+step 256 lost (batch 32 graph 1.178 against 1.107 ms, gate_up 19 -> 24 us: its merge;
+``scripts/gpu_speed.py --ab --ab-only SWAPPED_TARGET_PROGRAMS=256``)."""
 
 DEFERRED_TARGET_PROGRAMS = 256
 """The same for a matmul whose partials a norm merges (``defer_merge="norm"``), where more
@@ -304,8 +306,8 @@ def _skinny_kernel(
         tl.store(part_rows + pid_k * split_stride, acc, mask=out_mask)
         if SWIGLU:
             tl.store(part_rows + pid_k * split_stride + N_OUT, acc_up, mask=out_mask)
-        # DEFER_MERGE: the partials are the output, merged by the kernel after this one
-        # (fused.fused_add_rms_norm), in the same order and with the same rounding.
+        # DEFER_MERGE: the partials are the output, merged by the kernel after this one (the
+        # norm or the decode attention, see skinny_linear), in the same order and rounding.
         if not DEFER_MERGE:
             tl.debug_barrier()
             done = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
@@ -460,11 +462,8 @@ def _launch(
             f"SkinnyConfig.preload needs no norm prologue, no SwiGLU and one K tile per split "
             f"(block_k * split_k >= K={k}); got norm={norm is not None}, swiglu={swiglu}, {cfg}"
         )
+    # skinny_linear defers only plain matmuls whose K is split, and then passes no ``out``.
     deferred = defer_merge is not None and split > 1
-    if deferred and (swiglu or norm is not None):
-        raise ValueError("defer_merge applies to a plain matmul (no SwiGLU, no norm prologue)")
-    if out is None and not deferred:
-        raise ValueError(f"out is needed unless K is split and the merge deferred (splits={split})")
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
     col_blocks = triton.cdiv(n_out, cfg.block_n)
     if split > 1:
