@@ -229,7 +229,10 @@ def switches() -> list[tuple]:
             (pprun.attention.triton_ops, "DECODE_PREFETCH_FRACTION_1", 1.0, True),
             (pprun.attention.triton_ops, "DECODE_PREFETCH_FRACTION_2", 0.3, True),
             (pprun.attention.triton_ops, "DECODE_PREFETCH_EVICT_LAST", True, True),
-            (pprun.attention.triton_ops, "DECODE_KV_EVICT_FIRST", True, True)]
+            (pprun.attention.triton_ops, "DECODE_KV_EVICT_FIRST", True, True),
+            (pprun.attention.triton_ops, "DECODE_PREFETCH_AFTER_WAIT", True, True),
+            (pprun.layers.fused, "NORM_PREFETCH_MB", 16.0, False),  # norms fold at one row
+            (pprun.layers.fused, "NORM_PREFETCH_BEFORE_WAIT", True, False)]
 
 
 def parse_settings(text: str) -> list[tuple]:
@@ -278,7 +281,10 @@ def main() -> None:
                          "that merges partials (NORM_PARTS_NUM_WARPS), decode attention fetching o_proj's weight "
                          "into L2 (DECODE_PREFETCH_FRACTION_1) or the first 30%% of each gate_up weight row "
                          "(DECODE_PREFETCH_FRACTION_2), with an evict-last policy "
-                         "(DECODE_PREFETCH_EVICT_LAST), K/V tiles loaded evict-first (DECODE_KV_EVICT_FIRST)")
+                         "(DECODE_PREFETCH_EVICT_LAST), K/V tiles loaded evict-first (DECODE_KV_EVICT_FIRST), that "
+                         "prefetch issued after the attention's wait instead of at its start (DECODE_PREFETCH_AFTER_WAIT), "
+                         "each decode norm fetching 16 MiB of the weight read after it into L2 (NORM_PREFETCH_MB), "
+                         "that prefetch issued before the norm's wait instead of after it (NORM_PREFETCH_BEFORE_WAIT)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
                          "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")

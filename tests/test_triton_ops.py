@@ -613,7 +613,7 @@ def test_decode_prefetch_compiles_for_sm90(evict):
     const = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=64, HALF=32, NEW_TOKEN=True, HAS_ROPE=True,
                  BLOCK_G=16, BLOCK_D=64, BLOCK_N=64, PAGE_SIZE=16, NUM_SPLITS=2, DOT_F32=False, PRELOAD_KV=True,
                  USE_PDL=True, QKV_PARTS=2, QKV_BIAS=True, PF1_ROWS=32, PF2_ROWS=64, PREFETCH_EVICT_LAST=evict,
-                 KV_EVICT_FIRST=evict)
+                 PREFETCH_AFTER_WAIT=evict, KV_EVICT_FIRST=evict)
     pointers = {"pos_ptr": "*i64", "slot_ptr": "*i64", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
                 "counter_ptr": "*i32", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
                 "qkv_bias_ptr": "*bf16", "pf1_ptr": "*bf16", "pf2_ptr": "*bf16"}

@@ -20,7 +20,7 @@ from pprun.layers import SplitPartials
 from pprun.layers.skinny import arrival_counters
 from pprun.layers.triton_utils import INTERPRETED as _INTERPRETED
 from pprun.layers.triton_utils import NO_FMA as _NO_FMA
-from pprun.layers.triton_utils import pdl_options, pdl_sync
+from pprun.layers.triton_utils import l2_prefetch_rows, pdl_options, pdl_sync, prefetch_args, prefetchable
 
 LOG2_E = 1.4426950408889634
 # Stands in for -inf as the running max so that a fully masked tile gives
@@ -65,6 +65,10 @@ attention's idle bandwidth brings in, hence a share: ``--ab-only DECODE_PREFETCH
 DECODE_PREFETCH_EVICT_LAST = False
 """Prefetch with an L2 evict-last policy, so that the K/V tiles streaming through L2 meanwhile
 go first (A/B switch, not yet measured)."""
+DECODE_PREFETCH_AFTER_WAIT = False
+"""Issue that prefetch after the kernel's wait for the qkv matmul (PDL) instead of at its start:
+a program that starts early (while qkv still streams its weights) would otherwise take
+bandwidth from the kernel on the critical path (A/B switch, not yet measured)."""
 DECODE_KV_EVICT_FIRST = False
 """Load the decode K/V tiles with an evict-first policy: each is read once per step, while the
 prefetched weights are read by the next kernels (A/B switch, not yet measured)."""
@@ -336,29 +340,17 @@ def _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kv_head, offs_d, d_mask,
 
 
 @triton.jit
-def _prefetch_rows_l2(ptr, row_stride, num_rows, row_bytes, program, rows_per_program,
-                      ROWS: tl.constexpr, EVICT_LAST: tl.constexpr):
-    """Ask L2 for the first ``row_bytes`` of rows ``[first_row, first_row + rows_per_program)``
-    of the matrix at ``ptr`` (rows ``row_stride`` elements apart, 16-byte aligned), with
-    ``first_row = program * rows_per_program``: one bulk prefetch per row, fire-and-forget
-    (sm_90+)."""
-    first_row = program * rows_per_program
-    rows = first_row + tl.arange(0, ROWS)
-    mask = (rows < num_rows) & (rows < first_row + rows_per_program)
-    addrs = ptr + rows.to(tl.int64) * row_stride
-    size = tl.zeros([ROWS], tl.int32) + row_bytes
-    if EVICT_LAST:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b64 pol; setp.ne.b32 p, $2, 0; "
-            "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-            "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $3, pol; mov.u32 $0, 0; }",
-            "=r,l,r,r", [addrs, mask.to(tl.int32), size], dtype=tl.int32, is_pure=False, pack=1,
-        )
-    else:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
-            "=r,l,r,r", [addrs, mask.to(tl.int32), size], dtype=tl.int32, is_pure=False, pack=1,
-        )
+def _prefetch_next(pf1_ptr, pf1_row_stride, pf1_rows, pf1_row_bytes, pf1_rows_per_program,
+                   pf2_ptr, pf2_row_stride, pf2_rows, pf2_row_bytes, pf2_rows_per_program, program,
+                   PF1_ROWS: tl.constexpr, PF2_ROWS: tl.constexpr, EVICT_LAST: tl.constexpr):
+    """This program's share of the L2 prefetch of the weights read after the decode attention
+    (:data:`DECODE_PREFETCH_FRACTION_1`): they depend on nothing of this step."""
+    if PF1_ROWS > 0:
+        l2_prefetch_rows(pf1_ptr, pf1_row_stride, pf1_rows, pf1_row_bytes, program, pf1_rows_per_program,
+                         PF1_ROWS, EVICT_LAST)
+    if PF2_ROWS > 0:
+        l2_prefetch_rows(pf2_ptr, pf2_row_stride, pf2_rows, pf2_row_bytes, program, pf2_rows_per_program,
+                         PF2_ROWS, EVICT_LAST)
 
 
 @triton.jit
@@ -441,6 +433,7 @@ def _decode_kernel(
     PF1_ROWS: tl.constexpr,
     PF2_ROWS: tl.constexpr,
     PREFETCH_EVICT_LAST: tl.constexpr,
+    PREFETCH_AFTER_WAIT: tl.constexpr,
     KV_EVICT_FIRST: tl.constexpr,
 ):
     # One program per (request, kv head, context split).  With QKV_PARTS q/k/v point into the
@@ -455,12 +448,10 @@ def _decode_kernel(
     # The weights read after this kernel into L2 (DECODE_PREFETCH_FRACTION_*): they depend on
     # nothing of this step.
     program = (req * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split
-    if PF1_ROWS > 0:
-        _prefetch_rows_l2(pf1_ptr, pf1_row_stride, pf1_rows, pf1_row_bytes, program, pf1_rows_per_program,
-                          PF1_ROWS, PREFETCH_EVICT_LAST)
-    if PF2_ROWS > 0:
-        _prefetch_rows_l2(pf2_ptr, pf2_row_stride, pf2_rows, pf2_row_bytes, program, pf2_rows_per_program,
-                          PF2_ROWS, PREFETCH_EVICT_LAST)
+    if not PREFETCH_AFTER_WAIT:
+        _prefetch_next(pf1_ptr, pf1_row_stride, pf1_rows, pf1_row_bytes, pf1_rows_per_program,
+                       pf2_ptr, pf2_row_stride, pf2_rows, pf2_row_bytes, pf2_rows_per_program, program,
+                       PF1_ROWS, PF2_ROWS, PREFETCH_EVICT_LAST)
     if not NEW_TOKEN:
         # The cache was written by the kernel just before (PDL: wait before reading anything).
         pdl_sync(USE_PDL)
@@ -511,6 +502,11 @@ def _decode_kernel(
         slot = tl.load(slot_ptr + req).to(tl.int64)
         # q/k/v come from the kernel just before.
         pdl_sync(USE_PDL)
+    if PREFETCH_AFTER_WAIT:
+        # (programs of empty splits returned above: their share of the rows is not fetched)
+        _prefetch_next(pf1_ptr, pf1_row_stride, pf1_rows, pf1_row_bytes, pf1_rows_per_program,
+                       pf2_ptr, pf2_row_stride, pf2_rows, pf2_row_bytes, pf2_rows_per_program, program,
+                       PF1_ROWS, PF2_ROWS, PREFETCH_EVICT_LAST)
     act = out_ptr.dtype.element_ty
     q_bias = qkv_bias_ptr + heads[:, None] * HEAD_DIM
     q = _load_act(q_rows + offs_d[None, :], qd_mask, q_bias + offs_d[None, :], qkv_part_stride, act,
@@ -590,23 +586,6 @@ def _decode_kernel(
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
-def _prefetch_args(
-    weight: torch.Tensor | None, fraction: float, num_programs: int, placeholder: torch.Tensor
-) -> tuple[tuple, int]:
-    """One prefetch slot of :func:`_decode_kernel`: its arguments (matrix, row stride, rows, bytes
-    per row, rows per program) and its ``ROWS`` block, 0 when the slot is off (then
-    ``placeholder`` stands for the matrix, never read)."""
-    row_bytes = 0
-    if weight is not None and fraction > 0 and not _INTERPRETED:
-        # Whole 16-byte units from each row's start (the bulk prefetch's granularity).
-        row_bytes = int(weight.shape[1] * weight.element_size() * min(fraction, 1.0)) // 16 * 16
-    if not row_bytes:
-        return (placeholder, 0, 0, 0, 0), 0
-    rows_per_program = -(-weight.shape[0] // num_programs)
-    args = (weight, weight.stride(0), weight.shape[0], row_bytes, rows_per_program)
-    return args, triton.next_power_of_2(rows_per_program)
-
-
 def _launch_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -651,7 +630,7 @@ def _launch_decode(
     num_programs = num_rows_padded * num_kv_heads * num_splits
     weights = tuple(prefetch) + (None,) * (2 - len(prefetch))
     (pf1_args, pf1_block), (pf2_args, pf2_block) = (
-        _prefetch_args(w, fraction, num_programs, q)
+        prefetch_args(w, fraction, num_programs, q)
         for w, fraction in zip(weights, (DECODE_PREFETCH_FRACTION_1, DECODE_PREFETCH_FRACTION_2))
     )
     _decode_kernel[(num_rows_padded, num_kv_heads, num_splits)](
@@ -710,6 +689,7 @@ def _launch_decode(
         PF1_ROWS=pf1_block,
         PF2_ROWS=pf2_block,
         PREFETCH_EVICT_LAST=DECODE_PREFETCH_EVICT_LAST,
+        PREFETCH_AFTER_WAIT=DECODE_PREFETCH_AFTER_WAIT,
         KV_EVICT_FIRST=DECODE_KV_EVICT_FIRST,
         num_warps=_DECODE_NUM_WARPS,
         num_stages=_DECODE_NUM_STAGES,
@@ -846,14 +826,7 @@ def paged_decode_attention_rope(
         _check_last_dim_contiguous(name, t)
     if len(prefetch) > 2:
         raise ValueError(f"prefetch takes at most 2 weights, got {len(prefetch)}")
-    usable = []
-    for w in prefetch:
-        if w is not None and (w.dim() != 2 or w.device != q.device):
-            raise ValueError(f"prefetch must hold 2-d tensors on {q.device}, got shape {tuple(w.shape)} on {w.device}")
-        if w is not None and (w.stride(1) != 1 or (w.stride(0) * w.element_size()) % 16 or w.data_ptr() % 16):
-            w = None  # rows a bulk prefetch cannot take (16-byte aligned starts): a hint, skipped
-        usable.append(w)
-    prefetch = tuple(usable)
+    prefetch = tuple(prefetchable(w, q.device) for w in prefetch)
     return _launch_decode(
         q, kv_cache, block_table, seq_lens, scale, out, num_reqs_padded,
         new_token=(k, v, cos, sin, positions, slot_mapping), qkv_parts=qkv_parts, prefetch=prefetch,

@@ -101,3 +101,67 @@ def _capability(device: torch.device) -> int:
     if index not in _capabilities:
         _capabilities[index] = torch.cuda.get_device_capability(index)[0]
     return _capabilities[index]
+
+
+# --------------------------------------------------------------------------------------
+# L2 prefetch of a weight that a later kernel of the step reads
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def l2_prefetch_rows(ptr, row_stride, num_rows, row_bytes, program, rows_per_program,
+                     ROWS: tl.constexpr, EVICT_LAST: tl.constexpr):
+    """Ask L2 for the first ``row_bytes`` of rows ``[first_row, first_row + rows_per_program)``
+    of the matrix at ``ptr`` (rows ``row_stride`` elements apart, 16-byte aligned), with
+    ``first_row = program * rows_per_program``: one bulk prefetch per row, fire-and-forget
+    (sm_90+; :func:`prefetch_args` turns it off elsewhere)."""
+    first_row = program * rows_per_program
+    rows = first_row + tl.arange(0, ROWS)
+    mask = (rows < num_rows) & (rows < first_row + rows_per_program)
+    addrs = ptr + rows.to(tl.int64) * row_stride
+    size = tl.zeros([ROWS], tl.int32) + row_bytes
+    if EVICT_LAST:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b64 pol; setp.ne.b32 p, $2, 0; "
+            "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+            "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $3, pol; mov.u32 $0, 0; }",
+            "=r,l,r,r", [addrs, mask.to(tl.int32), size], dtype=tl.int32, is_pure=False, pack=1,
+        )
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
+            "=r,l,r,r", [addrs, mask.to(tl.int32), size], dtype=tl.int32, is_pure=False, pack=1,
+        )
+
+
+def prefetchable(weight: torch.Tensor | None, device: torch.device, name: str = "prefetch") -> torch.Tensor | None:
+    """``weight`` if :func:`l2_prefetch_rows` can take it (rows contiguous, 16-byte aligned row
+    starts), else None: a prefetch is a hint, skipped when it cannot run.  Anything but a 2-d
+    tensor on ``device`` is refused (``name`` is the argument it came in)."""
+    if weight is None:
+        return None
+    if weight.dim() != 2 or weight.device != device:
+        raise ValueError(f"{name} must hold 2-d tensors on {device}, got shape {tuple(weight.shape)} "
+                         f"on {weight.device}")
+    if weight.stride(1) != 1 or (weight.stride(0) * weight.element_size()) % 16 or weight.data_ptr() % 16:
+        return None
+    return weight
+
+
+def prefetch_args(
+    weight: torch.Tensor | None, fraction: float, num_programs: int, placeholder: torch.Tensor
+) -> tuple[tuple, int]:
+    """The arguments of one :func:`l2_prefetch_rows` slot spread over ``num_programs`` programs:
+    ``(matrix, row stride, rows, bytes per row, rows per program)`` and its ``ROWS`` block; the
+    leading ``fraction`` of every row (whole 16-byte units, the bulk prefetch's granularity).
+    ``ROWS`` is 0 when the slot is off (no weight, no fraction, no sm_90, the interpreter); then
+    ``placeholder`` stands for the matrix, never read."""
+    row_bytes = 0
+    if (weight is not None and fraction > 0 and not INTERPRETED and weight.device.type == "cuda"
+            and _capability(weight.device) >= 9):
+        row_bytes = int(weight.shape[1] * weight.element_size() * min(fraction, 1.0)) // 16 * 16
+    if not row_bytes:
+        return (placeholder, 0, 0, 0, 0), 0
+    rows_per_program = -(-weight.shape[0] // num_programs)
+    args = (weight, weight.stride(0), weight.shape[0], row_bytes, rows_per_program)
+    return args, triton.next_power_of_2(rows_per_program)

@@ -48,15 +48,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(
-        self, x: torch.Tensor | SplitPartials, residual: torch.Tensor | None = None
+        self, x: torch.Tensor | SplitPartials, residual: torch.Tensor | None = None,
+        prefetch: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(norm(x + residual), x + residual)``; with no residual, ``x`` is it.
 
         ``x`` may be a decode matmul's unmerged partials (``o_proj``, ``down``): the fused
-        kernel merges them as it reads them."""
+        kernel merges them as it reads them.  ``prefetch``: the weight read next, which the
+        fused kernel may bring into L2 (``fused.NORM_PREFETCH_MB``)."""
         fused = fused_ops_for(x.parts if isinstance(x, SplitPartials) else x)
         if fused is not None:  # CUDA: one Triton launch with the same rounding steps
-            return fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return fused.fused_add_rms_norm(x, residual, self.weight, self.eps, prefetch=prefetch)
         x = merged(x)
         if residual is not None:
             x = x + residual
@@ -261,13 +263,13 @@ class DecoderLayer(nn.Module):
             qkv, residual = folded
             h = self.self_attn.attend(positions, qkv, meta, after)
         else:
-            h, residual = self.input_layernorm(hidden_states, residual)
+            h, residual = self.input_layernorm(hidden_states, residual, prefetch=self.self_attn.qkv_proj.weight)
             h = self.self_attn(positions, h, meta, after)
         folded = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual, swiglu=True)
         if folded is not None:
             act, residual = folded
             return self.mlp.down(act), residual
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm(h, residual, prefetch=self.mlp.gate_up_proj.weight)
         return self.mlp(h), residual
 
 
@@ -345,7 +347,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.layout.is_last:
             # The residual stream itself (see the module docstring): one tensor on the wire.
             return IntermediateTensors({"hidden_states": merged(h) + residual})
-        h, _ = self.norm(h, residual)
+        h, _ = self.norm(h, residual, prefetch=self.lm_head.weight)
         return h
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
