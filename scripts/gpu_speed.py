@@ -232,7 +232,10 @@ def switches() -> list[tuple]:
             (pprun.attention.triton_ops, "DECODE_KV_EVICT_FIRST", True, True),
             (pprun.attention.triton_ops, "DECODE_PREFETCH_AFTER_WAIT", True, True),
             (pprun.layers.fused, "NORM_PREFETCH_MB", 16.0, False),  # norms fold at one row
-            (pprun.layers.fused, "NORM_PREFETCH_BEFORE_WAIT", True, False)]
+            (pprun.layers.fused, "NORM_PREFETCH_BEFORE_WAIT", True, False),
+            (pprun.layers.skinny, "SWAPPED_AHEAD_TILES", 1, False),
+            (pprun.layers.skinny, "SWAPPED_AHEAD_NUM_STAGES", 4, False),
+            (pprun.layers.skinny, "ATTENTION_MERGED_TARGET_PROGRAMS", 144, False)]
 
 
 def parse_settings(text: str) -> list[tuple]:
@@ -284,7 +287,10 @@ def main() -> None:
                          "(DECODE_PREFETCH_EVICT_LAST), K/V tiles loaded evict-first (DECODE_KV_EVICT_FIRST), that "
                          "prefetch issued after the attention's wait instead of at its start (DECODE_PREFETCH_AFTER_WAIT), "
                          "each decode norm fetching 16 MiB of the weight read after it into L2 (NORM_PREFETCH_MB), "
-                         "that prefetch issued before the norm's wait instead of after it (NORM_PREFETCH_BEFORE_WAIT)")
+                         "that prefetch issued before the norm's wait instead of after it (NORM_PREFETCH_BEFORE_WAIT), "
+                         "qkv, gate_up and the LM head loading each split's first weight tile before their wait from two "
+                         "rows (SWAPPED_AHEAD_TILES), with 4 pipeline stages instead of 3 (SWAPPED_AHEAD_NUM_STAGES), qkv split K until ~144 programs "
+                         "instead of ~128 (ATTENTION_MERGED_TARGET_PROGRAMS: 3 splits at batch 32)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
                          "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")
