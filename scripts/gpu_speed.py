@@ -225,17 +225,7 @@ def switches() -> list[tuple]:
             (pprun.worker.kv_cache, "HEAD_MAJOR", not pprun.worker.kv_cache.HEAD_MAJOR, True),
             (pprun.layers, "DEFER_MERGE_ENABLED", False, False),
             (pprun.layers.skinny, "DEFERRED_TARGET_PROGRAMS", 128, False),
-            (pprun.layers.fused, "NORM_PARTS_NUM_WARPS", 4, False),
-            (pprun.attention.triton_ops, "DECODE_PREFETCH_FRACTION_1", 1.0, True),
-            (pprun.attention.triton_ops, "DECODE_PREFETCH_FRACTION_2", 0.3, True),
-            (pprun.attention.triton_ops, "DECODE_PREFETCH_EVICT_LAST", True, True),
-            (pprun.attention.triton_ops, "DECODE_KV_EVICT_FIRST", True, True),
-            (pprun.attention.triton_ops, "DECODE_PREFETCH_AFTER_WAIT", True, True),
-            (pprun.layers.fused, "NORM_PREFETCH_MB", 16.0, False),  # norms fold at one row
-            (pprun.layers.fused, "NORM_PREFETCH_BEFORE_WAIT", True, False),
-            (pprun.layers.skinny, "SWAPPED_AHEAD_TILES", 1, False),
-            (pprun.layers.skinny, "SWAPPED_AHEAD_NUM_STAGES", 4, False),
-            (pprun.layers.skinny, "ATTENTION_MERGED_TARGET_PROGRAMS", 144, False)]
+            (pprun.layers.fused, "NORM_PARTS_NUM_WARPS", 4, False)]
 
 
 def parse_settings(text: str) -> list[tuple]:
@@ -281,16 +271,7 @@ def main() -> None:
                          "stored head-major or token-major, whichever is not the default (HEAD_MAJOR), o_proj's and down's split-K partials merged by "
                          "their own launch instead of the next kernel's (DEFER_MERGE_ENABLED), the norm-merged ones split K until ~128 "
                          "programs instead of ~256 (DEFERRED_TARGET_PROGRAMS), 4 warps per row instead of 16 in the norm "
-                         "that merges partials (NORM_PARTS_NUM_WARPS), decode attention fetching o_proj's weight "
-                         "into L2 (DECODE_PREFETCH_FRACTION_1) or the first 30%% of each gate_up weight row "
-                         "(DECODE_PREFETCH_FRACTION_2), with an evict-last policy "
-                         "(DECODE_PREFETCH_EVICT_LAST), K/V tiles loaded evict-first (DECODE_KV_EVICT_FIRST), that "
-                         "prefetch issued after the attention's wait instead of at its start (DECODE_PREFETCH_AFTER_WAIT), "
-                         "each decode norm fetching 16 MiB of the weight read after it into L2 (NORM_PREFETCH_MB), "
-                         "that prefetch issued before the norm's wait instead of after it (NORM_PREFETCH_BEFORE_WAIT), "
-                         "qkv, gate_up and the LM head loading each split's first weight tile before their wait from two "
-                         "rows (SWAPPED_AHEAD_TILES), with 4 pipeline stages instead of 3 (SWAPPED_AHEAD_NUM_STAGES), qkv split K until ~144 programs "
-                         "instead of ~128 (ATTENTION_MERGED_TARGET_PROGRAMS: 3 splits at batch 32)")
+                         "that merges partials (NORM_PARTS_NUM_WARPS)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
                          "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")

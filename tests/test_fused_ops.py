@@ -77,72 +77,6 @@ def test_fused_add_rms_norm(torch_path, dtype, hidden, with_residual):
         assert got_res is x
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA (bulk L2 prefetch, sm_90)")
-@pytest.mark.parametrize("early", [False, True])
-def test_fused_add_rms_norm_prefetch_changes_nothing_gpu(monkeypatch, early):
-    """The norm's L2 prefetch of the next weight (a share of each row, before or after its wait)
-    leaves both outputs bit for bit as they are, with partials to merge or a plain input."""
-    from pprun.layers import SplitPartials, fused
-
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("cp.async.bulk.prefetch needs sm_90")
-    torch.manual_seed(3)
-    hidden = 2048
-    weight = torch.rand(hidden, device="cuda").to(torch.bfloat16)
-    residual = torch.randn(32, hidden, device="cuda").to(torch.bfloat16)
-    parts = SplitPartials(torch.randn(4, 32, hidden, device="cuda"), None, torch.bfloat16)
-    after = torch.randn(6000, hidden, device="cuda", dtype=torch.bfloat16)
-    want = [fused.fused_add_rms_norm(x, residual, weight, 1e-5, prefetch=after) for x in (parts, residual)]
-    monkeypatch.setattr(fused, "NORM_PREFETCH_MB", 8.0)  # a third of each row
-    monkeypatch.setattr(fused, "NORM_PREFETCH_BEFORE_WAIT", early)
-    got = [fused.fused_add_rms_norm(x, residual, weight, 1e-5, prefetch=after) for x in (parts, residual)]
-    for g, w in zip(got, want):
-        assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
-
-
-@pytest.mark.parametrize("early", [False, True])
-def test_norm_prefetch_compiles_for_sm90(early):
-    """The norm's L2 prefetch (inline PTX) assembles for an H100/H200 without a GPU (Triton's
-    ahead-of-time compile with its bundled ptxas) and is in the PTX, on the side of the PDL wait
-    asked for."""
-    triton = pytest.importorskip("triton")
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("the interpreter has no compiler")
-    from triton.backends.compiler import GPUTarget
-
-    from pprun.layers import fused
-
-    fn = fused._add_rms_norm_kernel
-    const = dict(HAS_RESIDUAL=True, BLOCK=2048, USE_PDL=True, NUM_PARTS=4, HAS_BIAS=False, PF_ROWS=128,
-                 PF_BEFORE_WAIT=early)
-    signature = {}
-    for name in fn.arg_names:
-        if name in const:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = {"x_ptr": "*fp32", "w_ptr": "*fp32", "bias_ptr": "*fp32"}.get(name, "*bf16")
-        else:
-            signature[name] = "fp32" if name in ("inv_hidden", "eps") else "i32"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if signature[name].startswith("*") or name.startswith("stride_")}
-    try:
-        compiled = triton.compile(
-            triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=const, attrs=attrs),
-            target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": 16, "enable_fp_fusion": False},
-        )
-    except FileNotFoundError as e:  # a Triton build without the NVIDIA toolchain
-        pytest.skip(f"no ptxas: {e}")
-    ptx = compiled.asm["ptx"]
-    prefetch, wait = ptx.find("cp.async.bulk.prefetch.L2.global"), ptx.find("griddepcontrol.wait")
-    assert prefetch >= 0 and wait >= 0
-    assert (prefetch < wait) == early
-    assert compiled.asm["cubin"]
-
-
 @triton_only
 def test_fused_add_rms_norm_rejects_bad_weight():
     from pprun.layers.fused import fused_add_rms_norm
@@ -388,36 +322,3 @@ def test_tiny_llama_deferred_merges_match_in_kernel_merges(monkeypatch, tmp_path
     assert sum(seen) == 2 * arch.num_hidden_layers
     assert qkv_parts == ([True] * arch.num_hidden_layers if backend == "triton" else [])
     assert torch.equal(got, want)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("early", [False, True])
-def test_tiny_llama_decode_prefetch_changes_nothing(monkeypatch, tiny_llama_dir, early):
-    """A whole bf16 model with the Triton decode: the L2 prefetches of the next weights (the
-    attention's of o_proj and gate_up, the norms' of qkv, gate_up and the LM head), issued before
-    or after the kernels' waits, leave the logits bit for bit as they are."""
-    from pprun.attention import triton_ops
-    from pprun.layers import fused
-
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("cp.async.bulk.prefetch needs sm_90")
-    _, model_logits = _tiny_llama_on_cuda(tiny_llama_dir, torch.bfloat16, [[42], [7], [9]], "triton")
-    want = model_logits()
-    monkeypatch.setattr(triton_ops, "DECODE_PREFETCH_FRACTION_1", 1.0)
-    monkeypatch.setattr(triton_ops, "DECODE_PREFETCH_FRACTION_2", 0.5)
-    monkeypatch.setattr(triton_ops, "DECODE_PREFETCH_AFTER_WAIT", not early)
-    monkeypatch.setattr(fused, "NORM_PREFETCH_MB", 1.0)  # all of the tiny weights
-    monkeypatch.setattr(fused, "NORM_PREFETCH_BEFORE_WAIT", early)
-    seen = []
-    real = fused._add_rms_norm_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen.append(kwargs["PF_ROWS"])
-                return real[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(fused, "_add_rms_norm_kernel", Spy())
-    assert torch.equal(model_logits(), want)
-    assert seen and all(rows > 0 for rows in seen)  # every norm of the step prefetched

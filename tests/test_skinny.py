@@ -118,34 +118,6 @@ def test_skinny_weights_ahead_swapped_rows(m, split_k, bias, monkeypatch):
 
 
 @triton_only
-@pytest.mark.parametrize("ahead", [1, 2])
-@pytest.mark.parametrize("split_k", [1, 2])
-@pytest.mark.parametrize("swiglu", [False, True])
-def test_skinny_ahead_tiles_change_nothing(ahead, split_k, swiglu, monkeypatch):
-    """The swapped form with its first weight tiles loaded before the wait (``ahead_tiles``) gives
-    the same output bit for bit, including splits shorter than the tiles held ahead (K = 200 in
-    64-wide tiles: a split of 64 holds one ragged tile), merged splits and SwiGLU."""
-    from pprun.layers import skinny
-
-    dtype = DTYPES[-1]
-    x, w, b = _inputs(17, 200 if swiglu else 100, 200, dtype, True, seed=9)
-    cfg = skinny.SkinnyConfig(64, 64, split_k, swap_ab=True)
-    want = skinny.skinny_linear(x, w, b, swiglu=swiglu, config=cfg)
-    got = skinny.skinny_linear(x, w, b, swiglu=swiglu, config=skinny.SkinnyConfig(64, 64, split_k, swap_ab=True,
-                                                                                  ahead_tiles=ahead))
-    assert torch.equal(got, want)
-    # The default: from two rows, for a weights_ahead caller whose splits walk enough tiles.
-    monkeypatch.setattr(skinny, "SWAPPED_AHEAD_TILES", ahead)
-    assert skinny.default_config(32, 3072, 2048, False, x.device, weights_ahead=True).ahead_tiles == ahead  # qkv
-    assert skinny.default_config(32, 8192, 2048, True, x.device, weights_ahead=True).ahead_tiles == ahead  # gate_up
-    assert skinny.default_config(32, 3072, 2048, False, x.device).ahead_tiles == 0
-    assert skinny.default_config(32, 2048, 2048, False, x.device, weights_ahead=True,
-                                 defer_merge="norm").ahead_tiles == 0  # o_proj: 2 tiles per split
-    with pytest.raises(ValueError, match="ahead_tiles"):
-        skinny.skinny_linear(x[:1], w, b, config=skinny.SkinnyConfig(16, 64, 1, ahead_tiles=1))
-
-
-@triton_only
 @pytest.mark.parametrize("m", [2, 17, 32])
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_deferred_merge_matches_in_kernel_merge(m, bias):

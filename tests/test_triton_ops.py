@@ -563,43 +563,9 @@ def test_triton_rope_decode_merges_qkv_partials(bias):
         )
 
 
-@triton_only
-def test_triton_rope_decode_rejects_bad_prefetch():
-    from pprun.attention.triton_ops import paged_decode_attention_rope
-
-    case = make_case([1], [20], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
-                     device=TRITON_DEVICE, seed=14)
-    weight = torch.zeros(8, 36, device=TRITON_DEVICE)
-    # Rows a bulk prefetch cannot take are a hint skipped (misaligned, strided, 132-byte rows) ...
-    for skipped in (weight[:, 1:], weight.t(), weight[:, :33].contiguous()):
-        out = torch.empty_like(case.q)
-        paged_decode_attention_rope(
-            case.q, case.k, case.v, None, None, torch.zeros(1, dtype=torch.long, device=TRITON_DEVICE),
-            case.kv_cache.clone(), case.slot_mapping, case.block_table, case.seq_lens, case.scale, out,
-            prefetch=(skipped, None),
-        )
-        assert not out.isnan().any()
-    # ... a tensor that is no weight matrix, or on another device, or a third weight, an error.
-    with pytest.raises(ValueError, match="at most 2 weights"):
-        paged_decode_attention_rope(
-            case.q, case.k, case.v, None, None, torch.zeros(1, dtype=torch.long, device=TRITON_DEVICE),
-            case.kv_cache.clone(), case.slot_mapping, case.block_table, case.seq_lens, case.scale,
-            torch.empty_like(case.q), prefetch=(weight, weight, weight),
-        )
-    for bad in (weight[0], torch.zeros(8, 36, device="meta")):
-        with pytest.raises(ValueError, match="prefetch must hold 2-d tensors"):
-            paged_decode_attention_rope(
-                case.q, case.k, case.v, None, None, torch.zeros(1, dtype=torch.long, device=TRITON_DEVICE),
-                case.kv_cache.clone(), case.slot_mapping, case.block_table, case.seq_lens, case.scale,
-                torch.empty_like(case.q), prefetch=(None, bad),
-            )
-
-
-@pytest.mark.parametrize("evict", [False, True])
-def test_decode_prefetch_compiles_for_sm90(evict):
-    """The prepared L2 prefetch (inline PTX) and eviction hints assemble for an H100/H200 without a
-    GPU: Triton compiles the decode kernel ahead of time with its bundled ptxas, and the bulk
-    prefetches are in the PTX (not dropped as dead code)."""
+def test_decode_kernel_compiles_for_sm90():
+    """The decode kernel compiles for an H100/H200 without a GPU (Triton's ahead-of-time compile
+    with its bundled ptxas), with its K/V loop pipelined over ``cp.async`` and its PDL wait in."""
     triton = pytest.importorskip("triton")
     import os
 
@@ -612,11 +578,10 @@ def test_decode_prefetch_compiles_for_sm90(evict):
     fn = triton_ops._decode_kernel
     const = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=64, HALF=32, NEW_TOKEN=True, HAS_ROPE=True,
                  BLOCK_G=16, BLOCK_D=64, BLOCK_N=64, PAGE_SIZE=16, NUM_SPLITS=2, DOT_F32=False, PRELOAD_KV=True,
-                 USE_PDL=True, QKV_PARTS=2, QKV_BIAS=True, PF1_ROWS=32, PF2_ROWS=64, PREFETCH_EVICT_LAST=evict,
-                 PREFETCH_AFTER_WAIT=evict, KV_EVICT_FIRST=evict)
+                 USE_PDL=True, QKV_PARTS=2, QKV_BIAS=True)
     pointers = {"pos_ptr": "*i64", "slot_ptr": "*i64", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
                 "counter_ptr": "*i32", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
-                "qkv_bias_ptr": "*bf16", "pf1_ptr": "*bf16", "pf2_ptr": "*bf16"}
+                "qkv_bias_ptr": "*bf16"}
     signature = {}
     for name in fn.arg_names:
         if name in const:
@@ -638,46 +603,9 @@ def test_decode_prefetch_compiles_for_sm90(evict):
     except FileNotFoundError as e:  # a Triton build without the NVIDIA toolchain
         pytest.skip(f"no ptxas: {e}")
     ptx = compiled.asm["ptx"]
-    assert ptx.count("cp.async.bulk.prefetch.L2.global") >= 2  # both weights
-    assert "cp.async.cg.shared.global" in ptx  # the K/V loop still pipelined
-    assert ("createpolicy.fractional.L2::evict_last" in ptx) == evict
+    assert "cp.async.cg.shared.global" in ptx  # the K/V loop pipelined
+    assert "griddepcontrol.wait" in ptx
     assert compiled.asm["cubin"]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bulk L2 prefetch, sm_90)")
-@pytest.mark.parametrize("evict_last", [False, True])
-@pytest.mark.parametrize("kv_evict_first", [False, True])
-def test_triton_rope_decode_prefetch_changes_nothing_gpu(evict_last, kv_evict_first, monkeypatch):
-    """The L2 prefetch of the next weight (and the eviction hints) leave output and cache bit for
-    bit as they are."""
-    from pprun.attention import triton_ops
-
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("cp.async.bulk.prefetch needs sm_90")
-    case = make_case(
-        [1, 1, 1], [400, 20, 255], num_heads=4, num_kv_heads=1, head_dim=64, block_size=16,
-        dtype=torch.bfloat16, device="cuda", num_reqs_padded=4, num_tokens_padded=4, max_blocks_per_req=64, seed=15,
-    )
-    weight = torch.randn(1000, 2048, device="cuda", dtype=torch.bfloat16)
-    positions = torch.clamp(case.seq_lens.long() - 1, min=0)
-    cos, sin = _rope_tables(512, 64, "cuda")
-
-    def run():
-        cache, out = case.kv_cache.clone(), torch.empty_like(case.q)
-        triton_ops.paged_decode_attention_rope(
-            case.q, case.k, case.v, cos, sin, positions, cache, case.slot_mapping, case.block_table,
-            case.seq_lens, case.scale, out, prefetch=(weight[:600], weight),
-        )
-        return out, cache
-
-    want = run()
-    monkeypatch.setattr(triton_ops, "DECODE_PREFETCH_FRACTION_1", 1.0)
-    monkeypatch.setattr(triton_ops, "DECODE_PREFETCH_FRACTION_2", 0.3)
-    monkeypatch.setattr(triton_ops, "DECODE_PREFETCH_EVICT_LAST", evict_last)
-    monkeypatch.setattr(triton_ops, "DECODE_KV_EVICT_FIRST", kv_evict_first)
-    got = run()
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @triton_only

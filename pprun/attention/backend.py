@@ -10,7 +10,7 @@ A backend may also carry a ``rope_decode`` attribute: a function that does a pur
 (see :func:`triton_rope_decode`).  Attention layers call it when present, and otherwise rotate
 q and k themselves before calling the backend.  It takes ``qkv_parts=``: a decode-sized qkv
 matmul's unmerged split-K partials (``pprun.layers.SplitPartials``), which q, k and v are then
-float32 views of; and ``prefetch=``: the weights that the layer reads after attention, in order.
+float32 views of.
 """
 
 from __future__ import annotations
@@ -96,12 +96,10 @@ def triton_rope_decode(
     meta: AttentionMetadata,
     scale: float,
     qkv_parts: SplitPartials | None = None,
-    prefetch: tuple[torch.Tensor | None, ...] = (),
 ) -> torch.Tensor:
     """A decode step in one kernel: rotary, cache write, attention and split merge (CUDA);
     with ``qkv_parts`` also the merge of the qkv matmul's split-K partials, which ``q``, ``k``
-    and ``v`` are views of; ``prefetch`` the weights read after attention, in order, which the
-    kernel may fetch into L2 meanwhile (see ``paged_decode_attention_rope``)."""
+    and ``v`` are views of."""
     from pprun.attention.triton_ops import paged_decode_attention_rope
 
     if meta.max_query_len != 1:
@@ -120,7 +118,6 @@ def triton_rope_decode(
         scale,
         torch.empty(q.shape, dtype=qkv_parts.dtype if qkv_parts is not None else q.dtype, device=q.device),
         qkv_parts=qkv_parts,
-        prefetch=prefetch,
     )
 
 

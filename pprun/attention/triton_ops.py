@@ -20,7 +20,7 @@ from pprun.layers import SplitPartials
 from pprun.layers.skinny import arrival_counters
 from pprun.layers.triton_utils import INTERPRETED as _INTERPRETED
 from pprun.layers.triton_utils import NO_FMA as _NO_FMA
-from pprun.layers.triton_utils import l2_prefetch_rows, pdl_options, pdl_sync, prefetch_args, prefetchable
+from pprun.layers.triton_utils import pdl_options, pdl_sync
 
 LOG2_E = 1.4426950408889634
 # Stands in for -inf as the running max so that a fully masked tile gives
@@ -50,28 +50,6 @@ DECODE_PRELOAD_KV = True
 """Decode with a new token: each program loads its first K/V tile (and the step's metadata)
 before waiting for the qkv kernel (PDL), overlapping that kernel's tail; ``scripts/gpu_speed.py
 --ab`` flips it."""
-DECODE_PREFETCH_FRACTION_1 = 0.0
-"""Share of each row of the first weight read after attention (``prefetch[0]``: a Llama layer's
-``o_proj``) that the decode attention asks L2 to fetch while it runs (0: off).  Attention is
-bound by its chain of dependent loads and leaves most of the memory bandwidth idle.  One
-``cp.async.bulk.prefetch.L2`` per weight row, spread over the attention's programs and issued at
-their start (nothing waits for it); the leading bytes of every row, because every matmul program
-streams its rows from K = 0 and the slowest program sets the kernel's time.  Prepared for
-measurement (``scripts/gpu_speed.py --ab --ab-only DECODE_PREFETCH_FRACTION_1=1.0``), not yet
-measured."""
-DECODE_PREFETCH_FRACTION_2 = 0.0
-"""The same for the second weight (``prefetch[1]``: ``gate_up``, 67 MB at batch 32, more than
-attention's idle bandwidth brings in, hence a share: ``--ab-only DECODE_PREFETCH_FRACTION_2=0.3``)."""
-DECODE_PREFETCH_EVICT_LAST = False
-"""Prefetch with an L2 evict-last policy, so that the K/V tiles streaming through L2 meanwhile
-go first (A/B switch, not yet measured)."""
-DECODE_PREFETCH_AFTER_WAIT = False
-"""Issue that prefetch after the kernel's wait for the qkv matmul (PDL) instead of at its start:
-a program that starts early (while qkv still streams its weights) would otherwise take
-bandwidth from the kernel on the critical path (A/B switch, not yet measured)."""
-DECODE_KV_EVICT_FIRST = False
-"""Load the decode K/V tiles with an evict-first policy: each is read once per step, while the
-prefetched weights are read by the next kernels (A/B switch, not yet measured)."""
 # The CPU interpreter multiplies bf16/fp16 dot operands as raw bits; it gets fp32 dots.
 # The rotary products are rounded one by one, as torch does them (see pprun.layers.fused): NO_FMA.
 
@@ -323,34 +301,15 @@ def _kv_offsets(bt_row, n0, end, kv_head, d_mask, stride_c_blk, stride_c_off, st
 
 @triton.jit
 def _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kv_head, offs_d, d_mask,
-             stride_c_blk, stride_c_off, stride_c_head, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-             EVICT_FIRST: tl.constexpr = False):
+             stride_c_blk, stride_c_off, stride_c_head, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Load the K and V tile of cached positions ``[n0, n0 + BLOCK_N)`` (masked at ``end``)."""
     _, n_mask, kv_off, kv_mask = _kv_offsets(bt_row, n0, end, kv_head, d_mask, stride_c_blk, stride_c_off,
                                              stride_c_head, BLOCK_N, PAGE_SIZE)
     k_ptrs = k_cache_ptr + kv_off[:, None] + offs_d[None, :]
     v_ptrs = v_cache_ptr + kv_off[:, None] + offs_d[None, :]
-    if EVICT_FIRST:
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0, eviction_policy="evict_first")
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0, eviction_policy="evict_first")
-    else:
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     return k, v, n_mask
-
-
-@triton.jit
-def _prefetch_next(pf1_ptr, pf1_row_stride, pf1_rows, pf1_row_bytes, pf1_rows_per_program,
-                   pf2_ptr, pf2_row_stride, pf2_rows, pf2_row_bytes, pf2_rows_per_program, program,
-                   PF1_ROWS: tl.constexpr, PF2_ROWS: tl.constexpr, EVICT_LAST: tl.constexpr):
-    """This program's share of the L2 prefetch of the weights read after the decode attention
-    (:data:`DECODE_PREFETCH_FRACTION_1`): they depend on nothing of this step."""
-    if PF1_ROWS > 0:
-        l2_prefetch_rows(pf1_ptr, pf1_row_stride, pf1_rows, pf1_row_bytes, program, pf1_rows_per_program,
-                         PF1_ROWS, EVICT_LAST)
-    if PF2_ROWS > 0:
-        l2_prefetch_rows(pf2_ptr, pf2_row_stride, pf2_rows, pf2_row_bytes, program, pf2_rows_per_program,
-                         PF2_ROWS, EVICT_LAST)
 
 
 @triton.jit
@@ -388,16 +347,6 @@ def _decode_kernel(
     counter_ptr,
     qkv_bias_ptr,
     qkv_part_stride,
-    pf1_ptr,
-    pf1_row_stride,
-    pf1_rows,
-    pf1_row_bytes,
-    pf1_rows_per_program,
-    pf2_ptr,
-    pf2_row_stride,
-    pf2_rows,
-    pf2_row_bytes,
-    pf2_rows_per_program,
     scale_log2,
     stride_q_tok,
     stride_q_head,
@@ -430,11 +379,6 @@ def _decode_kernel(
     USE_PDL: tl.constexpr,
     QKV_PARTS: tl.constexpr,
     QKV_BIAS: tl.constexpr,
-    PF1_ROWS: tl.constexpr,
-    PF2_ROWS: tl.constexpr,
-    PREFETCH_EVICT_LAST: tl.constexpr,
-    PREFETCH_AFTER_WAIT: tl.constexpr,
-    KV_EVICT_FIRST: tl.constexpr,
 ):
     # One program per (request, kv head, context split).  With QKV_PARTS q/k/v point into the
     # qkv matmul's fp32 split-K partials, merged here as they are read (_load_act).  With
@@ -445,13 +389,6 @@ def _decode_kernel(
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # The weights read after this kernel into L2 (DECODE_PREFETCH_FRACTION_*): they depend on
-    # nothing of this step.
-    program = (req * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split
-    if not PREFETCH_AFTER_WAIT:
-        _prefetch_next(pf1_ptr, pf1_row_stride, pf1_rows, pf1_row_bytes, pf1_rows_per_program,
-                       pf2_ptr, pf2_row_stride, pf2_rows, pf2_row_bytes, pf2_rows_per_program, program,
-                       PF1_ROWS, PF2_ROWS, PREFETCH_EVICT_LAST)
     if not NEW_TOKEN:
         # The cache was written by the kernel just before (PDL: wait before reading anything).
         pdl_sync(USE_PDL)
@@ -492,7 +429,7 @@ def _decode_kernel(
     if PRELOAD_KV:
         # The first tile of this split's cached tokens, in flight across the wait.
         k0, v0, n_mask0 = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, start, end, kv_head, offs_d, d_mask,
-                                   stride_c_blk, stride_c_off, stride_c_head, BLOCK_N, PAGE_SIZE, KV_EVICT_FIRST)
+                                   stride_c_blk, stride_c_off, stride_c_head, BLOCK_N, PAGE_SIZE)
     if HAS_ROPE:
         partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
         pos = tl.load(pos_ptr + req).to(tl.int64)
@@ -502,11 +439,6 @@ def _decode_kernel(
         slot = tl.load(slot_ptr + req).to(tl.int64)
         # q/k/v come from the kernel just before.
         pdl_sync(USE_PDL)
-    if PREFETCH_AFTER_WAIT:
-        # (programs of empty splits returned above: their share of the rows is not fetched)
-        _prefetch_next(pf1_ptr, pf1_row_stride, pf1_rows, pf1_row_bytes, pf1_rows_per_program,
-                       pf2_ptr, pf2_row_stride, pf2_rows, pf2_row_bytes, pf2_rows_per_program, program,
-                       PF1_ROWS, PF2_ROWS, PREFETCH_EVICT_LAST)
     act = out_ptr.dtype.element_ty
     q_bias = qkv_bias_ptr + heads[:, None] * HEAD_DIM
     q = _load_act(q_rows + offs_d[None, :], qd_mask, q_bias + offs_d[None, :], qkv_part_stride, act,
@@ -548,7 +480,7 @@ def _decode_kernel(
         first = start + BLOCK_N
     for n0 in range(first, end, BLOCK_N):
         k, v, n_mask = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kv_head, offs_d, d_mask,
-                                stride_c_blk, stride_c_off, stride_c_head, BLOCK_N, PAGE_SIZE, KV_EVICT_FIRST)
+                                stride_c_blk, stride_c_off, stride_c_head, BLOCK_N, PAGE_SIZE)
         m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, DOT_F32)
 
     out_rows = out_ptr + req * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
@@ -596,14 +528,12 @@ def _launch_decode(
     num_reqs_padded: int,
     new_token: tuple[torch.Tensor, ...] | None = None,
     qkv_parts: SplitPartials | None = None,
-    prefetch: tuple[torch.Tensor, ...] = (),
 ) -> torch.Tensor:
     """Launch :func:`_decode_kernel` over ``min(q rows, num_reqs_padded)`` rows (inputs checked
     by the caller); ``new_token`` is ``(k, v, cos, sin, positions, slot_mapping)`` (cos/sin may
     be None) or None when the cache already holds every token; ``qkv_parts`` the partials that
-    ``q``/``k``/``v`` are views of (with a new token only); ``prefetch`` up to two weights read
-    next, in order (see :data:`DECODE_PREFETCH_FRACTION_1`), None for one to skip.  Token rows
-    past the request rows are zeroed."""
+    ``q``/``k``/``v`` are views of (with a new token only).  Token rows past the request rows
+    are zeroed."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, page_size = kv_cache.shape[3], kv_cache.shape[2]
     num_rows_padded = min(q.shape[0], num_reqs_padded)
@@ -627,12 +557,6 @@ def _launch_decode(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_parts = qkv_parts.parts.shape[0] if qkv_parts is not None else 0
     qkv_bias = qkv_parts.bias if qkv_parts is not None else None
-    num_programs = num_rows_padded * num_kv_heads * num_splits
-    weights = tuple(prefetch) + (None,) * (2 - len(prefetch))
-    (pf1_args, pf1_block), (pf2_args, pf2_block) = (
-        prefetch_args(w, fraction, num_programs, q)
-        for w, fraction in zip(weights, (DECODE_PREFETCH_FRACTION_1, DECODE_PREFETCH_FRACTION_2))
-    )
     _decode_kernel[(num_rows_padded, num_kv_heads, num_splits)](
         q,
         k,
@@ -652,8 +576,6 @@ def _launch_decode(
         counter,
         qkv_bias if qkv_bias is not None else q,
         qkv_parts.parts.stride(0) if qkv_parts is not None else 0,
-        *pf1_args,
-        *pf2_args,
         scale * LOG2_E,
         q.stride(0),
         q.stride(1),
@@ -686,11 +608,6 @@ def _launch_decode(
         PRELOAD_KV=DECODE_PRELOAD_KV,
         QKV_PARTS=num_parts,
         QKV_BIAS=qkv_bias is not None,
-        PF1_ROWS=pf1_block,
-        PF2_ROWS=pf2_block,
-        PREFETCH_EVICT_LAST=DECODE_PREFETCH_EVICT_LAST,
-        PREFETCH_AFTER_WAIT=DECODE_PREFETCH_AFTER_WAIT,
-        KV_EVICT_FIRST=DECODE_KV_EVICT_FIRST,
         num_warps=_DECODE_NUM_WARPS,
         num_stages=_DECODE_NUM_STAGES,
         **(_NO_FMA if has_rope else {}),
@@ -742,7 +659,6 @@ def paged_decode_attention_rope(
     scale: float,
     out: torch.Tensor,
     qkv_parts: SplitPartials | None = None,
-    prefetch: tuple[torch.Tensor | None, ...] = (),
 ) -> torch.Tensor:
     """A decode step's attention in one launch: rotary on q and k, the new K/V written to the
     cache, flash-decoding over the cache, and the context splits merged in the same kernel.
@@ -752,12 +668,6 @@ def paged_decode_attention_rope(
     ``qkv_parts.parts[0]`` (split as the merged output would be), merged with the bias as they
     are read and rounded to ``out``'s dtype, the activations' (bit for bit what the matmul's own
     merge writes).
-
-    ``prefetch``: up to two 2-d weights on ``q``'s device that later kernels of the step read, in
-    their order (a Llama layer's ``o_proj``, then ``gate_up``); with
-    :data:`DECODE_PREFETCH_FRACTION_1` / ``_2`` above 0 the leading share of each one's rows is
-    fetched into L2 while this kernel runs (skipped for a weight whose rows do not start 16-byte
-    aligned or are not contiguous).  It changes no result.
 
     Equals ``rotary_qk`` then :func:`paged_attention` with ``max_query_len == 1`` (rounding
     aside: the new token's score is summed outside the tile dot).  ``q``/``k``/``v`` are the
@@ -824,12 +734,9 @@ def paged_decode_attention_rope(
                 )
     for name, t in (("k", k), ("v", v)):
         _check_last_dim_contiguous(name, t)
-    if len(prefetch) > 2:
-        raise ValueError(f"prefetch takes at most 2 weights, got {len(prefetch)}")
-    prefetch = tuple(prefetchable(w, q.device) for w in prefetch)
     return _launch_decode(
         q, kv_cache, block_table, seq_lens, scale, out, num_reqs_padded,
-        new_token=(k, v, cos, sin, positions, slot_mapping), qkv_parts=qkv_parts, prefetch=prefetch,
+        new_token=(k, v, cos, sin, positions, slot_mapping), qkv_parts=qkv_parts,
     )
 
 

@@ -25,7 +25,7 @@ from triton.language.extra import libdevice
 from pprun.layers import SplitPartials
 from pprun.layers.triton_utils import INTERPRETED as _INTERPRETED
 from pprun.layers.triton_utils import NO_FMA as _NO_FMA
-from pprun.layers.triton_utils import l2_prefetch_rows, pdl_options, pdl_sync, prefetch_args, prefetchable
+from pprun.layers.triton_utils import pdl_options, pdl_sync
 
 # The CPU interpreter has no libdevice; it gets tl.exp (tests there use a bf16 tolerance anyway).
 
@@ -49,20 +49,6 @@ so more threads shorten the row's latency.  H200, 1.1B model, batch 32, graph re
 (``scripts/gpu_speed.py --ab --ab-only NORM_PARTS_NUM_WARPS=8``): 4 warps 1.059 ms, 8 warps
 1.062, 16 warps 1.029 (the norm after o_proj 2.1 -> 1.4 us)."""
 
-NORM_PREFETCH_MB = 0.0
-"""MiB of the weight read after an add + RMSNorm of a decode step (``prefetch``: a Llama layer's
-``qkv``, its ``gate_up``, the LM head) that the norm's programs ask L2 for: the leading share of
-every row (each matmul program streams its rows from K = 0), the whole weight when it is
-smaller (0: off).  The norm itself moves little; the next matmul, especially ``qkv`` with its
-few programs, then finds the start of its weight stream in L2.  From 2 up to
-:data:`NORM_PREFETCH_MAX_ROWS` rows (decode; at one row the layers' norms fold into their
-matmuls, and a single program would issue every prefetch alone).  A/B switch, not yet measured
-(``scripts/gpu_speed.py --ab --ab-only NORM_PREFETCH_MB=16``)."""
-NORM_PREFETCH_MAX_ROWS = 64
-NORM_PREFETCH_BEFORE_WAIT = False
-"""Issue the norm's prefetch at its programs' start instead of after their wait for the kernel
-before (PDL): earlier, but then it competes with that kernel's own stream (A/B switch)."""
-
 
 @triton.jit
 def _add_rms_norm_kernel(
@@ -80,31 +66,17 @@ def _add_rms_norm_kernel(
     eps,
     bias_ptr,
     stride_part,
-    pf_ptr,
-    pf_row_stride,
-    pf_rows,
-    pf_row_bytes,
-    pf_rows_per_program,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
     NUM_PARTS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    PF_ROWS: tl.constexpr,
-    PF_BEFORE_WAIT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)  # a weight: readable before the wait (PDL)
-    # The weight read after this kernel (NORM_PREFETCH_MB) into L2: no kernel writes it.
-    if PF_ROWS > 0 and PF_BEFORE_WAIT:
-        l2_prefetch_rows(pf_ptr, pf_row_stride, pf_rows, pf_row_bytes, tl.program_id(0), pf_rows_per_program,
-                         PF_ROWS, False)
     pdl_sync(USE_PDL)
-    if PF_ROWS > 0 and not PF_BEFORE_WAIT:
-        l2_prefetch_rows(pf_ptr, pf_row_stride, pf_rows, pf_row_bytes, tl.program_id(0), pf_rows_per_program,
-                         PF_ROWS, False)
     if NUM_PARTS > 0:
         # x is a split-K matmul's fp32 partials (pprun.layers.SplitPartials): merged as that
         # matmul's own merge would, in split order, plus its bias, rounded once.
@@ -130,8 +102,7 @@ def _add_rms_norm_kernel(
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor | SplitPartials, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-    prefetch: torch.Tensor | None = None,
+    x: torch.Tensor | SplitPartials, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``RMSNorm.forward`` in one launch: ``(weight * norm(x + residual), x + residual)``.
 
@@ -141,8 +112,6 @@ def fused_add_rms_norm(
         residual: ``[num_tokens, hidden]`` or None (then ``x`` itself is returned as the residual).
         weight: ``[hidden]``.
         eps: added to the mean square.
-        prefetch: the 2-d weight read next, which a decode step's norm may bring into L2
-            (:data:`NORM_PREFETCH_MB`); a hint, with no effect on the results.
 
     Returns new tensors (inputs are not written); dtypes follow torch's promotion, as in
     ``llama.RMSNorm``.
@@ -181,11 +150,6 @@ def fused_add_rms_norm(
     if num_tokens == 0:
         return out, new_residual
     res_in = residual if residual is not None else x  # unread when HAS_RESIDUAL is False
-    prefetch = prefetchable(prefetch, x.device)
-    fraction = 0.0
-    if prefetch is not None and NORM_PREFETCH_MB > 0 and 2 <= num_tokens <= NORM_PREFETCH_MAX_ROWS:
-        fraction = NORM_PREFETCH_MB * 2**20 / (prefetch.numel() * prefetch.element_size())
-    pf_args, pf_block = prefetch_args(prefetch, fraction, num_tokens, weight)
     _add_rms_norm_kernel[(num_tokens,)](
         x,
         res_in,
@@ -201,13 +165,10 @@ def fused_add_rms_norm(
         eps,
         parts.bias if parts is not None and parts.bias is not None else weight,
         x.numel(),
-        *pf_args,
         HAS_RESIDUAL=residual is not None,
         BLOCK=triton.next_power_of_2(hidden),
         NUM_PARTS=parts.parts.shape[0] if parts is not None else 0,
         HAS_BIAS=parts is not None and parts.bias is not None,
-        PF_ROWS=pf_block,
-        PF_BEFORE_WAIT=NORM_PREFETCH_BEFORE_WAIT,
         num_warps=min(32, (NORM_PARTS_NUM_WARPS if parts is not None else 4) * (1 if hidden <= 4096 else 2)),
         **_NO_FMA,
         **pdl_options(x.device),

@@ -68,19 +68,6 @@ program's 64 x 256 weight slice held across the wait.  At batch 32 it lost: grap
 against 1.107 (attention 15 -> 18 us per layer; ``scripts/gpu_speed.py --ab --ab-only
 WEIGHTS_AHEAD_MAX_ROWS=32``, H200), so one row only."""
 
-SWAPPED_AHEAD_TILES = 0
-"""From two rows, a matmul whose caller asks for ``weights_ahead`` (a norm on its own before
-``qkv``, ``gate_up`` and the LM head) loads each split's first this many weight tiles (0, 1
-or 2; 16 KB each, twice that with SwiGLU) before its PDL wait, so that they stream in while the
-norm runs, when the bandwidth is otherwise idle.  Only where a split walks at least four times
-as many tiles: a larger share, as with ``o_proj`` after the decode attention, competes with
-the kernel before (see :data:`WEIGHTS_AHEAD_MAX_ROWS`).  A/B switch, not yet measured
-(``scripts/gpu_speed.py --ab --ab-only SWAPPED_AHEAD_TILES=1``)."""
-SWAPPED_AHEAD_NUM_STAGES = 3
-"""Pipeline stages of a matmul that holds tiles ahead: the tiles held take shared memory for the
-MMA, and one stage fewer keeps the total where 4 stages had it (sm_90, compiled ahead of time:
-96 KB, two programs per SM; 160 KB with SwiGLU), so the LM head's programs still fit two per SM."""
-
 SWAPPED_TARGET_PROGRAMS = 128
 """Above one row, K is split until about this many programs run (``scripts/sweep_skinny.py``:
 the fastest setting or within 2% of it at 16 and 32 rows, each matmul timed alone); inside the
@@ -96,11 +83,6 @@ and down at batch 32 split 8 ways instead of 4.  H200, 1.1B model, graph replay
 attention merges (``"attention"``) keep :data:`SWAPPED_TARGET_PROGRAMS`: every program of a
 (request, KV head) merges its q/k/v rows again, so more splits cost it more (256 programs for
 both: qkv 7.1 -> 5.9 us, attention 15.3 -> 17.3 us per layer at batch 32)."""
-
-ATTENTION_MERGED_TARGET_PROGRAMS = 128
-"""The same for partials that the decode attention merges (qkv): 2 splits at batch 32.  A/B
-switch (``--ab-only ATTENTION_MERGED_TARGET_PROGRAMS=144``: 3 splits), see
-:data:`DEFERRED_TARGET_PROGRAMS` for what 256 cost."""
 
 DEFER_MERGERS = ("norm", "attention")
 """The kernels that may merge a matmul's deferred partials (``defer_merge``)."""
@@ -245,7 +227,6 @@ def _skinny_kernel(
     BLOCK_ROW: tl.constexpr,
     EXACT_MUL: tl.constexpr,
     DEFER_MERGE: tl.constexpr,
-    AHEAD: tl.constexpr,
 ):
     """``x @ w.T`` (see the module docstring).  With ``NORM`` (one row, ``BLOCK_M == 1``) the
     matmul's input is ``norm_w * norm(x + residual)`` instead of ``x``: every program reads the
@@ -270,20 +251,6 @@ def _skinny_kernel(
         offs_k_all = k_begin + tl.arange(0, BLOCK_K)
         k_mask_all = offs_k_all < k_end
         w_all = tl.load(w_rows + offs_k_all[None, :], mask=n_mask[:, None] & k_mask_all[None, :], other=0.0)
-    # AHEAD (1 or 2): the split's first weight tiles, loaded before the wait for a caller whose
-    # previous kernel is light (a norm); the loop below starts after them.
-    if AHEAD >= 1:
-        offs_k_a = k_begin + tl.arange(0, BLOCK_K)
-        wa_mask = n_mask[:, None] & (offs_k_a < k_end)[None, :]
-        w_a = tl.load(w_rows + offs_k_a[None, :], mask=wa_mask, other=0.0)
-        if SWIGLU:
-            wu_a = tl.load(up_rows + offs_k_a[None, :], mask=wa_mask, other=0.0)
-    if AHEAD >= 2:
-        offs_k_b = offs_k_a + BLOCK_K
-        wb_mask = n_mask[:, None] & (offs_k_b < k_end)[None, :]
-        w_b = tl.load(w_rows + offs_k_b[None, :], mask=wb_mask, other=0.0)
-        if SWIGLU:
-            wu_b = tl.load(up_rows + offs_k_b[None, :], mask=wb_mask, other=0.0)
     pdl_sync(USE_PDL)
     if NORM:
         rstd = _norm_row_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_hidden, eps, (pid_n == 0) & (pid_k == 0),
@@ -300,17 +267,7 @@ def _skinny_kernel(
         else:
             acc += _tile_product(x, w_all, USE_DOT, DOT_F32)
     else:
-        if AHEAD >= 1:
-            x = tl.load(x_rows + offs_k_a[None, :], mask=m_mask[:, None] & (offs_k_a < k_end)[None, :], other=0.0)
-            acc_t += _swapped_product(x, w_a, DOT_F32)
-            if SWIGLU:
-                acc_up_t += _swapped_product(x, wu_a, DOT_F32)
-        if AHEAD >= 2:
-            x = tl.load(x_rows + offs_k_b[None, :], mask=m_mask[:, None] & (offs_k_b < k_end)[None, :], other=0.0)
-            acc_t += _swapped_product(x, w_b, DOT_F32)
-            if SWIGLU:
-                acc_up_t += _swapped_product(x, wu_b, DOT_F32)
-        for k0 in range(k_begin + AHEAD * BLOCK_K, k_end, BLOCK_K):
+        for k0 in range(k_begin, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < k_end
             if NORM:
@@ -382,9 +339,6 @@ class SkinnyConfig:
     preload: bool = False
     """Each program loads its whole weight slice (one K tile per split: ``block_k * split_k >=
     K``) before its PDL wait (see :data:`WEIGHTS_AHEAD_ENABLED`); no norm prologue, no SwiGLU."""
-    ahead_tiles: int = 0
-    """The swapped form (``swap_ab``) loads each split's first 1 or 2 weight tiles before its PDL
-    wait (see :data:`SWAPPED_AHEAD_TILES`); no norm prologue, not with ``preload``."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -413,9 +367,7 @@ def default_config(
     ``weights_ahead`` (no SwiGLU): at one row (K up to :data:`WEIGHTS_AHEAD_MAX_K`), 8-row
     column tiles over one K tile holding the whole row, loaded before the PDL wait; from two rows
     up to :data:`WEIGHTS_AHEAD_MAX_ROWS`, the swapped form with K split into 256-wide slices, each
-    program's slice loaded before the wait; above that, the swapped form with each split's first
-    :data:`SWAPPED_AHEAD_TILES` weight tiles loaded before the wait (SwiGLU too).
-    ``defer_merge="norm"`` (above one row, no SwiGLU):
+    program's slice loaded before the wait.  ``defer_merge="norm"`` (above one row, no SwiGLU):
     K is split toward :data:`DEFERRED_TARGET_PROGRAMS` programs instead."""
     if weights_ahead and WEIGHTS_AHEAD_ENABLED and not swiglu:
         if m == 1 and k <= WEIGHTS_AHEAD_MAX_K:
@@ -426,14 +378,9 @@ def default_config(
                                 preload=True)
     if m > 1:
         block_n, block_k = 64, min(128, triton.next_power_of_2(k))
-        target = {"norm": DEFERRED_TARGET_PROGRAMS, "attention": ATTENTION_MERGED_TARGET_PROGRAMS}.get(
-            defer_merge if not swiglu else None, SWAPPED_TARGET_PROGRAMS)
+        target = DEFERRED_TARGET_PROGRAMS if defer_merge == "norm" and not swiglu else SWAPPED_TARGET_PROGRAMS
         split = max(1, min(target // triton.cdiv(n_out, block_n), k // block_k))
-        ahead = SWAPPED_AHEAD_TILES if weights_ahead and WEIGHTS_AHEAD_ENABLED else 0
-        if ahead and triton.cdiv(k, split) < 4 * ahead * block_k:
-            ahead = 0
-        stages = SWAPPED_AHEAD_NUM_STAGES if ahead else 4
-        return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=stages, swap_ab=True, ahead_tiles=ahead)
+        return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=4, swap_ab=True)
     long_k = k > 4096
     block_n = 16 if (swiglu or long_k) else 8
     block_k = min(256 if long_k else 512, triton.next_power_of_2(k))
@@ -515,11 +462,6 @@ def _launch(
             f"SkinnyConfig.preload needs no norm prologue, no SwiGLU and one K tile per split "
             f"(block_k * split_k >= K={k}); got norm={norm is not None}, swiglu={swiglu}, {cfg}"
         )
-    if cfg.ahead_tiles not in (0, 1, 2) or (cfg.ahead_tiles and (norm is not None or cfg.preload
-                                                                   or not (cfg.swap_ab and m > 1))):
-        raise ValueError(f"SkinnyConfig.ahead_tiles must be 0, 1 or 2, and above 0 only for the swapped form "
-                         f"(swap_ab, two rows or more) without a norm prologue or preload; got {cfg} for {m} rows, "
-                         f"norm={norm is not None}")
     # skinny_linear defers only plain matmuls whose K is split, and then passes no ``out``.
     deferred = defer_merge is not None and split > 1
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
@@ -571,7 +513,6 @@ def _launch(
         BLOCK_ROW=block_row,
         EXACT_MUL=not _INTERPRETED,
         DEFER_MERGE=deferred,
-        AHEAD=cfg.ahead_tiles,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_options(x.device),

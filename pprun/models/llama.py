@@ -48,17 +48,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(
-        self, x: torch.Tensor | SplitPartials, residual: torch.Tensor | None = None,
-        prefetch: torch.Tensor | None = None,
+        self, x: torch.Tensor | SplitPartials, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(norm(x + residual), x + residual)``; with no residual, ``x`` is it.
 
         ``x`` may be a decode matmul's unmerged partials (``o_proj``, ``down``): the fused
-        kernel merges them as it reads them.  ``prefetch``: the weight read next, which the
-        fused kernel may bring into L2 (``fused.NORM_PREFETCH_MB``)."""
+        kernel merges them as it reads them."""
         fused = fused_ops_for(x.parts if isinstance(x, SplitPartials) else x)
         if fused is not None:  # CUDA: one Triton launch with the same rounding steps
-            return fused.fused_add_rms_norm(x, residual, self.weight, self.eps, prefetch=prefetch)
+            return fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
         x = merged(x)
         if residual is not None:
             x = x + residual
@@ -150,17 +148,15 @@ class Attention(nn.Module):
         """[2, num_blocks, block_size, num_kv_heads, head_dim], bound by the worker."""
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
-        prefetch: torch.Tensor | None = None,
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor | SplitPartials:
         """Attend ``x [T, hidden]`` over the request contexts described by ``meta``; returns
-        ``o_proj``'s output, or on the decode path its unmerged partials (for the next norm).
-        ``prefetch``: the weight the layer reads after ``o_proj`` (see :meth:`attend`)."""
+        ``o_proj``'s output, or on the decode path its unmerged partials (for the next norm)."""
         # The kernel before is the input norm on its own, which leaves the bandwidth idle.  A
         # decode step's attention kernel merges a split qkv's partials as it reads q, k and v.
         defer = "attention" if self._rope_decode(meta, x) is not None else None
         qkv = linear(self.qkv_proj, x, weights_ahead=True, defer_merge=defer)
-        return self.attend(positions, qkv, meta, prefetch)
+        return self.attend(positions, qkv, meta)
 
     def _rope_decode(self, meta: AttentionMetadata, x: torch.Tensor) -> Callable | None:
         """The backend's one-kernel decode step, if this step takes it."""
@@ -170,14 +166,11 @@ class Attention(nn.Module):
         return None
 
     def attend(
-        self, positions: torch.Tensor, qkv: torch.Tensor | SplitPartials, meta: AttentionMetadata,
-        prefetch: torch.Tensor | None = None,
+        self, positions: torch.Tensor, qkv: torch.Tensor | SplitPartials, meta: AttentionMetadata
     ) -> torch.Tensor | SplitPartials:
         """The rest of :meth:`forward` from ``qkv = qkv_proj(x)`` on (``DecoderLayer`` projects
         with the input norm folded in); ``qkv`` may be the projection's unmerged partials on a
-        decode step that :meth:`_rope_decode` takes, which is also handed ``o_proj``'s weight and
-        ``prefetch`` (the weight the layer reads after it): the weights read after attention, in
-        order, which the one-kernel decode may bring into L2."""
+        decode step that :meth:`_rope_decode` takes."""
         parts = qkv if isinstance(qkv, SplitPartials) else None
         src = parts.parts[0] if parts is not None else qkv
         num_tokens = src.shape[0]
@@ -191,7 +184,6 @@ class Attention(nn.Module):
         if rope_decode is not None:
             # One kernel: rotary, cache write, attention (see pprun.attention.backend).
             extra = {"qkv_parts": parts} if parts is not None else {}
-            extra["prefetch"] = (self.o_proj.weight, prefetch)
             out = rope_decode(
                 q, k, v, self.rotary.cos, self.rotary.sin, positions, self.kv_cache, meta, self.scale, **extra
             )
@@ -216,9 +208,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitPartials:
-        """``down(silu(gate(x)) * up(x))`` (see :meth:`down`); ``x`` comes from a norm on its own
-        (which leaves the bandwidth idle: gate_up may start on its weights meanwhile)."""
-        act = linear_swiglu(self.gate_up_proj, x, weights_ahead=True)
+        """``down(silu(gate(x)) * up(x))`` (see :meth:`down`)."""
+        act = linear_swiglu(self.gate_up_proj, x)
         if act is not None:
             return self.down(act)
         gate_up = self.gate_up_proj(x)
@@ -257,20 +248,18 @@ class DecoderLayer(nn.Module):
         then gate_up with its SwiGLU); otherwise each norm runs on its own, and merges the
         partials of a split-K ``o_proj`` or ``down`` before it (the output may be such partials).
         """
-        # gate_up reads the most bytes after attention, which leaves the bandwidth idle.
-        after = self.mlp.gate_up_proj.weight
         folded = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden_states, residual)
         if folded is not None:
             qkv, residual = folded
-            h = self.self_attn.attend(positions, qkv, meta, after)
+            h = self.self_attn.attend(positions, qkv, meta)
         else:
-            h, residual = self.input_layernorm(hidden_states, residual, prefetch=self.self_attn.qkv_proj.weight)
-            h = self.self_attn(positions, h, meta, after)
+            h, residual = self.input_layernorm(hidden_states, residual)
+            h = self.self_attn(positions, h, meta)
         folded = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual, swiglu=True)
         if folded is not None:
             act, residual = folded
             return self.mlp.down(act), residual
-        h, residual = self.post_attention_layernorm(h, residual, prefetch=self.mlp.gate_up_proj.weight)
+        h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
 
@@ -348,14 +337,12 @@ class LlamaForCausalLM(nn.Module):
         if not self.layout.is_last:
             # The residual stream itself (see the module docstring): one tensor on the wire.
             return IntermediateTensors({"hidden_states": merged(h) + residual})
-        h, _ = self.norm(h, residual, prefetch=self.lm_head.weight)
+        h, _ = self.norm(h, residual)
         return h
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """LM-head logits for the given (last stage) hidden states, which the final norm wrote
-        (a light kernel: from two rows the LM head may start on its weights meanwhile; one row
-        keeps its measured form)."""
-        return linear(self.lm_head, hidden_states, weights_ahead=hidden_states.shape[0] > 1)
+        """LM-head logits for the given (last stage) hidden states."""
+        return linear(self.lm_head, hidden_states)
 
     def make_empty_intermediate_tensors(
         self, num_tokens: int, dtype: torch.dtype, device: torch.device
