@@ -48,32 +48,6 @@ def test_skinny_linear_matches_torch(dtype, m, split_k, bias, swap_ab):
 
 
 @triton_only
-@pytest.mark.parametrize("m", [2, 17, 32])
-@pytest.mark.parametrize("split_k", [1, 3])
-@pytest.mark.parametrize("swiglu", [False, True])
-def test_skinny_swapped_32_row_tiles(m, split_k, swiglu, monkeypatch):
-    """The swapped form over 32 weight rows per program (``SWAPPED_BLOCK_N = 32``), ragged
-    columns, split and merged K, SwiGLU, deferred partials: against torch."""
-    from pprun.layers import skinny
-
-    dtype = DTYPES[-1]
-    inter = 50
-    x, w, b = _inputs(m, 2 * inter if swiglu else 100, 200, dtype, True, seed=11)
-    want = F.linear(x, w, b)
-    if swiglu:
-        gate, up = want.split(inter, dim=-1)
-        want = F.silu(gate) * up
-    cfg = skinny.SkinnyConfig(32, 64, split_k, swap_ab=True)
-    got = skinny.skinny_linear(x, w, b, swiglu=swiglu, config=cfg)
-    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
-    if not swiglu and split_k > 1:
-        parts = skinny.skinny_linear(x, w, b, config=cfg, defer_merge="norm")
-        assert torch.equal(parts.merge(), got)
-    monkeypatch.setattr(skinny, "SWAPPED_BLOCK_N", 32)
-    assert skinny.default_config(m, 3072, 2048, False, x.device).block_n == 32
-
-
-@triton_only
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 5, 33])
 @pytest.mark.parametrize("split_k", [1, 4])

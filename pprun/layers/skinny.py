@@ -68,13 +68,6 @@ program's 64 x 256 weight slice held across the wait.  At batch 32 it lost: grap
 against 1.107 (attention 15 -> 18 us per layer; ``scripts/gpu_speed.py --ab --ab-only
 WEIGHTS_AHEAD_MAX_ROWS=32``, H200), so one row only."""
 
-SWAPPED_BLOCK_N = 64
-"""Weight rows per program of the swapped form (the MMA's M side): 64 is one Hopper ``wgmma``
-tile; 32 runs ``mma.sync`` instead, with half the shared memory per stage (sm_90, compiled ahead
-of time: ``gate_up`` with SwiGLU 73 KB instead of 160 KB, so two or three programs per SM, the
-rest 48 KB instead of 96 KB) and twice the column blocks.  A/B switch, not yet measured
-(``scripts/gpu_speed.py --ab --ab-only SWAPPED_BLOCK_N=32``)."""
-
 SWAPPED_TARGET_PROGRAMS = 128
 """Above one row, K is split until about this many programs run (``scripts/sweep_skinny.py``:
 the fastest setting or within 2% of it at 16 and 32 rows, each matmul timed alone); inside the
@@ -384,7 +377,7 @@ def default_config(
             return SkinnyConfig(64, block_k, triton.cdiv(k, block_k), num_warps=4, num_stages=1, swap_ab=True,
                                 preload=True)
     if m > 1:
-        block_n, block_k = SWAPPED_BLOCK_N, min(128, triton.next_power_of_2(k))
+        block_n, block_k = 64, min(128, triton.next_power_of_2(k))
         target = DEFERRED_TARGET_PROGRAMS if defer_merge == "norm" and not swiglu else SWAPPED_TARGET_PROGRAMS
         split = max(1, min(target // triton.cdiv(n_out, block_n), k // block_k))
         return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=4, swap_ab=True)
