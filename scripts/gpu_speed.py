@@ -225,7 +225,8 @@ def switches() -> list[tuple]:
             (pprun.worker.kv_cache, "HEAD_MAJOR", not pprun.worker.kv_cache.HEAD_MAJOR, True),
             (pprun.layers, "DEFER_MERGE_ENABLED", False, False),
             (pprun.layers.skinny, "DEFERRED_TARGET_PROGRAMS", 128, False),
-            (pprun.layers.fused, "NORM_PARTS_NUM_WARPS", 4, False)]
+            (pprun.layers.fused, "NORM_PARTS_NUM_WARPS", 4, False),
+            (pprun.attention.triton_ops, "DECODE_PRELOAD_SECOND", True, True)]
 
 
 def parse_settings(text: str) -> list[tuple]:
@@ -271,7 +272,8 @@ def main() -> None:
                          "stored head-major or token-major, whichever is not the default (HEAD_MAJOR), o_proj's and down's split-K partials merged by "
                          "their own launch instead of the next kernel's (DEFER_MERGE_ENABLED), the norm-merged ones split K until ~128 "
                          "programs instead of ~256 (DEFERRED_TARGET_PROGRAMS), 4 warps per row instead of 16 in the norm "
-                         "that merges partials (NORM_PARTS_NUM_WARPS)")
+                         "that merges partials (NORM_PARTS_NUM_WARPS), the decode attention's second K/V tile "
+                         "loaded before its PDL wait too (DECODE_PRELOAD_SECOND)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
                          "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")

@@ -1,35 +1,57 @@
-"""Per-layer mean end-to-end time of each kernel position in the traced decode graphs."""
-import json, sys
-NAMES = ["norm", "qkv", "attn", "o_proj", "norm2", "gate_up", "down"]
-for path in sys.argv[1:]:
-    r = json.load(open(path))
-    print("==", path, "set", r.get("set"))
-    for k, d in r.items():
-        if not k.startswith("decode_"):
-            continue
-        t = d.get("graph_trace")
-        line = f"{k:60s} step {d['engine_step_ms']:.4f} graph {d.get('graph_replay_ms')}"
-        if not t:
-            print(line); continue
-        ev = t["last_replay"]
-        ends = [e["start_us"] + e["dur_us"] for e in ev]
-        deltas = [None] + [b - a for a, b in zip(ends, ends[1:])]
-        names = [e["kernel"] for e in ev]
-        first = names.index("_add_rms_norm_kernel")
-        if "b1" in k or names[first + 1] != "_skinny_kernel" or names[first + 2] != "_skinny_kernel":
-            pass
-        # batch > 1: norm, qkv, decode, o_proj, norm, gate_up, down per layer
-        per = len(NAMES) if names[first + 2] == "_decode_kernel" else None
-        out = {}
-        if per:
-            i = first
-            rows = []
-            while i + per <= len(names) and names[i] == "_add_rms_norm_kernel" and names[i + 2] == "_decode_kernel":
-                rows.append(deltas[i:i + per]); i += per
-            out = {n: round(sum(r[j] for r in rows) / len(rows), 2) for j, n in enumerate(NAMES)}
-            out["layers"] = len(rows)
-            out["per_layer"] = round(sum(v for kk, v in out.items() if kk != "layers"), 2)
-            out["tail"] = [(names[j][:20], round(deltas[j], 2)) for j in range(i, len(names))]
-        print(line, "span", t.get("span_us"), "kernels", t.get("kernels_per_replay"))
-        if out:
-            print("   ", out)
+"""Per-layer kernel times of the decode graphs that ``gpu_speed.py --graph-trace`` traced.
+
+    python scripts/trace_layers.py result.json [more.json ...]
+
+For every ``decode_*`` run of each file: engine step and graph replay in ms, and, for a graph
+of more than one row (norm, qkv, attention, o_proj, norm, gate_up, down per layer), each
+kernel's mean end-to-end time over the layers in us (from the end of the kernel before to its
+own end, so what it adds to the replay, overlap included), their sum per layer, and the kernels
+after the last layer (final norm, LM head, argmax).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+LAYER = ("norm", "qkv", "attention", "o_proj", "norm2", "gate_up", "down")
+NORM, ATTENTION = "_add_rms_norm_kernel", "_decode_kernel"
+
+
+def per_layer(events: list[dict]) -> dict | None:
+    """Mean end-to-end us of each kernel of a layer, or None for a graph without that layout."""
+    ends = [e["start_us"] + e["dur_us"] for e in events]
+    deltas = [0.0] + [b - a for a, b in zip(ends, ends[1:])]
+    names = [e["kernel"] for e in events]
+    if NORM not in names:
+        return None
+    i = names.index(NORM)
+    layers = []
+    while i + len(LAYER) <= len(names) and names[i] == NORM and names[i + 2] == ATTENTION:
+        layers.append(deltas[i:i + len(LAYER)])
+        i += len(LAYER)
+    if not layers:
+        return None
+    out = {name: round(sum(row[j] for row in layers) / len(layers), 2) for j, name in enumerate(LAYER)}
+    out["per_layer"] = round(sum(out[name] for name in LAYER), 2)
+    out["layers"] = len(layers)
+    out["after_layers"] = [(names[j][:24], round(deltas[j], 2)) for j in range(i, len(names))]
+    return out
+
+
+def main() -> None:
+    for path in sys.argv[1:]:
+        result = json.load(open(path))
+        print("==", path, "set", result.get("set"))
+        for key, run in result.items():
+            if not key.startswith("decode_"):
+                continue
+            print(f"{key:60s} step {run['engine_step_ms']:.4f} graph {run.get('graph_replay_ms')}")
+            trace = run.get("graph_trace")
+            layer = per_layer(trace["last_replay"]) if trace and "last_replay" in trace else None
+            if layer:
+                print("   ", layer)
+
+
+if __name__ == "__main__":
+    main()

@@ -475,13 +475,14 @@ def test_triton_rope_decode_matches_rotary_then_reference(num_heads, num_kv_head
 
 @triton_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("preload_kv", [True, False])
-def test_triton_rope_decode_split_context_merged_in_kernel(dtype, preload_kv, monkeypatch):
+@pytest.mark.parametrize("preload", ["first", "second", "none"])
+def test_triton_rope_decode_split_context_merged_in_kernel(dtype, preload, monkeypatch):
     from pprun.attention import triton_ops
     from pprun.attention.triton_ops import num_decode_splits
 
-    # The first K/V tile loaded before the PDL wait, or in the loop.
-    monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_KV", preload_kv)
+    # The first (and second) K/V tile loaded before the PDL wait, or in the loop.
+    monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_KV", preload != "none")
+    monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_SECOND", preload == "second")
 
     max_blocks = 64
     assert num_decode_splits(3, 1, max_blocks * 16, torch.device(TRITON_DEVICE)) > 1
@@ -496,12 +497,13 @@ def test_triton_rope_decode_split_context_merged_in_kernel(dtype, preload_kv, mo
 
 
 @triton_only
-@pytest.mark.parametrize("preload_kv", [True, False])
-def test_triton_rope_decode_every_split_holding_tokens(preload_kv, monkeypatch):
+@pytest.mark.parametrize("preload", ["first", "second", "none"])
+def test_triton_rope_decode_every_split_holding_tokens(preload, monkeypatch):
     from pprun.attention import triton_ops
     from pprun.attention.triton_ops import num_decode_splits
 
-    monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_KV", preload_kv)
+    monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_KV", preload != "none")
+    monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_SECOND", preload == "second")
     # Room for 256 tokens: 4 splits of one tile.  249 cached tokens fill all four (the last one
     # also takes the new token), 130 fill three (the last split then holds the new token alone),
     # 0 none (only the last split computes and writes); one padded row.
@@ -563,7 +565,39 @@ def test_triton_rope_decode_merges_qkv_partials(bias):
         )
 
 
-def test_decode_kernel_compiles_for_sm90():
+@triton_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_rope_decode_second_preloaded_tile_changes_nothing(dtype, monkeypatch):
+    """The second K/V tile loaded before the wait gives the same output and cache bit for bit,
+    including splits of one tile (the second then all masked) and an empty context."""
+    from pprun.attention import triton_ops
+
+    case = make_case(
+        [1, 1, 1, 1], [400, 20, 70, 1], num_heads=4, num_kv_heads=1, head_dim=64, block_size=16,
+        dtype=dtype, device=TRITON_DEVICE, num_reqs_padded=4, num_tokens_padded=4, max_blocks_per_req=64, seed=16,
+    )
+    positions = torch.clamp(case.seq_lens.long() - 1, min=0)
+    cos, sin = _rope_tables(512, 64, TRITON_DEVICE)
+
+    def run():
+        cache, out = case.kv_cache.clone(), torch.empty_like(case.q)
+        triton_ops.paged_decode_attention_rope(
+            case.q, case.k, case.v, cos, sin, positions, cache, case.slot_mapping, case.block_table,
+            case.seq_lens, case.scale, out,
+        )
+        return out, cache
+
+    for min_tokens in (64, 256):  # splits of one 64-token tile, then fewer, longer ones
+        monkeypatch.setattr(triton_ops, "DECODE_MIN_TOKENS_PER_SPLIT", min_tokens)
+        monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_SECOND", False)
+        want = run()
+        monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_SECOND", True)
+        got = run()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("second", [False, True])
+def test_decode_kernel_compiles_for_sm90(second):
     """The decode kernel compiles for an H100/H200 without a GPU (Triton's ahead-of-time compile
     with its bundled ptxas), with its K/V loop pipelined over ``cp.async`` and its PDL wait in."""
     triton = pytest.importorskip("triton")
@@ -578,7 +612,7 @@ def test_decode_kernel_compiles_for_sm90():
     fn = triton_ops._decode_kernel
     const = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=64, HALF=32, NEW_TOKEN=True, HAS_ROPE=True,
                  BLOCK_G=16, BLOCK_D=64, BLOCK_N=64, PAGE_SIZE=16, NUM_SPLITS=2, DOT_F32=False, PRELOAD_KV=True,
-                 USE_PDL=True, QKV_PARTS=2, QKV_BIAS=True)
+                 PRELOAD_SECOND=second, USE_PDL=True, QKV_PARTS=2, QKV_BIAS=True)
     pointers = {"pos_ptr": "*i64", "slot_ptr": "*i64", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
                 "counter_ptr": "*i32", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
                 "qkv_bias_ptr": "*bf16"}

@@ -50,6 +50,10 @@ DECODE_PRELOAD_KV = True
 """Decode with a new token: each program loads its first K/V tile (and the step's metadata)
 before waiting for the qkv kernel (PDL), overlapping that kernel's tail; ``scripts/gpu_speed.py
 --ab`` flips it."""
+DECODE_PRELOAD_SECOND = False
+"""With :data:`DECODE_PRELOAD_KV`, the second K/V tile of each split too (the qkv matmul before
+it leaves the bandwidth half idle; a split at batch 32 walks 4-5 tiles).  A/B switch, not yet
+measured (``scripts/gpu_speed.py --ab --ab-only DECODE_PRELOAD_SECOND``)."""
 # The CPU interpreter multiplies bf16/fp16 dot operands as raw bits; it gets fp32 dots.
 # The rotary products are rounded one by one, as torch does them (see pprun.layers.fused): NO_FMA.
 
@@ -376,6 +380,7 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRELOAD_KV: tl.constexpr,
+    PRELOAD_SECOND: tl.constexpr,
     USE_PDL: tl.constexpr,
     QKV_PARTS: tl.constexpr,
     QKV_BIAS: tl.constexpr,
@@ -430,6 +435,10 @@ def _decode_kernel(
         # The first tile of this split's cached tokens, in flight across the wait.
         k0, v0, n_mask0 = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, start, end, kv_head, offs_d, d_mask,
                                    stride_c_blk, stride_c_off, stride_c_head, BLOCK_N, PAGE_SIZE)
+        if PRELOAD_SECOND:
+            # (past ``end`` it is all masked, which attends to nothing: an exact no-op)
+            k1, v1, n_mask1 = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, start + BLOCK_N, end, kv_head, offs_d,
+                                       d_mask, stride_c_blk, stride_c_off, stride_c_head, BLOCK_N, PAGE_SIZE)
     if HAS_ROPE:
         partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
         pos = tl.load(pos_ptr + req).to(tl.int64)
@@ -478,6 +487,9 @@ def _decode_kernel(
     if PRELOAD_KV:
         m_i, l_i, acc = _attend_tile(q, k0, v0, n_mask0, m_i, l_i, acc, scale_log2, DOT_F32)
         first = start + BLOCK_N
+        if PRELOAD_SECOND:
+            m_i, l_i, acc = _attend_tile(q, k1, v1, n_mask1, m_i, l_i, acc, scale_log2, DOT_F32)
+            first = start + 2 * BLOCK_N
     for n0 in range(first, end, BLOCK_N):
         k, v, n_mask = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kv_head, offs_d, d_mask,
                                 stride_c_blk, stride_c_off, stride_c_head, BLOCK_N, PAGE_SIZE)
@@ -606,6 +618,7 @@ def _launch_decode(
         NUM_SPLITS=num_splits,
         DOT_F32=_dot_in_fp32(out.dtype),
         PRELOAD_KV=DECODE_PRELOAD_KV,
+        PRELOAD_SECOND=DECODE_PRELOAD_KV and DECODE_PRELOAD_SECOND,
         QKV_PARTS=num_parts,
         QKV_BIAS=qkv_bias is not None,
         num_warps=_DECODE_NUM_WARPS,
