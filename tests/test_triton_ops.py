@@ -483,6 +483,7 @@ def test_triton_rope_decode_split_context_merged_in_kernel(dtype, preload, monke
     # The first (and second) K/V tile loaded before the PDL wait, or in the loop.
     monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_KV", preload != "none")
     monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_SECOND", preload == "second")
+    monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_SECOND_MAX_SPLITS", triton_ops._MAX_SPLITS)
 
     max_blocks = 64
     assert num_decode_splits(3, 1, max_blocks * 16, torch.device(TRITON_DEVICE)) > 1
@@ -504,6 +505,7 @@ def test_triton_rope_decode_every_split_holding_tokens(preload, monkeypatch):
 
     monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_KV", preload != "none")
     monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_SECOND", preload == "second")
+    monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_SECOND_MAX_SPLITS", triton_ops._MAX_SPLITS)
     # Room for 256 tokens: 4 splits of one tile.  249 cached tokens fill all four (the last one
     # also takes the new token), 130 fill three (the last split then holds the new token alone),
     # 0 none (only the last split computes and writes); one padded row.
@@ -587,6 +589,7 @@ def test_triton_rope_decode_second_preloaded_tile_changes_nothing(dtype, monkeyp
         )
         return out, cache
 
+    monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_SECOND_MAX_SPLITS", triton_ops._MAX_SPLITS)
     for min_tokens in (64, 256):  # splits of one 64-token tile, then fewer, longer ones
         monkeypatch.setattr(triton_ops, "DECODE_MIN_TOKENS_PER_SPLIT", min_tokens)
         monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_SECOND", False)
@@ -594,6 +597,10 @@ def test_triton_rope_decode_second_preloaded_tile_changes_nothing(dtype, monkeyp
         monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_SECOND", True)
         got = run()
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # The default: only for a context cut into few (long) splits.
+    monkeypatch.undo()
+    assert triton_ops.preload_second(2) and triton_ops.preload_second(4)
+    assert not triton_ops.preload_second(8)
 
 
 @pytest.mark.parametrize("second", [False, True])

@@ -50,10 +50,16 @@ DECODE_PRELOAD_KV = True
 """Decode with a new token: each program loads its first K/V tile (and the step's metadata)
 before waiting for the qkv kernel (PDL), overlapping that kernel's tail; ``scripts/gpu_speed.py
 --ab`` flips it."""
-DECODE_PRELOAD_SECOND = False
-"""With :data:`DECODE_PRELOAD_KV`, the second K/V tile of each split too (the qkv matmul before
-it leaves the bandwidth half idle; a split at batch 32 walks 4-5 tiles).  A/B switch, not yet
-measured (``scripts/gpu_speed.py --ab --ab-only DECODE_PRELOAD_SECOND``)."""
+DECODE_PRELOAD_SECOND = True
+"""With :data:`DECODE_PRELOAD_KV`, each split's second K/V tile too, where the context is cut
+into at most :data:`DECODE_PRELOAD_SECOND_MAX_SPLITS` splits (long splits: a batch that fills
+the GPU with (request, KV head) pairs alone).  The qkv matmul before leaves the bandwidth half
+idle.  H200, 1.1B model, context ~512 (``scripts/gpu_speed.py --ab --ab-only
+DECODE_PRELOAD_SECOND``, two processes): batch 32 (2 splits of 4-5 tiles) graph 0.997 / 1.000 ms
+against 1.003-1.006 (attention 15.1 -> 13.7 us per layer, qkv 7.2 -> 8.1: the tiles compete
+with its weights); batch 1 (8 splits of one tile, where the second is all masked) 0.768 /
+0.771 against 0.758-0.760, hence the split limit."""
+DECODE_PRELOAD_SECOND_MAX_SPLITS = 4
 # The CPU interpreter multiplies bf16/fp16 dot operands as raw bits; it gets fp32 dots.
 # The rotary products are rounded one by one, as torch does them (see pprun.layers.fused): NO_FMA.
 
@@ -530,6 +536,12 @@ def _decode_kernel(
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
+def preload_second(num_splits: int) -> bool:
+    """Whether a decode launch with ``num_splits`` splits loads each split's second K/V tile
+    before its PDL wait (see :data:`DECODE_PRELOAD_SECOND`)."""
+    return DECODE_PRELOAD_KV and DECODE_PRELOAD_SECOND and num_splits <= DECODE_PRELOAD_SECOND_MAX_SPLITS
+
+
 def _launch_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -618,7 +630,7 @@ def _launch_decode(
         NUM_SPLITS=num_splits,
         DOT_F32=_dot_in_fp32(out.dtype),
         PRELOAD_KV=DECODE_PRELOAD_KV,
-        PRELOAD_SECOND=DECODE_PRELOAD_KV and DECODE_PRELOAD_SECOND,
+        PRELOAD_SECOND=preload_second(num_splits),
         QKV_PARTS=num_parts,
         QKV_BIAS=qkv_bias is not None,
         num_warps=_DECODE_NUM_WARPS,
