@@ -118,6 +118,39 @@ def test_skinny_weights_ahead_swapped_rows(m, split_k, bias, monkeypatch):
 
 
 @triton_only
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("k", [200, 256])
+def test_skinny_last_tile_ahead_changes_nothing(split_k, swiglu, k, monkeypatch):
+    """The swapped form with each split's last weight tile loaded before the wait and multiplied
+    after the loop gives the same output bit for bit: ragged last tiles (K = 200 in 64-wide
+    tiles), splits of one tile (nothing left for the loop), merged splits, SwiGLU."""
+    from pprun.layers import skinny
+
+    dtype = DTYPES[-1]
+    x, w, b = _inputs(17, 200 if swiglu else 100, k, dtype, True, seed=12)
+    plain = skinny.SkinnyConfig(64, 64, split_k, swap_ab=True)
+    want = skinny.skinny_linear(x, w, b, swiglu=swiglu, config=plain)
+    got = skinny.skinny_linear(x, w, b, swiglu=swiglu, config=skinny.SkinnyConfig(64, 64, split_k, swap_ab=True,
+                                                                                  last_tile_ahead=True))
+    assert torch.equal(got, want)
+    if not swiglu and split_k > 1:
+        parts = skinny.skinny_linear(x, w, b, config=skinny.SkinnyConfig(64, 64, split_k, swap_ab=True,
+                                                                         last_tile_ahead=True), defer_merge="norm")
+        assert torch.equal(parts.merge(), want)
+    # The default: off, and on for weights_ahead callers whose splits walk at least 4 tiles.
+    assert not skinny.default_config(32, 3072, 2048, False, x.device, weights_ahead=True).last_tile_ahead
+    monkeypatch.setattr(skinny, "SWAPPED_LAST_TILE_AHEAD", True)
+    assert skinny.default_config(32, 3072, 2048, False, x.device, weights_ahead=True).last_tile_ahead  # qkv
+    assert skinny.default_config(32, 8192, 2048, True, x.device, weights_ahead=True).last_tile_ahead  # gate_up
+    assert not skinny.default_config(32, 3072, 2048, False, x.device).last_tile_ahead
+    assert not skinny.default_config(32, 2048, 2048, False, x.device, weights_ahead=True,
+                                     defer_merge="norm").last_tile_ahead  # o_proj: 2 tiles per split
+    with pytest.raises(ValueError, match="last_tile_ahead"):
+        skinny.skinny_linear(x[:1], w, b, config=skinny.SkinnyConfig(16, 64, 1, last_tile_ahead=True))
+
+
+@triton_only
 @pytest.mark.parametrize("m", [2, 17, 32])
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_deferred_merge_matches_in_kernel_merge(m, bias):

@@ -164,13 +164,14 @@ def linear(
     return skinny.skinny_linear(x, layer.weight, layer.bias, weights_ahead=weights_ahead, defer_merge=defer)
 
 
-def linear_swiglu(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
+def linear_swiglu(layer: nn.Linear, x: torch.Tensor, weights_ahead: bool = False) -> torch.Tensor | None:
     """``silu(gate) * up`` of ``layer(x)`` (rows ``[gate; up]``) in one launch for decode-sized
-    CUDA batches, or None: the caller then runs the matmul and activation itself."""
+    CUDA batches, or None: the caller then runs the matmul and activation itself.
+    ``weights_ahead`` as for :func:`linear`."""
     skinny = _skinny_for(layer, x)
     if skinny is None or layer.weight.shape[0] % 2:
         return None
-    return skinny.skinny_linear(x, layer.weight, layer.bias, swiglu=True)
+    return skinny.skinny_linear(x, layer.weight, layer.bias, swiglu=True, weights_ahead=weights_ahead)
 
 
 def norm_linear(

@@ -68,6 +68,20 @@ program's 64 x 256 weight slice held across the wait.  At batch 32 it lost: grap
 against 1.107 (attention 15 -> 18 us per layer; ``scripts/gpu_speed.py --ab --ab-only
 WEIGHTS_AHEAD_MAX_ROWS=32``, H200), so one row only."""
 
+SWAPPED_LAST_TILE_AHEAD = False
+"""From two rows, a matmul whose caller asks for ``weights_ahead`` (a norm on its own before
+``qkv``, ``gate_up`` and the LM head) loads each split's last weight tile before its PDL wait,
+so that it streams in while the norm runs, and multiplies it after the pipelined loop over the
+others: the same tiles in the same order, so bit for bit the same output.  Only where a split
+walks at least 4 tiles.  Prepared, not yet measured (``scripts/gpu_speed.py --ab --ab-only
+SWAPPED_LAST_TILE_AHEAD``).  The tenth session measured the first tiles held this way, multiplied
+before the loop: slower (batch 32 graph 1.031 against 1.009 ms, qkv +0.5 and gate_up +0.6 us),
+since the loop's own first loads then waited behind that product; here they do not."""
+SWAPPED_AHEAD_NUM_STAGES = 3
+"""Pipeline stages of a matmul that holds a tile ahead: the held tile takes shared memory for
+the MMA, and one stage fewer keeps the total where 4 stages had it (sm_90, compiled ahead of
+time), so the LM head's programs still fit two per SM."""
+
 SWAPPED_TARGET_PROGRAMS = 128
 """Above one row, K is split until about this many programs run (``scripts/sweep_skinny.py``:
 the fastest setting or within 2% of it at 16 and 32 rows, each matmul timed alone); inside the
@@ -227,6 +241,7 @@ def _skinny_kernel(
     BLOCK_ROW: tl.constexpr,
     EXACT_MUL: tl.constexpr,
     DEFER_MERGE: tl.constexpr,
+    LAST_AHEAD: tl.constexpr,
 ):
     """``x @ w.T`` (see the module docstring).  With ``NORM`` (one row, ``BLOCK_M == 1``) the
     matmul's input is ``norm_w * norm(x + residual)`` instead of ``x``: every program reads the
@@ -251,7 +266,19 @@ def _skinny_kernel(
         offs_k_all = k_begin + tl.arange(0, BLOCK_K)
         k_mask_all = offs_k_all < k_end
         w_all = tl.load(w_rows + offs_k_all[None, :], mask=n_mask[:, None] & k_mask_all[None, :], other=0.0)
+    k_loop_end = k_end
+    if LAST_AHEAD:
+        # The split's last weight tile, in flight across the wait (SWAPPED_LAST_TILE_AHEAD);
+        # the loop below stops before it.
+        k_loop_end = k_begin + (tl.cdiv(k_end - k_begin, BLOCK_K) - 1) * BLOCK_K
+        offs_k_h = k_loop_end + tl.arange(0, BLOCK_K)
+        wh_mask = n_mask[:, None] & (offs_k_h < k_end)[None, :]
+        w_h = tl.load(w_rows + offs_k_h[None, :], mask=wh_mask, other=0.0)
+        if SWIGLU:
+            wu_h = tl.load(up_rows + offs_k_h[None, :], mask=wh_mask, other=0.0)
     pdl_sync(USE_PDL)
+    if LAST_AHEAD:
+        x_h = tl.load(x_rows + offs_k_h[None, :], mask=m_mask[:, None] & (offs_k_h < k_end)[None, :], other=0.0)
     if NORM:
         rstd = _norm_row_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_hidden, eps, (pid_n == 0) & (pid_k == 0),
                               HAS_RESIDUAL, BLOCK_ROW, EXACT_MUL)
@@ -267,7 +294,7 @@ def _skinny_kernel(
         else:
             acc += _tile_product(x, w_all, USE_DOT, DOT_F32)
     else:
-        for k0 in range(k_begin, k_end, BLOCK_K):
+        for k0 in range(k_begin, k_loop_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < k_end
             if NORM:
@@ -287,6 +314,10 @@ def _skinny_kernel(
                     acc_up_t += _swapped_product(x, wu, DOT_F32)
                 else:
                     acc_up += _tile_product(x, wu, USE_DOT, DOT_F32)
+    if LAST_AHEAD:
+        acc_t += _swapped_product(x_h, w_h, DOT_F32)
+        if SWIGLU:
+            acc_up_t += _swapped_product(x_h, wu_h, DOT_F32)
     if SWAP_AB:
         acc = tl.trans(acc_t)
         acc_up = tl.trans(acc_up_t)
@@ -339,6 +370,9 @@ class SkinnyConfig:
     preload: bool = False
     """Each program loads its whole weight slice (one K tile per split: ``block_k * split_k >=
     K``) before its PDL wait (see :data:`WEIGHTS_AHEAD_ENABLED`); no norm prologue, no SwiGLU."""
+    last_tile_ahead: bool = False
+    """The swapped form (``swap_ab``, two rows or more) loads each split's last weight tile before
+    its PDL wait (see :data:`SWAPPED_LAST_TILE_AHEAD`); no norm prologue, not with ``preload``."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -367,7 +401,9 @@ def default_config(
     ``weights_ahead`` (no SwiGLU): at one row (K up to :data:`WEIGHTS_AHEAD_MAX_K`), 8-row
     column tiles over one K tile holding the whole row, loaded before the PDL wait; from two rows
     up to :data:`WEIGHTS_AHEAD_MAX_ROWS`, the swapped form with K split into 256-wide slices, each
-    program's slice loaded before the wait.  ``defer_merge="norm"`` (above one row, no SwiGLU):
+    program's slice loaded before the wait; above that, with :data:`SWAPPED_LAST_TILE_AHEAD`, the
+    swapped form with each split's last weight tile loaded before the wait (SwiGLU too).
+    ``defer_merge="norm"`` (above one row, no SwiGLU):
     K is split toward :data:`DEFERRED_TARGET_PROGRAMS` programs instead."""
     if weights_ahead and WEIGHTS_AHEAD_ENABLED and not swiglu:
         if m == 1 and k <= WEIGHTS_AHEAD_MAX_K:
@@ -380,7 +416,11 @@ def default_config(
         block_n, block_k = 64, min(128, triton.next_power_of_2(k))
         target = DEFERRED_TARGET_PROGRAMS if defer_merge == "norm" and not swiglu else SWAPPED_TARGET_PROGRAMS
         split = max(1, min(target // triton.cdiv(n_out, block_n), k // block_k))
-        return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=4, swap_ab=True)
+        # The held tile at most a quarter of a split's tiles.
+        ahead = (weights_ahead and WEIGHTS_AHEAD_ENABLED and SWAPPED_LAST_TILE_AHEAD
+                 and triton.cdiv(k, split) >= 4 * block_k)
+        return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=SWAPPED_AHEAD_NUM_STAGES if ahead else 4,
+                            swap_ab=True, last_tile_ahead=ahead)
     long_k = k > 4096
     block_n = 16 if (swiglu or long_k) else 8
     block_k = min(256 if long_k else 512, triton.next_power_of_2(k))
@@ -462,6 +502,9 @@ def _launch(
             f"SkinnyConfig.preload needs no norm prologue, no SwiGLU and one K tile per split "
             f"(block_k * split_k >= K={k}); got norm={norm is not None}, swiglu={swiglu}, {cfg}"
         )
+    if cfg.last_tile_ahead and (norm is not None or cfg.preload or not (cfg.swap_ab and m > 1)):
+        raise ValueError(f"SkinnyConfig.last_tile_ahead is for the swapped form (swap_ab, two rows or more) "
+                         f"without a norm prologue or preload; got {cfg} for {m} rows, norm={norm is not None}")
     # skinny_linear defers only plain matmuls whose K is split, and then passes no ``out``.
     deferred = defer_merge is not None and split > 1
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
@@ -513,6 +556,7 @@ def _launch(
         BLOCK_ROW=block_row,
         EXACT_MUL=not _INTERPRETED,
         DEFER_MERGE=deferred,
+        LAST_AHEAD=cfg.last_tile_ahead,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_options(x.device),

@@ -208,8 +208,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitPartials:
-        """``down(silu(gate(x)) * up(x))`` (see :meth:`down`)."""
-        act = linear_swiglu(self.gate_up_proj, x)
+        """``down(silu(gate(x)) * up(x))`` (see :meth:`down`); ``x`` comes from a norm on its own,
+        which leaves the bandwidth idle (gate_up may start on its weights meanwhile)."""
+        act = linear_swiglu(self.gate_up_proj, x, weights_ahead=True)
         if act is not None:
             return self.down(act)
         gate_up = self.gate_up_proj(x)
@@ -341,8 +342,10 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """LM-head logits for the given (last stage) hidden states."""
-        return linear(self.lm_head, hidden_states)
+        """LM-head logits for the given (last stage) hidden states, which the final norm wrote: a
+        light kernel, so from two rows the LM head may start on its weights meanwhile (one row
+        keeps its measured form)."""
+        return linear(self.lm_head, hidden_states, weights_ahead=hidden_states.shape[0] > 1)
 
     def make_empty_intermediate_tensors(
         self, num_tokens: int, dtype: torch.dtype, device: torch.device
