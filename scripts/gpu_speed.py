@@ -228,7 +228,9 @@ def switches() -> list[tuple]:
             (pprun.layers.fused, "NORM_PARTS_NUM_WARPS", 4, False),
             (pprun.attention.triton_ops, "DECODE_PRELOAD_SECOND", False, False),
             (pprun.layers.skinny, "SWAPPED_LAST_TILE_AHEAD", True, False),
-            (pprun.layers.skinny, "SWAPPED_AHEAD_NUM_STAGES", 4, False)]
+            (pprun.layers.skinny, "SWAPPED_AHEAD_NUM_STAGES", 4, False),
+            (pprun.attention.triton_ops, "DECODE_ROPE_IN_REGISTERS", True, True),
+            (pprun.layers.skinny, "ATTENTION_MERGED_TARGET_PROGRAMS", 192, False)]
 
 
 def parse_settings(text: str) -> list[tuple]:
@@ -278,7 +280,9 @@ def main() -> None:
                          "loaded in its loop instead of before its PDL wait (DECODE_PRELOAD_SECOND; batch 32 only), "
                          "qkv, gate_up and the LM head loading each split's last weight tile before their PDL wait "
                          "from two rows (SWAPPED_LAST_TILE_AHEAD), with 4 pipeline stages instead of 3 then "
-                         "(SWAPPED_AHEAD_NUM_STAGES)")
+                         "(SWAPPED_AHEAD_NUM_STAGES), the decode attention's rotate_half partners taken in registers "
+                         "instead of loaded again (DECODE_ROPE_IN_REGISTERS), qkv split K until ~192 programs instead "
+                         "of ~128 (ATTENTION_MERGED_TARGET_PROGRAMS: 4 splits at batch 32)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
                          "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")

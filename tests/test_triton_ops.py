@@ -463,7 +463,13 @@ def _check_rope_decode(case: Case, dtype: torch.dtype, *, rope: bool = True, rep
 @triton_only
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_rope_decode_matches_rotary_then_reference(num_heads, num_kv_heads, head_dim, block_size, dtype):
+@pytest.mark.parametrize("rope_regs", [False, True])
+def test_triton_rope_decode_matches_rotary_then_reference(num_heads, num_kv_heads, head_dim, block_size, dtype,
+                                                          rope_regs, monkeypatch):
+    from pprun.attention import triton_ops
+
+    # rotate_half loaded again or taken in registers (power-of-two head dims; others load).
+    monkeypatch.setattr(triton_ops, "DECODE_ROPE_IN_REGISTERS", rope_regs)
     # Context 0 (the new token alone), one shorter than a tile, one longer; one padded row.
     case = make_case(
         [1, 1, 1], [40, 0, 90], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -520,11 +526,16 @@ def test_triton_rope_decode_every_split_holding_tokens(preload, monkeypatch):
 
 @triton_only
 @pytest.mark.parametrize("bias", [False, True])
-def test_triton_rope_decode_merges_qkv_partials(bias):
+@pytest.mark.parametrize("rope_regs", [False, True])
+def test_triton_rope_decode_merges_qkv_partials(bias, rope_regs, monkeypatch):
     """``qkv_parts``: q/k/v read from a split qkv matmul's fp32 partials (merged with its bias
-    as they are read) give what the merged q/k/v give, cache and output bit for bit."""
+    as they are read) give what the merged q/k/v give, cache and output bit for bit; with
+    rotate_half taken in registers too (``DECODE_ROPE_IN_REGISTERS``)."""
+    from pprun.attention import triton_ops
     from pprun.attention.triton_ops import paged_decode_attention_rope
     from pprun.layers import SplitPartials
+
+    monkeypatch.setattr(triton_ops, "DECODE_ROPE_IN_REGISTERS", rope_regs)
 
     dtype = torch.bfloat16 if TRITON_DEVICE == "cuda" else torch.float32
     heads, kv_heads, dim, tokens = 4, 2, 64, 4
@@ -565,6 +576,35 @@ def test_triton_rope_decode_merges_qkv_partials(bias):
             positions, case.kv_cache.clone(), case.slot_mapping, case.block_table, case.seq_lens, case.scale,
             torch.empty((tokens, heads, dim), dtype=dtype, device=TRITON_DEVICE), qkv_parts=partials,
         )
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_triton_rope_decode_rotate_half_in_registers_changes_nothing(dtype, head_dim, monkeypatch):
+    """rotate_half from the row in registers gives the output and cache of the partner loads, bit
+    for bit."""
+    from pprun.attention import triton_ops
+
+    case = make_case(
+        [1, 1, 1], [300, 0, 17], num_heads=8, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype=dtype,
+        device=TRITON_DEVICE, num_reqs_padded=4, num_tokens_padded=4, seed=17,
+    )
+    positions = torch.clamp(case.seq_lens.long() - 1, min=0)
+    cos, sin = _rope_tables(512, head_dim, TRITON_DEVICE)
+
+    def run():
+        cache, out = case.kv_cache.clone(), torch.empty_like(case.q)
+        triton_ops.paged_decode_attention_rope(
+            case.q, case.k, case.v, cos, sin, positions, cache, case.slot_mapping, case.block_table,
+            case.seq_lens, case.scale, out,
+        )
+        return out, cache
+
+    want = run()
+    monkeypatch.setattr(triton_ops, "DECODE_ROPE_IN_REGISTERS", True)
+    got = run()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @triton_only
@@ -619,7 +659,7 @@ def test_decode_kernel_compiles_for_sm90(second):
     fn = triton_ops._decode_kernel
     const = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=64, HALF=32, NEW_TOKEN=True, HAS_ROPE=True,
                  BLOCK_G=16, BLOCK_D=64, BLOCK_N=64, PAGE_SIZE=16, NUM_SPLITS=2, DOT_F32=False, PRELOAD_KV=True,
-                 PRELOAD_SECOND=second, USE_PDL=True, QKV_PARTS=2, QKV_BIAS=True)
+                 PRELOAD_SECOND=second, ROPE_REGS=second, USE_PDL=True, QKV_PARTS=2, QKV_BIAS=True)
     pointers = {"pos_ptr": "*i64", "slot_ptr": "*i64", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
                 "counter_ptr": "*i32", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
                 "qkv_bias_ptr": "*bf16"}

@@ -98,6 +98,14 @@ attention merges (``"attention"``) keep :data:`SWAPPED_TARGET_PROGRAMS`: every p
 (request, KV head) merges its q/k/v rows again, so more splits cost it more (256 programs for
 both: qkv 7.1 -> 5.9 us, attention 15.3 -> 17.3 us per layer at batch 32)."""
 
+ATTENTION_MERGED_TARGET_PROGRAMS = 128
+"""The same for partials that the decode attention merges (qkv): 2 splits at batch 32.  3 and 4
+splits measured slower (``scripts/gpu_speed.py --ab --ab-only
+ATTENTION_MERGED_TARGET_PROGRAMS=144,ATTENTION_MERGED_TARGET_PROGRAMS=192``, H200, batch 32
+graph 1.016 and 1.018 against 1.009 ms; 4 splits: qkv 7.3 -> 5.7 us, attention 15.0 -> 17.3),
+since every attention program merges its q/k/v partials again; an A/B switch for kernels that
+merge them more cheaply (``triton_ops.DECODE_ROPE_IN_REGISTERS``)."""
+
 DEFER_MERGERS = ("norm", "attention")
 """The kernels that may merge a matmul's deferred partials (``defer_merge``)."""
 
@@ -414,7 +422,8 @@ def default_config(
                                 preload=True)
     if m > 1:
         block_n, block_k = 64, min(128, triton.next_power_of_2(k))
-        target = DEFERRED_TARGET_PROGRAMS if defer_merge == "norm" and not swiglu else SWAPPED_TARGET_PROGRAMS
+        target = {"norm": DEFERRED_TARGET_PROGRAMS, "attention": ATTENTION_MERGED_TARGET_PROGRAMS}.get(
+            defer_merge if not swiglu else None, SWAPPED_TARGET_PROGRAMS)
         split = max(1, min(target // triton.cdiv(n_out, block_n), k // block_k))
         # The held tile at most a quarter of a split's tiles.
         ahead = (weights_ahead and WEIGHTS_AHEAD_ENABLED and SWAPPED_LAST_TILE_AHEAD
