@@ -230,7 +230,8 @@ def switches() -> list[tuple]:
             (pprun.layers.skinny, "SWAPPED_LAST_TILE_AHEAD", True, False),
             (pprun.layers.skinny, "SWAPPED_AHEAD_NUM_STAGES", 4, False),
             (pprun.attention.triton_ops, "DECODE_ROPE_IN_REGISTERS", True, True),
-            (pprun.layers.skinny, "ATTENTION_MERGED_TARGET_PROGRAMS", 192, False)]
+            (pprun.layers.skinny, "ATTENTION_MERGED_TARGET_PROGRAMS", 192, False),
+            (pprun.layers.skinny, "LAST_TILE_AHEAD_MIN_TILES", 2, False)]
 
 
 def parse_settings(text: str) -> list[tuple]:
@@ -282,7 +283,8 @@ def main() -> None:
                          "from two rows (SWAPPED_LAST_TILE_AHEAD), with 4 pipeline stages instead of 3 then "
                          "(SWAPPED_AHEAD_NUM_STAGES), the decode attention's rotate_half partners taken in registers "
                          "instead of loaded again (DECODE_ROPE_IN_REGISTERS), qkv split K until ~192 programs instead "
-                         "of ~128 (ATTENTION_MERGED_TARGET_PROGRAMS: 4 splits at batch 32)")
+                         "of ~128 (ATTENTION_MERGED_TARGET_PROGRAMS: 4 splits at batch 32), the held last tile from 2 tiles "
+                         "per split instead of 4 (LAST_TILE_AHEAD_MIN_TILES: o_proj too)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
                          "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")

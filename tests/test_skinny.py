@@ -146,6 +146,9 @@ def test_skinny_last_tile_ahead_changes_nothing(split_k, swiglu, k, monkeypatch)
     assert not skinny.default_config(32, 3072, 2048, False, x.device).last_tile_ahead
     assert not skinny.default_config(32, 2048, 2048, False, x.device, weights_ahead=True,
                                      defer_merge="norm").last_tile_ahead  # o_proj: 2 tiles per split
+    monkeypatch.setattr(skinny, "LAST_TILE_AHEAD_MIN_TILES", 2)
+    assert skinny.default_config(32, 2048, 2048, False, x.device, weights_ahead=True,
+                                 defer_merge="norm").last_tile_ahead
     with pytest.raises(ValueError, match="last_tile_ahead"):
         skinny.skinny_linear(x[:1], w, b, config=skinny.SkinnyConfig(16, 64, 1, last_tile_ahead=True))
 

@@ -73,10 +73,13 @@ SWAPPED_LAST_TILE_AHEAD = False
 ``qkv``, ``gate_up`` and the LM head) loads each split's last weight tile before its PDL wait,
 so that it streams in while the norm runs, and multiplies it after the pipelined loop over the
 others: the same tiles in the same order, so bit for bit the same output.  Only where a split
-walks at least 4 tiles.  Prepared, not yet measured (``scripts/gpu_speed.py --ab --ab-only
+walks at least :data:`LAST_TILE_AHEAD_MIN_TILES` tiles.  Prepared, not yet measured (``scripts/gpu_speed.py --ab --ab-only
 SWAPPED_LAST_TILE_AHEAD``).  The tenth session measured the first tiles held this way, multiplied
 before the loop: slower (batch 32 graph 1.031 against 1.009 ms, qkv +0.5 and gate_up +0.6 us),
 since the loop's own first loads then waited behind that product; here they do not."""
+LAST_TILE_AHEAD_MIN_TILES = 4
+"""Fewest tiles per split that take :data:`SWAPPED_LAST_TILE_AHEAD` (at 2, ``o_proj`` at batch 32
+takes it too, behind the decode attention: an A/B switch)."""
 SWAPPED_AHEAD_NUM_STAGES = 3
 """Pipeline stages of a matmul that holds a tile ahead: the held tile takes shared memory for
 the MMA, and one stage fewer keeps the total where 4 stages had it (sm_90, compiled ahead of
@@ -425,9 +428,8 @@ def default_config(
         target = {"norm": DEFERRED_TARGET_PROGRAMS, "attention": ATTENTION_MERGED_TARGET_PROGRAMS}.get(
             defer_merge if not swiglu else None, SWAPPED_TARGET_PROGRAMS)
         split = max(1, min(target // triton.cdiv(n_out, block_n), k // block_k))
-        # The held tile at most a quarter of a split's tiles.
         ahead = (weights_ahead and WEIGHTS_AHEAD_ENABLED and SWAPPED_LAST_TILE_AHEAD
-                 and triton.cdiv(k, split) >= 4 * block_k)
+                 and triton.cdiv(k, split) >= LAST_TILE_AHEAD_MIN_TILES * block_k)
         return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=SWAPPED_AHEAD_NUM_STAGES if ahead else 4,
                             swap_ab=True, last_tile_ahead=ahead)
     long_k = k > 4096
