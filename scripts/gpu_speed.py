@@ -234,6 +234,10 @@ def switches() -> list[tuple]:
             (pprun.layers.skinny, "LAST_TILE_AHEAD_MIN_TILES", 2, False)]
 
 
+NEEDS = {"SWAPPED_AHEAD_NUM_STAGES": "SWAPPED_LAST_TILE_AHEAD", "LAST_TILE_AHEAD_MIN_TILES": "SWAPPED_LAST_TILE_AHEAD"}
+"""Switches that change nothing unless another one is on (an A/B run of them is skipped then)."""
+
+
 def parse_settings(text: str) -> list[tuple]:
     """``NAME`` (the switch's other value) or ``NAME=VALUE`` (a Python literal), comma-separated."""
     by_name = {sw[1]: sw for sw in switches()}
@@ -308,6 +312,9 @@ def main() -> None:
     if args.ab:
         chosen = parse_settings(args.ab_only) if args.ab_only else switches()
         for module, flag, flipped, b1_differs in chosen:
+            if flag in NEEDS and not getattr(module, NEEDS[flag]):
+                res[f"skipped_{flag}={flipped}"] = f"changes nothing while {NEEDS[flag]} is off (--set it)"
+                continue
             default = getattr(module, flag)
             setattr(module, flag, flipped)
             # Same max_model_len as the runs above (it sets the decode split count).

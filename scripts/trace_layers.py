@@ -1,6 +1,6 @@
 """Per-layer kernel times of the decode graphs that ``gpu_speed.py --graph-trace`` traced.
 
-    python scripts/trace_layers.py result.json [more.json ...]
+    python scripts/trace_layers.py result.json [more.json ...]   # or docs/gpu_session10.json
 
 For every ``decode_*`` run of each file: engine step and graph replay in ms, and, for a graph
 of more than one row (norm, qkv, attention, o_proj, norm, gate_up, down per layer), each
@@ -39,18 +39,38 @@ def per_layer(events: list[dict]) -> dict | None:
     return out
 
 
+def _is_run(key: str, value) -> bool:
+    """A decode run of a ``gpu_speed.py`` result."""
+    return key.startswith("decode_") and isinstance(value, dict) and "engine_step_ms" in value
+
+
+def results(node: dict, name: str):
+    """Every ``gpu_speed.py`` result in ``node``: the file itself, or (a ``docs/gpu_session*.json``
+    collection) those nested under loans and commands, with the path of keys to each."""
+    if any(_is_run(key, value) for key, value in node.items()):
+        yield name, node
+        return
+    for key, value in node.items():
+        if isinstance(value, dict):
+            yield from results(value, f"{name} / {key}" if name else key)
+
+
 def main() -> None:
+    if len(sys.argv) < 2:
+        raise SystemExit(__doc__)
     for path in sys.argv[1:]:
-        result = json.load(open(path))
-        print("==", path, "set", result.get("set"))
-        for key, run in result.items():
-            if not key.startswith("decode_"):
-                continue
-            print(f"{key:60s} step {run['engine_step_ms']:.4f} graph {run.get('graph_replay_ms')}")
-            trace = run.get("graph_trace")
-            layer = per_layer(trace["last_replay"]) if trace and "last_replay" in trace else None
-            if layer:
-                print("   ", layer)
+        with open(path) as f:
+            doc = json.load(f)
+        for name, result in results(doc, ""):
+            print("==", path, name, "set", result.get("set"))
+            for key, run in result.items():
+                if not _is_run(key, run):
+                    continue
+                print(f"{key:60s} step {run['engine_step_ms']:.4f} graph {run.get('graph_replay_ms')}")
+                trace = run.get("graph_trace")
+                layer = per_layer(trace["last_replay"]) if trace and "last_replay" in trace else None
+                if layer:
+                    print("   ", layer)
 
 
 if __name__ == "__main__":

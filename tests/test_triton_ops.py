@@ -580,10 +580,10 @@ def test_triton_rope_decode_merges_qkv_partials(bias, rope_regs, monkeypatch):
 
 @triton_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 96])
 def test_triton_rope_decode_rotate_half_in_registers_changes_nothing(dtype, head_dim, monkeypatch):
     """rotate_half from the row in registers gives the output and cache of the partner loads, bit
-    for bit."""
+    for bit (96: not two power-of-two halves, so the partners are loaded either way)."""
     from pprun.attention import triton_ops
 
     case = make_case(
@@ -630,7 +630,9 @@ def test_triton_rope_decode_second_preloaded_tile_changes_nothing(dtype, monkeyp
         return out, cache
 
     monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_SECOND_MAX_SPLITS", triton_ops._MAX_SPLITS)
-    for min_tokens in (64, 256):  # splits of one 64-token tile, then fewer, longer ones
+    # At context 400: splits of one 64-token tile (the second all masked), of two tiles, and of
+    # four (the loop then starts at the third, as at batch 32).
+    for min_tokens in (64, 256, 512):
         monkeypatch.setattr(triton_ops, "DECODE_MIN_TOKENS_PER_SPLIT", min_tokens)
         monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_SECOND", False)
         want = run()
@@ -644,7 +646,8 @@ def test_triton_rope_decode_second_preloaded_tile_changes_nothing(dtype, monkeyp
 
 
 @pytest.mark.parametrize("second", [False, True])
-def test_decode_kernel_compiles_for_sm90(second):
+@pytest.mark.parametrize("rope_regs", [False, True])
+def test_decode_kernel_compiles_for_sm90(second, rope_regs):
     """The decode kernel compiles for an H100/H200 without a GPU (Triton's ahead-of-time compile
     with its bundled ptxas), with its K/V loop pipelined over ``cp.async`` and its PDL wait in."""
     triton = pytest.importorskip("triton")
@@ -659,7 +662,7 @@ def test_decode_kernel_compiles_for_sm90(second):
     fn = triton_ops._decode_kernel
     const = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=64, HALF=32, NEW_TOKEN=True, HAS_ROPE=True,
                  BLOCK_G=16, BLOCK_D=64, BLOCK_N=64, PAGE_SIZE=16, NUM_SPLITS=2, DOT_F32=False, PRELOAD_KV=True,
-                 PRELOAD_SECOND=second, ROPE_REGS=second, USE_PDL=True, QKV_PARTS=2, QKV_BIAS=True)
+                 PRELOAD_SECOND=second, ROPE_REGS=rope_regs, USE_PDL=True, QKV_PARTS=2, QKV_BIAS=True)
     pointers = {"pos_ptr": "*i64", "slot_ptr": "*i64", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
                 "counter_ptr": "*i32", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
                 "qkv_bias_ptr": "*bf16"}

@@ -60,6 +60,8 @@ against 1.003-1.006 (attention 15.1 -> 13.7 us per layer, qkv 7.2 -> 8.1: the ti
 with its weights); batch 1 (8 splits of one tile, where the second is all masked) 0.768 /
 0.771 against 0.758-0.760, hence the split limit."""
 DECODE_PRELOAD_SECOND_MAX_SPLITS = 4
+"""Most splits of the context that take :data:`DECODE_PRELOAD_SECOND` (more splits are shorter:
+at batch 1 they hold one tile each)."""
 DECODE_ROPE_IN_REGISTERS = False
 """Rotary in the one-kernel decode: each element's rotate_half partner taken from the q or k row
 already in registers (the two halves swapped by reshape, split and join) instead of loaded again,

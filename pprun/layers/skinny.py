@@ -66,7 +66,9 @@ WEIGHTS_AHEAD_MAX_ROWS = 1
 """Most rows that take the weights-ahead form; from two rows it is the swapped form with each
 program's 64 x 256 weight slice held across the wait.  At batch 32 it lost: graph 1.178 ms
 against 1.107 (attention 15 -> 18 us per layer; ``scripts/gpu_speed.py --ab --ab-only
-WEIGHTS_AHEAD_MAX_ROWS=32``, H200), so one row only."""
+WEIGHTS_AHEAD_MAX_ROWS=32``, H200, when o_proj and qkv were its only callers above one row),
+so one row only.  Since the tenth session the LM head asks for ``weights_ahead`` above one row
+too, so that switch now covers it as well."""
 
 SWAPPED_LAST_TILE_AHEAD = False
 """From two rows, a matmul whose caller asks for ``weights_ahead`` (a norm on its own before
@@ -97,7 +99,7 @@ splits cost that kernel a few more loads per row instead of this one a longer me
 and down at batch 32 split 8 ways instead of 4.  H200, 1.1B model, graph replay
 (``scripts/gpu_speed.py --ab --ab-only DEFERRED_TARGET_PROGRAMS=128``): 256 programs 1.012 ms,
 192 1.033, 128 1.034 (again 1.031).  Partials that the decode
-attention merges (``"attention"``) keep :data:`SWAPPED_TARGET_PROGRAMS`: every program of a
+attention merges (``"attention"``) take :data:`ATTENTION_MERGED_TARGET_PROGRAMS`: every program of a
 (request, KV head) merges its q/k/v rows again, so more splits cost it more (256 programs for
 both: qkv 7.1 -> 5.9 us, attention 15.3 -> 17.3 us per layer at batch 32)."""
 
@@ -270,9 +272,10 @@ def _skinny_kernel(
     k_begin = pid_k * K_PER
     k_end = tl.minimum(k_begin + K_PER, K)
     # x comes from the kernel before (PDL: wait for it). Loading the first weight tile before
-    # the wait, or asking L2 for its lines there, measured slower behind another matmul
-    # (docs/performance.md); only PRELOAD_W (one K tile per split: the program's whole slice)
-    # loads its weights first, for a caller whose previous kernel leaves the bandwidth idle.
+    # the wait, or asking L2 for its lines there, measured slower (docs/performance.md); only
+    # PRELOAD_W (one K tile per split: the program's whole slice) and LAST_AHEAD (the split's
+    # last tile, multiplied after the loop) load weights first, for a caller whose previous
+    # kernel leaves the bandwidth idle.
     if PRELOAD_W:
         offs_k_all = k_begin + tl.arange(0, BLOCK_K)
         k_mask_all = offs_k_all < k_end
@@ -405,17 +408,19 @@ def default_config(
     into 1024-wide pieces; the SwiGLU form reads gate and up rows, 16 of each.
 
     More rows: the swapped form (64 weight rows as the MMA's M side, the activation rows as
-    its N side) over 128-wide K tiles, 4 pipeline stages, and K split until there are about 128
-    programs (qkv 2, o_proj and down 4, gate_up and the LM head 1): the fastest setting, or
-    within 2% of it, on every shape at 16 and 32 rows.
+    its N side) over 128-wide K tiles, 4 pipeline stages, and K split until there are about
+    :data:`SWAPPED_TARGET_PROGRAMS` programs (gate_up and the LM head 1 split at 32 rows): the
+    fastest setting, or within 2% of it, on every shape at 16 and 32 rows timed alone.
 
     ``weights_ahead`` (no SwiGLU): at one row (K up to :data:`WEIGHTS_AHEAD_MAX_K`), 8-row
     column tiles over one K tile holding the whole row, loaded before the PDL wait; from two rows
     up to :data:`WEIGHTS_AHEAD_MAX_ROWS`, the swapped form with K split into 256-wide slices, each
-    program's slice loaded before the wait; above that, with :data:`SWAPPED_LAST_TILE_AHEAD`, the
-    swapped form with each split's last weight tile loaded before the wait (SwiGLU too).
-    ``defer_merge="norm"`` (above one row, no SwiGLU):
-    K is split toward :data:`DEFERRED_TARGET_PROGRAMS` programs instead."""
+    program's slice loaded before the wait.  Otherwise from two rows (SwiGLU too), with
+    :data:`SWAPPED_LAST_TILE_AHEAD`, the swapped form holds each split's last weight tile across
+    the wait where a split walks at least :data:`LAST_TILE_AHEAD_MIN_TILES` tiles, with
+    :data:`SWAPPED_AHEAD_NUM_STAGES` stages.  ``defer_merge`` (above one row, no SwiGLU): K is
+    split toward :data:`DEFERRED_TARGET_PROGRAMS` (``"norm"``) or
+    :data:`ATTENTION_MERGED_TARGET_PROGRAMS` (``"attention"``) programs instead."""
     if weights_ahead and WEIGHTS_AHEAD_ENABLED and not swiglu:
         if m == 1 and k <= WEIGHTS_AHEAD_MAX_K:
             return SkinnyConfig(8, triton.next_power_of_2(k), 1, num_warps=8, num_stages=1, preload=True)
@@ -602,7 +607,7 @@ def skinny_linear(
             returned as :class:`~pprun.layers.SplitPartials` instead of merged in this launch:
             that kernel merges them as this one would have, and the merge's arrival counter and
             L2 round trip leave the critical path.  It also sets how far K is split
-            (:data:`DEFERRED_TARGET_PROGRAMS`).
+            (:data:`DEFERRED_TARGET_PROGRAMS`, :data:`ATTENTION_MERGED_TARGET_PROGRAMS`).
 
     Returns a new ``[M, N]`` (``[M, N // 2]`` with ``swiglu``) tensor in ``x``'s dtype, or the
     partials (see ``defer_merge``).
