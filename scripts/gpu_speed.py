@@ -201,6 +201,7 @@ def switches() -> list[tuple]:
     import pprun.attention.triton_ops
     import pprun.layers
     import pprun.layers.fused
+    import pprun.layers.persistent
     import pprun.layers.skinny
     import pprun.layers.triton_utils
     import pprun.worker.kv_cache
@@ -231,10 +232,14 @@ def switches() -> list[tuple]:
             (pprun.layers.skinny, "SWAPPED_AHEAD_NUM_STAGES", 4, False),
             (pprun.attention.triton_ops, "DECODE_ROPE_IN_REGISTERS", True, True),
             (pprun.layers.skinny, "ATTENTION_MERGED_TARGET_PROGRAMS", 192, False),
-            (pprun.layers.skinny, "LAST_TILE_AHEAD_MIN_TILES", 2, False)]
+            (pprun.layers.skinny, "LAST_TILE_AHEAD_MIN_TILES", 2, False),
+            (pprun.layers, "PERSISTENT_MLP_ENABLED", True, False),
+            (pprun.layers.persistent, "MLP_BLOCK_K", 64, False),
+            (pprun.layers.persistent, "MLP_PROGRAMS_PER_SM", 2, False)]
 
 
-NEEDS = {"SWAPPED_AHEAD_NUM_STAGES": "SWAPPED_LAST_TILE_AHEAD", "LAST_TILE_AHEAD_MIN_TILES": "SWAPPED_LAST_TILE_AHEAD"}
+NEEDS = {"SWAPPED_AHEAD_NUM_STAGES": "SWAPPED_LAST_TILE_AHEAD", "LAST_TILE_AHEAD_MIN_TILES": "SWAPPED_LAST_TILE_AHEAD",
+         "MLP_BLOCK_K": "PERSISTENT_MLP_ENABLED", "MLP_PROGRAMS_PER_SM": "PERSISTENT_MLP_ENABLED"}
 """Switches that change nothing unless another one is on (an A/B run of them is skipped then)."""
 
 
@@ -288,7 +293,9 @@ def main() -> None:
                          "(SWAPPED_AHEAD_NUM_STAGES), the decode attention's rotate_half partners taken in registers "
                          "instead of loaded again (DECODE_ROPE_IN_REGISTERS), qkv split K until ~192 programs instead "
                          "of ~128 (ATTENTION_MERGED_TARGET_PROGRAMS: 4 splits at batch 32), the held last tile from 2 tiles "
-                         "per split instead of 4 (LAST_TILE_AHEAD_MIN_TILES: o_proj too)")
+                         "per split instead of 4 (LAST_TILE_AHEAD_MIN_TILES: o_proj too), the MLP half of a decode layer as one "
+                         "persistent launch (PERSISTENT_MLP_ENABLED), its matmul tasks over 64-wide K tiles instead of 128 "
+                         "(MLP_BLOCK_K), two programs per SM instead of one (MLP_PROGRAMS_PER_SM)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
                          "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")
@@ -311,8 +318,9 @@ def main() -> None:
     res["decode_b32"] = decode(args.model, 32, 512, 100, trace=args.graph_trace)
     if args.ab:
         chosen = parse_settings(args.ab_only) if args.ab_only else switches()
+        needed = {sw[1]: sw for sw in switches()}
         for module, flag, flipped, b1_differs in chosen:
-            if flag in NEEDS and not getattr(module, NEEDS[flag]):
+            if flag in NEEDS and not getattr(needed[NEEDS[flag]][0], NEEDS[flag]):
                 res[f"skipped_{flag}={flipped}"] = f"changes nothing while {NEEDS[flag]} is off (--set it)"
                 continue
             default = getattr(module, flag)

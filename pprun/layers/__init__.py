@@ -41,6 +41,11 @@ The merges are exact; the switch also changes the launch settings that come with
 norm-merged matmuls' split count, the merging norm's warps), hence fp32 sum orders, so its two
 sides may differ in a last bit as two launch settings may."""
 
+PERSISTENT_MLP_ENABLED: bool = False
+"""A decode step's MLP half (the norm merging ``o_proj``'s partials, ``gate_up`` with SwiGLU,
+``down``) as one persistent launch (:func:`persistent_mlp`, ``pprun.layers.persistent``).
+Prepared, not yet run on a GPU: off (``scripts/gpu_speed.py --ab --ab-only PERSISTENT_MLP_ENABLED``)."""
+
 
 @dataclass(frozen=True)
 class SplitPartials:
@@ -209,3 +214,42 @@ def norm_linear(
     ):
         return None
     return skinny.skinny_norm_linear(x, residual, weight, norm.eps, layer.weight, layer.bias, swiglu=swiglu)
+
+
+def _plain_linear(layer: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
+    """A bias-free ``nn.Linear`` without hooks or autograd, its weight contiguous in ``dtype``."""
+    if type(layer) is not nn.Linear or layer._forward_hooks or layer._forward_pre_hooks or layer.bias is not None:
+        return False
+    weight = layer.weight
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return False
+    return weight.dtype == dtype and weight.device == device and weight.is_contiguous()
+
+
+def persistent_mlp(
+    norm: nn.Module, gate_up: nn.Linear, down: nn.Linear, x: torch.Tensor | SplitPartials, residual: torch.Tensor
+) -> tuple[SplitPartials, torch.Tensor] | None:
+    """``down(silu_mul(gate_up(norm(x, residual))))`` in one persistent launch for a decode step
+    of 2-32 rows (see :data:`PERSISTENT_MLP_ENABLED`), returning ``(down's partials, new
+    residual)``; None when it does not apply (switched off, ``x`` not bias-free partials of
+    ``o_proj``, another row count, layers with a bias or hooks, an intermediate size that the
+    ``down`` splits do not divide): the caller then runs the norm and the MLP itself."""
+    if not PERSISTENT_MLP_ENABLED or not isinstance(x, SplitPartials) or x.bias is not None:
+        return None
+    parts = x.parts
+    if fused_ops_for(parts) is None or not 2 <= parts.shape[1] <= 32 or not parts.is_contiguous():
+        return None
+    from pprun.layers import persistent
+
+    dtype, device = x.dtype, parts.device
+    if not (_plain_linear(gate_up, dtype, device) and _plain_linear(down, dtype, device)):
+        return None
+    if gate_up.weight.shape[0] != 2 * down.weight.shape[1] or down.weight.shape[1] % (persistent.DOWN_SPLITS * 64):
+        return None
+    weight = norm.weight
+    if norm._forward_hooks or norm._forward_pre_hooks or (torch.is_grad_enabled() and weight.requires_grad):
+        return None
+    if weight.dtype != dtype or not weight.is_contiguous() or residual.dtype != dtype or not residual.is_contiguous():
+        return None
+    return persistent.persistent_mlp(x, residual, weight, norm.eps, gate_up.weight, down.weight)
+

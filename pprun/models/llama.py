@@ -35,6 +35,7 @@ from pprun.layers import (
     linear_swiglu,
     merged,
     norm_linear,
+    persistent_mlp,
 )
 from pprun.models.hf_config import ModelArchConfig
 
@@ -248,6 +249,8 @@ class DecoderLayer(nn.Module):
         A one-row CUDA batch folds each norm into the matmul after it (``norm_linear``: qkv,
         then gate_up with its SwiGLU); otherwise each norm runs on its own, and merges the
         partials of a split-K ``o_proj`` or ``down`` before it (the output may be such partials).
+        With ``pprun.layers.PERSISTENT_MLP_ENABLED`` a decode step's MLP half (that norm, gate_up,
+        down) is one persistent launch.
         """
         folded = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden_states, residual)
         if folded is not None:
@@ -260,6 +263,10 @@ class DecoderLayer(nn.Module):
         if folded is not None:
             act, residual = folded
             return self.mlp.down(act), residual
+        if self.mlp.defer_merge:
+            whole = persistent_mlp(self.post_attention_layernorm, self.mlp.gate_up_proj, self.mlp.down_proj, h, residual)
+            if whole is not None:
+                return whole
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
