@@ -116,7 +116,7 @@ def test_persistent_mlp_compiles_for_sm90():
 
     fn = persistent._persistent_mlp_kernel
     const = dict(NUM_PARTS=8, BLOCK_H=2048, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, NUM_STAGES=4, DOWN_SPLITS=8,
-                 DOWN_K_PER=1024, DOT_F32=False, PRECISE_EXP=True, EXACT_MUL=True, USE_PDL=True)
+                 DOWN_K_PER=1024, DOT_F32=False, PRECISE_EXP=True, EXACT_MUL=True, USE_PDL=True, CTR=32)
     pointers = {"part_ptr": "*fp32", "out_part_ptr": "*fp32", "ctr_ptr": "*i32"}
     signature = {}
     for name in fn.arg_names:

@@ -52,17 +52,26 @@ MLP_PROGRAMS_PER_SM = 1
 """Programs per SM (at 128-wide K tiles and 4 stages the ``gate_up`` task's pipeline takes 160 KB
 of shared memory: one fits; more programs than fit only wait for a free SM)."""
 
-# Counter slots: [0] next task, [1] programs that left, [2] normed rows, [3 + g] gate_up blocks
-# done in down split g.
-_TASK, _EXITS, _NORMED, _GROUPS = 0, 1, 2, 3
+COUNTER_OFFSET = 3072
+"""Where this kernel's counters start in ``skinny.arrival_counters``' buffer: past the slots the
+other kernels use (a leftover there would hang this one, not just change a result)."""
+COUNTER_STRIDE = 32
+"""int32 slots between two counters: each on its own 128-byte line, apart from the pollers of
+the others.  Slots (in strides): 0 the next task, 1 programs that left, 2 normed rows, 3 + g
+the gate_up blocks done in down split g."""
 
 
 @triton.jit
-def _wait_at_least(ptr, target):
+def _wait_at_least(ptr, target, BACKOFF: tl.constexpr):
     """Spin until the int32 counter at ``ptr`` reaches ``target`` (acquire: what the tasks that
-    counted wrote is visible after it)."""
+    counted wrote is visible after it), sleeping a little between polls (``BACKOFF``, not under
+    the interpreter).  The interpreter runs programs one after another, so every wait there is
+    met at once: a target set too low would go unnoticed by its tests, one set too high hangs."""
     seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
     while seen < target:
+        if BACKOFF:
+            tl.inline_asm_elementwise("nanosleep.u32 32; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                      is_pure=False, pack=1)
         seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
 
 
@@ -74,6 +83,7 @@ def _persistent_mlp_kernel(
     NUM_PARTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, DOWN_SPLITS: tl.constexpr, DOWN_K_PER: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISE_EXP: tl.constexpr, EXACT_MUL: tl.constexpr, USE_PDL: tl.constexpr,
+    CTR: tl.constexpr,
 ):
     # The partials come from the kernel before (PDL: wait for it before anything).
     pdl_sync(USE_PDL)
@@ -84,7 +94,7 @@ def _persistent_mlp_kernel(
     total = M + num_gu + DOWN_SPLITS * num_down_cols
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
-    task = tl.atomic_add(ctr_ptr + 0, 1, sem="relaxed", scope="gpu")
+    task = tl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
     while task < total:
         if task < M:
             # Norm of row ``task``: as fused._add_rms_norm_kernel with NUM_PARTS partials.
@@ -105,7 +115,7 @@ def _persistent_mlp_kernel(
             out = w.to(tl.float32) * normed.to(tl.float32)
             tl.store(h_ptr + row * H + offs, out.to(dtype), mask=mask)
             tl.debug_barrier()
-            tl.atomic_add(ctr_ptr + 2, 1, sem="release", scope="gpu")
+            tl.atomic_add(ctr_ptr + 2 * CTR, 1, sem="release", scope="gpu")
         elif task < M + num_gu:
             # gate_up block: silu(h @ gate.T) * (h @ up.T) for 64 columns, all of K.
             blk = task - M
@@ -116,7 +126,7 @@ def _persistent_mlp_kernel(
             x_rows = h_ptr + offs_m.to(tl.int64)[:, None] * H
             acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             acc_up_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            _wait_at_least(ctr_ptr + 2, M)
+            _wait_at_least(ctr_ptr + 2 * CTR, M, EXACT_MUL)
             for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 k_mask = offs_k < H
@@ -129,7 +139,8 @@ def _persistent_mlp_kernel(
             tl.store(act_ptr + offs_m.to(tl.int64)[:, None] * INTER + offs_n[None, :], y,
                      mask=m_mask[:, None] & n_mask[None, :])
             tl.debug_barrier()
-            tl.atomic_add(ctr_ptr + 3 + blk // group_blocks, 1, sem="release", scope="gpu")
+            group = tl.minimum(blk // group_blocks, DOWN_SPLITS - 1)
+            tl.atomic_add(ctr_ptr + (3 + group) * CTR, 1, sem="release", scope="gpu")
         else:
             # down tile: K split ``s`` of the activation against 64 rows of down, fp32 partial.
             d = task - M - num_gu
@@ -141,7 +152,7 @@ def _persistent_mlp_kernel(
             w_rows = down_w_ptr + offs_n.to(tl.int64)[:, None] * INTER
             x_rows = act_ptr + offs_m.to(tl.int64)[:, None] * INTER
             acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            _wait_at_least(ctr_ptr + 3 + s, tl.minimum(group_blocks, num_gu - s * group_blocks))
+            _wait_at_least(ctr_ptr + (3 + s) * CTR, group_blocks, EXACT_MUL)
             for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 k_mask = offs_k < k_end
@@ -151,14 +162,14 @@ def _persistent_mlp_kernel(
                 acc_t += _swapped_product(x, w, DOT_F32)
             tl.store(out_part_ptr + (s * M + offs_m.to(tl.int64)[:, None]) * H + offs_n[None, :], tl.trans(acc_t),
                      mask=m_mask[:, None] & n_mask[None, :])
-        task = tl.atomic_add(ctr_ptr + 0, 1, sem="relaxed", scope="gpu")
+        task = tl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
     # The last program to leave resets the counters for the next launch: every program has
     # made its last fetch by then.
     tl.debug_barrier()
-    left = tl.atomic_add(ctr_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    left = tl.atomic_add(ctr_ptr + CTR, 1, sem="acq_rel", scope="gpu")
     if left == num_programs - 1:
         for i in tl.static_range(3 + DOWN_SPLITS):
-            tl.atomic_xchg(ctr_ptr + i, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(ctr_ptr + i * CTR, 0, sem="relaxed", scope="gpu")
 
 
 def persistent_mlp(
@@ -213,7 +224,7 @@ def persistent_mlp(
     if num_programs is None:
         num_programs = MLP_PROGRAMS_PER_SM * _num_sms(device)
     num_programs = max(1, min(num_programs, tasks))
-    counters = arrival_counters(device, 3 + DOWN_SPLITS)
+    counters = arrival_counters(device, COUNTER_OFFSET + (3 + DOWN_SPLITS) * COUNTER_STRIDE)[COUNTER_OFFSET:]
     _persistent_mlp_kernel[(num_programs,)](
         parts, residual, norm_weight, h, new_residual,
         gate_up_weight, act, down_weight, out_parts, counters,
@@ -221,6 +232,7 @@ def persistent_mlp(
         NUM_PARTS=parts.shape[0], BLOCK_H=triton.next_power_of_2(hidden), BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=BLOCK_N, BLOCK_K=MLP_BLOCK_K, NUM_STAGES=MLP_NUM_STAGES, DOWN_SPLITS=DOWN_SPLITS,
         DOWN_K_PER=inter // DOWN_SPLITS, DOT_F32=dtype == torch.float32 or _INTERPRETED,
-        PRECISE_EXP=not _INTERPRETED, EXACT_MUL=not _INTERPRETED, num_warps=4, **pdl_options(device),
+        PRECISE_EXP=not _INTERPRETED, EXACT_MUL=not _INTERPRETED, CTR=COUNTER_STRIDE, num_warps=4,
+        **pdl_options(device),
     )
     return SplitPartials(out_parts, None, dtype), new_residual
