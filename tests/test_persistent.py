@@ -25,7 +25,7 @@ def _three_launches(parts, residual, norm_w, eps, gate_up, down, block_k, splits
 
 @triton_only
 @pytest.mark.parametrize("m", [2, 17, 32])
-@pytest.mark.parametrize("num_programs", [1, 3, None])
+@pytest.mark.parametrize("num_programs", [1, 3, 7, None, 1000])  # 1000: more than the tasks
 def test_persistent_mlp_matches_three_launches(m, num_programs, monkeypatch):
     from pprun.layers import SplitPartials, fused, persistent
     from pprun.layers.skinny import arrival_counters
