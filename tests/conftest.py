@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+import triton_env  # noqa: F401  (first: without CUDA it turns the Triton interpreter on)
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

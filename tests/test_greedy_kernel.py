@@ -1,6 +1,6 @@
 """One-launch logits copy + argmax (``pprun.sampling.greedy_kernel``) against torch.
 
-Runs on CUDA, or on CPU under the Triton interpreter with ``PPRUN_TEST_TRITON_INTERPRET=1``.
+Runs on CUDA, or on CPU under the Triton interpreter (the default without CUDA).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from triton_env import DEVICE, HAS_CUDA, RUN_TRITON  # noqa: E402  (sets TRITON_INTERPRET)
 
 triton_only = pytest.mark.skipif(
-    not RUN_TRITON, reason="needs CUDA + triton, or PPRUN_TEST_TRITON_INTERPRET=1 with triton installed"
+    not RUN_TRITON, reason="needs CUDA or triton (the interpreter, unless PPRUN_TEST_TRITON_INTERPRET=0)"
 )
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -5,7 +5,7 @@ The reference is ``fused.fused_add_rms_norm`` followed by ``skinny.skinny_linear
 tested against torch in ``test_fused_ops.py`` and ``test_skinny.py``), and a ``DecoderLayer``
 with the fold switched off.  Runs on CUDA, or on CPU under the Triton interpreter::
 
-    PPRUN_TEST_TRITON_INTERPRET=1 pytest tests/test_norm_linear.py
+    pytest tests/test_norm_linear.py
 
 At one row the kernel multiplies and sums (no ``tl.dot``), so bf16 runs on the interpreter too;
 there both sides share the interpreter's truncating bf16 casts, and every step of the fold is
@@ -28,7 +28,7 @@ from pprun.models.hf_config import load_arch_config
 from pprun.models.llama import DecoderLayer, RMSNorm, RotaryEmbedding
 
 triton_only = pytest.mark.skipif(
-    not RUN_TRITON, reason="needs CUDA + triton, or PPRUN_TEST_TRITON_INTERPRET=1 with triton installed"
+    not RUN_TRITON, reason="needs CUDA or triton (the interpreter, unless PPRUN_TEST_TRITON_INTERPRET=0)"
 )
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # as test_skinny.py
 

@@ -1,5 +1,5 @@
 """The persistent MLP-half launch (``pprun.layers.persistent``) against the three launches it
-replaces, on CUDA or under the Triton interpreter (``PPRUN_TEST_TRITON_INTERPRET=1``)."""
+replaces, on CUDA or under the Triton interpreter (the default without CUDA)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from triton_env import DEVICE, HAS_CUDA, RUN_TRITON  # noqa: E402  (sets TRITON_INTERPRET)
 
 triton_only = pytest.mark.skipif(
-    not RUN_TRITON, reason="needs CUDA + triton, or PPRUN_TEST_TRITON_INTERPRET=1 with triton installed"
+    not RUN_TRITON, reason="needs CUDA or triton (the interpreter, unless PPRUN_TEST_TRITON_INTERPRET=0)"
 )
 DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32  # the interpreter's low-precision dots are not faithful
 
@@ -102,41 +102,16 @@ def test_tiny_llama_persistent_mlp_matches_three_launches(monkeypatch, tmp_path)
 
 
 def test_persistent_mlp_compiles_for_sm90():
-    """The persistent kernel compiles for an H100/H200 without a GPU (Triton's ahead-of-time
-    compile with its bundled ptxas) at the 1.1B model's batch-32 settings: its matmul tasks on
-    ``wgmma`` fed by ``cp.async``, its counters on atomics, and a PDL wait."""
-    triton = pytest.importorskip("triton")
-    import os
+    """The persistent kernel compiles for an H100/H200 without a GPU (``sm90_compile``) at the
+    1.1B model's batch-32 settings: its matmul tasks on ``wgmma`` fed by ``cp.async``, its
+    counters on atomics, and a PDL wait."""
+    from sm90_compile import compile_sm90
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("the interpreter has no compiler")
-    from triton.backends.compiler import GPUTarget
-
-    from pprun.layers import persistent
-
-    fn = persistent._persistent_mlp_kernel
     const = dict(NUM_PARTS=8, BLOCK_H=2048, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, NUM_STAGES=4, DOWN_SPLITS=8,
                  DOWN_K_PER=1024, DOT_F32=False, PRECISE_EXP=True, EXACT_MUL=True, USE_PDL=True, CTR=32)
-    pointers = {"part_ptr": "*fp32", "out_part_ptr": "*fp32", "ctr_ptr": "*i32"}
-    signature = {}
-    for name in fn.arg_names:
-        if name in const:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = pointers.get(name, "*bf16")
-        else:
-            signature[name] = "fp32" if name in ("inv_hidden", "eps") else "i32"
-    # As the runtime specializes a launch: pointers 16-byte aligned, sizes multiples of 16.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if signature[name].startswith("*") or name in ("H", "INTER")}
-    try:
-        compiled = triton.compile(
-            triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=const, attrs=attrs),
-            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4},
-        )
-    except FileNotFoundError as e:  # a Triton build without the NVIDIA toolchain
-        pytest.skip(f"no ptxas: {e}")
-    ptx = compiled.asm["ptx"]
+    ptx = compile_sm90("pprun.layers.persistent", "_persistent_mlp_kernel", const,
+                       pointers={"part_ptr": "*fp32", "out_part_ptr": "*fp32", "ctr_ptr": "*i32"},
+                       default_pointer="*bf16", float_args=("inv_hidden", "eps"), divisible=("H", "INTER"),
+                       options={"num_warps": 4})
     assert "wgmma.mma_async" in ptx and "cp.async.cg.shared.global" in ptx
     assert "atom.global" in ptx and "griddepcontrol.wait" in ptx
-    assert compiled.asm["cubin"]

@@ -1,6 +1,6 @@
 """Split-K matmuls for decode-sized batches (``pprun.layers.skinny``) against torch.
 
-Runs on CUDA, or on CPU under the Triton interpreter with ``PPRUN_TEST_TRITON_INTERPRET=1``.
+Runs on CUDA, or on CPU under the Triton interpreter (the default without CUDA).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from triton_env import DEVICE, HAS_CUDA, RUN_TRITON  # noqa: E402  (sets TRITON_INTERPRET)
 
 triton_only = pytest.mark.skipif(
-    not RUN_TRITON, reason="needs CUDA + triton, or PPRUN_TEST_TRITON_INTERPRET=1 with triton installed"
+    not RUN_TRITON, reason="needs CUDA or triton (the interpreter, unless PPRUN_TEST_TRITON_INTERPRET=0)"
 )
 # The interpreter's low-precision dots are not faithful: it runs fp32 only.
 DTYPES = [torch.float32, torch.bfloat16] if HAS_CUDA else [torch.float32]
@@ -297,47 +297,23 @@ def test_linear_dispatch_falls_back_for_what_the_kernel_cannot_take():
 
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_skinny_last_tile_ahead_compiles_for_sm90(swiglu):
-    """The held last tile compiles for an H100/H200 without a GPU (Triton's ahead-of-time compile
-    with its bundled ptxas): its weight loads come before the PDL wait, nothing else does, and the
-    loop's weight stream is still ``cp.async`` into ``wgmma``."""
-    triton = pytest.importorskip("triton")
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("the interpreter has no compiler")
-    from triton.backends.compiler import GPUTarget
+    """The held last tile compiles for an H100/H200 without a GPU (``sm90_compile``): its weight
+    loads come before the PDL wait, nothing else does, and the loop's weight stream is still
+    ``cp.async`` into ``wgmma``."""
+    from sm90_compile import compile_sm90
 
     from pprun.layers import skinny
 
-    fn = skinny._skinny_kernel
     const = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1 if swiglu else 2, HAS_BIAS=False, SWIGLU=swiglu,
                  USE_DOT=True, SWAP_AB=True, DOT_F32=False, PRECISE_EXP=True, PRELOAD_W=False, USE_PDL=True,
                  NORM=False, HAS_RESIDUAL=False, BLOCK_ROW=1, EXACT_MUL=True, DEFER_MERGE=not swiglu, LAST_AHEAD=True)
-    signature = {}
-    for name in fn.arg_names:
-        if name in const:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = {"part_ptr": "*fp32", "counter_ptr": "*i32"}.get(name, "*bf16")
-        else:
-            signature[name] = "fp32" if name in ("inv_hidden", "eps") else "i32"
-    # As the runtime specializes a launch: pointers 16-byte aligned, strides and sizes multiples of 16.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if signature[name].startswith("*") or name.startswith("stride_") or name in ("K", "N_OUT", "K_PER")}
-    try:
-        compiled = triton.compile(
-            triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=const, attrs=attrs),
-            target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": 4, "num_stages": skinny.SWAPPED_AHEAD_NUM_STAGES, "enable_fp_fusion": False},
-        )
-    except FileNotFoundError as e:  # a Triton build without the NVIDIA toolchain
-        pytest.skip(f"no ptxas: {e}")
-    ptx = compiled.asm["ptx"]
+    ptx = compile_sm90("pprun.layers.skinny", "_skinny_kernel", const,
+                       pointers={"part_ptr": "*fp32", "counter_ptr": "*i32"}, default_pointer="*bf16",
+                       float_args=("inv_hidden", "eps"), divisible=("K", "N_OUT", "K_PER"),
+                       options={"num_warps": 4, "num_stages": skinny.SWAPPED_AHEAD_NUM_STAGES, "enable_fp_fusion": False})
     before_wait = ptx[:ptx.index("griddepcontrol.wait")]
     # The held tile: 64 rows x 128 bf16 per weight (gate and up with SwiGLU), 16 bytes per load
     # and thread over 128 threads.
     assert before_wait.count("ld.global") == (16 if swiglu else 8)
     assert "cp.async" not in before_wait and "cp.async.cg.shared.global" in ptx
     assert "wgmma.mma_async" in ptx
-    assert compiled.asm["cubin"]
-

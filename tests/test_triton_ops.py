@@ -1,9 +1,9 @@
 """Paged attention: the torch reference against dense SDPA, and the Triton kernels against it.
 
 The reference tests always run (CPU).  The Triton tests run on CUDA, or on CPU under the
-Triton interpreter when ``PPRUN_TEST_TRITON_INTERPRET=1`` (slow: shapes stay tiny)::
+Triton interpreter (the default without CUDA; slow: shapes stay tiny)::
 
-    PPRUN_TEST_TRITON_INTERPRET=1 pytest tests/test_triton_ops.py
+    pytest tests/test_triton_ops.py
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def test_ref_rejects_bad_kv_cache_shape():
 
 triton_only = pytest.mark.skipif(
     not RUN_TRITON,
-    reason="needs CUDA + triton, or PPRUN_TEST_TRITON_INTERPRET=1 with triton installed",
+    reason="needs CUDA or triton (the interpreter, unless PPRUN_TEST_TRITON_INTERPRET=0)",
 )
 
 
@@ -648,48 +648,20 @@ def test_triton_rope_decode_second_preloaded_tile_changes_nothing(dtype, monkeyp
 @pytest.mark.parametrize("second", [False, True])
 @pytest.mark.parametrize("rope_regs", [False, True])
 def test_decode_kernel_compiles_for_sm90(second, rope_regs):
-    """The decode kernel compiles for an H100/H200 without a GPU (Triton's ahead-of-time compile
-    with its bundled ptxas), with its K/V loop pipelined over ``cp.async`` and its PDL wait in."""
-    triton = pytest.importorskip("triton")
-    import os
+    """The decode kernel compiles for an H100/H200 without a GPU (``sm90_compile``), with its K/V
+    loop pipelined over ``cp.async`` and its PDL wait in."""
+    from sm90_compile import compile_sm90
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("the interpreter has no compiler")
-    from triton.backends.compiler import GPUTarget
-
-    from pprun.attention import triton_ops
-
-    fn = triton_ops._decode_kernel
     const = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=64, HALF=32, NEW_TOKEN=True, HAS_ROPE=True,
                  BLOCK_G=16, BLOCK_D=64, BLOCK_N=64, PAGE_SIZE=16, NUM_SPLITS=2, DOT_F32=False, PRELOAD_KV=True,
                  PRELOAD_SECOND=second, ROPE_REGS=rope_regs, USE_PDL=True, QKV_PARTS=2, QKV_BIAS=True)
     pointers = {"pos_ptr": "*i64", "slot_ptr": "*i64", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
                 "counter_ptr": "*i32", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
                 "qkv_bias_ptr": "*bf16"}
-    signature = {}
-    for name in fn.arg_names:
-        if name in const:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = pointers.get(name, "*fp32")
-        else:
-            signature[name] = "fp32" if name == "scale_log2" else "i32"
-    # As the runtime specializes a launch: pointers 16-byte aligned, strides multiples of 16
-    # (without this Triton neither vectorizes the loads nor pipelines the K/V loop).
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if signature[name].startswith("*") or name.startswith("stride_")}
-    try:
-        compiled = triton.compile(
-            triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=const, attrs=attrs),
-            target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": 2, "num_stages": 2, "enable_fp_fusion": False},
-        )
-    except FileNotFoundError as e:  # a Triton build without the NVIDIA toolchain
-        pytest.skip(f"no ptxas: {e}")
-    ptx = compiled.asm["ptx"]
+    ptx = compile_sm90("pprun.attention.triton_ops", "_decode_kernel", const, pointers=pointers,
+                       float_args=("scale_log2",), options={"num_warps": 2, "num_stages": 2, "enable_fp_fusion": False})
     assert "cp.async.cg.shared.global" in ptx  # the K/V loop pipelined
     assert "griddepcontrol.wait" in ptx
-    assert compiled.asm["cubin"]
 
 
 @triton_only
