@@ -133,18 +133,36 @@ def _skinny_for(layer: nn.Linear, x: torch.Tensor):
     if fused_ops_for(x) is None:  # also: Triton imports, so skinny does too
         return None
     skinny = _load_skinny()
-    if x.shape[0] > skinny.DISPATCH_MAX_M or x.stride(1) != 1:
+    if x.shape[0] > skinny.DISPATCH_MAX_M or x.stride(1) != 1 or not _kernel_linear(layer, x.dtype, x.device):
         return None
-    if type(layer) is not nn.Linear or layer._forward_hooks or layer._forward_pre_hooks:
-        return None
-    weight, bias = layer.weight, layer.bias
-    if torch.is_grad_enabled() and weight.requires_grad:
-        return None
-    if weight.dtype != x.dtype or weight.device != x.device or not weight.is_contiguous():
-        return None
+    bias = layer.bias
     if bias is not None and (bias.dtype != x.dtype or bias.device != x.device or bias.stride(0) != 1):
         return None
     return skinny
+
+
+def _kernel_linear(layer: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
+    """A plain ``nn.Linear`` (no subclass, no hooks, no autograd) whose weight a kernel reads as
+    it is: contiguous, in ``dtype`` on ``device`` (its bias is the caller's to check)."""
+    if type(layer) is not nn.Linear or layer._forward_hooks or layer._forward_pre_hooks:
+        return False
+    weight = layer.weight
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return False
+    return weight.dtype == dtype and weight.device == device and weight.is_contiguous()
+
+
+def _kernel_norm(norm: nn.Module, dtype: torch.dtype, device: torch.device, hidden: int) -> bool:
+    """An RMSNorm (as ``pprun.models.llama.RMSNorm``: ``weight``, ``eps``) without hooks or
+    autograd whose weight a kernel reads as it is: contiguous ``(hidden,)`` in ``dtype`` on
+    ``device``."""
+    if norm._forward_hooks or norm._forward_pre_hooks:
+        return False
+    weight = norm.weight
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return False
+    return (weight.dtype == dtype and weight.device == device and weight.shape == (hidden,)
+            and weight.is_contiguous())
 
 
 def linear(
@@ -197,14 +215,7 @@ def norm_linear(
     skinny = _skinny_for(layer, x)
     if skinny is None or (swiglu and layer.weight.shape[0] % 2):
         return None
-    if norm._forward_hooks or norm._forward_pre_hooks:
-        return None
-    weight = norm.weight
-    if torch.is_grad_enabled() and weight.requires_grad:
-        return None
-    if weight.dtype != x.dtype or weight.device != x.device or weight.shape != (x.shape[1],):
-        return None
-    if not weight.is_contiguous():
+    if not _kernel_norm(norm, x.dtype, x.device, x.shape[1]):
         return None
     if residual is not None and (
         residual.shape != x.shape
@@ -213,21 +224,12 @@ def norm_linear(
         or residual.stride(1) != 1
     ):
         return None
-    return skinny.skinny_norm_linear(x, residual, weight, norm.eps, layer.weight, layer.bias, swiglu=swiglu)
-
-
-def _plain_linear(layer: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
-    """A bias-free ``nn.Linear`` without hooks or autograd, its weight contiguous in ``dtype``."""
-    if type(layer) is not nn.Linear or layer._forward_hooks or layer._forward_pre_hooks or layer.bias is not None:
-        return False
-    weight = layer.weight
-    if torch.is_grad_enabled() and weight.requires_grad:
-        return False
-    return weight.dtype == dtype and weight.device == device and weight.is_contiguous()
+    return skinny.skinny_norm_linear(x, residual, norm.weight, norm.eps, layer.weight, layer.bias, swiglu=swiglu)
 
 
 def persistent_mlp(
-    norm: nn.Module, gate_up: nn.Linear, down: nn.Linear, x: torch.Tensor | SplitPartials, residual: torch.Tensor
+    norm: nn.Module, gate_up: nn.Linear, down: nn.Linear, x: torch.Tensor | SplitPartials,
+    residual: torch.Tensor | None,
 ) -> tuple[SplitPartials, torch.Tensor] | None:
     """``down(silu_mul(gate_up(norm(x, residual))))`` in one persistent launch for a decode step
     of 2-32 rows (see :data:`PERSISTENT_MLP_ENABLED`), returning ``(down's partials, new
@@ -241,15 +243,14 @@ def persistent_mlp(
         return None
     from pprun.layers import persistent
 
-    dtype, device = x.dtype, parts.device
-    if not (_plain_linear(gate_up, dtype, device) and _plain_linear(down, dtype, device)):
+    dtype, device, hidden = x.dtype, parts.device, parts.shape[2]
+    if not all(_kernel_linear(layer, dtype, device) and layer.bias is None for layer in (gate_up, down)):
         return None
     if gate_up.weight.shape[0] != 2 * down.weight.shape[1] or down.weight.shape[1] % (persistent.DOWN_SPLITS * 64):
         return None
-    weight = norm.weight
-    if norm._forward_hooks or norm._forward_pre_hooks or (torch.is_grad_enabled() and weight.requires_grad):
+    if not _kernel_norm(norm, dtype, device, hidden):
         return None
-    if weight.dtype != dtype or not weight.is_contiguous() or residual.dtype != dtype or not residual.is_contiguous():
+    if residual is None or residual.shape != (parts.shape[1], hidden) or residual.dtype != dtype or not residual.is_contiguous():
         return None
-    return persistent.persistent_mlp(x, residual, weight, norm.eps, gate_up.weight, down.weight)
+    return persistent.persistent_mlp(x, residual, norm.weight, norm.eps, gate_up.weight, down.weight)
 
