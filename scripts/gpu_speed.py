@@ -243,9 +243,14 @@ NEEDS = {"SWAPPED_AHEAD_NUM_STAGES": "SWAPPED_LAST_TILE_AHEAD", "LAST_TILE_AHEAD
 """Switches that change nothing unless another one is on (an A/B run of them is skipped then)."""
 
 
+def switches_by_name() -> dict[str, tuple]:
+    """:func:`switches` by flag name."""
+    return {sw[1]: sw for sw in switches()}
+
+
 def parse_settings(text: str) -> list[tuple]:
     """``NAME`` (the switch's other value) or ``NAME=VALUE`` (a Python literal), comma-separated."""
-    by_name = {sw[1]: sw for sw in switches()}
+    by_name = switches_by_name()
     chosen = []
     for item in text.split(","):
         name, _, value = item.partition("=")
@@ -318,9 +323,9 @@ def main() -> None:
     res["decode_b32"] = decode(args.model, 32, 512, 100, trace=args.graph_trace)
     if args.ab:
         chosen = parse_settings(args.ab_only) if args.ab_only else switches()
-        needed = {sw[1]: sw for sw in switches()}
+        by_name = switches_by_name()
         for module, flag, flipped, b1_differs in chosen:
-            if flag in NEEDS and not getattr(needed[NEEDS[flag]][0], NEEDS[flag]):
+            if flag in NEEDS and not getattr(by_name[NEEDS[flag]][0], NEEDS[flag]):
                 res[f"skipped_{flag}={flipped}"] = f"changes nothing while {NEEDS[flag]} is off (--set it)"
                 continue
             default = getattr(module, flag)

@@ -412,6 +412,21 @@ def _rope_tables(max_positions: int, head_dim: int, device: str) -> tuple[torch.
     return emb.cos().to(device), emb.sin().to(device)
 
 
+def _rope_decode_once(case: Case, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One ``paged_decode_attention_rope`` over a copy of ``case``'s cache, with the module's
+    switches as they are now: ``(output, cache)``."""
+    from pprun.attention.triton_ops import paged_decode_attention_rope
+
+    positions = torch.clamp(case.seq_lens.long() - 1, min=0)
+    cos, sin = _rope_tables(512, head_dim, TRITON_DEVICE)
+    cache, out = case.kv_cache.clone(), torch.empty_like(case.q)
+    paged_decode_attention_rope(
+        case.q, case.k, case.v, cos, sin, positions, cache, case.slot_mapping, case.block_table,
+        case.seq_lens, case.scale, out,
+    )
+    return out, cache
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     # The model's torch path (HF's formula): tables cast to x's dtype, then three ops.
     c = cos[positions].to(x.dtype).unsqueeze(1)
@@ -590,20 +605,9 @@ def test_triton_rope_decode_rotate_half_in_registers_changes_nothing(dtype, head
         [1, 1, 1], [300, 0, 17], num_heads=8, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype=dtype,
         device=TRITON_DEVICE, num_reqs_padded=4, num_tokens_padded=4, seed=17,
     )
-    positions = torch.clamp(case.seq_lens.long() - 1, min=0)
-    cos, sin = _rope_tables(512, head_dim, TRITON_DEVICE)
-
-    def run():
-        cache, out = case.kv_cache.clone(), torch.empty_like(case.q)
-        triton_ops.paged_decode_attention_rope(
-            case.q, case.k, case.v, cos, sin, positions, cache, case.slot_mapping, case.block_table,
-            case.seq_lens, case.scale, out,
-        )
-        return out, cache
-
-    want = run()
+    want = _rope_decode_once(case, head_dim)
     monkeypatch.setattr(triton_ops, "DECODE_ROPE_IN_REGISTERS", True)
-    got = run()
+    got = _rope_decode_once(case, head_dim)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -618,26 +622,15 @@ def test_triton_rope_decode_second_preloaded_tile_changes_nothing(dtype, monkeyp
         [1, 1, 1, 1], [400, 20, 70, 1], num_heads=4, num_kv_heads=1, head_dim=64, block_size=16,
         dtype=dtype, device=TRITON_DEVICE, num_reqs_padded=4, num_tokens_padded=4, max_blocks_per_req=64, seed=16,
     )
-    positions = torch.clamp(case.seq_lens.long() - 1, min=0)
-    cos, sin = _rope_tables(512, 64, TRITON_DEVICE)
-
-    def run():
-        cache, out = case.kv_cache.clone(), torch.empty_like(case.q)
-        triton_ops.paged_decode_attention_rope(
-            case.q, case.k, case.v, cos, sin, positions, cache, case.slot_mapping, case.block_table,
-            case.seq_lens, case.scale, out,
-        )
-        return out, cache
-
     monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_SECOND_MAX_SPLITS", triton_ops._MAX_SPLITS)
     # At context 400: splits of one 64-token tile (the second all masked), of two tiles, and of
     # four (the loop then starts at the third, as at batch 32).
     for min_tokens in (64, 256, 512):
         monkeypatch.setattr(triton_ops, "DECODE_MIN_TOKENS_PER_SPLIT", min_tokens)
         monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_SECOND", False)
-        want = run()
+        want = _rope_decode_once(case, 64)
         monkeypatch.setattr(triton_ops, "DECODE_PRELOAD_SECOND", True)
-        got = run()
+        got = _rope_decode_once(case, 64)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     # The default: only for a context cut into few (long) splits.
     monkeypatch.undo()
