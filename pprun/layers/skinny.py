@@ -502,17 +502,17 @@ def _launch(
     out: torch.Tensor | None,
     n_out: int,
     swiglu: bool,
-    config: SkinnyConfig | None,
+    plan: tuple[SkinnyConfig, int, int],
     norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None = None,
-    weights_ahead: bool = False,
-    defer_merge: str | None = None,
+    deferred: bool = False,
 ) -> torch.Tensor | None:
-    """One launch of :func:`_skinny_kernel` writing ``out``; ``norm`` is ``(residual,
-    norm_weight, residual_out, eps)`` for the norm prologue (one row), None for a plain matmul.
-    With ``defer_merge`` and K split, nothing is written to ``out`` (None is allowed then) and
-    the fp32 partials ``[splits, M, n_out]`` are returned; otherwise None."""
+    """One launch of :func:`_skinny_kernel` with the settings, K per split and splits of
+    :func:`_plan`, writing ``out``; ``norm`` is ``(residual, norm_weight, residual_out, eps)`` for
+    the norm prologue (one row), None for a plain matmul.  ``deferred`` (K split, no norm, no
+    SwiGLU): nothing is written to ``out`` (None then) and the fp32 partials ``[splits, M,
+    n_out]`` are returned; otherwise None."""
     m, k = x.shape
-    cfg, k_per, split = _plan(m, n_out, k, swiglu, x.device, config, weights_ahead, defer_merge)
+    cfg, k_per, split = plan
     if cfg.preload and (norm is not None or swiglu or cfg.block_k * cfg.split_k < k):
         raise ValueError(
             f"SkinnyConfig.preload needs no norm prologue, no SwiGLU and one K tile per split "
@@ -521,8 +521,6 @@ def _launch(
     if cfg.last_tile_ahead and (norm is not None or cfg.preload or not (cfg.swap_ab and m > 1)):
         raise ValueError(f"SkinnyConfig.last_tile_ahead is for the swapped form (swap_ab, two rows or more) "
                          f"without a norm prologue or preload; got {cfg} for {m} rows, norm={norm is not None}")
-    # skinny_linear defers only plain matmuls whose K is split, and then passes no ``out``.
-    deferred = defer_merge is not None and split > 1
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
     col_blocks = triton.cdiv(n_out, cfg.block_n)
     if split > 1:
@@ -617,14 +615,12 @@ def skinny_linear(
     n_out = n // 2 if swiglu else n
     check_defer_merge(defer_merge)
     defer_merge = defer_merge if not swiglu else None
-    cfg, _, split = _plan(m, n_out, x.shape[1], swiglu, x.device, config, weights_ahead, defer_merge)
-    deferred = defer_merge is not None and m > 0 and split > 1
-    out = None if deferred else torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    plan = _plan(m, n_out, x.shape[1], swiglu, x.device, config, weights_ahead, defer_merge)
+    if m > 0 and defer_merge is not None and plan[2] > 1:  # K split: the partials are the output
+        return SplitPartials(_launch(x, weight, bias, None, n_out, swiglu, plan, deferred=True), bias, x.dtype)
+    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m > 0:
-        part = _launch(x, weight, bias, out, n_out, swiglu, cfg, weights_ahead=weights_ahead,
-                       defer_merge=defer_merge if deferred else None)
-        if part is not None:
-            return SplitPartials(part, bias, x.dtype)
+        _launch(x, weight, bias, out, n_out, swiglu, plan)
     return out
 
 
@@ -678,5 +674,6 @@ def skinny_norm_linear(
         new_residual = x
     n = weight.shape[0]
     out = torch.empty((1, n // 2 if swiglu else n), dtype=x.dtype, device=x.device)
-    _launch(x, weight, bias, out, out.shape[1], swiglu, config, norm=(residual, norm_weight, new_residual, eps))
+    plan = _plan(1, out.shape[1], k, swiglu, x.device, config, weights_ahead=False)
+    _launch(x, weight, bias, out, out.shape[1], swiglu, plan, norm=(residual, norm_weight, new_residual, eps))
     return out, new_residual
