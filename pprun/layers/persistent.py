@@ -88,14 +88,14 @@ def _persistent_mlp_kernel(
     # The partials come from the kernel before (PDL: wait for it before anything).
     pdl_sync(USE_PDL)
     dtype = res_out_ptr.dtype.element_ty
-    num_gu = tl.cdiv(INTER, BLOCK_N)
-    num_down_cols = tl.cdiv(H, BLOCK_N)
-    group_blocks = DOWN_K_PER // BLOCK_N
-    total = M + num_gu + DOWN_SPLITS * num_down_cols
+    num_gate_up_blocks = tl.cdiv(INTER, BLOCK_N)
+    num_down_blocks = tl.cdiv(H, BLOCK_N)
+    blocks_per_split = DOWN_K_PER // BLOCK_N
+    num_tasks = M + num_gate_up_blocks + DOWN_SPLITS * num_down_blocks
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     task = tl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
-    while task < total:
+    while task < num_tasks:
         if task < M:
             # Norm of row ``task``: as fused._add_rms_norm_kernel with NUM_PARTS partials.
             row = task.to(tl.int64)
@@ -116,7 +116,7 @@ def _persistent_mlp_kernel(
             tl.store(h_ptr + row * H + offs, out.to(dtype), mask=mask)
             tl.debug_barrier()
             tl.atomic_add(ctr_ptr + 2 * CTR, 1, sem="release", scope="gpu")
-        elif task < M + num_gu:
+        elif task < M + num_gate_up_blocks:
             # gate_up block: silu(h @ gate.T) * (h @ up.T) for 64 columns, all of K.
             blk = task - M
             offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -139,20 +139,20 @@ def _persistent_mlp_kernel(
             tl.store(act_ptr + offs_m.to(tl.int64)[:, None] * INTER + offs_n[None, :], y,
                      mask=m_mask[:, None] & n_mask[None, :])
             tl.debug_barrier()
-            group = tl.minimum(blk // group_blocks, DOWN_SPLITS - 1)
+            group = tl.minimum(blk // blocks_per_split, DOWN_SPLITS - 1)
             tl.atomic_add(ctr_ptr + (3 + group) * CTR, 1, sem="release", scope="gpu")
         else:
             # down tile: K split ``s`` of the activation against 64 rows of down, fp32 partial.
-            d = task - M - num_gu
-            s = d // num_down_cols
-            offs_n = (d % num_down_cols) * BLOCK_N + tl.arange(0, BLOCK_N)
+            d = task - M - num_gate_up_blocks
+            s = d // num_down_blocks
+            offs_n = (d % num_down_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
             n_mask = offs_n < H
             k_begin = s * DOWN_K_PER
             k_end = tl.minimum(k_begin + DOWN_K_PER, INTER)
             w_rows = down_w_ptr + offs_n.to(tl.int64)[:, None] * INTER
             x_rows = act_ptr + offs_m.to(tl.int64)[:, None] * INTER
             acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            _wait_at_least(ctr_ptr + (3 + s) * CTR, group_blocks, EXACT_MUL)
+            _wait_at_least(ctr_ptr + (3 + s) * CTR, blocks_per_split, EXACT_MUL)
             for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 k_mask = offs_k < k_end
@@ -220,10 +220,10 @@ def persistent_mlp(
     new_residual = torch.empty((m, hidden), dtype=dtype, device=device)
     act = torch.empty((m, inter), dtype=dtype, device=device)
     out_parts = torch.empty((DOWN_SPLITS, m, hidden), dtype=torch.float32, device=device)
-    tasks = m + triton.cdiv(inter, BLOCK_N) + DOWN_SPLITS * triton.cdiv(hidden, BLOCK_N)
+    num_tasks = m + triton.cdiv(inter, BLOCK_N) + DOWN_SPLITS * triton.cdiv(hidden, BLOCK_N)
     if num_programs is None:
         num_programs = MLP_PROGRAMS_PER_SM * _num_sms(device)
-    num_programs = max(1, min(num_programs, tasks))
+    num_programs = max(1, min(num_programs, num_tasks))
     counters = arrival_counters(device, COUNTER_OFFSET + (3 + DOWN_SPLITS) * COUNTER_STRIDE)[COUNTER_OFFSET:]
     _persistent_mlp_kernel[(num_programs,)](
         parts, residual, norm_weight, h, new_residual,
