@@ -235,11 +235,16 @@ def switches() -> list[tuple]:
             (pprun.layers.skinny, "LAST_TILE_AHEAD_MIN_TILES", 2, False),
             (pprun.layers, "PERSISTENT_MLP_ENABLED", True, False),
             (pprun.layers.persistent, "MLP_BLOCK_K", 64, False),
-            (pprun.layers.persistent, "MLP_PROGRAMS_PER_SM", 2, False)]
+            (pprun.layers.persistent, "MLP_PROGRAMS_PER_SM", 2, False),
+            (pprun.layers.persistent, "MLP_PREFETCH_BYTES", 1024, False),
+            (pprun.layers.persistent, "MLP_WAIT_IN_NORM", True, False),
+            (pprun.layers.persistent, "MLP_NUM_STAGES", 3, False),
+            (pprun.layers.persistent, "DOWN_SPLITS", 4, False)]
 
 
 NEEDS = {"SWAPPED_AHEAD_NUM_STAGES": "SWAPPED_LAST_TILE_AHEAD", "LAST_TILE_AHEAD_MIN_TILES": "SWAPPED_LAST_TILE_AHEAD",
-         "MLP_BLOCK_K": "PERSISTENT_MLP_ENABLED", "MLP_PROGRAMS_PER_SM": "PERSISTENT_MLP_ENABLED"}
+         **{name: "PERSISTENT_MLP_ENABLED" for name in ("MLP_BLOCK_K", "MLP_PROGRAMS_PER_SM", "MLP_PREFETCH_BYTES",
+                                                        "MLP_WAIT_IN_NORM", "MLP_NUM_STAGES", "DOWN_SPLITS")}}
 """Switches that change nothing unless another one is on (an A/B run of them is skipped then)."""
 
 
@@ -300,7 +305,10 @@ def main() -> None:
                          "of ~128 (ATTENTION_MERGED_TARGET_PROGRAMS: 4 splits at batch 32), the held last tile from 2 tiles "
                          "per split instead of 4 (LAST_TILE_AHEAD_MIN_TILES: o_proj too), the MLP half of a decode layer as one "
                          "persistent launch (PERSISTENT_MLP_ENABLED), its matmul tasks over 64-wide K tiles instead of 128 "
-                         "(MLP_BLOCK_K), two programs per SM instead of one (MLP_PROGRAMS_PER_SM)")
+                         "(MLP_BLOCK_K), two programs per SM instead of one (MLP_PROGRAMS_PER_SM), 1 KiB of each weight row "
+                         "asked of L2 before a task's wait (MLP_PREFETCH_BYTES), only the norm tasks waiting for the kernel "
+                         "before (MLP_WAIT_IN_NORM), 3 pipeline stages instead of 4 (MLP_NUM_STAGES), down split 4 ways "
+                         "instead of 8 (DOWN_SPLITS)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
                          "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")

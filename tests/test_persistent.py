@@ -26,8 +26,11 @@ def _three_launches(parts, residual, norm_w, eps, gate_up, down, block_k, splits
 @triton_only
 @pytest.mark.parametrize("m", [2, 17, 32])
 @pytest.mark.parametrize("num_programs", [1, 3, 7, None, 1000])  # 1000: more than the tasks
-def test_persistent_mlp_matches_three_launches(m, num_programs, monkeypatch):
+@pytest.mark.parametrize("wait_in_norm", [False, True])
+def test_persistent_mlp_matches_three_launches(m, num_programs, wait_in_norm, monkeypatch):
     from pprun.layers import SplitPartials, fused, persistent
+
+    monkeypatch.setattr(persistent, "MLP_WAIT_IN_NORM", wait_in_norm)
     from pprun.layers.skinny import arrival_counters
 
     monkeypatch.setattr(persistent, "MLP_BLOCK_K", 64)
@@ -101,17 +104,21 @@ def test_tiny_llama_persistent_mlp_matches_three_launches(monkeypatch, tmp_path)
     assert torch.equal(got, want)
 
 
-def test_persistent_mlp_compiles_for_sm90():
+@pytest.mark.parametrize("prefetch, wait_in_norm", [(0, False), (1024, True)])
+def test_persistent_mlp_compiles_for_sm90(prefetch, wait_in_norm):
     """The persistent kernel compiles for an H100/H200 without a GPU (``sm90_compile``) at the
     1.1B model's batch-32 settings: its matmul tasks on ``wgmma`` fed by ``cp.async``, its
-    counters on atomics, and a PDL wait."""
+    counters on atomics, and a PDL wait; with the L2 prefetch before the tasks' waits, the bulk
+    prefetches assemble."""
     from sm90_compile import compile_sm90
 
     const = dict(NUM_PARTS=8, BLOCK_H=2048, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, NUM_STAGES=4, DOWN_SPLITS=8,
-                 DOWN_K_PER=1024, DOT_F32=False, PRECISE_EXP=True, EXACT_MUL=True, USE_PDL=True, CTR=32)
+                 DOWN_K_PER=1024, DOT_F32=False, PRECISE_EXP=True, EXACT_MUL=True, USE_PDL=True, CTR=32,
+                 GU_PREFETCH=prefetch, DOWN_PREFETCH=prefetch, WAIT_IN_NORM=wait_in_norm)
     ptx = compile_sm90("pprun.layers.persistent", "_persistent_mlp_kernel", const,
                        pointers={"part_ptr": "*fp32", "out_part_ptr": "*fp32", "ctr_ptr": "*i32"},
                        default_pointer="*bf16", float_args=("inv_hidden", "eps"), divisible=("H", "INTER"),
                        options={"num_warps": 4})
     assert "wgmma.mma_async" in ptx and "cp.async.cg.shared.global" in ptx
     assert "atom.global" in ptx and "griddepcontrol.wait" in ptx
+    assert ("cp.async.bulk.prefetch.L2" in ptx) == bool(prefetch)

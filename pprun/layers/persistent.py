@@ -38,7 +38,7 @@ from pprun.layers import SplitPartials
 from pprun.layers.fused import silu_mul
 from pprun.layers.skinny import _mul_rn, _num_sms, _swapped_product, arrival_counters
 from pprun.layers.triton_utils import INTERPRETED as _INTERPRETED
-from pprun.layers.triton_utils import pdl_options, pdl_sync
+from pprun.layers.triton_utils import _capability, l2_prefetch, pdl_options, pdl_sync
 
 BLOCK_N = 64
 """Weight rows per ``gate_up`` / ``down`` task (one wgmma M tile)."""
@@ -51,6 +51,15 @@ DOWN_SPLITS = 8
 MLP_PROGRAMS_PER_SM = 1
 """Programs per SM (at 128-wide K tiles and 4 stages the ``gate_up`` task's pipeline takes 160 KB
 of shared memory: one fits; more programs than fit only wait for a free SM)."""
+
+MLP_PREFETCH_BYTES = 0
+"""Bytes from the start of each weight row of a matmul task (its K range, for ``down``) asked
+of L2 before the task waits for its inputs, so that the wait overlaps the weights' first bytes
+(0: none; sm_90 and later; A/B switch)."""
+MLP_WAIT_IN_NORM = False
+"""Only the norm tasks wait for the kernel before (PDL); the matmul tasks wait only for the
+norm tasks' counter, so a program that starts on a ``gate_up`` task asks for its weights while
+``o_proj`` still runs (A/B switch)."""
 
 COUNTER_OFFSET = 3072
 """Where this kernel's counters start in ``skinny.arrival_counters``' buffer: past the slots the
@@ -83,10 +92,12 @@ def _persistent_mlp_kernel(
     NUM_PARTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, DOWN_SPLITS: tl.constexpr, DOWN_K_PER: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISE_EXP: tl.constexpr, EXACT_MUL: tl.constexpr, USE_PDL: tl.constexpr,
-    CTR: tl.constexpr,
+    CTR: tl.constexpr, GU_PREFETCH: tl.constexpr, DOWN_PREFETCH: tl.constexpr, WAIT_IN_NORM: tl.constexpr,
 ):
-    # The partials come from the kernel before (PDL: wait for it before anything).
-    pdl_sync(USE_PDL)
+    # The partials come from the kernel before (PDL: wait for it before reading them).  Every
+    # other task reads only what the norm tasks wrote, after their counter says so.
+    if not WAIT_IN_NORM:
+        pdl_sync(USE_PDL)
     dtype = res_out_ptr.dtype.element_ty
     num_gate_up_blocks = tl.cdiv(INTER, BLOCK_N)
     num_down_blocks = tl.cdiv(H, BLOCK_N)
@@ -98,6 +109,8 @@ def _persistent_mlp_kernel(
     while task < num_tasks:
         if task < M:
             # Norm of row ``task``: as fused._add_rms_norm_kernel with NUM_PARTS partials.
+            if WAIT_IN_NORM:
+                pdl_sync(USE_PDL)
             row = task.to(tl.int64)
             offs = tl.arange(0, BLOCK_H)
             mask = offs < H
@@ -126,6 +139,9 @@ def _persistent_mlp_kernel(
             x_rows = h_ptr + offs_m.to(tl.int64)[:, None] * H
             acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             acc_up_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            if GU_PREFETCH > 0:
+                l2_prefetch(gu_w_ptr + offs_n.to(tl.int64) * H, n_mask, GU_PREFETCH)
+                l2_prefetch(gu_w_ptr + (offs_n + INTER).to(tl.int64) * H, n_mask, GU_PREFETCH)
             _wait_at_least(ctr_ptr + 2 * CTR, M, EXACT_MUL)
             for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -152,6 +168,8 @@ def _persistent_mlp_kernel(
             w_rows = down_w_ptr + offs_n.to(tl.int64)[:, None] * INTER
             x_rows = act_ptr + offs_m.to(tl.int64)[:, None] * INTER
             acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            if DOWN_PREFETCH > 0:
+                l2_prefetch(down_w_ptr + offs_n.to(tl.int64) * INTER + k_begin, n_mask, DOWN_PREFETCH)
             _wait_at_least(ctr_ptr + (3 + s) * CTR, blocks_per_split, EXACT_MUL)
             for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -224,6 +242,7 @@ def persistent_mlp(
     if num_programs is None:
         num_programs = MLP_PROGRAMS_PER_SM * _num_sms(device)
     num_programs = max(1, min(num_programs, num_tasks))
+    gu_prefetch, down_prefetch = _prefetch_bytes(gate_up_weight, down_weight, inter // DOWN_SPLITS)
     counters = arrival_counters(device, COUNTER_OFFSET + (3 + DOWN_SPLITS) * COUNTER_STRIDE)[COUNTER_OFFSET:]
     _persistent_mlp_kernel[(num_programs,)](
         parts, residual, norm_weight, h, new_residual,
@@ -232,7 +251,23 @@ def persistent_mlp(
         NUM_PARTS=parts.shape[0], BLOCK_H=triton.next_power_of_2(hidden), BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=BLOCK_N, BLOCK_K=MLP_BLOCK_K, NUM_STAGES=MLP_NUM_STAGES, DOWN_SPLITS=DOWN_SPLITS,
         DOWN_K_PER=inter // DOWN_SPLITS, DOT_F32=dtype == torch.float32 or _INTERPRETED,
-        PRECISE_EXP=not _INTERPRETED, EXACT_MUL=not _INTERPRETED, CTR=COUNTER_STRIDE, num_warps=4,
+        PRECISE_EXP=not _INTERPRETED, EXACT_MUL=not _INTERPRETED, CTR=COUNTER_STRIDE,
+        GU_PREFETCH=gu_prefetch, DOWN_PREFETCH=down_prefetch, WAIT_IN_NORM=MLP_WAIT_IN_NORM, num_warps=4,
         **pdl_options(device),
     )
     return SplitPartials(out_parts, None, dtype), new_residual
+
+
+def _prefetch_bytes(gate_up_weight: torch.Tensor, down_weight: torch.Tensor, down_k_per: int) -> tuple[int, int]:
+    """Per-row L2 prefetch sizes for the ``gate_up`` and ``down`` tasks (:data:`MLP_PREFETCH_BYTES`,
+    cut to a row's K range in whole 16-byte units), 0 where a bulk prefetch cannot run: the
+    interpreter, a GPU before sm_90, row starts not 16-byte aligned."""
+    device = gate_up_weight.device
+    if MLP_PREFETCH_BYTES <= 0 or _INTERPRETED or device.type != "cuda" or _capability(device) < 9:
+        return 0, 0
+    size = gate_up_weight.element_size()
+    sizes = []
+    for w, row_elems in ((gate_up_weight, gate_up_weight.shape[1]), (down_weight, down_k_per)):
+        aligned = w.data_ptr() % 16 == 0 and (w.stride(0) * size) % 16 == 0 and (down_k_per * size) % 16 == 0
+        sizes.append(min(MLP_PREFETCH_BYTES, row_elems * size) // 16 * 16 if aligned else 0)
+    return sizes[0], sizes[1]
