@@ -201,7 +201,6 @@ def switches() -> list[tuple]:
     import pprun.attention.triton_ops
     import pprun.layers
     import pprun.layers.fused
-    import pprun.layers.persistent
     import pprun.layers.skinny
     import pprun.layers.triton_utils
     import pprun.worker.kv_cache
@@ -228,24 +227,7 @@ def switches() -> list[tuple]:
             (pprun.layers.skinny, "DEFERRED_TARGET_PROGRAMS", 128, False),
             (pprun.layers.fused, "NORM_PARTS_NUM_WARPS", 4, False),
             (pprun.attention.triton_ops, "DECODE_PRELOAD_SECOND", False, False),
-            (pprun.layers.skinny, "SWAPPED_LAST_TILE_AHEAD", True, False),
-            (pprun.layers.skinny, "SWAPPED_AHEAD_NUM_STAGES", 4, False),
-            (pprun.attention.triton_ops, "DECODE_ROPE_IN_REGISTERS", True, True),
-            (pprun.layers.skinny, "ATTENTION_MERGED_TARGET_PROGRAMS", 192, False),
-            (pprun.layers.skinny, "LAST_TILE_AHEAD_MIN_TILES", 2, False),
-            (pprun.layers, "PERSISTENT_MLP_ENABLED", True, False),
-            (pprun.layers.persistent, "MLP_BLOCK_K", 64, False),
-            (pprun.layers.persistent, "MLP_PROGRAMS_PER_SM", 2, False),
-            (pprun.layers.persistent, "MLP_PREFETCH_BYTES", 1024, False),
-            (pprun.layers.persistent, "MLP_WAIT_IN_NORM", True, False),
-            (pprun.layers.persistent, "MLP_NUM_STAGES", 3, False),
-            (pprun.layers.persistent, "DOWN_SPLITS", 4, False)]
-
-
-NEEDS = {"SWAPPED_AHEAD_NUM_STAGES": "SWAPPED_LAST_TILE_AHEAD", "LAST_TILE_AHEAD_MIN_TILES": "SWAPPED_LAST_TILE_AHEAD",
-         **{name: "PERSISTENT_MLP_ENABLED" for name in ("MLP_BLOCK_K", "MLP_PROGRAMS_PER_SM", "MLP_PREFETCH_BYTES",
-                                                        "MLP_WAIT_IN_NORM", "MLP_NUM_STAGES", "DOWN_SPLITS")}}
-"""Switches that change nothing unless another one is on (an A/B run of them is skipped then)."""
+            (pprun.layers.skinny, "ATTENTION_MERGED_TARGET_PROGRAMS", 192, False)]
 
 
 def switches_by_name() -> dict[str, tuple]:
@@ -298,17 +280,8 @@ def main() -> None:
                          "programs instead of ~256 (DEFERRED_TARGET_PROGRAMS), 4 warps per row instead of 16 in the norm "
                          "that merges partials (NORM_PARTS_NUM_WARPS), the decode attention's second K/V tile "
                          "loaded in its loop instead of before its PDL wait (DECODE_PRELOAD_SECOND; batch 32 only), "
-                         "qkv, gate_up and the LM head loading each split's last weight tile before their PDL wait "
-                         "from two rows (SWAPPED_LAST_TILE_AHEAD), with 4 pipeline stages instead of 3 then "
-                         "(SWAPPED_AHEAD_NUM_STAGES), the decode attention's rotate_half partners taken in registers "
-                         "instead of loaded again (DECODE_ROPE_IN_REGISTERS), qkv split K until ~192 programs instead "
-                         "of ~128 (ATTENTION_MERGED_TARGET_PROGRAMS: 4 splits at batch 32), the held last tile from 2 tiles "
-                         "per split instead of 4 (LAST_TILE_AHEAD_MIN_TILES: o_proj too), the MLP half of a decode layer as one "
-                         "persistent launch (PERSISTENT_MLP_ENABLED), its matmul tasks over 64-wide K tiles instead of 128 "
-                         "(MLP_BLOCK_K), two programs per SM instead of one (MLP_PROGRAMS_PER_SM), 1 KiB of each weight row "
-                         "asked of L2 before a task's wait (MLP_PREFETCH_BYTES), only the norm tasks waiting for the kernel "
-                         "before (MLP_WAIT_IN_NORM), 3 pipeline stages instead of 4 (MLP_NUM_STAGES), down split 4 ways "
-                         "instead of 8 (DOWN_SPLITS)")
+                         "qkv split K until ~192 programs instead of ~128 (ATTENTION_MERGED_TARGET_PROGRAMS: 4 splits "
+                         "at batch 32)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
                          "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")
@@ -331,11 +304,7 @@ def main() -> None:
     res["decode_b32"] = decode(args.model, 32, 512, 100, trace=args.graph_trace)
     if args.ab:
         chosen = parse_settings(args.ab_only) if args.ab_only else switches()
-        by_name = switches_by_name()
         for module, flag, flipped, b1_differs in chosen:
-            if flag in NEEDS and not getattr(by_name[NEEDS[flag]][0], NEEDS[flag]):
-                res[f"skipped_{flag}={flipped}"] = f"changes nothing while {NEEDS[flag]} is off (--set it)"
-                continue
             default = getattr(module, flag)
             setattr(module, flag, flipped)
             # Same max_model_len as the runs above (it sets the decode split count).

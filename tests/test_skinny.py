@@ -118,42 +118,6 @@ def test_skinny_weights_ahead_swapped_rows(m, split_k, bias, monkeypatch):
 
 
 @triton_only
-@pytest.mark.parametrize("split_k", [1, 2, 4])  # 4: splits of one tile, the last one ragged at K = 200
-@pytest.mark.parametrize("swiglu", [False, True])
-@pytest.mark.parametrize("k", [200, 256])
-def test_skinny_last_tile_ahead_changes_nothing(split_k, swiglu, k, monkeypatch):
-    """The swapped form with each split's last weight tile loaded before the wait and multiplied
-    after the loop gives the same output bit for bit: ragged last tiles (K = 200 in 64-wide
-    tiles), splits of one tile (nothing left for the loop), merged splits, SwiGLU."""
-    from pprun.layers import skinny
-
-    dtype = DTYPES[-1]
-    x, w, b = _inputs(17, 200 if swiglu else 100, k, dtype, True, seed=12)
-    plain = skinny.SkinnyConfig(64, 64, split_k, swap_ab=True)
-    want = skinny.skinny_linear(x, w, b, swiglu=swiglu, config=plain)
-    got = skinny.skinny_linear(x, w, b, swiglu=swiglu, config=skinny.SkinnyConfig(64, 64, split_k, swap_ab=True,
-                                                                                  last_tile_ahead=True))
-    assert torch.equal(got, want)
-    if not swiglu and split_k > 1:
-        parts = skinny.skinny_linear(x, w, b, config=skinny.SkinnyConfig(64, 64, split_k, swap_ab=True,
-                                                                         last_tile_ahead=True), defer_merge="norm")
-        assert torch.equal(parts.merge(), want)
-    # The default: off, and on for weights_ahead callers whose splits walk at least 4 tiles.
-    assert not skinny.default_config(32, 3072, 2048, False, x.device, weights_ahead=True).last_tile_ahead
-    monkeypatch.setattr(skinny, "SWAPPED_LAST_TILE_AHEAD", True)
-    assert skinny.default_config(32, 3072, 2048, False, x.device, weights_ahead=True).last_tile_ahead  # qkv
-    assert skinny.default_config(32, 8192, 2048, True, x.device, weights_ahead=True).last_tile_ahead  # gate_up
-    assert not skinny.default_config(32, 3072, 2048, False, x.device).last_tile_ahead
-    assert not skinny.default_config(32, 2048, 2048, False, x.device, weights_ahead=True,
-                                     defer_merge="norm").last_tile_ahead  # o_proj: 2 tiles per split
-    monkeypatch.setattr(skinny, "LAST_TILE_AHEAD_MIN_TILES", 2)
-    assert skinny.default_config(32, 2048, 2048, False, x.device, weights_ahead=True,
-                                 defer_merge="norm").last_tile_ahead
-    with pytest.raises(ValueError, match="last_tile_ahead"):
-        skinny.skinny_linear(x[:1], w, b, config=skinny.SkinnyConfig(16, 64, 1, last_tile_ahead=True))
-
-
-@triton_only
 @pytest.mark.parametrize("m", [2, 17, 32])
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_deferred_merge_matches_in_kernel_merge(m, bias):
@@ -296,24 +260,19 @@ def test_linear_dispatch_falls_back_for_what_the_kernel_cannot_take():
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
-def test_skinny_last_tile_ahead_compiles_for_sm90(swiglu):
-    """The held last tile compiles for an H100/H200 without a GPU (``sm90_compile``): its weight
-    loads come before the PDL wait, nothing else does, and the loop's weight stream is still
-    ``cp.async`` into ``wgmma``."""
+def test_skinny_swapped_compiles_for_sm90(swiglu):
+    """The swapped form at the 1.1B model's batch-32 settings compiles for an H100/H200 without a
+    GPU (``sm90_compile``): nothing is loaded from global memory before the PDL wait, and the
+    weight stream is ``cp.async`` into ``wgmma``."""
     from sm90_compile import compile_sm90
-
-    from pprun.layers import skinny
 
     const = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1 if swiglu else 2, HAS_BIAS=False, SWIGLU=swiglu,
                  USE_DOT=True, SWAP_AB=True, DOT_F32=False, PRECISE_EXP=True, PRELOAD_W=False, USE_PDL=True,
-                 NORM=False, HAS_RESIDUAL=False, BLOCK_ROW=1, EXACT_MUL=True, DEFER_MERGE=not swiglu, LAST_AHEAD=True)
+                 NORM=False, HAS_RESIDUAL=False, BLOCK_ROW=1, EXACT_MUL=True, DEFER_MERGE=not swiglu)
     ptx = compile_sm90("pprun.layers.skinny", "_skinny_kernel", const,
                        pointers={"part_ptr": "*fp32", "counter_ptr": "*i32"}, default_pointer="*bf16",
                        float_args=("inv_hidden", "eps"), divisible=("K", "N_OUT", "K_PER"),
-                       options={"num_warps": 4, "num_stages": skinny.SWAPPED_AHEAD_NUM_STAGES, "enable_fp_fusion": False})
+                       options={"num_warps": 4, "num_stages": 4, "enable_fp_fusion": False})
     before_wait = ptx[:ptx.index("griddepcontrol.wait")]
-    # The held tile: 64 rows x 128 bf16 per weight (gate and up with SwiGLU), 16 bytes per load
-    # and thread over 128 threads.
-    assert before_wait.count("ld.global") == (16 if swiglu else 8)
-    assert "cp.async" not in before_wait and "cp.async.cg.shared.global" in ptx
-    assert "wgmma.mma_async" in ptx
+    assert "ld.global" not in before_wait and "cp.async" not in before_wait
+    assert "cp.async.cg.shared.global" in ptx and "wgmma.mma_async" in ptx

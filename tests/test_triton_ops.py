@@ -478,13 +478,7 @@ def _check_rope_decode(case: Case, dtype: torch.dtype, *, rope: bool = True, rep
 @triton_only
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rope_regs", [False, True])
-def test_triton_rope_decode_matches_rotary_then_reference(num_heads, num_kv_heads, head_dim, block_size, dtype,
-                                                          rope_regs, monkeypatch):
-    from pprun.attention import triton_ops
-
-    # rotate_half loaded again or taken in registers (power-of-two head dims; others load).
-    monkeypatch.setattr(triton_ops, "DECODE_ROPE_IN_REGISTERS", rope_regs)
+def test_triton_rope_decode_matches_rotary_then_reference(num_heads, num_kv_heads, head_dim, block_size, dtype):
     # Context 0 (the new token alone), one shorter than a tile, one longer; one padded row.
     case = make_case(
         [1, 1, 1], [40, 0, 90], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -541,16 +535,11 @@ def test_triton_rope_decode_every_split_holding_tokens(preload, monkeypatch):
 
 @triton_only
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rope_regs", [False, True])
-def test_triton_rope_decode_merges_qkv_partials(bias, rope_regs, monkeypatch):
+def test_triton_rope_decode_merges_qkv_partials(bias):
     """``qkv_parts``: q/k/v read from a split qkv matmul's fp32 partials (merged with its bias
-    as they are read) give what the merged q/k/v give, cache and output bit for bit; with
-    rotate_half taken in registers too (``DECODE_ROPE_IN_REGISTERS``)."""
-    from pprun.attention import triton_ops
+    as they are read) give what the merged q/k/v give, cache and output bit for bit."""
     from pprun.attention.triton_ops import paged_decode_attention_rope
     from pprun.layers import SplitPartials
-
-    monkeypatch.setattr(triton_ops, "DECODE_ROPE_IN_REGISTERS", rope_regs)
 
     dtype = torch.bfloat16 if TRITON_DEVICE == "cuda" else torch.float32
     heads, kv_heads, dim, tokens = 4, 2, 64, 4
@@ -595,24 +584,6 @@ def test_triton_rope_decode_merges_qkv_partials(bias, rope_regs, monkeypatch):
 
 @triton_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 128, 96])
-def test_triton_rope_decode_rotate_half_in_registers_changes_nothing(dtype, head_dim, monkeypatch):
-    """rotate_half from the row in registers gives the output and cache of the partner loads, bit
-    for bit (96: not two power-of-two halves, so the partners are loaded either way)."""
-    from pprun.attention import triton_ops
-
-    case = make_case(
-        [1, 1, 1], [300, 0, 17], num_heads=8, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype=dtype,
-        device=TRITON_DEVICE, num_reqs_padded=4, num_tokens_padded=4, seed=17,
-    )
-    want = _rope_decode_once(case, head_dim)
-    monkeypatch.setattr(triton_ops, "DECODE_ROPE_IN_REGISTERS", True)
-    got = _rope_decode_once(case, head_dim)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-
-
-@triton_only
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_rope_decode_second_preloaded_tile_changes_nothing(dtype, monkeypatch):
     """The second K/V tile loaded before the wait gives the same output and cache bit for bit,
     including splits of one tile (the second then all masked) and an empty context."""
@@ -639,15 +610,14 @@ def test_triton_rope_decode_second_preloaded_tile_changes_nothing(dtype, monkeyp
 
 
 @pytest.mark.parametrize("second", [False, True])
-@pytest.mark.parametrize("rope_regs", [False, True])
-def test_decode_kernel_compiles_for_sm90(second, rope_regs):
+def test_decode_kernel_compiles_for_sm90(second):
     """The decode kernel compiles for an H100/H200 without a GPU (``sm90_compile``), with its K/V
     loop pipelined over ``cp.async`` and its PDL wait in."""
     from sm90_compile import compile_sm90
 
     const = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=64, HALF=32, NEW_TOKEN=True, HAS_ROPE=True,
                  BLOCK_G=16, BLOCK_D=64, BLOCK_N=64, PAGE_SIZE=16, NUM_SPLITS=2, DOT_F32=False, PRELOAD_KV=True,
-                 PRELOAD_SECOND=second, ROPE_REGS=rope_regs, USE_PDL=True, QKV_PARTS=2, QKV_BIAS=True)
+                 PRELOAD_SECOND=second, USE_PDL=True, QKV_PARTS=2, QKV_BIAS=True)
     pointers = {"pos_ptr": "*i64", "slot_ptr": "*i64", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
                 "counter_ptr": "*i32", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
                 "qkv_bias_ptr": "*bf16"}

@@ -62,13 +62,6 @@ with its weights); batch 1 (8 splits of one tile, where the second is all masked
 DECODE_PRELOAD_SECOND_MAX_SPLITS = 4
 """Most splits of the context that take :data:`DECODE_PRELOAD_SECOND` (more splits are shorter:
 at batch 1 they hold one tile each)."""
-DECODE_ROPE_IN_REGISTERS = False
-"""Rotary in the one-kernel decode: each element's rotate_half partner taken from the q or k row
-already in registers (the two halves swapped by reshape, split and join) instead of loaded again,
-which with the qkv matmul's partials is a second merge of 2+ partials per row.  Power-of-two
-head dims only.  Bit for bit the same.  Prepared, not yet measured (``scripts/gpu_speed.py --ab
---ab-only DECODE_ROPE_IN_REGISTERS``); with fewer loads per partial, qkv might split further
-(``ATTENTION_MERGED_TARGET_PROGRAMS``)."""
 # The CPU interpreter multiplies bf16/fp16 dot operands as raw bits; it gets fp32 dots.
 # The rotary products are rounded one by one, as torch does them (see pprun.layers.fused): NO_FMA.
 
@@ -257,15 +250,6 @@ def _load_act(ptrs, mask, bias_ptrs, part_stride, dtype, NUM_PARTS: tl.constexpr
 
 
 @triton.jit
-def _swap_halves(x, ROWS: tl.constexpr, HALF: tl.constexpr):
-    """``x`` ``[ROWS, 2 * HALF]`` with its two halves swapped along the last dim, in registers:
-    each element's rotate_half partner (HALF a power of two)."""
-    pairs = tl.permute(tl.reshape(x, [ROWS, 2, HALF]), [0, 2, 1])
-    first, second = tl.split(pairs)
-    return tl.reshape(tl.permute(tl.join(second, first), [0, 2, 1]), [ROWS, 2 * HALF])
-
-
-@triton.jit
 def _rope_row(x, partner, cos_row_ptr, sin_row_ptr, offs_d, HALF: tl.constexpr):
     """``x * cos + rotate_half(x) * sin`` for rows ``x`` (last dim at ``offs_d``; ``partner``
     holds each element's rotate_half partner), rounding each product and the sum to the
@@ -405,7 +389,6 @@ def _decode_kernel(
     DOT_F32: tl.constexpr,
     PRELOAD_KV: tl.constexpr,
     PRELOAD_SECOND: tl.constexpr,
-    ROPE_REGS: tl.constexpr,
     USE_PDL: tl.constexpr,
     QKV_PARTS: tl.constexpr,
     QKV_BIAS: tl.constexpr,
@@ -478,11 +461,8 @@ def _decode_kernel(
     q = _load_act(q_rows + offs_d[None, :], qd_mask, q_bias + offs_d[None, :], qkv_part_stride, act,
                   QKV_PARTS, QKV_BIAS)
     if HAS_ROPE:
-        if ROPE_REGS:
-            q_partner = _swap_halves(q, BLOCK_G, HALF)
-        else:
-            q_partner = _load_act(q_rows + partner[None, :], qd_mask, q_bias + partner[None, :], qkv_part_stride,
-                                  act, QKV_PARTS, QKV_BIAS)
+        q_partner = _load_act(q_rows + partner[None, :], qd_mask, q_bias + partner[None, :], qkv_part_stride, act,
+                              QKV_PARTS, QKV_BIAS)
         q = _rope_row(q, q_partner, cos_row, sin_row, offs_d, HALF)
 
     m_i = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
@@ -496,11 +476,8 @@ def _decode_kernel(
             v_bias = qkv_bias_ptr + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
             k_new = _load_act(k_row + offs_d, d_mask, k_bias + offs_d, qkv_part_stride, act, QKV_PARTS, QKV_BIAS)
             if HAS_ROPE:
-                if ROPE_REGS:
-                    k_partner = tl.reshape(_swap_halves(tl.reshape(k_new, [1, BLOCK_D]), 1, HALF), [BLOCK_D])
-                else:
-                    k_partner = _load_act(k_row + partner, d_mask, k_bias + partner, qkv_part_stride, act,
-                                          QKV_PARTS, QKV_BIAS)
+                k_partner = _load_act(k_row + partner, d_mask, k_bias + partner, qkv_part_stride, act, QKV_PARTS,
+                                      QKV_BIAS)
                 k_new = _rope_row(k_new, k_partner, cos_row, sin_row, offs_d, HALF)
             v_new = _load_act(v_ptr + req * stride_v_tok + kv_head * stride_v_head + offs_d, d_mask, v_bias + offs_d,
                               qkv_part_stride, act, QKV_PARTS, QKV_BIAS)
@@ -656,8 +633,6 @@ def _launch_decode(
         DOT_F32=_dot_in_fp32(out.dtype),
         PRELOAD_KV=DECODE_PRELOAD_KV,
         PRELOAD_SECOND=preload_second(num_splits),
-        # rotate_half in registers: the row must be exactly two power-of-two halves.
-        ROPE_REGS=DECODE_ROPE_IN_REGISTERS and has_rope and block_d == head_dim,
         QKV_PARTS=num_parts,
         QKV_BIAS=qkv_bias is not None,
         num_warps=_DECODE_NUM_WARPS,

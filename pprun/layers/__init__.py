@@ -41,12 +41,6 @@ The merges are exact; the switch also changes the launch settings that come with
 norm-merged matmuls' split count, the merging norm's warps), hence fp32 sum orders, so its two
 sides may differ in a last bit as two launch settings may."""
 
-PERSISTENT_MLP_ENABLED: bool = False
-"""A decode step's MLP half (the norm merging ``o_proj``'s partials, ``gate_up`` with SwiGLU,
-``down``) as one persistent launch (:func:`persistent_mlp`, ``pprun.layers.persistent``).
-Prepared, not yet run on a GPU: off (``scripts/gpu_speed.py --ab --ab-only PERSISTENT_MLP_ENABLED``)."""
-
-
 @dataclass(frozen=True)
 class SplitPartials:
     """A decode matmul's output still as the fp32 partial sums of its K splits.
@@ -187,14 +181,13 @@ def linear(
     return skinny.skinny_linear(x, layer.weight, layer.bias, weights_ahead=weights_ahead, defer_merge=defer)
 
 
-def linear_swiglu(layer: nn.Linear, x: torch.Tensor, weights_ahead: bool = False) -> torch.Tensor | None:
+def linear_swiglu(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
     """``silu(gate) * up`` of ``layer(x)`` (rows ``[gate; up]``) in one launch for decode-sized
-    CUDA batches, or None: the caller then runs the matmul and activation itself.
-    ``weights_ahead`` as for :func:`linear`."""
+    CUDA batches, or None: the caller then runs the matmul and activation itself."""
     skinny = _skinny_for(layer, x)
     if skinny is None or layer.weight.shape[0] % 2:
         return None
-    return skinny.skinny_linear(x, layer.weight, layer.bias, swiglu=True, weights_ahead=weights_ahead)
+    return skinny.skinny_linear(x, layer.weight, layer.bias, swiglu=True)
 
 
 def norm_linear(
@@ -225,32 +218,3 @@ def norm_linear(
     ):
         return None
     return skinny.skinny_norm_linear(x, residual, norm.weight, norm.eps, layer.weight, layer.bias, swiglu=swiglu)
-
-
-def persistent_mlp(
-    norm: nn.Module, gate_up: nn.Linear, down: nn.Linear, x: torch.Tensor | SplitPartials,
-    residual: torch.Tensor | None,
-) -> tuple[SplitPartials, torch.Tensor] | None:
-    """``down(silu_mul(gate_up(norm(x, residual))))`` in one persistent launch for a decode step
-    of 2-32 rows (see :data:`PERSISTENT_MLP_ENABLED`), returning ``(down's partials, new
-    residual)``; None when it does not apply (switched off, ``x`` not bias-free partials of
-    ``o_proj``, another row count, layers with a bias or hooks, an intermediate size that the
-    ``down`` splits do not divide): the caller then runs the norm and the MLP itself."""
-    if not PERSISTENT_MLP_ENABLED or not isinstance(x, SplitPartials) or x.bias is not None:
-        return None
-    parts = x.parts
-    if fused_ops_for(parts) is None or not 2 <= parts.shape[1] <= 32 or not parts.is_contiguous():
-        return None
-    from pprun.layers import persistent
-
-    dtype, device, hidden = x.dtype, parts.device, parts.shape[2]
-    if not all(_kernel_linear(layer, dtype, device) and layer.bias is None for layer in (gate_up, down)):
-        return None
-    if gate_up.weight.shape[0] != 2 * down.weight.shape[1] or down.weight.shape[1] % (persistent.DOWN_SPLITS * 64):
-        return None
-    if not _kernel_norm(norm, dtype, device, hidden):
-        return None
-    if residual is None or residual.shape != (parts.shape[1], hidden) or residual.dtype != dtype or not residual.is_contiguous():
-        return None
-    return persistent.persistent_mlp(x, residual, norm.weight, norm.eps, gate_up.weight, down.weight)
-

@@ -66,26 +66,7 @@ WEIGHTS_AHEAD_MAX_ROWS = 1
 """Most rows that take the weights-ahead form; from two rows it is the swapped form with each
 program's 64 x 256 weight slice held across the wait.  At batch 32 it lost: graph 1.178 ms
 against 1.107 (attention 15 -> 18 us per layer; ``scripts/gpu_speed.py --ab --ab-only
-WEIGHTS_AHEAD_MAX_ROWS=32``, H200, when o_proj and qkv were its only callers above one row),
-so one row only.  Since the tenth session the LM head asks for ``weights_ahead`` above one row
-too, so that switch now covers it as well."""
-
-SWAPPED_LAST_TILE_AHEAD = False
-"""From two rows, a matmul whose caller asks for ``weights_ahead`` (a norm on its own before
-``qkv``, ``gate_up`` and the LM head) loads each split's last weight tile before its PDL wait,
-so that it streams in while the norm runs, and multiplies it after the pipelined loop over the
-others: the same tiles in the same order, so bit for bit the same output.  Only where a split
-walks at least :data:`LAST_TILE_AHEAD_MIN_TILES` tiles.  Prepared, not yet measured (``scripts/gpu_speed.py --ab --ab-only
-SWAPPED_LAST_TILE_AHEAD``).  The tenth session measured the first tiles held this way, multiplied
-before the loop: slower (batch 32 graph 1.031 against 1.009 ms, qkv +0.5 and gate_up +0.6 us),
-since the loop's own first loads then waited behind that product; here they do not."""
-LAST_TILE_AHEAD_MIN_TILES = 4
-"""Fewest tiles per split that take :data:`SWAPPED_LAST_TILE_AHEAD` (at 2, ``o_proj`` at batch 32
-takes it too, behind the decode attention: an A/B switch)."""
-SWAPPED_AHEAD_NUM_STAGES = 3
-"""Pipeline stages of a matmul that holds a tile ahead: the held tile takes shared memory for
-the MMA, and one stage fewer keeps the total where 4 stages had it (sm_90, compiled ahead of
-time), so the LM head's programs still fit two per SM."""
+WEIGHTS_AHEAD_MAX_ROWS=32``, H200), so one row only."""
 
 SWAPPED_TARGET_PROGRAMS = 128
 """Above one row, K is split until about this many programs run (``scripts/sweep_skinny.py``:
@@ -108,8 +89,10 @@ ATTENTION_MERGED_TARGET_PROGRAMS = 128
 splits measured slower (``scripts/gpu_speed.py --ab --ab-only
 ATTENTION_MERGED_TARGET_PROGRAMS=144,ATTENTION_MERGED_TARGET_PROGRAMS=192``, H200, batch 32
 graph 1.016 and 1.018 against 1.009 ms; 4 splits: qkv 7.3 -> 5.7 us, attention 15.0 -> 17.3),
-since every attention program merges its q/k/v partials again; an A/B switch for kernels that
-merge them more cheaply (``triton_ops.DECODE_ROPE_IN_REGISTERS``)."""
+since every attention program merges its q/k/v partials again.  The eleventh session again:
+192 programs 1.042 against 0.996 ms; with the attention taking rotate_half's partners from
+registers (one merge per row instead of two) and the held last tile (both since removed), 192
+1.047 and 144 1.033 against 1.023."""
 
 DEFER_MERGERS = ("norm", "attention")
 """The kernels that may merge a matmul's deferred partials (``defer_merge``)."""
@@ -254,7 +237,6 @@ def _skinny_kernel(
     BLOCK_ROW: tl.constexpr,
     EXACT_MUL: tl.constexpr,
     DEFER_MERGE: tl.constexpr,
-    LAST_AHEAD: tl.constexpr,
 ):
     """``x @ w.T`` (see the module docstring).  With ``NORM`` (one row, ``BLOCK_M == 1``) the
     matmul's input is ``norm_w * norm(x + residual)`` instead of ``x``: every program reads the
@@ -273,26 +255,13 @@ def _skinny_kernel(
     k_end = tl.minimum(k_begin + K_PER, K)
     # x comes from the kernel before (PDL: wait for it). Loading the first weight tile before
     # the wait, or asking L2 for its lines there, measured slower (docs/performance.md); only
-    # PRELOAD_W (one K tile per split: the program's whole slice) and LAST_AHEAD (the split's
-    # last tile, multiplied after the loop) load weights first, for a caller whose previous
-    # kernel leaves the bandwidth idle.
+    # PRELOAD_W (one K tile per split: the program's whole slice) loads weights first, for a
+    # caller whose previous kernel leaves the bandwidth idle.
     if PRELOAD_W:
         offs_k_all = k_begin + tl.arange(0, BLOCK_K)
         k_mask_all = offs_k_all < k_end
         w_all = tl.load(w_rows + offs_k_all[None, :], mask=n_mask[:, None] & k_mask_all[None, :], other=0.0)
-    k_loop_end = k_end
-    if LAST_AHEAD:
-        # The split's last weight tile, in flight across the wait (SWAPPED_LAST_TILE_AHEAD);
-        # the loop below stops before it.
-        k_loop_end = k_begin + (tl.cdiv(k_end - k_begin, BLOCK_K) - 1) * BLOCK_K
-        offs_k_h = k_loop_end + tl.arange(0, BLOCK_K)
-        wh_mask = n_mask[:, None] & (offs_k_h < k_end)[None, :]
-        w_h = tl.load(w_rows + offs_k_h[None, :], mask=wh_mask, other=0.0)
-        if SWIGLU:
-            wu_h = tl.load(up_rows + offs_k_h[None, :], mask=wh_mask, other=0.0)
     pdl_sync(USE_PDL)
-    if LAST_AHEAD:
-        x_h = tl.load(x_rows + offs_k_h[None, :], mask=m_mask[:, None] & (offs_k_h < k_end)[None, :], other=0.0)
     if NORM:
         rstd = _norm_row_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_hidden, eps, (pid_n == 0) & (pid_k == 0),
                               HAS_RESIDUAL, BLOCK_ROW, EXACT_MUL)
@@ -308,7 +277,7 @@ def _skinny_kernel(
         else:
             acc += _tile_product(x, w_all, USE_DOT, DOT_F32)
     else:
-        for k0 in range(k_begin, k_loop_end, BLOCK_K):
+        for k0 in range(k_begin, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < k_end
             if NORM:
@@ -328,10 +297,6 @@ def _skinny_kernel(
                     acc_up_t += _swapped_product(x, wu, DOT_F32)
                 else:
                     acc_up += _tile_product(x, wu, USE_DOT, DOT_F32)
-    if LAST_AHEAD:
-        acc_t += _swapped_product(x_h, w_h, DOT_F32)
-        if SWIGLU:
-            acc_up_t += _swapped_product(x_h, wu_h, DOT_F32)
     if SWAP_AB:
         acc = tl.trans(acc_t)
         acc_up = tl.trans(acc_up_t)
@@ -384,9 +349,6 @@ class SkinnyConfig:
     preload: bool = False
     """Each program loads its whole weight slice (one K tile per split: ``block_k * split_k >=
     K``) before its PDL wait (see :data:`WEIGHTS_AHEAD_ENABLED`); no norm prologue, no SwiGLU."""
-    last_tile_ahead: bool = False
-    """The swapped form (``swap_ab``, two rows or more) loads each split's last weight tile before
-    its PDL wait (see :data:`SWAPPED_LAST_TILE_AHEAD`); no norm prologue, not with ``preload``."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -415,10 +377,7 @@ def default_config(
     ``weights_ahead`` (no SwiGLU): at one row (K up to :data:`WEIGHTS_AHEAD_MAX_K`), 8-row
     column tiles over one K tile holding the whole row, loaded before the PDL wait; from two rows
     up to :data:`WEIGHTS_AHEAD_MAX_ROWS`, the swapped form with K split into 256-wide slices, each
-    program's slice loaded before the wait.  Otherwise from two rows (SwiGLU too), with
-    :data:`SWAPPED_LAST_TILE_AHEAD`, the swapped form holds each split's last weight tile across
-    the wait where a split walks at least :data:`LAST_TILE_AHEAD_MIN_TILES` tiles, with
-    :data:`SWAPPED_AHEAD_NUM_STAGES` stages.  ``defer_merge`` (above one row, no SwiGLU): K is
+    program's slice loaded before the wait.  ``defer_merge`` (above one row, no SwiGLU): K is
     split toward :data:`DEFERRED_TARGET_PROGRAMS` (``"norm"``) or
     :data:`ATTENTION_MERGED_TARGET_PROGRAMS` (``"attention"``) programs instead."""
     if weights_ahead and WEIGHTS_AHEAD_ENABLED and not swiglu:
@@ -433,10 +392,7 @@ def default_config(
         target = {"norm": DEFERRED_TARGET_PROGRAMS, "attention": ATTENTION_MERGED_TARGET_PROGRAMS}.get(
             defer_merge if not swiglu else None, SWAPPED_TARGET_PROGRAMS)
         split = max(1, min(target // triton.cdiv(n_out, block_n), k // block_k))
-        ahead = (weights_ahead and WEIGHTS_AHEAD_ENABLED and SWAPPED_LAST_TILE_AHEAD
-                 and triton.cdiv(k, split) >= LAST_TILE_AHEAD_MIN_TILES * block_k)
-        return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=SWAPPED_AHEAD_NUM_STAGES if ahead else 4,
-                            swap_ab=True, last_tile_ahead=ahead)
+        return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=4, swap_ab=True)
     long_k = k > 4096
     block_n = 16 if (swiglu or long_k) else 8
     block_k = min(256 if long_k else 512, triton.next_power_of_2(k))
@@ -518,9 +474,6 @@ def _launch(
             f"SkinnyConfig.preload needs no norm prologue, no SwiGLU and one K tile per split "
             f"(block_k * split_k >= K={k}); got norm={norm is not None}, swiglu={swiglu}, {cfg}"
         )
-    if cfg.last_tile_ahead and (norm is not None or cfg.preload or not (cfg.swap_ab and m > 1)):
-        raise ValueError(f"SkinnyConfig.last_tile_ahead is for the swapped form (swap_ab, two rows or more) "
-                         f"without a norm prologue or preload; got {cfg} for {m} rows, norm={norm is not None}")
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
     col_blocks = triton.cdiv(n_out, cfg.block_n)
     if split > 1:
@@ -570,7 +523,6 @@ def _launch(
         BLOCK_ROW=block_row,
         EXACT_MUL=not _INTERPRETED,
         DEFER_MERGE=deferred,
-        LAST_AHEAD=cfg.last_tile_ahead,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_options(x.device),

@@ -60,18 +60,6 @@ def pdl_sync(USE_PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-@triton.jit
-def l2_prefetch(addrs, mask, NBYTES: tl.constexpr):
-    """Ask L2 for ``NBYTES`` from each address in ``addrs`` where ``mask`` holds: one bulk
-    prefetch per element, fire-and-forget (sm_90+; the addresses 16-byte aligned, ``NBYTES`` a
-    multiple of 16).  A hint: nothing waits for it and no result depends on it."""
-    size = tl.zeros(addrs.shape, tl.int32) + NBYTES
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
-        "=r,l,r,r", [addrs, mask.to(tl.int32), size], dtype=tl.int32, is_pure=False, pack=1,
-    )
-
-
 _force_pdl = False
 
 

@@ -35,7 +35,6 @@ from pprun.layers import (
     linear_swiglu,
     merged,
     norm_linear,
-    persistent_mlp,
 )
 from pprun.models.hf_config import ModelArchConfig
 
@@ -209,9 +208,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitPartials:
-        """``down(silu(gate(x)) * up(x))`` (see :meth:`down`); ``x`` comes from a norm on its own,
-        which leaves the bandwidth idle (gate_up may start on its weights meanwhile)."""
-        act = linear_swiglu(self.gate_up_proj, x, weights_ahead=True)
+        """``down(silu(gate(x)) * up(x))`` (see :meth:`down`)."""
+        act = linear_swiglu(self.gate_up_proj, x)
         if act is not None:
             return self.down(act)
         gate_up = self.gate_up_proj(x)
@@ -249,8 +247,6 @@ class DecoderLayer(nn.Module):
         A one-row CUDA batch folds each norm into the matmul after it (``norm_linear``: qkv,
         then gate_up with its SwiGLU); otherwise each norm runs on its own, and merges the
         partials of a split-K ``o_proj`` or ``down`` before it (the output may be such partials).
-        With ``pprun.layers.PERSISTENT_MLP_ENABLED`` a decode step's MLP half (that norm, gate_up,
-        down) is one persistent launch.
         """
         folded = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden_states, residual)
         if folded is not None:
@@ -263,10 +259,6 @@ class DecoderLayer(nn.Module):
         if folded is not None:
             act, residual = folded
             return self.mlp.down(act), residual
-        if self.mlp.defer_merge:
-            whole = persistent_mlp(self.post_attention_layernorm, self.mlp.gate_up_proj, self.mlp.down_proj, h, residual)
-            if whole is not None:
-                return whole
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -349,10 +341,8 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """LM-head logits for the given (last stage) hidden states, which the final norm wrote: a
-        light kernel, so from two rows the LM head may start on its weights meanwhile (one row
-        keeps its measured form)."""
-        return linear(self.lm_head, hidden_states, weights_ahead=hidden_states.shape[0] > 1)
+        """LM-head logits for the given (last stage) hidden states."""
+        return linear(self.lm_head, hidden_states)
 
     def make_empty_intermediate_tensors(
         self, num_tokens: int, dtype: torch.dtype, device: torch.device
