@@ -27,7 +27,8 @@ def per_layer(events: list[dict]) -> dict | None:
         return None
     i = names.index(NORM)
     layers = []
-    while i + len(LAYER) <= len(names) and names[i] == NORM and names[i + 2] == ATTENTION:
+    while (i + len(LAYER) <= len(names) and names[i] == NORM and names[i + 2] == ATTENTION
+           and names[i + 4] == NORM):
         layers.append(deltas[i:i + len(LAYER)])
         i += len(LAYER)
     if not layers:
