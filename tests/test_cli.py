@@ -13,9 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from pprun.apps.bench import file_workload, peer_batches, percentile, random_workload
+from pprun.apps.bench import (
+    check_bench_config,
+    file_workload,
+    peer_batches,
+    percentile,
+    random_workload,
+    warmup_prompts,
+)
 from pprun.apps.generate import collect_requests, read_input_file
-from pprun.config.config import GenerateAppConfig
+from pprun.config.config import BenchAppConfig, GenerateAppConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -258,3 +265,12 @@ def test_bench_workload_helpers(tmp_path: Path) -> None:
     assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
     assert percentile([1.0, 2.0], 99) == pytest.approx(1.99)
     assert percentile([], 50) is None
+    # The warm-up: one full batch unless set; 0 turns it off.
+    cfg = BenchAppConfig(num_prompts=40)
+    cfg.scheduler.max_num_seqs = 32
+    assert warmup_prompts(cfg, 40) == 32 and warmup_prompts(cfg, 5) == 5
+    cfg.num_warmup_prompts = 0
+    assert warmup_prompts(cfg, 40) == 0
+    cfg.num_warmup_prompts = -1
+    with pytest.raises(ValueError, match=r"num_warmup_prompts=-1 must be at least 0"):
+        check_bench_config(cfg)

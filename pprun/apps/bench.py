@@ -1,10 +1,11 @@
 """``pprun bench``: offline throughput and latency of pprun, and of a peer on the same workload.
 
 The workload is ``num_prompts`` random prompts of ``input_len`` token ids (seeded) generating
-``output_len`` tokens each, greedy and past EOS, or a JSONL file. pprun runs it once to warm up and
-once timed; its engine is then shut down and Hugging Face transformers' ``generate()`` (the peer,
-``peer=hf``) runs the same token ids on the same device and dtype, in batches of ``max_num_seqs``
-prompts of equal length (so nothing is padded). One JSON object is printed: pprun's tokens/s,
+``output_len`` tokens each, greedy and past EOS, or a JSONL file. pprun warms up on its first
+requests (``num_warmup_prompts``: one full batch by default, 16 tokens each), then runs it timed;
+its engine is then shut down and Hugging Face transformers' ``generate()`` (the peer,
+``peer=hf``) warms up the same way and runs the same token ids on the same device and dtype, in
+batches of ``max_num_seqs`` prompts of equal length (so nothing is padded). One JSON object is printed: pprun's tokens/s,
 request throughput, TTFT and TPOT percentiles, its steady decode rate (``decode_tokens_per_s``:
 the steps after the last prefill while the batch is full, so prefill and the tail do not dilute
 it), the configuration facts, the peer's tokens/s and
@@ -53,8 +54,15 @@ def check_bench_config(cfg: BenchAppConfig) -> None:
         value = getattr(cfg, name)
         if value < 1:
             raise ValueError(f"{name}={value} must be at least 1")
-    if cfg.num_warmup_prompts < 0:
-        raise ValueError(f"num_warmup_prompts={cfg.num_warmup_prompts} must be at least 0")
+    if cfg.num_warmup_prompts is not None and cfg.num_warmup_prompts < 0:
+        raise ValueError(f"num_warmup_prompts={cfg.num_warmup_prompts} must be at least 0 (or null: one full batch)")
+
+
+def warmup_prompts(cfg: BenchAppConfig, num_requests: int) -> int:
+    """How many requests warm up (``num_warmup_prompts``; None: one full batch of the workload)."""
+    if cfg.num_warmup_prompts is not None:
+        return cfg.num_warmup_prompts
+    return min(num_requests, cfg.scheduler.max_num_seqs)
 
 
 def random_workload(
@@ -264,7 +272,8 @@ def run(cfg: BenchAppConfig) -> dict[str, Any]:
         facts = llm.describe()
         model_dir = str(engine.resolved.model_dir)
         logger.info("bench: %d requests (%s), timing pprun", len(workload), source)
-        pprun_result, pprun_tokens = run_pprun(llm, workload, cfg.num_warmup_prompts, cfg.ignore_eos)
+        num_warmup = warmup_prompts(cfg, len(workload))
+        pprun_result, pprun_tokens = run_pprun(llm, workload, num_warmup, cfg.ignore_eos)
     finally:
         # The peer loads a second copy of the weights: free pprun's stages (and KV cache) first.
         llm.shutdown()
@@ -274,6 +283,7 @@ def run(cfg: BenchAppConfig) -> dict[str, Any]:
         "workload": {
             "source": source,
             "num_prompts": len(workload),
+            "num_warmup_prompts": num_warmup,
             "input_len": cfg.input_len if source == "random" else None,
             "output_len": cfg.output_len if source == "random" else None,
             "num_prompt_tokens": sum(len(r.prompt_token_ids) for r in workload),
@@ -308,7 +318,7 @@ def run(cfg: BenchAppConfig) -> dict[str, Any]:
             facts["dtype"],
             workload,
             cfg.scheduler.max_num_seqs,
-            cfg.num_warmup_prompts,
+            num_warmup,
         )
         _free_device_memory(facts["device"])
         # Both are greedy on the same ids: a low fraction flags a correctness problem (small
