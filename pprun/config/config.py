@@ -333,9 +333,10 @@ class BenchAppConfig(PprunConfig):
     num_warmup_prompts: int | None = None
     """Requests run once (at most 16 tokens each) before timing, by pprun and by the peer alike.
     None: one full batch, ``min(num_prompts, scheduler.max_num_seqs)``, so that the timed run
-    meets no step shape for the first time (H200, 1.1B model, 32 prompts of 512 tokens: 15,526
-    output tok/s and TTFT p99 133 ms after a 4-prompt warm-up, 17,809 and 99 ms after 32 prompts,
-    the same kernels compiled either way)."""
+    meets no batch shape for the first time.  H200, 1.1B model, 32 prompts of 512 tokens, one
+    machine: after a 4-prompt warm-up 15,526 and 15,967 output tok/s (TPOT p50 1.60 and 1.52 ms),
+    after 32 prompts 17,809 (1.29 ms), the same kernels compiled either way; on another machine,
+    after 32 prompts, 15,967 (1.27 ms).  Prefill dominates these short runs, and varies."""
     workload_seed: int = 0
     """Seed for the random prompts."""
     peer: str = "hf"
