@@ -3,13 +3,12 @@
 The workload is ``num_prompts`` random prompts of ``input_len`` token ids (seeded) generating
 ``output_len`` tokens each, greedy and past EOS, or a JSONL file. pprun warms up on its first
 requests (``num_warmup_prompts``: one full batch by default, 16 tokens each), then runs it timed;
-its engine is then shut down and Hugging Face transformers' ``generate()`` (the peer,
-``peer=hf``) warms up the same way and runs the same token ids on the same device and dtype, in
-batches of ``max_num_seqs`` prompts of equal length (so nothing is padded). One JSON object is printed: pprun's tokens/s,
-request throughput, TTFT and TPOT percentiles, its steady decode rate (``decode_tokens_per_s``:
-the steps after the last prefill while the batch is full, so prefill and the tail do not dilute
-it), the configuration facts, the peer's tokens/s and
-the ratio pprun/peer.
+its engine is then shut down and Hugging Face transformers' ``generate()`` (the peer, ``peer=hf``)
+warms up the same way and runs the same token ids on the same device and dtype, in batches of
+``max_num_seqs`` prompts of equal length (so nothing is padded). One JSON object is printed:
+pprun's tokens/s, request throughput, TTFT and TPOT percentiles, its steady decode rate
+(``decode_tokens_per_s``: the steps after the last prefill while the batch is full, so prefill and
+the tail do not dilute it), the configuration facts, the peer's tokens/s and the ratio pprun/peer.
 """
 
 from __future__ import annotations
