@@ -15,13 +15,14 @@ import pytest
 
 from pprun.apps.bench import (
     check_bench_config,
+    check_workload_fits,
     file_workload,
     peer_batches,
     percentile,
     random_workload,
     warmup_prompts,
 )
-from pprun.apps.generate import collect_requests, read_input_file
+from pprun.apps.generate import GenerateRequest, collect_requests, read_input_file, run_requests
 from pprun.config.config import BenchAppConfig, GenerateAppConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -272,5 +273,72 @@ def test_bench_workload_helpers(tmp_path: Path) -> None:
     cfg.num_warmup_prompts = 0
     assert warmup_prompts(cfg, 40) == 0
     cfg.num_warmup_prompts = -1
-    with pytest.raises(ValueError, match=r"num_warmup_prompts=-1 must be at least 0"):
+    with pytest.raises(ValueError, match=r"num_warmup_prompts=-1 must be an integer of at least 0"):
         check_bench_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"num_prompts": True}, r"num_prompts=True must be an integer of at least 1"),
+        ({"output_len": 2.5}, r"output_len=2\.5 must be an integer of at least 1"),
+        ({"input_file": "/no/such.jsonl"}, r"input_file='/no/such.jsonl' is not a file"),
+        ({"lines": '{"prompt_token_ids": [1], "max_token": 5}\n'}, r"line 1: unknown keys \['max_token'\]"),
+        ({"lines": '{"prompt_token_ids": [1]}\n{"prompt": ""}\n'}, r"line 2: needs 'prompt'"),
+        ({"lines": '{"prompt_token_ids": [1, -2]}\n'}, r"line 1: prompt_token_ids must be .* ints >= 0"),
+        ({"lines": '{"prompt": "hi", "max_tokens": true}\n'}, r"line 1: max_tokens=True"),
+    ],
+)
+def test_bench_rejects_bad_workload_before_the_engine_starts(tmp_path: Path, change: dict, match: str) -> None:
+    """check_bench_config runs before the engine: bad settings and malformed input-file lines
+    fail there, naming the field or the line."""
+    cfg = BenchAppConfig()
+    for key, value in change.items():
+        if key == "lines":
+            path = tmp_path / "w.jsonl"
+            path.write_text(value)
+            cfg.input_file = str(path)
+        else:
+            setattr(cfg, key, value)
+    with pytest.raises(ValueError, match=match):
+        check_bench_config(cfg)
+
+
+def test_bench_workload_must_fit_the_context() -> None:
+    workload = random_workload(2, 100, 28, vocab_size=50, seed=0)
+    check_workload_fits(workload, 128)
+    with pytest.raises(ValueError, match=r"request 0: 100 prompt tokens \+ 29 output tokens exceed max_model_len=128"):
+        check_workload_fits(random_workload(2, 100, 29, vocab_size=50, seed=0), 128)
+
+
+def test_generate_app_runs_prompts_and_chats_in_one_call() -> None:
+    """Plain prompts and chats go to the engine in one ``generate`` call, so a bad request fails
+    the run before any runs (no finished outputs thrown away), named by where it came from."""
+    from pprun.sampling.params import SamplingParams
+
+    class FakeLLM:
+        def __init__(self):
+            self.calls = []
+
+        def chat_prompts(self, messages):
+            return [{"prompt_token_ids": [len(messages[0])], "prompt": "chat"}]
+
+        def generate(self, prompts, params, use_tqdm=False):
+            self.calls.append(list(prompts))
+            for i, p in enumerate(prompts):
+                if p == "bad":
+                    raise ValueError(f"prompts[{i}]: prompt is bad")
+            return [f"out{i}" for i in range(len(prompts))]
+
+    sp = SamplingParams()
+    requests = [GenerateRequest("prompts[0]", sp, prompt="a"),
+                GenerateRequest("input_file line 1", sp, messages=[{"role": "user", "content": "x"}]),
+                GenerateRequest("input_file line 2", sp, prompt={"prompt_token_ids": [3]})]
+    llm = FakeLLM()
+    assert run_requests(llm, requests, False) == ["out0", "out1", "out2"]
+    assert llm.calls == [["a", {"prompt_token_ids": [1], "prompt": "chat"}, {"prompt_token_ids": [3]}]]
+    requests.append(GenerateRequest("input_file line 3", sp, prompt="bad"))
+    with pytest.raises(ValueError, match=r"^input_file line 3: prompts\[3\]: prompt is bad"):
+        run_requests(llm, requests, False)
+    with pytest.raises(ValueError, match=r"^prompts\[0\]: prompt is bad$"):
+        run_requests(llm, [GenerateRequest("prompts[0]", sp, prompt="bad")], False)

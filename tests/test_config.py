@@ -291,6 +291,19 @@ def test_resolve_executor() -> None:
             r"scheduler\.max_num_batched_tokens=512.*max_model_len=2048.*enable_chunked_prefill=False",
         ),
         ({"tokenizer": "/no/such/tokenizer"}, r"model\.tokenizer='/no/such/tokenizer'"),
+        ({"kv_cache_memory_bytes": 4e9}, r"cache\.kv_cache_memory_bytes=4000000000\.0.*integer number of bytes"),
+        ({"stage_timeout_s": float("nan")}, r"parallel\.stage_timeout_s=nan.*seconds > 0"),
+        ({"ray_num_cpus_per_stage": float("inf")}, r"parallel\.ray_num_cpus_per_stage=inf"),
+        ({"block_size": 16.0}, r"cache\.block_size=16\.0.*8, 16, 32, 64, 128"),
+        ({"enable_chunked_prefill": "no"}, r"scheduler\.enable_chunked_prefill='no'.*true or false"),
+        ({"seed": 2**64}, r"model\.seed=18446744073709551616.*64 bits"),
+        ({"cudagraph_capture_sizes": 8}, r"compilation\.cudagraph_capture_sizes=8.*list of integers"),
+        (
+            {"cudagraph_capture_sizes": [4, 256], "max_num_seqs": 128},
+            r"cudagraph_capture_sizes=\[4, 256\].*\[256\] exceed scheduler\.max_num_seqs=128",
+        ),
+        ({"pipeline_parallel_size": 2, "executor": "mp", "layer_partition": 5}, r"parallel\.layer_partition=5.*a list"),
+        ({"scheduler": 5}, r"scheduler=5 has type int.*dict of its fields or a SchedulerConfig"),
     ],
 )
 def test_bad_value_is_named(llama_dir: Path, kwargs: dict, pattern: str) -> None:

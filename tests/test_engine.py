@@ -181,6 +181,14 @@ GOOD = {"prompt_token_ids": [5, 6, 7]}
         (GOOD, SamplingParams(top_p=0.0), r"sampling_params\[1\].*top_p=0.0"),
         (GOOD, SamplingParams(top_p=1.5), r"sampling_params\[1\].*top_p=1.5"),
         (GOOD, SamplingParams(top_k=-2), r"sampling_params\[1\].*top_k=-2"),
+        (GOOD, SamplingParams(temperature=float("nan")), r"sampling_params\[1\].*temperature=nan.*finite"),
+        (GOOD, SamplingParams(seed=2**70), r"sampling_params\[1\].*seed=1180591620717411303424.*64 bits"),
+        (GOOD, SamplingParams(max_tokens=True), r"sampling_params\[1\].*max_tokens=True"),
+        (GOOD, SamplingParams(min_tokens=9, max_tokens=4), r"sampling_params\[1\].*min_tokens=9.*max_tokens=4"),
+        (GOOD, SamplingParams(stop=5), r"sampling_params\[1\].*stop=5"),
+        (GOOD, SamplingParams(ignore_eos="no"), r"sampling_params\[1\].*ignore_eos='no'.*True or False"),
+        (GOOD, SamplingParams(logprobs=10**6), r"sampling_params\[1\].*logprobs=1000000.*vocabulary size 256"),
+        (GOOD, "greedy", r"sampling_params\[1\] has type str"),
     ],
 )
 def test_bad_input_fails_the_call_before_any_work(tiny_llm, prompt, params, match):
@@ -206,6 +214,10 @@ def test_bad_input_fails_the_call_before_any_work(tiny_llm, prompt, params, matc
 def test_text_prompt_errors(demo_llm):
     with pytest.raises(ValueError, match=r"prompts\[0\]: prompt is empty"):
         demo_llm.generate([""])
+    with pytest.raises(ValueError, match=r"messages=\[\] must be a non-empty list"):
+        demo_llm.chat([])
+    with pytest.raises(ValueError, match=r"messages\[1\]='oops' must be a non-empty list"):
+        demo_llm.chat([[{"role": "user", "content": "hi"}], "oops"])
     with pytest.raises(ValueError, match=r"prompts\[0\].*max_model_len=1024"):
         demo_llm.generate(["word " * 3000])
 

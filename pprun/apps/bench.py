@@ -45,16 +45,39 @@ class BenchRequest:
     max_tokens: int
 
 
+FILE_KEYS = ("prompt", "prompt_token_ids", "max_tokens")
+"""The keys a line of ``input_file`` may hold."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_bench_config(cfg: BenchAppConfig) -> None:
-    """Reject workload settings no run can use (ValueError naming the field)."""
+    """Reject workload settings no run can use (ValueError naming the field), and an
+    ``input_file`` whose lines are malformed, before the engine starts."""
     if cfg.peer not in PEERS:
         raise ValueError(f"peer={cfg.peer!r} is not allowed: choose one of {', '.join(PEERS)}")
     for name in ("num_prompts", "input_len", "output_len"):
         value = getattr(cfg, name)
-        if value < 1:
-            raise ValueError(f"{name}={value} must be at least 1")
-    if cfg.num_warmup_prompts is not None and cfg.num_warmup_prompts < 0:
-        raise ValueError(f"num_warmup_prompts={cfg.num_warmup_prompts} must be at least 0 (or null: one full batch)")
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an integer of at least 1")
+    warmup = cfg.num_warmup_prompts
+    if warmup is not None and (not _is_int(warmup) or warmup < 0):
+        raise ValueError(f"num_warmup_prompts={warmup!r} must be an integer of at least 0 (or null: one full batch)")
+    if cfg.input_file is not None:
+        read_workload_file(cfg.input_file, cfg.output_len)
+
+
+def check_workload_fits(workload: list[BenchRequest], max_model_len: int) -> None:
+    """Every request's prompt and output fit the engine's context: else pprun would stop it short
+    while the peer generates it in full, and the two would time different work."""
+    for i, r in enumerate(workload):
+        if len(r.prompt_token_ids) + r.max_tokens > max_model_len:
+            raise ValueError(
+                f"request {i}: {len(r.prompt_token_ids)} prompt tokens + {r.max_tokens} output tokens exceed "
+                f"max_model_len={max_model_len}; raise model.max_model_len or shorten input_len / output_len"
+            )
 
 
 def warmup_prompts(cfg: BenchAppConfig, num_requests: int) -> int:
@@ -75,35 +98,47 @@ def random_workload(
     return [BenchRequest(row.tolist(), output_len) for row in ids]
 
 
-def file_workload(path: str, tokenizer: Any, output_len: int, vocab_size: int) -> list[BenchRequest]:
-    """The requests of a JSONL file: ``{"prompt": str}`` or ``{"prompt_token_ids": [int]}`` per
-    line, optionally with ``"max_tokens"`` (else ``output_len``)."""
-    requests = []
+def read_workload_file(path: str, output_len: int) -> list[tuple[str, dict, int]]:
+    """``(where, line object, max_tokens)`` for each line of a JSONL workload, checked for what
+    needs no model: only :data:`FILE_KEYS`, ``{"prompt": str}`` (non-empty) or
+    ``{"prompt_token_ids": [int >= 0, ...]}`` (non-empty), ``"max_tokens"`` (else ``output_len``)
+    an integer of at least 1."""
+    entries = []
     for where, obj in iter_jsonl(path):
+        unknown = sorted(set(obj) - set(FILE_KEYS))
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {unknown}; a line may hold {', '.join(FILE_KEYS)}")
         if "prompt_token_ids" in obj:
             ids = obj["prompt_token_ids"]
-            if (
-                not isinstance(ids, list)
-                or not ids
-                or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids
-                )
-            ):
+            if not isinstance(ids, list) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
+                raise ValueError(f"{where}: prompt_token_ids must be a non-empty list of ints >= 0")
+        elif not (isinstance(obj.get("prompt"), str) and obj["prompt"]):
+            raise ValueError(f"{where}: needs 'prompt' (a non-empty string) or 'prompt_token_ids'")
+        max_tokens = obj.get("max_tokens", output_len)
+        if not _is_int(max_tokens) or max_tokens < 1:
+            raise ValueError(f"{where}: max_tokens={max_tokens!r} must be an int of at least 1")
+        entries.append((where, obj, max_tokens))
+    if not entries:
+        raise ValueError(f"input_file={path!r} holds no requests")
+    return entries
+
+
+def file_workload(path: str, tokenizer: Any, output_len: int, vocab_size: int) -> list[BenchRequest]:
+    """The requests of a JSONL file (see :func:`read_workload_file`), token ids checked against
+    the vocabulary and text prompts tokenized."""
+    requests = []
+    for where, obj, max_tokens in read_workload_file(path, output_len):
+        if "prompt_token_ids" in obj:
+            ids = obj["prompt_token_ids"]
+            if any(t >= vocab_size for t in ids):
                 raise ValueError(
                     f"{where}: prompt_token_ids must be a non-empty list of ints in [0, {vocab_size})"
                 )
-        elif isinstance(obj.get("prompt"), str) and obj["prompt"]:
+        else:
             if tokenizer is None:
                 raise ValueError(f"{where}: a text prompt needs a tokenizer and this model has none")
             ids = list(tokenizer.encode(obj["prompt"]))
-        else:
-            raise ValueError(f"{where}: needs 'prompt' (a non-empty string) or 'prompt_token_ids'")
-        max_tokens = obj.get("max_tokens", output_len)
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"{where}: max_tokens={max_tokens!r} must be an int of at least 1")
         requests.append(BenchRequest(ids, max_tokens))
-    if not requests:
-        raise ValueError(f"input_file={path!r} holds no requests")
     return requests
 
 
@@ -268,6 +303,7 @@ def run(cfg: BenchAppConfig) -> dict[str, Any]:
                 cfg.num_prompts, cfg.input_len, cfg.output_len, engine.vocab_size, cfg.workload_seed
             )
             source = "random"
+        check_workload_fits(workload, engine.max_model_len)
         facts = llm.describe()
         model_dir = str(engine.resolved.model_dir)
         logger.info("bench: %d requests (%s), timing pprun", len(workload), source)

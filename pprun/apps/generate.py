@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import json
 import logging
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -141,18 +142,25 @@ def collect_requests(cfg: GenerateAppConfig) -> list[GenerateRequest]:
 
 
 def run_requests(llm: Any, requests: list[GenerateRequest], use_tqdm: bool) -> list[Any]:
-    """Generate every request (chats through ``LLM.chat``, the rest through ``LLM.generate``);
-    outputs in request order."""
-    outputs: list[Any] = [None] * len(requests)
-    for is_chat, call in ((False, llm.generate), (True, llm.chat)):
-        idx = [i for i, r in enumerate(requests) if (r.messages is not None) == is_chat]
-        if not idx:
+    """Generate every request in one ``LLM.generate`` call (chats rendered with the chat template
+    first), so that every prompt is checked before any runs; outputs in request order."""
+    prompts = []
+    for r in requests:
+        if r.messages is None:
+            prompts.append(r.prompt)
             continue
-        inputs = [requests[i].messages if is_chat else requests[i].prompt for i in idx]
-        outs = call(inputs, [requests[i].sampling for i in idx], use_tqdm=use_tqdm)
-        for i, out in zip(idx, outs):
-            outputs[i] = out
-    return outputs
+        try:
+            prompts.extend(llm.chat_prompts([r.messages]))
+        except ValueError as e:
+            raise ValueError(f"{r.where}: {e}") from None
+    try:
+        return llm.generate(prompts, [r.sampling for r in requests], use_tqdm=use_tqdm)
+    except ValueError as e:
+        # LLM.generate names the request by its index here; name where it came from too.
+        m = re.match(r"(prompts|sampling_params)\[(\d+)\]", str(e))
+        if m is None or requests[int(m.group(2))].where == m.group(0):
+            raise
+        raise ValueError(f"{requests[int(m.group(2))].where}: {e}") from None
 
 
 def result_record(index: int, request: GenerateRequest, output: Any) -> dict[str, Any]:

@@ -176,6 +176,11 @@ class PprunConfig:
             value = kwargs[name]
             if name in _GROUP_CLASSES and (isinstance(value, dict) or is_dataclass(value)):
                 group_values[name].update(_group_dict(name, kwargs.pop(name)))
+            elif name in _GROUP_CLASSES and name not in _FLAT_KEY_TO_GROUP:
+                raise ValueError(
+                    f"{name}={value!r} has type {type(value).__name__}: the {name} group takes a dict of its "
+                    f"fields or a {_GROUP_CLASSES[name].__name__}"
+                )
         for name, value in kwargs.items():
             owner = _FLAT_KEY_TO_GROUP.get(name)
             if owner is None:

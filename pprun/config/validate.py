@@ -7,9 +7,10 @@ comes back as a :class:`ResolvedConfig`: every ``auto``/``None`` replaced by wha
 from __future__ import annotations
 
 import logging
+import math
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -121,10 +122,24 @@ def _check_choice(field_name: str, value: object, allowed: tuple) -> None:
 
 
 def _check_min(field_name: str, value: object, minimum: float, allowed: str) -> None:
-    """Raise ValueError unless ``value`` is a number >= ``minimum`` (an int when ``allowed`` says integer)."""
+    """Raise ValueError unless ``value`` is a finite number >= ``minimum`` (an int when ``allowed``
+    says integer; never a bool)."""
     kinds = int if "integer" in allowed else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) or value < minimum:
         raise ValueError(f"{field_name}={value!r} is not allowed; it must be {allowed}")
+
+
+def _check_flags(cfg: PprunConfig) -> None:
+    """Every field declared ``bool`` holds True or False (a string such as "no" would read as
+    true; ``bool | None`` fields are checked where they are used)."""
+    for group in fields(cfg):
+        section = getattr(cfg, group.name)
+        if not is_dataclass(section):
+            continue
+        for f in fields(section):
+            value = getattr(section, f.name)
+            if f.type in (bool, "bool") and not isinstance(value, bool):
+                raise ValueError(f"{group.name}.{f.name}={value!r} is not allowed; it must be true or false")
 
 
 def _check_values(cfg: PprunConfig, env: Mapping[str, str]) -> None:
@@ -134,9 +149,17 @@ def _check_values(cfg: PprunConfig, env: Mapping[str, str]) -> None:
     _check_choice("model.dtype", cfg.model.dtype, DTYPES)
     _check_choice("parallel.executor", cfg.parallel.executor, EXECUTORS)
     _check_choice("compilation.cudagraph_mode", cfg.compilation.cudagraph_mode, CUDAGRAPH_MODES)
-    _check_choice("cache.block_size", cfg.cache.block_size, BLOCK_SIZES)
+    block_size = cfg.cache.block_size
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size not in BLOCK_SIZES:
+        raise ValueError(
+            f"cache.block_size={block_size!r} is not allowed; choose one of {', '.join(map(str, BLOCK_SIZES))}"
+        )
     _check_choice("log_level", str(cfg.log_level).upper(), LOG_LEVELS)
 
+    _check_flags(cfg)
+    seed = cfg.model.seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
+        raise ValueError(f"model.seed={seed!r} is not allowed; it must be an integer in [-2**63, 2**64) (64 bits)")
     pp_size = cfg.parallel.pipeline_parallel_size
     _check_min("parallel.pipeline_parallel_size", pp_size, 1, "an integer >= 1")
     if cfg.parallel.executor == "uni" and pp_size > 1:
@@ -180,20 +203,34 @@ def _check_values(cfg: PprunConfig, env: Mapping[str, str]) -> None:
             "cache.kv_cache_memory_bytes",
             cfg.cache.kv_cache_memory_bytes,
             1,
-            "a number of bytes >= 1, or None",
+            "an integer number of bytes >= 1, or None",
         )
-    _check_min("cache.cpu_kv_cache_bytes", cfg.cache.cpu_kv_cache_bytes, 1, "a number of bytes >= 1")
+    _check_min("cache.cpu_kv_cache_bytes", cfg.cache.cpu_kv_cache_bytes, 1, "an integer number of bytes >= 1")
     utilization = cfg.cache.gpu_memory_utilization
     if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
+        # (NaN fails the range test too.)
         raise ValueError(f"cache.gpu_memory_utilization={utilization!r} is not allowed; it must be in (0, 1]")
 
     sizes = cfg.compilation.cudagraph_capture_sizes
     if sizes is not None:
+        if isinstance(sizes, str) or not isinstance(sizes, Sequence):
+            raise ValueError(
+                f"compilation.cudagraph_capture_sizes={sizes!r} is not allowed; it must be a non-empty list of "
+                "integers >= 1, or None for the defaults"
+            )
         bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, int) or s < 1]
         if bad or not sizes:
             raise ValueError(
                 f"compilation.cudagraph_capture_sizes={list(sizes)!r} is not allowed; it must be a non-empty "
                 "list of integers >= 1, or None for the defaults"
+            )
+        max_num_seqs = cfg.scheduler.max_num_seqs
+        too_big = sorted({s for s in sizes if s > max_num_seqs})
+        if too_big:
+            raise ValueError(
+                f"compilation.cudagraph_capture_sizes={list(sizes)!r} is not allowed: {too_big} exceed "
+                f"scheduler.max_num_seqs={max_num_seqs}, so no batch would replay them; drop them or raise "
+                "max_num_seqs"
             )
 
 
@@ -308,6 +345,11 @@ def _resolve_layer_partition(cfg: PprunConfig, num_layers: int) -> list[int]:
     partition = cfg.parallel.layer_partition
     if partition is None:
         return even_partition(num_layers, pp_size)
+    if isinstance(partition, str) or not isinstance(partition, Sequence):
+        raise ValueError(
+            f"parallel.layer_partition={partition!r} is not allowed: give a list of one layer count per stage, "
+            "or null for an even split"
+        )
     partition = list(partition)
     if len(partition) != pp_size:
         raise ValueError(

@@ -69,10 +69,7 @@ class LLM:
         params_list = self._params_for(prompts, sampling_params)
         checked = []
         for i, (p, sp) in enumerate(zip(prompts, params_list)):
-            try:
-                sp.validate()
-            except ValueError as e:
-                raise ValueError(f"sampling_params[{i}]: {e}") from None
+            self.engine.check_params(sp, f"sampling_params[{i}]")
             checked.append(self.engine.check_prompt(p, f"prompts[{i}]"))
         ids = [
             self.engine.add_request(tok_ids, sp, prompt=text)
@@ -89,17 +86,32 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list) and generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = self.chat_prompts(messages, add_generation_prompt=add_generation_prompt)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompts(self, messages: list[dict] | list[list[dict]], *, add_generation_prompt: bool = True) -> list[dict]:
+        """One conversation (a list of ``{role, content}`` dicts) or a list of them, rendered with
+        the model's chat template into prompts for :meth:`generate` (``prompt_token_ids`` and the
+        rendered ``prompt``).  Raises ValueError naming the conversation that cannot be rendered."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError(f"messages={messages!r} must be a non-empty list of {{role, content}} dicts, or a list "
+                             "of such conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError(f"model {self.config.model.model!r} has no chat template")
         prompts = []
-        for conv in conversations:
-            ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
+        for i, conv in enumerate(conversations):
+            if not isinstance(conv, (list, tuple)) or not conv or not all(isinstance(m, dict) for m in conv):
+                raise ValueError(f"messages[{i}]={conv!r} must be a non-empty list of {{role, content}} dicts")
+            try:
+                ids = tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt, tokenize=True)
+            except Exception as e:  # the template's own error (jinja2, a missing key, ...)
+                raise ValueError(f"messages[{i}] cannot be rendered with the chat template: {e}") from e
             if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids), "prompt": tok.decode(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return prompts
 
     def _params_for(self, prompts: list, sampling_params) -> list[SamplingParams]:
         if sampling_params is None:

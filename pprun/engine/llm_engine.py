@@ -160,6 +160,19 @@ class LLMEngine:
 
     # --- requests ------------------------------------------------------------------------------
 
+    def check_params(self, params: object, where: str) -> None:
+        """Validate one request's sampling parameters, alone and against this model; raise
+        ValueError naming ``where``, the field and the value."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"{where} has type {type(params).__name__}: must be a SamplingParams")
+        try:
+            params.validate()
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"{where}: SamplingParams.logprobs={params.logprobs} is invalid: must be at most "
+                             f"the vocabulary size {self.vocab_size}")
+
     def check_prompt(self, prompt: object, where: str) -> tuple[str | None, list[int]]:
         """Tokenise and validate one prompt; raise ValueError naming ``where`` and the value."""
         if isinstance(prompt, str):

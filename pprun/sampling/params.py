@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+"""The seeds a torch generator takes (``torch.Generator.manual_seed``)."""
 
 
 @dataclass
@@ -54,34 +59,47 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field, its value and what is allowed."""
+        """Raise ``ValueError`` naming the first bad field, its value and what is allowed.
+
+        Integers must be ``int`` (a ``bool`` is refused), numbers finite, flags ``bool``."""
 
         def bad(name: str, allowed: str) -> None:
             raise ValueError(
                 f"SamplingParams.{name}={getattr(self, name)!r} is invalid: {allowed}"
             )
 
-        if not isinstance(self.n, int) or self.n != 1:
+        def is_int(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_number(x: object) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        if not is_int(self.n) or self.n != 1:
             bad("n", "only n=1 is supported")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            bad("temperature", "must be a number >= 0 (0 means greedy)")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not is_number(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a finite number >= 0 (0 means greedy)")
+        if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be a number in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < -1:
             bad("top_k", "must be an integer >= -1 (-1 or 0 disables top-k)")
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", "must be in [0, 1]")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
-        ):
+        if not is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be a number in [0, 1]")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1, or None")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
             bad("min_tokens", "must be an integer >= 0")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer or None")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be at most max_tokens={self.max_tokens}")
+        if self.seed is not None and (not is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), or None")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             bad("logprobs", "must be an integer >= 0, or None")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            bad("stop", "must be a list of non-empty strings")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a non-empty string or a list of them")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+            is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
             bad("stop_token_ids", "must be a list of non-negative integers")
+        for flag in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, flag), bool):
+                bad(flag, "must be True or False")
