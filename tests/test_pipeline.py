@@ -501,8 +501,11 @@ def test_mismatched_intermediate_keys_are_a_clear_error(tiny_llama_dir):
     llm.shutdown()
 
 
-def test_non_first_stage_gets_no_token_inputs(tiny_llama_dir):
-    """Contract 2 through a real pipeline: stage 1's forward sees input_ids=None."""
+def test_non_first_stage_gets_no_token_inputs():
+    """Unit test of ``build_model_inputs`` alone (no runner, no pipeline): for a non-first stage
+    it drops ``input_ids`` and ``inputs_embeds`` and passes the given intermediate tensors on as
+    they are.  Contract 2 through the real V1 and V2 stage code (persistent receive buffers
+    included) is tests/test_contracts.py::test_non_first_stage_forward_gets_received_tensors_in_persistent_buffers."""
     from pprun.worker.model_inputs import build_model_inputs
 
     its = {"hidden_states": torch.zeros(3, 4), "residual": torch.zeros(3, 4)}
