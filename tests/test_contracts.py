@@ -174,6 +174,8 @@ def test_v1_and_v2_identical_greedy(tiny_llama_dir):
 
 def test_auto_runner_is_v2_and_reported(tiny_llama_dir):
     with LLM(str(tiny_llama_dir), dtype="float32") as llm:
-        assert llm.describe()["runner"] == "v2"
-        assert llm.describe()["runner_fallback_reasons"] == []
+        d = llm.describe()
+        assert d["runner"] == "v2" and d["runner_fallback_reasons"] == []
+        # One stage in process: async scheduling, not async pipeline steps.
+        assert d["async_scheduling"] is True and d["async_pipeline_steps"] is False
     assert torch is not None

@@ -172,6 +172,8 @@ def test_async_pipeline_steps_through_three_stages(tiny_llama_dir, tiny_referenc
     with LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=3,
              layer_partition=[1, 2, 1], microbatches=4, runner="v2", async_pipeline=True) as llm:
         assert llm.engine.executor.max_in_flight == 8
+        d = llm.describe()
+        assert d["async_pipeline_steps"] is True and d["async_scheduling"] is False
         assert tokens(llm.generate(TOKEN_PROMPTS * 3, GREEDY)) == tiny_reference * 3
 
 

@@ -335,6 +335,7 @@ def run(cfg: BenchAppConfig) -> dict[str, Any]:
             "dtype": facts.get("dtype"),
             "batch": cfg.scheduler.max_num_seqs,
             "steps_in_flight": facts.get("steps_in_flight"),
+            "async_scheduling": facts.get("async_scheduling"),
             "async_pipeline_steps": facts.get("async_pipeline_steps"),
             # CUDA graphs are only captured on GPU.
             "cudagraph_mode": cfg.compilation.cudagraph_mode

@@ -450,7 +450,10 @@ class LLMEngine:
             "dtype": str(rc.dtype).removeprefix("torch."),
             "kv_blocks_per_stage": self.num_blocks,
             "steps_in_flight": getattr(self.executor, "max_in_flight", 1),
-            "async_pipeline_steps": bool(getattr(self.executor, "async_steps", False)),
+            # Both keep two steps per batch in flight: async scheduling with one stage in process
+            # (executor uni), async pipeline steps across stages (mp, ray).
+            "async_scheduling": rc.executor == "uni" and bool(getattr(self.executor, "async_steps", False)),
+            "async_pipeline_steps": rc.executor != "uni" and bool(getattr(self.executor, "async_steps", False)),
         }
 
 
