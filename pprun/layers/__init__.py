@@ -41,6 +41,7 @@ The merges are exact; the switch also changes the launch settings that come with
 norm-merged matmuls' split count, the merging norm's warps), hence fp32 sum orders, so its two
 sides may differ in a last bit as two launch settings may."""
 
+
 @dataclass(frozen=True)
 class SplitPartials:
     """A decode matmul's output still as the fp32 partial sums of its K splits.
@@ -127,36 +128,18 @@ def _skinny_for(layer: nn.Linear, x: torch.Tensor):
     if fused_ops_for(x) is None:  # also: Triton imports, so skinny does too
         return None
     skinny = _load_skinny()
-    if x.shape[0] > skinny.DISPATCH_MAX_M or x.stride(1) != 1 or not _kernel_linear(layer, x.dtype, x.device):
+    if x.shape[0] > skinny.DISPATCH_MAX_M or x.stride(1) != 1:
         return None
-    bias = layer.bias
+    if type(layer) is not nn.Linear or layer._forward_hooks or layer._forward_pre_hooks:
+        return None
+    weight, bias = layer.weight, layer.bias
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return None
+    if weight.dtype != x.dtype or weight.device != x.device or not weight.is_contiguous():
+        return None
     if bias is not None and (bias.dtype != x.dtype or bias.device != x.device or bias.stride(0) != 1):
         return None
     return skinny
-
-
-def _kernel_linear(layer: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
-    """A plain ``nn.Linear`` (no subclass, no hooks, no autograd) whose weight a kernel reads as
-    it is: contiguous, in ``dtype`` on ``device`` (its bias is the caller's to check)."""
-    if type(layer) is not nn.Linear or layer._forward_hooks or layer._forward_pre_hooks:
-        return False
-    weight = layer.weight
-    if torch.is_grad_enabled() and weight.requires_grad:
-        return False
-    return weight.dtype == dtype and weight.device == device and weight.is_contiguous()
-
-
-def _kernel_norm(norm: nn.Module, dtype: torch.dtype, device: torch.device, hidden: int) -> bool:
-    """An RMSNorm (as ``pprun.models.llama.RMSNorm``: ``weight``, ``eps``) without hooks or
-    autograd whose weight a kernel reads as it is: contiguous ``(hidden,)`` in ``dtype`` on
-    ``device``."""
-    if norm._forward_hooks or norm._forward_pre_hooks:
-        return False
-    weight = norm.weight
-    if torch.is_grad_enabled() and weight.requires_grad:
-        return False
-    return (weight.dtype == dtype and weight.device == device and weight.shape == (hidden,)
-            and weight.is_contiguous())
 
 
 def linear(
@@ -208,7 +191,14 @@ def norm_linear(
     skinny = _skinny_for(layer, x)
     if skinny is None or (swiglu and layer.weight.shape[0] % 2):
         return None
-    if not _kernel_norm(norm, x.dtype, x.device, x.shape[1]):
+    if norm._forward_hooks or norm._forward_pre_hooks:
+        return None
+    weight = norm.weight
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return None
+    if weight.dtype != x.dtype or weight.device != x.device or weight.shape != (x.shape[1],):
+        return None
+    if not weight.is_contiguous():
         return None
     if residual is not None and (
         residual.shape != x.shape
@@ -217,4 +207,4 @@ def norm_linear(
         or residual.stride(1) != 1
     ):
         return None
-    return skinny.skinny_norm_linear(x, residual, norm.weight, norm.eps, layer.weight, layer.bias, swiglu=swiglu)
+    return skinny.skinny_norm_linear(x, residual, weight, norm.eps, layer.weight, layer.bias, swiglu=swiglu)
