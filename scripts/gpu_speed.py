@@ -226,18 +226,12 @@ def switches() -> list[tuple]:
             (pprun.layers, "DEFER_MERGE_ENABLED", False, False),
             (pprun.layers.skinny, "DEFERRED_TARGET_PROGRAMS", 128, False),
             (pprun.layers.fused, "NORM_PARTS_NUM_WARPS", 4, False),
-            (pprun.attention.triton_ops, "DECODE_PRELOAD_SECOND", False, False),
-            (pprun.layers.skinny, "ATTENTION_MERGED_TARGET_PROGRAMS", 192, False)]
-
-
-def switches_by_name() -> dict[str, tuple]:
-    """:func:`switches` by flag name."""
-    return {sw[1]: sw for sw in switches()}
+            (pprun.attention.triton_ops, "DECODE_PRELOAD_SECOND", False, False)]
 
 
 def parse_settings(text: str) -> list[tuple]:
     """``NAME`` (the switch's other value) or ``NAME=VALUE`` (a Python literal), comma-separated."""
-    by_name = switches_by_name()
+    by_name = {sw[1]: sw for sw in switches()}
     chosen = []
     for item in text.split(","):
         name, _, value = item.partition("=")
@@ -279,9 +273,7 @@ def main() -> None:
                          "their own launch instead of the next kernel's (DEFER_MERGE_ENABLED), the norm-merged ones split K until ~128 "
                          "programs instead of ~256 (DEFERRED_TARGET_PROGRAMS), 4 warps per row instead of 16 in the norm "
                          "that merges partials (NORM_PARTS_NUM_WARPS), the decode attention's second K/V tile "
-                         "loaded in its loop instead of before its PDL wait (DECODE_PRELOAD_SECOND; batch 32 only), "
-                         "qkv split K until ~192 programs instead of ~128 (ATTENTION_MERGED_TARGET_PROGRAMS: 4 splits "
-                         "at batch 32)")
+                         "loaded in its loop instead of before its PDL wait (DECODE_PRELOAD_SECOND; batch 32 only)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
                          "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")

@@ -80,19 +80,11 @@ splits cost that kernel a few more loads per row instead of this one a longer me
 and down at batch 32 split 8 ways instead of 4.  H200, 1.1B model, graph replay
 (``scripts/gpu_speed.py --ab --ab-only DEFERRED_TARGET_PROGRAMS=128``): 256 programs 1.012 ms,
 192 1.033, 128 1.034 (again 1.031).  Partials that the decode
-attention merges (``"attention"``) take :data:`ATTENTION_MERGED_TARGET_PROGRAMS`: every program of a
-(request, KV head) merges its q/k/v rows again, so more splits cost it more (256 programs for
-both: qkv 7.1 -> 5.9 us, attention 15.3 -> 17.3 us per layer at batch 32)."""
-
-ATTENTION_MERGED_TARGET_PROGRAMS = 128
-"""The same for partials that the decode attention merges (qkv): 2 splits at batch 32.  3 and 4
-splits measured slower (``scripts/gpu_speed.py --ab --ab-only
-ATTENTION_MERGED_TARGET_PROGRAMS=144,ATTENTION_MERGED_TARGET_PROGRAMS=192``, H200, batch 32
-graph 1.016 and 1.018 against 1.009 ms; 4 splits: qkv 7.3 -> 5.7 us, attention 15.0 -> 17.3),
-since every attention program merges its q/k/v partials again.  The eleventh session again:
-192 programs 1.042 against 0.996 ms; with the attention taking rotate_half's partners from
-registers (one merge per row instead of two) and the held last tile (both since removed), 192
-1.047 and 144 1.033 against 1.023."""
+attention merges (``"attention"``, qkv) keep :data:`SWAPPED_TARGET_PROGRAMS` (2 splits at batch
+32): every program of a (request, KV head) merges its q/k/v rows again, so more splits cost it
+more (256 programs for both: qkv 7.1 -> 5.9 us, attention 15.3 -> 17.3 us per layer at batch 32;
+4 splits for qkv alone, 192 programs: 1.018 against 1.009 ms, and again 1.042 against 0.996 in
+the eleventh session, attention 13.7 -> 18.9 us; 3 splits: 1.016)."""
 
 DEFER_MERGERS = ("norm", "attention")
 """The kernels that may merge a matmul's deferred partials (``defer_merge``)."""
@@ -377,9 +369,8 @@ def default_config(
     ``weights_ahead`` (no SwiGLU): at one row (K up to :data:`WEIGHTS_AHEAD_MAX_K`), 8-row
     column tiles over one K tile holding the whole row, loaded before the PDL wait; from two rows
     up to :data:`WEIGHTS_AHEAD_MAX_ROWS`, the swapped form with K split into 256-wide slices, each
-    program's slice loaded before the wait.  ``defer_merge`` (above one row, no SwiGLU): K is
-    split toward :data:`DEFERRED_TARGET_PROGRAMS` (``"norm"``) or
-    :data:`ATTENTION_MERGED_TARGET_PROGRAMS` (``"attention"``) programs instead."""
+    program's slice loaded before the wait.  ``defer_merge="norm"`` (above one row, no SwiGLU):
+    K is split toward :data:`DEFERRED_TARGET_PROGRAMS` programs instead."""
     if weights_ahead and WEIGHTS_AHEAD_ENABLED and not swiglu:
         if m == 1 and k <= WEIGHTS_AHEAD_MAX_K:
             return SkinnyConfig(8, triton.next_power_of_2(k), 1, num_warps=8, num_stages=1, preload=True)
@@ -389,8 +380,7 @@ def default_config(
                                 preload=True)
     if m > 1:
         block_n, block_k = 64, min(128, triton.next_power_of_2(k))
-        target = {"norm": DEFERRED_TARGET_PROGRAMS, "attention": ATTENTION_MERGED_TARGET_PROGRAMS}.get(
-            defer_merge if not swiglu else None, SWAPPED_TARGET_PROGRAMS)
+        target = DEFERRED_TARGET_PROGRAMS if defer_merge == "norm" and not swiglu else SWAPPED_TARGET_PROGRAMS
         split = max(1, min(target // triton.cdiv(n_out, block_n), k // block_k))
         return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=4, swap_ab=True)
     long_k = k > 4096
@@ -557,7 +547,7 @@ def skinny_linear(
             returned as :class:`~pprun.layers.SplitPartials` instead of merged in this launch:
             that kernel merges them as this one would have, and the merge's arrival counter and
             L2 round trip leave the critical path.  It also sets how far K is split
-            (:data:`DEFERRED_TARGET_PROGRAMS`, :data:`ATTENTION_MERGED_TARGET_PROGRAMS`).
+            (:data:`DEFERRED_TARGET_PROGRAMS`).
 
     Returns a new ``[M, N]`` (``[M, N // 2]`` with ``swiglu``) tensor in ``x``'s dtype, or the
     partials (see ``defer_merge``).
@@ -568,7 +558,8 @@ def skinny_linear(
     check_defer_merge(defer_merge)
     defer_merge = defer_merge if not swiglu else None
     plan = _plan(m, n_out, x.shape[1], swiglu, x.device, config, weights_ahead, defer_merge)
-    if m > 0 and defer_merge is not None and plan[2] > 1:  # K split: the partials are the output
+    _, _, split = plan
+    if m > 0 and defer_merge is not None and split > 1:  # K split: the partials are the output
         return SplitPartials(_launch(x, weight, bias, None, n_out, swiglu, plan, deferred=True), bias, x.dtype)
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m > 0:
