@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pprun.apps import iter_jsonl, job_output_dir, job_output_path
+from pprun.checks import is_int
 from pprun.config.config import BenchAppConfig
 from pprun.sampling.params import SamplingParams
 
@@ -49,10 +50,6 @@ FILE_KEYS = ("prompt", "prompt_token_ids", "max_tokens")
 """The keys a line of ``input_file`` may hold."""
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def check_bench_config(cfg: BenchAppConfig) -> None:
     """Reject workload settings no run can use (ValueError naming the field), and an
     ``input_file`` whose lines are malformed, before the engine starts."""
@@ -60,10 +57,10 @@ def check_bench_config(cfg: BenchAppConfig) -> None:
         raise ValueError(f"peer={cfg.peer!r} is not allowed: choose one of {', '.join(PEERS)}")
     for name in ("num_prompts", "input_len", "output_len"):
         value = getattr(cfg, name)
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"{name}={value!r} must be an integer of at least 1")
     warmup = cfg.num_warmup_prompts
-    if warmup is not None and (not _is_int(warmup) or warmup < 0):
+    if warmup is not None and (not is_int(warmup) or warmup < 0):
         raise ValueError(f"num_warmup_prompts={warmup!r} must be an integer of at least 0 (or null: one full batch)")
     if cfg.input_file is not None:
         read_workload_file(cfg.input_file, cfg.output_len)
@@ -110,12 +107,12 @@ def read_workload_file(path: str, output_len: int) -> list[tuple[str, dict, int]
             raise ValueError(f"{where}: unknown keys {unknown}; a line may hold {', '.join(FILE_KEYS)}")
         if "prompt_token_ids" in obj:
             ids = obj["prompt_token_ids"]
-            if not isinstance(ids, list) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
+            if not isinstance(ids, list) or not ids or not all(is_int(t) and t >= 0 for t in ids):
                 raise ValueError(f"{where}: prompt_token_ids must be a non-empty list of ints >= 0")
         elif not (isinstance(obj.get("prompt"), str) and obj["prompt"]):
             raise ValueError(f"{where}: needs 'prompt' (a non-empty string) or 'prompt_token_ids'")
         max_tokens = obj.get("max_tokens", output_len)
-        if not _is_int(max_tokens) or max_tokens < 1:
+        if not is_int(max_tokens) or max_tokens < 1:
             raise ValueError(f"{where}: max_tokens={max_tokens!r} must be an int of at least 1")
         entries.append((where, obj, max_tokens))
     if not entries:

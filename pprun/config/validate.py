@@ -7,13 +7,13 @@ comes back as a :class:`ResolvedConfig`: every ``auto``/``None`` replaced by wha
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pprun.checks import SEED_MAX, SEED_MIN, is_int, is_number, is_seed
 from pprun.config.config import PprunConfig
 from pprun.config.runner_choice import RUNNERS, choose_runner
 from pprun.models.hf_config import ModelArchConfig, load_arch_config
@@ -124,8 +124,8 @@ def _check_choice(field_name: str, value: object, allowed: tuple) -> None:
 def _check_min(field_name: str, value: object, minimum: float, allowed: str) -> None:
     """Raise ValueError unless ``value`` is a finite number >= ``minimum`` (an int when ``allowed``
     says integer; never a bool)."""
-    kinds = int if "integer" in allowed else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) or value < minimum:
+    valid = is_int(value) if "integer" in allowed else is_number(value)
+    if not valid or value < minimum:
         raise ValueError(f"{field_name}={value!r} is not allowed; it must be {allowed}")
 
 
@@ -150,16 +150,16 @@ def _check_values(cfg: PprunConfig, env: Mapping[str, str]) -> None:
     _check_choice("parallel.executor", cfg.parallel.executor, EXECUTORS)
     _check_choice("compilation.cudagraph_mode", cfg.compilation.cudagraph_mode, CUDAGRAPH_MODES)
     block_size = cfg.cache.block_size
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size not in BLOCK_SIZES:
+    if not is_int(block_size) or block_size not in BLOCK_SIZES:
         raise ValueError(
             f"cache.block_size={block_size!r} is not allowed; choose one of {', '.join(map(str, BLOCK_SIZES))}"
         )
     _check_choice("log_level", str(cfg.log_level).upper(), LOG_LEVELS)
 
     _check_flags(cfg)
-    seed = cfg.model.seed
-    if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
-        raise ValueError(f"model.seed={seed!r} is not allowed; it must be an integer in [-2**63, 2**64) (64 bits)")
+    if not is_seed(cfg.model.seed):
+        raise ValueError(f"model.seed={cfg.model.seed!r} is not allowed; it must be an integer in "
+                         f"[{SEED_MIN}, {SEED_MAX}] (64 bits)")
     pp_size = cfg.parallel.pipeline_parallel_size
     _check_min("parallel.pipeline_parallel_size", pp_size, 1, "an integer >= 1")
     if cfg.parallel.executor == "uni" and pp_size > 1:
@@ -207,22 +207,17 @@ def _check_values(cfg: PprunConfig, env: Mapping[str, str]) -> None:
         )
     _check_min("cache.cpu_kv_cache_bytes", cfg.cache.cpu_kv_cache_bytes, 1, "an integer number of bytes >= 1")
     utilization = cfg.cache.gpu_memory_utilization
-    if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
-        # (NaN fails the range test too.)
+    if not is_number(utilization) or not 0 < utilization <= 1:
         raise ValueError(f"cache.gpu_memory_utilization={utilization!r} is not allowed; it must be in (0, 1]")
 
     sizes = cfg.compilation.cudagraph_capture_sizes
     if sizes is not None:
-        if isinstance(sizes, str) or not isinstance(sizes, Sequence):
+        if isinstance(sizes, str) or not isinstance(sizes, Sequence) or not sizes or not all(
+            is_int(s) and s >= 1 for s in sizes
+        ):
             raise ValueError(
                 f"compilation.cudagraph_capture_sizes={sizes!r} is not allowed; it must be a non-empty list of "
                 "integers >= 1, or None for the defaults"
-            )
-        bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, int) or s < 1]
-        if bad or not sizes:
-            raise ValueError(
-                f"compilation.cudagraph_capture_sizes={list(sizes)!r} is not allowed; it must be a non-empty "
-                "list of integers >= 1, or None for the defaults"
             )
         max_num_seqs = cfg.scheduler.max_num_seqs
         too_big = sorted({s for s in sizes if s > max_num_seqs})
@@ -356,7 +351,7 @@ def _resolve_layer_partition(cfg: PprunConfig, num_layers: int) -> list[int]:
             f"parallel.layer_partition={partition} has {len(partition)} entries but "
             f"parallel.pipeline_parallel_size={pp_size}; give one layer count per stage"
         )
-    if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in partition):
+    if not all(is_int(n) and n >= 1 for n in partition):
         raise ValueError(
             f"parallel.layer_partition={partition} is not allowed: every stage needs an integer >= 1 layers"
         )

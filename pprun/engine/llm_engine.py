@@ -16,6 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from pprun.checks import is_int
 from pprun.config.config import PprunConfig
 from pprun.core.outputs import SchedulerOutput
 from pprun.core.request import Request, RequestStatus
@@ -188,7 +189,7 @@ class LLMEngine:
             ids = prompt["prompt_token_ids"]
             text = prompt.get("prompt")
             if not isinstance(ids, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in ids
+                is_int(t) for t in ids
             ):
                 raise ValueError(
                     f"{where}.prompt_token_ids={_short(ids)} is invalid: must be a list of ints"

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-SEED_MIN = -(2**63)
-SEED_MAX = 2**64 - 1
-"""The seeds a torch generator takes (``torch.Generator.manual_seed``)."""
+from pprun.checks import SEED_MAX, SEED_MIN, is_int, is_number, is_seed
 
 
 @dataclass
@@ -68,12 +65,6 @@ class SamplingParams:
                 f"SamplingParams.{name}={getattr(self, name)!r} is invalid: {allowed}"
             )
 
-        def is_int(x: object) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
-        def is_number(x: object) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
         if not is_int(self.n) or self.n != 1:
             bad("n", "only n=1 is supported")
         if not is_number(self.temperature) or self.temperature < 0:
@@ -90,7 +81,7 @@ class SamplingParams:
             bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be at most max_tokens={self.max_tokens}")
-        if self.seed is not None and (not is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+        if self.seed is not None and not is_seed(self.seed):
             bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), or None")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             bad("logprobs", "must be an integer >= 0, or None")
