@@ -440,6 +440,7 @@ class LLMEngine:
     def describe(self) -> dict:
         """Facts for summaries: runner, executor, stage partition."""
         rc = self.resolved
+        async_steps = bool(getattr(self.executor, "async_steps", False))
         return {
             "model": self.cfg.model.model,
             "runner": self.runner_name,
@@ -453,8 +454,8 @@ class LLMEngine:
             "steps_in_flight": getattr(self.executor, "max_in_flight", 1),
             # Both keep two steps per batch in flight: async scheduling with one stage in process
             # (executor uni), async pipeline steps across stages (mp, ray).
-            "async_scheduling": rc.executor == "uni" and bool(getattr(self.executor, "async_steps", False)),
-            "async_pipeline_steps": rc.executor != "uni" and bool(getattr(self.executor, "async_steps", False)),
+            "async_scheduling": async_steps and rc.executor == "uni",
+            "async_pipeline_steps": async_steps and rc.executor != "uni",
         }
 
 
