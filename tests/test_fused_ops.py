@@ -18,15 +18,12 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_env import DEVICE, HAS_CUDA, RUN_TRITON, count_calls_by_form  # noqa: E402  (sets TRITON_INTERPRET)
+from triton_env import DEVICE, HAS_CUDA, count_calls_by_form, triton_only  # noqa: E402  (sets TRITON_INTERPRET)
 
 import pprun.layers
 from pprun.models.hf_config import load_arch_config
 from pprun.models.llama import RMSNorm, RotaryEmbedding
 
-triton_only = pytest.mark.skipif(
-    not RUN_TRITON, reason="needs CUDA or triton (the interpreter, unless PPRUN_TEST_TRITON_INTERPRET=0)"
-)
 # bf16: one ulp is 2**-8..2**-7 relative.  The interpreter truncates at each of up to three
 # fp32->bf16 roundings, so it may land up to three ulps away.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2 if HAS_CUDA else 3e-2}

@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_env import DEVICE, HAS_CUDA, RUN_TRITON  # noqa: E402  (sets TRITON_INTERPRET)
+from triton_env import DEVICE, HAS_CUDA, triton_only  # noqa: E402  (sets TRITON_INTERPRET)
 
-triton_only = pytest.mark.skipif(
-    not RUN_TRITON, reason="needs CUDA or triton (the interpreter, unless PPRUN_TEST_TRITON_INTERPRET=0)"
-)
 DTYPES = [torch.float32, torch.bfloat16]
 
 

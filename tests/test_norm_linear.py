@@ -19,7 +19,7 @@ import dataclasses
 
 import pytest
 import torch
-from triton_env import DEVICE, HAS_CUDA, RUN_TRITON, count_calls_by_form  # noqa: E402  (sets TRITON_INTERPRET)
+from triton_env import DEVICE, HAS_CUDA, count_calls_by_form, triton_only  # noqa: E402  (sets TRITON_INTERPRET)
 
 import pprun.layers
 import pprun.models.llama
@@ -27,9 +27,6 @@ from pprun.attention.metadata import AttentionMetadata
 from pprun.models.hf_config import load_arch_config
 from pprun.models.llama import DecoderLayer, RMSNorm, RotaryEmbedding
 
-triton_only = pytest.mark.skipif(
-    not RUN_TRITON, reason="needs CUDA or triton (the interpreter, unless PPRUN_TEST_TRITON_INTERPRET=0)"
-)
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # as test_skinny.py
 
 

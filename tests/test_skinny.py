@@ -8,11 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_env import DEVICE, HAS_CUDA, RUN_TRITON  # noqa: E402  (sets TRITON_INTERPRET)
+from triton_env import DEVICE, HAS_CUDA, triton_only  # noqa: E402  (sets TRITON_INTERPRET)
 
-triton_only = pytest.mark.skipif(
-    not RUN_TRITON, reason="needs CUDA or triton (the interpreter, unless PPRUN_TEST_TRITON_INTERPRET=0)"
-)
 # The interpreter's low-precision dots are not faithful: it runs fp32 only.
 DTYPES = [torch.float32, torch.bfloat16] if HAS_CUDA else [torch.float32]
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_env import DEVICE, RUN_TRITON  # noqa: E402  (sets TRITON_INTERPRET)
+from triton_env import DEVICE, triton_only  # noqa: E402  (sets TRITON_INTERPRET)
 
 from pprun.attention.ref_ops import paged_attention_ref, write_kv_cache
 
@@ -216,10 +216,6 @@ def test_ref_rejects_bad_kv_cache_shape():
 
 # ---------------------------------------------------------------- triton vs reference
 
-triton_only = pytest.mark.skipif(
-    not RUN_TRITON,
-    reason="needs CUDA or triton (the interpreter, unless PPRUN_TEST_TRITON_INTERPRET=0)",
-)
 
 
 def _run_both(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
@@ -21,6 +22,10 @@ if USE_INTERPRETER:
     os.environ["TRITON_INTERPRET"] = "1"
 RUN_TRITON = importlib.util.find_spec("triton") is not None and (HAS_CUDA or USE_INTERPRETER)
 DEVICE = "cuda" if HAS_CUDA else "cpu"
+triton_only = pytest.mark.skipif(
+    not RUN_TRITON, reason="needs CUDA or triton (the interpreter, unless PPRUN_TEST_TRITON_INTERPRET=0)"
+)
+"""Marks a test of a Triton kernel: skipped where no kernel can run."""
 
 
 def count_calls_by_form(monkeypatch, module, name: str) -> dict[str, int]:
