@@ -20,6 +20,7 @@ from pprun.apps.bench import (
     peer_batches,
     percentile,
     random_workload,
+    read_workload_file,
     warmup_prompts,
 )
 from pprun.apps.generate import GenerateRequest, collect_requests, read_input_file, run_requests
@@ -253,7 +254,7 @@ def test_bench_workload_helpers(tmp_path: Path) -> None:
     path.write_text(
         '{"prompt_token_ids": [1, 2]}\n{"prompt_token_ids": [3, 4], "max_tokens": 2}\n{"prompt_token_ids": [5, 6]}\n'
     )
-    workload = file_workload(str(path), None, output_len=4, vocab_size=10)
+    workload = file_workload(read_workload_file(str(path), 4), None, vocab_size=10)
     # Equal (length, max_tokens) share a batch, capped at the batch size; nothing needs padding.
     assert [[r.prompt_token_ids for r in b] for b in peer_batches(workload, 4)] == [
         [[1, 2], [5, 6]],
@@ -262,7 +263,7 @@ def test_bench_workload_helpers(tmp_path: Path) -> None:
     assert [len(b) for b in peer_batches(workload, 1)] == [1, 1, 1]
     with pytest.raises(ValueError, match=r"input_file line 1: prompt_token_ids must be .* in \[0, 10\)"):
         path.write_text('{"prompt_token_ids": [11]}\n')
-        file_workload(str(path), None, output_len=4, vocab_size=10)
+        file_workload(read_workload_file(str(path), 4), None, vocab_size=10)
     assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
     assert percentile([1.0, 2.0], 99) == pytest.approx(1.99)
     assert percentile([], 50) is None

@@ -50,9 +50,10 @@ FILE_KEYS = ("prompt", "prompt_token_ids", "max_tokens")
 """The keys a line of ``input_file`` may hold."""
 
 
-def check_bench_config(cfg: BenchAppConfig) -> None:
+def check_bench_config(cfg: BenchAppConfig) -> list[tuple[str, dict, int]] | None:
     """Reject workload settings no run can use (ValueError naming the field), and an
-    ``input_file`` whose lines are malformed, before the engine starts."""
+    ``input_file`` whose lines are malformed, before the engine starts; returns that file's
+    entries (:func:`read_workload_file`), None without one."""
     if cfg.peer not in PEERS:
         raise ValueError(f"peer={cfg.peer!r} is not allowed: choose one of {', '.join(PEERS)}")
     for name in ("num_prompts", "input_len", "output_len"):
@@ -62,8 +63,7 @@ def check_bench_config(cfg: BenchAppConfig) -> None:
     warmup = cfg.num_warmup_prompts
     if warmup is not None and (not is_int(warmup) or warmup < 0):
         raise ValueError(f"num_warmup_prompts={warmup!r} must be an integer of at least 0 (or null: one full batch)")
-    if cfg.input_file is not None:
-        read_workload_file(cfg.input_file, cfg.output_len)
+    return read_workload_file(cfg.input_file, cfg.output_len) if cfg.input_file is not None else None
 
 
 def check_workload_fits(workload: list[BenchRequest], max_model_len: int) -> None:
@@ -120,11 +120,11 @@ def read_workload_file(path: str, output_len: int) -> list[tuple[str, dict, int]
     return entries
 
 
-def file_workload(path: str, tokenizer: Any, output_len: int, vocab_size: int) -> list[BenchRequest]:
-    """The requests of a JSONL file (see :func:`read_workload_file`), token ids checked against
-    the vocabulary and text prompts tokenized."""
+def file_workload(entries: list[tuple[str, dict, int]], tokenizer: Any, vocab_size: int) -> list[BenchRequest]:
+    """The requests of a JSONL file's entries (:func:`read_workload_file`), token ids checked
+    against the vocabulary and text prompts tokenized."""
     requests = []
-    for where, obj, max_tokens in read_workload_file(path, output_len):
+    for where, obj, max_tokens in entries:
         if "prompt_token_ids" in obj:
             ids = obj["prompt_token_ids"]
             if any(t >= vocab_size for t in ids):
@@ -288,12 +288,12 @@ def run(cfg: BenchAppConfig) -> dict[str, Any]:
     """Benchmark pprun (and the peer) on ``cfg``'s workload; print and return the result object."""
     from pprun.engine.llm import LLM
 
-    check_bench_config(cfg)
+    entries = check_bench_config(cfg)
     llm = LLM(config=cfg.pprun_config())
     try:
         engine = llm.engine
         if cfg.input_file is not None:
-            workload = file_workload(cfg.input_file, engine.tokenizer, cfg.output_len, engine.vocab_size)
+            workload = file_workload(entries, engine.tokenizer, engine.vocab_size)
             source = str(cfg.input_file)
         else:
             workload = random_workload(
