@@ -114,8 +114,9 @@ def _under_torchrun(env: Mapping[str, str]) -> bool:
 
 
 def _check_choice(field_name: str, value: object, allowed: tuple) -> None:
-    """Raise ValueError unless ``value`` is one of ``allowed``."""
-    if value not in allowed:
+    """Raise ValueError unless ``value`` is one of ``allowed``, of the same type (``16.0`` or
+    ``True`` is no block size, though ``16.0 == 16`` and ``True == 1``)."""
+    if not any(type(value) is type(a) and value == a for a in allowed):
         raise ValueError(
             f"{field_name}={value!r} is not allowed; choose one of {', '.join(map(str, allowed))}"
         )
@@ -149,11 +150,7 @@ def _check_values(cfg: PprunConfig, env: Mapping[str, str]) -> None:
     _check_choice("model.dtype", cfg.model.dtype, DTYPES)
     _check_choice("parallel.executor", cfg.parallel.executor, EXECUTORS)
     _check_choice("compilation.cudagraph_mode", cfg.compilation.cudagraph_mode, CUDAGRAPH_MODES)
-    block_size = cfg.cache.block_size
-    if not is_int(block_size) or block_size not in BLOCK_SIZES:
-        raise ValueError(
-            f"cache.block_size={block_size!r} is not allowed; choose one of {', '.join(map(str, BLOCK_SIZES))}"
-        )
+    _check_choice("cache.block_size", cfg.cache.block_size, BLOCK_SIZES)
     _check_choice("log_level", str(cfg.log_level).upper(), LOG_LEVELS)
 
     _check_flags(cfg)
