@@ -307,6 +307,9 @@ def bench_hop(iters: int, device: str = "cpu", hidden: int = HIDDEN_SIZE, num_te
     return json.loads(outs[0])
 
 
+STREAMED_HOPS = 200
+"""64 MiB hops in the one-way stream (~45 ms on two H200s): enough that the barriers around it
+weigh little (30 before: the wall-clock figure moved by up to a factor of two between runs)."""
 GRAPH_HOP_MAX_TOKENS = 512
 """Largest hop timed inside CUDA graphs (the largest decode graph the runner captures by default)."""
 
@@ -335,23 +338,42 @@ def _graph_round(rank, forward, backward, tensors, buffers, warm_up, sync):
 
 def _streamed_hops(rank, forward, tensors, buffers, num_tokens, nbytes, n_iter, sync) -> dict[str, Any]:
     """Large hops back to back in one direction, as a prefill's chunks leave a stage: rank 0
-    sends ``n_iter`` through ``PipelineTransport.send``, rank 1 receives them; µs per hop = the
-    whole stream (from a barrier to the barrier after rank 1's last receive completed) / n_iter.
-    The two barriers' latency is counted in, so this understates the link a little."""
+    sends ``n_iter`` through ``PipelineTransport.send``, rank 1 receives them.
+
+    Two figures: ``us_per_hop`` is the whole stream by the host clock, from a barrier to the
+    barrier after rank 1's last receive completed, over ``n_iter`` (the barriers' latency is
+    counted in, so this understates the link a little); on GPUs ``device_us_per_hop`` is the
+    receiver's stream from the start of its first receive to the end of its last, over
+    ``n_iter`` (what the link delivers once hops queue up; the first receive may wait a little
+    for the sender to start, which is counted in)."""
+    import torch
     import torch.distributed as dist
 
     group = forward.cpu_group
+    cuda = forward.device.type == "cuda"
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     dist.barrier(group=group)
     t0 = time.perf_counter()
+    if cuda and rank == 1:
+        start.record()
     for _ in range(n_iter):
         if rank == 0:
             forward.send(tensors)
         else:
             forward.recv(buffers, num_tokens)
+    if cuda and rank == 1:
+        end.record()
     sync()
     dist.barrier(group=group)
     us = (time.perf_counter() - t0) / n_iter * 1e6
-    return {"hops": n_iter, "us_per_hop": round(us, 1), "GBps": round(nbytes / us / 1e3, 3)}
+    out = {"hops": n_iter, "us_per_hop": round(us, 1), "GBps": round(nbytes / us / 1e3, 3)}
+    if cuda:
+        received = [None, None]
+        dist.all_gather_object(received, start.elapsed_time(end) * 1e3 / n_iter if rank == 1 else None, group=group)
+        device_us = received[1]
+        out.update(device_us_per_hop=round(device_us, 1), device_GBps=round(nbytes / device_us / 1e3, 3))
+    return out
 
 
 def hop_rank_main(
@@ -435,7 +457,7 @@ def hop_rank_main(
             row[label] = _stats_us(samples)
         if num_tokens == large_tokens:  # the 64 MiB case: also one way, back to back
             row["transport_streamed"] = _streamed_hops(
-                rank, forward, tensors, buffers, num_tokens, row["bytes"], n_iter, sync
+                rank, forward, tensors, buffers, num_tokens, row["bytes"], STREAMED_HOPS, sync
             )
         # What PipelineTransport adds to bare sends (stacking small hops into one message).
         row["transport_minus_bare_us"] = round(row["transport"]["median_us"] - row["tensors_only"]["median_us"], 1)
