@@ -204,6 +204,7 @@ def switches() -> list[tuple]:
     import pprun.layers.skinny
     import pprun.layers.triton_utils
     import pprun.worker.kv_cache
+    import pprun.worker.v2.inputs
     import pprun.worker.v2.runner
 
     return [(pprun.layers, "SKINNY_ENABLED", False, True),
@@ -226,7 +227,8 @@ def switches() -> list[tuple]:
             (pprun.layers, "DEFER_MERGE_ENABLED", False, False),
             (pprun.layers.skinny, "DEFERRED_TARGET_PROGRAMS", 128, False),
             (pprun.layers.fused, "NORM_PARTS_NUM_WARPS", 4, False),
-            (pprun.attention.triton_ops, "DECODE_PRELOAD_SECOND", False, False)]
+            (pprun.attention.triton_ops, "DECODE_PRELOAD_SECOND", False, False),
+            (pprun.worker.v2.inputs, "STAGING_KERNEL_ENABLED", False, True)]
 
 
 def parse_settings(text: str) -> list[tuple]:
@@ -273,7 +275,9 @@ def main() -> None:
                          "their own launch instead of the next kernel's (DEFER_MERGE_ENABLED), the norm-merged ones split K until ~128 "
                          "programs instead of ~256 (DEFERRED_TARGET_PROGRAMS), 4 warps per row instead of 16 in the norm "
                          "that merges partials (NORM_PARTS_NUM_WARPS), the decode attention's second K/V tile "
-                         "loaded in its loop instead of before its PDL wait (DECODE_PRELOAD_SECOND; batch 32 only)")
+                         "loaded in its loop instead of before its PDL wait (DECODE_PRELOAD_SECOND; batch 32 only), a step's "
+                         "inputs sent by cudaMemcpy plus indexed writes instead of the staging kernel "
+                         "(STAGING_KERNEL_ENABLED)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
                          "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")

@@ -18,12 +18,18 @@ import torch
 
 from pprun.attention.metadata import AttentionMetadata
 from pprun.core.outputs import SchedulerOutput
+from pprun.switches import enabled_unless
 from pprun.worker.v2.request_state import RequestTable
 
 MERGE_GAP_BYTES = 128 * 1024
 """Two used ranges of the staging arena closer than this go in one copy, unused gap included:
 copying a few more bytes costs the copy engine less than another copy costs the host."""
 _ALIGN = 64
+STAGING_KERNEL_ENABLED: bool = enabled_unless("PPRUN_DISABLE_STAGING_KERNEL")
+"""On CUDA, a step's inputs reach the device through one kernel that reads the pinned arena
+(``pprun.worker.v2.staging``) instead of ``cudaMemcpyAsync`` plus, with async scheduling, three
+kernels that put the previous step's samples into ``input_ids``.  ``PPRUN_DISABLE_STAGING_KERNEL=1``
+(or ``scripts/gpu_speed.py --ab``) goes back to the copies."""
 
 
 class HostDeviceBuffer:
@@ -155,6 +161,7 @@ class InputBuffers:
                 ((max_num_reqs, max_num_blocks_per_req), torch.int32),
                 ((max_num_reqs,), torch.int64),
                 ((max_num_reqs,), torch.int64),
+                ((max_num_tokens,), torch.int32),
             ],
             device,
         )
@@ -169,14 +176,17 @@ class InputBuffers:
             self.block_table,
             self.pending_token_idx,
             self.pending_sample_idx,
+            self.token_source,
         ) = self._arena.fields
         """``logits_indices``: rows of the step's hidden states whose logits are sampled;
         ``sample_rows``: the sampling requests' :class:`RequestTable` rows (the sampler gathers
         their parameters on the device with it); ``pending_token_idx`` / ``pending_sample_idx``:
         with async scheduling, which input tokens are the previous step's samples, still on the
-        device, and where they are in its sampled ids."""
+        device, and where they are in its sampled ids; ``token_source`` (host side only, read by the
+        staging kernel): per token -1, or its row in the previous step's sampled ids."""
         self.num_copies_last_step = 0
-        """Host-to-device copies :meth:`to_device` issued last (1 for a typical step)."""
+        """Host-to-device copies :meth:`to_device` issued last (1 for a typical step; 0 when the
+        staging kernel moved the inputs)."""
         # The host staging buffers are rewritten every step while the previous step's
         # non_blocking copies may still be reading them: wait for those first.
         self._copies_done: torch.cuda.Event | None = None
@@ -208,10 +218,23 @@ class InputBuffers:
             self._copies_done = None
 
     def to_device(
-        self, num_reqs_padded: int, num_tokens_padded: int, num_sampled: int, num_pending: int = 0
+        self,
+        num_reqs_padded: int,
+        num_tokens_padded: int,
+        num_sampled: int,
+        num_pending: int = 0,
+        prev_sampled: torch.Tensor | None = None,
     ) -> None:
-        """Copy the step's rows (real and padding) to the device buffers: non-blocking from pinned
-        memory, normally one copy (used ranges merged, see :data:`MERGE_GAP_BYTES`), no sync."""
+        """Send the step's rows (real and padding) to the device buffers, asynchronously, no sync.
+
+        ``num_pending`` (async scheduling): ``input_ids[pending_token_idx[:n]]`` become
+        ``prev_sampled[pending_sample_idx[:n]]``, the previous step's samples, which stay on the
+        device.  On CUDA one kernel reads the pinned arena and does both
+        (:data:`STAGING_KERNEL_ENABLED`); otherwise non-blocking copies from pinned memory
+        (normally one: used ranges merged, see :data:`MERGE_GAP_BYTES`) and an indexed write.
+        """
+        if num_pending and prev_sampled is None:
+            raise ValueError(f"{num_pending} pending input ids need the previous step's sampled ids")
         used = (
             (self.query_start_loc, num_reqs_padded + 1),
             (self.seq_lens, num_reqs_padded),
@@ -224,14 +247,57 @@ class InputBuffers:
             (self.pending_token_idx, num_pending),
             (self.pending_sample_idx, num_pending),
         )
-        self.num_copies_last_step = self._arena.copy_ranges(
-            [(b.offset, b.offset + n * b.row_bytes) for b, n in used]
-        )
+        if self.device.type == "cuda" and STAGING_KERNEL_ENABLED:
+            self._stage(used, num_tokens_padded, num_pending, prev_sampled)
+        else:
+            self.num_copies_last_step = self._arena.copy_ranges(
+                [(b.offset, b.offset + n * b.row_bytes) for b, n in used]
+            )
+            if num_pending:
+                ids = self.input_ids.device
+                ids[self.pending_token_idx.device[:num_pending]] = prev_sampled[
+                    self.pending_sample_idx.device[:num_pending]
+                ]
         if self.device.type == "cuda":
             # One event, recorded again each step (it was waited on first, or a second record
             # simply covers both steps' copies): no allocation per step.
             self._copies_done = self._copy_event
             self._copies_done.record()
+
+    def _stage(
+        self,
+        used: tuple[tuple[HostDeviceBuffer, int], ...],
+        num_tokens_padded: int,
+        num_pending: int,
+        prev_sampled: torch.Tensor | None,
+    ) -> None:
+        """The staging kernel's launch: every used range but ``input_ids`` (which the kernel
+        writes token by token) and the pending index lists (it reads ``token_source`` instead,
+        from the host)."""
+        from pprun.worker.v2.staging import fit_ranges, stage_inputs
+
+        ids = self.input_ids
+        skip = (ids, self.pending_token_idx, self.pending_sample_idx)
+        # Merged on each side of input_ids apart: no copied range may cover it.
+        below = [(b.offset, b.offset + n * b.row_bytes) for b, n in used if b not in skip and b.offset < ids.offset]
+        above = [(b.offset, b.offset + n * b.row_bytes) for b, n in used if b not in skip and b.offset > ids.offset]
+        ranges = [*merge_ranges(below, MERGE_GAP_BYTES), *merge_ranges(above, MERGE_GAP_BYTES)]
+        source = None
+        if num_pending:
+            source = self.token_source.np
+            source[:num_tokens_padded] = -1
+            source[self.pending_token_idx.np[:num_pending]] = self.pending_sample_idx.np[:num_pending]
+        stage_inputs(
+            self._arena.host,
+            self._arena.device,
+            fit_ranges(ranges),
+            ids.host,
+            ids.device,
+            num_tokens_padded,
+            self.token_source.host if num_pending else None,
+            prev_sampled if num_pending else None,
+        )
+        self.num_copies_last_step = 0
 
     # --- reading -----------------------------------------------------------------------------
 

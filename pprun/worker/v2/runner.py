@@ -425,13 +425,12 @@ class V2ModelRunner:
             # Async pipeline steps: the ids the last stage sent (waits for them on the host).
             n = batch.num_pending
             self._ids_from_last.fill(self.bufs.input_ids.np, self.bufs.pending_token_idx.np[:n], self.bufs.pending_sample_idx.np[:n])
-        self.bufs.to_device(plan.num_reqs_padded, plan.num_tokens_padded, batch.num_sampled, num_pending_on_device)
-        if num_pending_on_device:
-            # Async scheduling at pp = 1: these inputs are what the previous step sampled, still
-            # on the device (stream order makes this read wait for that step, not the host).
-            n = num_pending_on_device
-            ids = self.bufs.input_ids.device
-            ids[self.bufs.pending_token_idx.device[:n]] = self.prev_sampled[self.bufs.pending_sample_idx.device[:n]]
+        # Async scheduling at pp = 1: the pending inputs are what the previous step sampled, still
+        # on the device (stream order makes their read wait for that step, not the host).
+        self.bufs.to_device(
+            plan.num_reqs_padded, plan.num_tokens_padded, batch.num_sampled, num_pending_on_device,
+            self.prev_sampled if num_pending_on_device else None,
+        )
         meta = self.bufs.attn_metadata(
             batch.num_reqs, plan.num_reqs_padded, num_tokens, plan.num_tokens_padded, batch.max_query_len
         )

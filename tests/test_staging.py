@@ -1,0 +1,121 @@
+"""The staging kernel (``pprun.worker.v2.staging``): a step's inputs copied from the pinned arena
+by one kernel, with the previous step's samples put into ``input_ids`` on the way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_env import DEVICE, HAS_CUDA, triton_only  # noqa: E402  (sets TRITON_INTERPRET)
+
+from pprun.worker.v2 import inputs as inputs_mod
+from pprun.worker.v2.inputs import InputBuffers
+from pprun.worker.v2.staging import MAX_RANGES, fit_ranges, stage_inputs
+
+
+def test_fit_ranges_merges_across_the_smallest_gaps_first():
+    ranges = [(0, 8), (100, 108), (112, 120), (1000, 1004)]
+    assert fit_ranges(ranges, limit=4) == ranges
+    assert fit_ranges(ranges, limit=3) == [(0, 8), (100, 120), (1000, 1004)]
+    assert fit_ranges(ranges, limit=2) == [(0, 120), (1000, 1004)]
+    assert fit_ranges(ranges, limit=1) == [(0, 1004)]
+
+
+def test_stage_inputs_refuses_what_it_cannot_copy():
+    arena = torch.zeros(64, dtype=torch.uint8)
+    ids = torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        stage_inputs(arena, arena.clone(), [(0, 6)], ids, ids.clone(), 4)
+    with pytest.raises(ValueError, match=f"at most {MAX_RANGES} ranges"):
+        stage_inputs(arena, arena.clone(), [(4 * i, 4 * i + 4) for i in range(MAX_RANGES + 1)], ids, ids.clone(), 4)
+    with pytest.raises(ValueError, match="go together"):
+        stage_inputs(arena, arena.clone(), [], ids, ids.clone(), 4, token_source=torch.zeros(4, dtype=torch.int32))
+
+
+@triton_only
+@pytest.mark.parametrize("pending", [False, True])
+def test_stage_inputs_copies_the_ranges_and_takes_pending_ids_from_the_previous_samples(pending):
+    g = torch.Generator().manual_seed(0)
+    host = torch.randint(0, 256, (8192,), dtype=torch.uint8, generator=g)
+    if HAS_CUDA:
+        host = host.pin_memory()
+    device = torch.zeros(8192, dtype=torch.uint8, device=DEVICE)
+    ranges = [(0, 12), (64, 4096 + 8), (6000, 6400)]  # long enough for several programs
+    num_tokens = 3000
+    ids_host = torch.randint(0, 32000, (4096,), dtype=torch.int64, generator=g)
+    if HAS_CUDA:
+        ids_host = ids_host.pin_memory()
+    ids_device = torch.full((4096,), -7, dtype=torch.int64, device=DEVICE)
+    expected_ids = ids_host[:num_tokens].clone()
+    source = prev = None
+    if pending:
+        prev = torch.randint(0, 32000, (64,), dtype=torch.int64, generator=g).to(DEVICE)
+        source = torch.full((4096,), -1, dtype=torch.int32)
+        rows = torch.randperm(num_tokens, generator=g)[:64]
+        source[rows] = torch.arange(64, dtype=torch.int32)
+        if HAS_CUDA:
+            source = source.pin_memory()
+        expected_ids[rows] = prev.cpu()
+    stage_inputs(host, device, ranges, ids_host, ids_device, num_tokens, source, prev)
+    got = device.cpu()
+    expected = torch.zeros(8192, dtype=torch.uint8)
+    for s, e in ranges:
+        expected[s:e] = host[s:e]
+    assert torch.equal(got, expected)  # the ranges, and nothing else
+    assert torch.equal(ids_device[:num_tokens].cpu(), expected_ids)
+    assert bool((ids_device[num_tokens:] == -7).all())  # past num_tokens: untouched
+
+
+def _fill(bufs: InputBuffers, g: torch.Generator, num_reqs: int, num_tokens: int, num_pending: int) -> None:
+    """Random host values in every field a step sends."""
+    for field in (bufs.query_start_loc, bufs.seq_lens, bufs.logits_indices, bufs.sample_rows, bufs.input_ids,
+                  bufs.positions, bufs.slot_mapping, bufs.block_table):
+        field.host.copy_(torch.randint(0, 1000, field.host.shape, generator=g).to(field.host.dtype))
+    bufs.pending_token_idx.np[:num_pending] = torch.randperm(num_tokens, generator=g)[:num_pending].numpy()
+    bufs.pending_sample_idx.np[:num_pending] = torch.randperm(num_reqs, generator=g)[:num_pending].numpy()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="the staging kernel runs on CUDA only")
+@pytest.mark.parametrize("num_pending", [0, 24])
+def test_staging_kernel_sends_what_the_copies_send(monkeypatch, num_pending):
+    """The same host buffers through the kernel and through cudaMemcpy + indexed write: every field
+    a step reads holds the same rows on the device."""
+    num_reqs, num_tokens, device = 32, 40, torch.device("cuda")
+    prev = torch.randint(0, 32000, (num_reqs,), dtype=torch.int64, device=device)
+    got = []
+    for enabled in (True, False):
+        monkeypatch.setattr(inputs_mod, "STAGING_KERNEL_ENABLED", enabled)
+        bufs = InputBuffers(64, 48, 16, 16, device)
+        _fill(bufs, torch.Generator().manual_seed(1), num_reqs, num_tokens, num_pending)
+        bufs.wait_for_previous_copies()
+        bufs.to_device(num_reqs, num_tokens, num_reqs, num_pending, prev if num_pending else None)
+        torch.cuda.synchronize()
+        got.append({
+            "query_start_loc": bufs.query_start_loc.device[: num_reqs + 1].cpu(),
+            "seq_lens": bufs.seq_lens.device[:num_reqs].cpu(),
+            "logits_indices": bufs.logits_indices.device[:num_reqs].cpu(),
+            "sample_rows": bufs.sample_rows.device[:num_reqs].cpu(),
+            "input_ids": bufs.input_ids.device[:num_tokens].cpu(),
+            "positions": bufs.positions.device[:num_tokens].cpu(),
+            "slot_mapping": bufs.slot_mapping.device[:num_tokens].cpu(),
+            "block_table": bufs.block_table.device[:num_reqs].cpu(),
+        })
+        assert bufs.num_copies_last_step == (0 if enabled else 1)
+    for name, value in got[0].items():
+        assert torch.equal(value, got[1][name]), name
+    # With pending tokens the device ids are not the host's: the previous samples went in.
+    assert torch.equal(got[0]["input_ids"], bufs.input_ids.host[:num_tokens]) == (num_pending == 0)
+
+
+def test_staging_kernel_compiles_for_sm90():
+    """The kernel compiles for an H100/H200 without a GPU (``sm90_compile``): one variant per
+    ``HAS_PENDING``, the ranges and token count not specialised on."""
+    from sm90_compile import compile_sm90
+
+    for has_pending in (False, True):
+        ptx = compile_sm90(
+            "pprun.worker.v2.staging", "_stage_kernel", {"HAS_PENDING": has_pending, "BLOCK": 1024}, options={},
+            pointers={"src_ptr": "*i32", "dst_ptr": "*i32", "ids_src_ptr": "*i64", "ids_dst_ptr": "*i64",
+                      "token_source_ptr": "*i32", "prev_ptr": "*i64"},
+        )
+        assert ".entry _stage_kernel" in ptx
