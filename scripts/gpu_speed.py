@@ -228,7 +228,8 @@ def switches() -> list[tuple]:
             (pprun.layers.skinny, "DEFERRED_TARGET_PROGRAMS", 128, False),
             (pprun.layers.fused, "NORM_PARTS_NUM_WARPS", 4, False),
             (pprun.attention.triton_ops, "DECODE_PRELOAD_SECOND", False, False),
-            (pprun.worker.v2.inputs, "STAGING_KERNEL_ENABLED", False, True)]
+            (pprun.worker.v2.inputs, "STAGING_KERNEL_ENABLED", False, True),
+            (pprun.worker.v2.runner, "GRAPH_IDS_TO_HOST_ENABLED", False, True)]
 
 
 def parse_settings(text: str) -> list[tuple]:
@@ -277,7 +278,8 @@ def main() -> None:
                          "that merges partials (NORM_PARTS_NUM_WARPS), the decode attention's second K/V tile "
                          "loaded in its loop instead of before its PDL wait (DECODE_PRELOAD_SECOND; batch 32 only), a step's "
                          "inputs sent by cudaMemcpy plus indexed writes instead of the staging kernel "
-                         "(STAGING_KERNEL_ENABLED)")
+                         "(STAGING_KERNEL_ENABLED), the greedy ids copied to the host after the graph instead of stored "
+                         "there by its argmax (GRAPH_IDS_TO_HOST_ENABLED)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
                          "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")

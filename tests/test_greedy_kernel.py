@@ -50,6 +50,24 @@ def test_copy_and_argmax_matches_torch(dtype, vocab, block_v):
 
 
 @triton_only
+@pytest.mark.parametrize("block_v", [64, 2048])  # several chunks (the merging program writes), one
+def test_copy_and_argmax_also_writes_the_host_ring_row_named_by_the_slot(block_v):
+    from pprun.sampling.greedy_kernel import copy_and_argmax
+
+    rows = 5
+    x = _logits(rows, 1000, torch.float32, seed=2).to(DEVICE)
+    ids = torch.empty(rows, dtype=torch.int64, device=DEVICE)
+    ring = torch.full((3, 8), -1, dtype=torch.int64, pin_memory=HAS_CUDA)
+    slot = torch.tensor([2], dtype=torch.int32, device=DEVICE)
+    copy_and_argmax(x, torch.empty_like(x), ids, block_v=block_v, host_out=ring, host_slot=slot)
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+    expected = torch.argmax(x.cpu(), dim=-1)
+    assert torch.equal(ring[2, :rows], expected) and torch.equal(ids.cpu(), expected)
+    assert bool((ring[:2] == -1).all()) and bool((ring[2, rows:] == -1).all())  # nothing else written
+
+
+@triton_only
 def test_copy_and_argmax_rejects_bad_arguments():
     from pprun.sampling.greedy_kernel import copy_and_argmax
 
@@ -63,6 +81,14 @@ def test_copy_and_argmax_rejects_bad_arguments():
         copy_and_argmax(x, torch.empty_like(x), ids, block_v=100)
     with pytest.raises(ValueError, match="contiguous in vocab"):
         copy_and_argmax(x.t(), torch.empty_like(x.t()), ids)
+    slot = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="go together"):
+        copy_and_argmax(x, torch.empty_like(x), ids, host_out=torch.zeros(3, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="host_out must be"):
+        copy_and_argmax(x, torch.empty_like(x), ids, host_out=torch.zeros(3, 1, dtype=torch.int64), host_slot=slot)
+    with pytest.raises(ValueError, match="host_slot must be"):
+        copy_and_argmax(x, torch.empty_like(x), ids, host_out=torch.zeros(3, 4, dtype=torch.int64),
+                        host_slot=slot.to(torch.int64))
 
 
 @pytest.mark.gpu
@@ -83,3 +109,29 @@ def test_graph_greedy_ids_match_eager_argmax():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(ids, torch.argmax(x, dim=-1)) and torch.equal(out, x)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_graph_greedy_ids_reach_the_host_row_the_slot_names_at_replay():
+    """Captured once, each replay writes the pinned ring's row that the slot holds at replay."""
+    from pprun.layers.triton_utils import force_pdl
+    from pprun.sampling.greedy_kernel import copy_and_argmax
+
+    x = _logits(32, 32000, torch.bfloat16, seed=5).to(DEVICE)
+    out, ids = torch.empty_like(x), torch.empty(32, dtype=torch.int64, device=DEVICE)
+    ring = torch.full((3, 32), -1, dtype=torch.int64, pin_memory=True)
+    slot = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    with force_pdl():
+        copy_and_argmax(x, out, ids, host_out=ring, host_slot=slot)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        copy_and_argmax(x, out, ids, host_out=ring, host_slot=slot)
+    ring.fill_(-1)
+    for s, seed in ((1, 6), (2, 7)):
+        x.copy_(_logits(32, 32000, torch.bfloat16, seed=seed).to(DEVICE))
+        slot.fill_(s)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(ring[s], torch.argmax(x, dim=-1).cpu()), s
+    assert bool((ring[0] == -1).all())

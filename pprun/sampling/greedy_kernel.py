@@ -42,6 +42,16 @@ def _chunk_winner(x, offs, mask):
 
 
 @triton.jit
+def _store_id(ids_ptr, host_ptr, slot_ptr, stride_host, row, index, TO_HOST: tl.constexpr):
+    """The row's id into ``ids``, and with ``TO_HOST`` also into row ``slot`` of the pinned
+    ``host`` ring (mapped host memory: the store crosses PCIe, no copy engine involved)."""
+    tl.store(ids_ptr + row, index.to(tl.int64))
+    if TO_HOST:
+        slot = tl.load(slot_ptr)
+        tl.store(host_ptr + slot.to(tl.int64) * stride_host + row, index.to(tl.int64))
+
+
+@triton.jit
 def _copy_argmax_kernel(
     x_ptr,
     out_ptr,
@@ -49,13 +59,17 @@ def _copy_argmax_kernel(
     part_v_ptr,
     part_i_ptr,
     counter_ptr,
+    host_ptr,
+    slot_ptr,
     V,
     stride_x,
     stride_out,
+    stride_host,
     BLOCK: tl.constexpr,
     CHUNKS: tl.constexpr,
     CHUNKS_P2: tl.constexpr,
     USE_PDL: tl.constexpr,
+    TO_HOST: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -66,7 +80,7 @@ def _copy_argmax_kernel(
     tl.store(out_ptr + row.to(tl.int64) * stride_out + offs, x, mask=mask)
     value, index = _chunk_winner(x.to(tl.float32), offs, mask)
     if CHUNKS == 1:
-        tl.store(ids_ptr + row, index.to(tl.int64))
+        _store_id(ids_ptr, host_ptr, slot_ptr, stride_host, row, index, TO_HOST)
     else:
         tl.store(part_v_ptr + row * CHUNKS + chunk, value)
         tl.store(part_i_ptr + row * CHUNKS + chunk, index)
@@ -81,12 +95,13 @@ def _copy_argmax_kernel(
             # Each chunk's index is its first best; chunks ascend, so the smallest index among
             # the chunks holding the row's best is the row's first best.
             _, index = _chunk_winner(values, indices, c_mask)
-            tl.store(ids_ptr + row, index.to(tl.int64))
+            _store_id(ids_ptr, host_ptr, slot_ptr, stride_host, row, index, TO_HOST)
             tl.atomic_xchg(counter_ptr + row, 0, sem="relaxed", scope="gpu")
 
 
 def copy_and_argmax(logits: torch.Tensor, logits_out: torch.Tensor, ids_out: torch.Tensor,
-                    block_v: int = BLOCK_V) -> None:
+                    block_v: int = BLOCK_V, host_out: torch.Tensor | None = None,
+                    host_slot: torch.Tensor | None = None) -> None:
     """``logits_out.copy_(logits)`` and ``torch.argmax(logits, -1, out=ids_out)`` in one launch.
 
     Args:
@@ -94,6 +109,10 @@ def copy_and_argmax(logits: torch.Tensor, logits_out: torch.Tensor, ids_out: tor
         logits_out: same shape and dtype (rows may be strided).
         ids_out: ``[rows]`` int64.
         block_v: vocabulary entries per program (a power of two; tests use small ones).
+        host_out: ``[slots, >= rows]`` int64 in pinned host memory (CUDA), contiguous rows: the
+            ids also go to its row ``host_slot[0]``, read when the kernel runs (a captured graph
+            writes wherever the step before it pointed), so no device-to-host copy follows.
+        host_slot: ``[1]`` int32 on the logits' device, with ``host_out``.
     """
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [rows, vocab] and contiguous in vocab, got shape "
@@ -106,6 +125,16 @@ def copy_and_argmax(logits: torch.Tensor, logits_out: torch.Tensor, ids_out: tor
                          f"{tuple(ids_out.shape)} {ids_out.dtype}")
     if block_v < 16 or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
+    if (host_out is None) != (host_slot is None):
+        raise ValueError("host_out and host_slot go together")
+    if host_out is not None:
+        if host_out.dim() != 2 or host_out.dtype != torch.int64 or host_out.shape[1] < logits.shape[0] \
+                or host_out.stride(1) != 1:
+            raise ValueError(f"host_out must be [slots, >= {logits.shape[0]}] int64 with contiguous rows, got "
+                             f"{tuple(host_out.shape)} {host_out.dtype}, strides {host_out.stride()}")
+        if host_slot.shape != (1,) or host_slot.dtype != torch.int32 or host_slot.device != logits.device:
+            raise ValueError(f"host_slot must be a (1,) int32 tensor on {logits.device}, got "
+                             f"{tuple(host_slot.shape)} {host_slot.dtype} on {host_slot.device}")
     rows, vocab = logits.shape
     if rows == 0:
         return
@@ -116,8 +145,11 @@ def copy_and_argmax(logits: torch.Tensor, logits_out: torch.Tensor, ids_out: tor
         part_i = torch.empty(rows * chunks, dtype=torch.int32, device=logits.device)
     else:
         counters = part_v = part_i = ids_out  # unread with one chunk
+    to_host = host_out is not None
     _copy_argmax_kernel[(rows, chunks)](
-        logits, logits_out, ids_out, part_v, part_i, counters, vocab, logits.stride(0), logits_out.stride(0),
-        BLOCK=block_v, CHUNKS=chunks, CHUNKS_P2=max(2, triton.next_power_of_2(chunks)),
+        logits, logits_out, ids_out, part_v, part_i, counters,
+        host_out if to_host else ids_out, host_slot if to_host else ids_out,  # unread without TO_HOST
+        vocab, logits.stride(0), logits_out.stride(0), host_out.stride(0) if to_host else 0,
+        BLOCK=block_v, CHUNKS=chunks, CHUNKS_P2=max(2, triton.next_power_of_2(chunks)), TO_HOST=to_host,
         num_warps=4, **pdl_options(logits.device),
     )

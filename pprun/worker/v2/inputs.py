@@ -155,6 +155,7 @@ class InputBuffers:
                 ((max_num_reqs,), torch.int32),
                 ((max_num_reqs,), torch.int64),
                 ((max_num_reqs,), torch.int64),
+                ((1,), torch.int32),
                 ((max_num_tokens,), torch.int64),
                 ((max_num_tokens,), torch.int64),
                 ((max_num_tokens,), torch.int64),
@@ -170,6 +171,7 @@ class InputBuffers:
             self.seq_lens,
             self.logits_indices,
             self.sample_rows,
+            self.host_slot,
             self.input_ids,
             self.positions,
             self.slot_mapping,
@@ -180,7 +182,9 @@ class InputBuffers:
         ) = self._arena.fields
         """``logits_indices``: rows of the step's hidden states whose logits are sampled;
         ``sample_rows``: the sampling requests' :class:`RequestTable` rows (the sampler gathers
-        their parameters on the device with it); ``pending_token_idx`` / ``pending_sample_idx``:
+        their parameters on the device with it); ``host_slot``: the row of the runner's pinned ring
+        that this step's sampled ids go to (a full decode graph's argmax writes it there itself);
+        ``pending_token_idx`` / ``pending_sample_idx``:
         with async scheduling, which input tokens are the previous step's samples, still on the
         device, and where they are in its sampled ids; ``token_source`` (host side only, read by the
         staging kernel): per token -1, or its row in the previous step's sampled ids."""
@@ -240,6 +244,7 @@ class InputBuffers:
             (self.seq_lens, num_reqs_padded),
             (self.logits_indices, num_sampled),
             (self.sample_rows, num_sampled),
+            (self.host_slot, 1),
             (self.input_ids, num_tokens_padded),
             (self.positions, num_tokens_padded),
             (self.slot_mapping, num_tokens_padded),

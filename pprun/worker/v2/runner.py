@@ -52,6 +52,13 @@ GREEDY_KERNEL_ENABLED: bool = enabled_unless("PPRUN_DISABLE_GREEDY_KERNEL")
 (``pprun.sampling.greedy_kernel``) rather than ``copy_`` and ``torch.argmax``; like every Triton
 op, only where ``pprun.layers.fused_ops_for`` allows (CUDA, ``PPRUN_DISABLE_FUSED`` unset)."""
 
+GRAPH_IDS_TO_HOST_ENABLED: bool = enabled_unless("PPRUN_DISABLE_GRAPH_IDS_TO_HOST")
+"""Whether the full decode graphs' greedy argmax (the Triton launch of
+:data:`GREEDY_KERNEL_ENABLED`) also stores the ids in the pinned ring row the step names
+(``bufs.host_slot``), so that an all-greedy decode step launches no device-to-host copy after
+its graph: with the staging kernel (``pprun.worker.v2.inputs.STAGING_KERNEL_ENABLED``) nothing
+of such a step runs on a copy engine.  ``PPRUN_DISABLE_GRAPH_IDS_TO_HOST=1`` copies instead."""
+
 GRAPH_HOP_ENABLED: bool = enabled_unless("PPRUN_DISABLE_GRAPH_HOP")
 """Whether full decode graphs of a pipeline carry the hop to the next stage (the send at the end
 of a stage's graph, the receive at the start of the next one's): a decode hop then costs no host
@@ -196,14 +203,16 @@ class V2ModelRunner:
             model, layout, device, self.dtype, self.max_num_reqs, self.max_num_tokens
         )
         self.sampler = Sampler()
-        self.sampled_host = [
-            torch.zeros(self.max_num_reqs, dtype=torch.int64, pin_memory=device.type == "cuda")
-            for _ in range(3)
-        ]
-        """Pinned landing buffers of the sampled ids' device-to-host copies (a ring: with async
-        scheduling, or a pipeline's last stage launching ahead, two steps' copies are outstanding
-        at once; a third would need a longer ring)."""
+        self.sampled_ring = torch.zeros((3, self.max_num_reqs), dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.sampled_host = list(self.sampled_ring)
+        """Pinned landing rows of the sampled ids, one per step in turn (a ring: with async
+        scheduling, or a pipeline's last stage launching ahead, two steps' ids are outstanding at
+        once; a third would need a longer ring).  A full decode graph's argmax writes its row
+        itself (:data:`GRAPH_IDS_TO_HOST_ENABLED`); other steps copy into it."""
         self._host_slot = 0
+        """The current step's row of :attr:`sampled_ring` (also in ``bufs.host_slot`` on the device)."""
+        self._graph_ids_to_host = False
+        """Whether the full decode graphs write the greedy ids to the ring themselves."""
         self._host_events = [torch.cuda.Event() for _ in self.sampled_host] if device.type == "cuda" else []
         self.prev_sampled: torch.Tensor | None = None
         """The last step's sampled ids, on the device (async scheduling reads them)."""
@@ -341,8 +350,15 @@ class V2ModelRunner:
         if GREEDY_KERNEL_ENABLED and fused_ops_for(logits) is not None and logits.stride(-1) == 1:
             from pprun.sampling.greedy_kernel import copy_and_argmax
 
-            copy_and_argmax(logits, self.graph_logits[:num_tokens_padded], self.graph_greedy[:num_tokens_padded])
+            to_host = self.device.type == "cuda" and GRAPH_IDS_TO_HOST_ENABLED
+            copy_and_argmax(
+                logits, self.graph_logits[:num_tokens_padded], self.graph_greedy[:num_tokens_padded],
+                host_out=self.sampled_ring if to_host else None,
+                host_slot=self.bufs.host_slot.device if to_host else None,
+            )
+            self._graph_ids_to_host = to_host
         else:
+            self._graph_ids_to_host = False
             self.graph_logits[:num_tokens_padded].copy_(logits)
             torch.argmax(logits, dim=-1, out=self.graph_greedy[:num_tokens_padded])
 
@@ -425,6 +441,8 @@ class V2ModelRunner:
             # Async pipeline steps: the ids the last stage sent (waits for them on the host).
             n = batch.num_pending
             self._ids_from_last.fill(self.bufs.input_ids.np, self.bufs.pending_token_idx.np[:n], self.bufs.pending_sample_idx.np[:n])
+        self._host_slot = (self._host_slot + 1) % len(self.sampled_host)
+        self.bufs.host_slot.np[0] = self._host_slot
         # Async scheduling at pp = 1: the pending inputs are what the previous step sampled, still
         # on the device (stream order makes their read wait for that step, not the host).
         self.bufs.to_device(
@@ -521,10 +539,12 @@ class V2ModelRunner:
         else:  # prefill chunks, some of which do not reach their prompt's end: gather
             rows = self.bufs.logits_indices.device[:num_sampled]
             picked = [t[rows] for t in sources]
+        on_host = False  # the graph's argmax wrote the ids to this step's ring row already
         if not in_graph:
             res = self.sampler(self.model.compute_logits(picked[0]), tensors)
         elif tensors.all_greedy and tensors.max_num_logprobs is None:
             res = SamplerOutput(picked[1])
+            on_host = self._graph_ids_to_host and num_sampled == batch.num_tokens
         else:
             res = self.sampler(picked[0], tensors)
         self.prev_sampled = res.sampled_token_ids
@@ -542,7 +562,7 @@ class V2ModelRunner:
                     res.sampled_token_ids,
                     *(_pinned_copy(t) for t in (res.sampled_logprobs, res.topk_ids, res.topk_logprobs)),
                 )
-        host_ids, done = self._copy_to_host(res.sampled_token_ids)
+        host_ids, done = self._copy_to_host(res.sampled_token_ids, on_host)
         feedback = self.feedback
 
         def build() -> ModelRunnerOutput:
@@ -569,15 +589,18 @@ class V2ModelRunner:
 
         return PendingOutput(build, done)
 
-    def _copy_to_host(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Start the sampled ids' copy to pinned host memory; returns the host view and the event
-        to wait on.  Pinned buffers rotate, so two steps in flight never share one."""
+    def _copy_to_host(
+        self, token_ids: torch.Tensor, on_host: bool = False
+    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start the sampled ids' copy to this step's pinned ring row (none when ``on_host``: the
+        graph wrote them there); returns the host view and the event to wait on.  The rows
+        rotate step by step, so two steps in flight never share one."""
         if self.device.type != "cuda":
             return token_ids, None
         n = token_ids.shape[0]
-        self._host_slot = (self._host_slot + 1) % len(self.sampled_host)
         host = self.sampled_host[self._host_slot][:n]
-        host.copy_(token_ids, non_blocking=True)
-        done = self._host_events[self._host_slot]  # rotates with its buffer: no allocation per step
+        if not on_host:
+            host.copy_(token_ids, non_blocking=True)
+        done = self._host_events[self._host_slot]  # rotates with its row: no allocation per step
         done.record()
         return host, done
