@@ -119,3 +119,26 @@ def test_staging_kernel_compiles_for_sm90():
                       "token_source_ptr": "*i32", "prev_ptr": "*i64"},
         )
         assert ".entry _stage_kernel" in ptx
+
+
+def test_staging_ranges_leave_input_ids_and_the_pending_lists_out():
+    """Every used byte but input_ids' and the pending lists' is in exactly one range, and no
+    range reaches into input_ids, also when the ranges have to be merged to fit one launch."""
+    bufs = InputBuffers(64, 48, 16, 16, torch.device("cpu"))
+    ids = bufs.input_ids
+    used = (
+        (bufs.query_start_loc, 33), (bufs.seq_lens, 32), (bufs.logits_indices, 32), (bufs.sample_rows, 32),
+        (bufs.host_slot, 1), (ids, 40), (bufs.positions, 40), (bufs.slot_mapping, 40), (bufs.block_table, 32),
+        (bufs.pending_token_idx, 24), (bufs.pending_sample_idx, 24),
+    )
+    ids_bytes = (ids.offset, ids.offset + ids.host.numel() * ids.host.element_size())
+    for limit in (MAX_RANGES, 2):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("pprun.worker.v2.staging.MAX_RANGES", limit)
+            ranges = bufs.staging_ranges(used)
+        assert len(ranges) <= limit
+        assert all(e <= ids_bytes[0] or s >= ids_bytes[1] for s, e in ranges), ranges
+        for b, n in used:
+            start, end = b.offset, b.offset + n * b.row_bytes
+            covered = any(s <= start and end <= e for s, e in ranges)
+            assert covered == (b not in (ids, bufs.pending_token_idx, bufs.pending_sample_idx)), b.offset

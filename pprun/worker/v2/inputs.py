@@ -269,6 +269,22 @@ class InputBuffers:
             self._copies_done = self._copy_event
             self._copies_done.record()
 
+    def staging_ranges(self, used: tuple[tuple[HostDeviceBuffer, int], ...]) -> list[tuple[int, int]]:
+        """The arena's byte ranges the staging kernel copies for ``used`` (buffer, rows) pairs:
+        all but ``input_ids`` (the kernel writes it token by token) and the pending index lists
+        (it reads ``token_source`` from the host instead), merged as the copies merge them but
+        never across ``input_ids``, at most ``staging.MAX_RANGES``."""
+        from pprun.worker.v2.staging import MAX_RANGES, fit_ranges
+
+        ids = self.input_ids
+        skip = (ids, self.pending_token_idx, self.pending_sample_idx)
+        sides: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
+        for b, n in used:
+            if b not in skip:
+                sides[b.offset > ids.offset].append((b.offset, b.offset + n * b.row_bytes))
+        half = MAX_RANGES // 2
+        return [r for side in sides for r in fit_ranges(merge_ranges(side, MERGE_GAP_BYTES), half)]
+
     def _stage(
         self,
         used: tuple[tuple[HostDeviceBuffer, int], ...],
@@ -276,18 +292,10 @@ class InputBuffers:
         num_pending: int,
         prev_sampled: torch.Tensor | None,
     ) -> None:
-        """The staging kernel's launch: every used range but ``input_ids`` (which the kernel
-        writes token by token) and the pending index lists (it reads ``token_source`` instead,
-        from the host)."""
-        from pprun.worker.v2.staging import fit_ranges, stage_inputs
+        """The staging kernel's launch (ranges: :meth:`staging_ranges`)."""
+        from pprun.worker.v2.staging import stage_inputs
 
         ids = self.input_ids
-        skip = (ids, self.pending_token_idx, self.pending_sample_idx)
-        # Merged on each side of input_ids apart: no copied range may cover it.
-        below = [(b.offset, b.offset + n * b.row_bytes) for b, n in used if b not in skip and b.offset < ids.offset]
-        above = [(b.offset, b.offset + n * b.row_bytes) for b, n in used if b not in skip and b.offset > ids.offset]
-        ranges = [*merge_ranges(below, MERGE_GAP_BYTES), *merge_ranges(above, MERGE_GAP_BYTES)]
-        source = None
         if num_pending:
             source = self.token_source.np
             source[:num_tokens_padded] = -1
@@ -295,7 +303,7 @@ class InputBuffers:
         stage_inputs(
             self._arena.host,
             self._arena.device,
-            fit_ranges(ranges),
+            self.staging_ranges(used),
             ids.host,
             ids.device,
             num_tokens_padded,
