@@ -5,7 +5,8 @@ The V2 runner packs a step's inputs into one pinned host arena (``inputs._Arena`
 kernels more put the previous step's sampled ids (still on the device) into ``input_ids``.  The
 copy runs on a copy engine: the stream passes from compute to the copy engine and back around
 it, and each pass costs a few microseconds; the three kernels cost a launch each.  On an H200
-those ops took ~20 us of each decode step outside the graph, about 2% of a batch-32 step.
+those ops and the sampled ids' copy back took ~20 us of each decode step outside its graph, 2% of
+a batch-32 step; this kernel saved 4-5 us of it (``docs/performance.md``, twelfth session).
 
 Here one kernel does all of it.  Pinned host memory is mapped into the GPU's address space, so
 the kernel loads the used byte ranges straight from it over PCIe and stores them into the device
