@@ -29,6 +29,13 @@ def test_stage_inputs_refuses_what_it_cannot_copy():
         stage_inputs(arena, arena.clone(), [(4 * i, 4 * i + 4) for i in range(MAX_RANGES + 1)], ids, ids.clone(), 4)
     with pytest.raises(ValueError, match="go together"):
         stage_inputs(arena, arena.clone(), [], ids, ids.clone(), 4, token_source=torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="ids must be int64"):
+        stage_inputs(arena, arena.clone(), [], ids.int(), ids.int(), 4)
+    source, prev = torch.zeros(4, dtype=torch.int32), torch.zeros(8, dtype=torch.int64)
+    with pytest.raises(ValueError, match="token_source must be int32"):
+        stage_inputs(arena, arena.clone(), [], ids, ids.clone(), 4, source.long(), prev)
+    with pytest.raises(ValueError, match="prev_sampled contiguous"):
+        stage_inputs(arena, arena.clone(), [], ids, ids.clone(), 4, source, prev[::2])
 
 
 @triton_only

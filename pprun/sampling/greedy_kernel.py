@@ -132,6 +132,8 @@ def copy_and_argmax(logits: torch.Tensor, logits_out: torch.Tensor, ids_out: tor
                 or host_out.stride(1) != 1:
             raise ValueError(f"host_out must be [slots, >= {logits.shape[0]}] int64 with contiguous rows, got "
                              f"{tuple(host_out.shape)} {host_out.dtype}, strides {host_out.stride()}")
+        if logits.is_cuda and not host_out.is_pinned():
+            raise ValueError("host_out must be in pinned host memory (the kernel stores into it across PCIe)")
         if host_slot.shape != (1,) or host_slot.dtype != torch.int32 or host_slot.device != logits.device:
             raise ValueError(f"host_slot must be a (1,) int32 tensor on {logits.device}, got "
                              f"{tuple(host_slot.shape)} {host_slot.dtype} on {host_slot.device}")

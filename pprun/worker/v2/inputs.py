@@ -30,6 +30,11 @@ STAGING_KERNEL_ENABLED: bool = enabled_unless("PPRUN_DISABLE_STAGING_KERNEL")
 (``pprun.worker.v2.staging``) instead of ``cudaMemcpyAsync`` plus, with async scheduling, three
 kernels that put the previous step's samples into ``input_ids``.  ``PPRUN_DISABLE_STAGING_KERNEL=1``
 (or ``scripts/gpu_speed.py --ab``) goes back to the copies."""
+STAGING_KERNEL_MAX_BYTES = 1 << 20
+"""Steps whose used ranges hold more bytes go by the copies even with the kernel on: a copy engine
+is the known path for bulk transfers, while the kernel's gain (a few us of stream switches,
+measured on decode steps of a few KB) does not grow with size.  Large steps (long prefill chunks,
+wide block tables) were not timed through the kernel."""
 
 
 class HostDeviceBuffer:
@@ -234,8 +239,9 @@ class InputBuffers:
         ``num_pending`` (async scheduling): ``input_ids[pending_token_idx[:n]]`` become
         ``prev_sampled[pending_sample_idx[:n]]``, the previous step's samples, which stay on the
         device.  On CUDA one kernel reads the pinned arena and does both
-        (:data:`STAGING_KERNEL_ENABLED`); otherwise non-blocking copies from pinned memory
-        (normally one: used ranges merged, see :data:`MERGE_GAP_BYTES`) and an indexed write.
+        (:data:`STAGING_KERNEL_ENABLED`, up to :data:`STAGING_KERNEL_MAX_BYTES`); otherwise
+        non-blocking copies from pinned memory (normally one: used ranges merged, see
+        :data:`MERGE_GAP_BYTES`) and an indexed write.
         """
         if num_pending and prev_sampled is None:
             raise ValueError(f"{num_pending} pending input ids need the previous step's sampled ids")
@@ -252,12 +258,16 @@ class InputBuffers:
             (self.pending_token_idx, num_pending),
             (self.pending_sample_idx, num_pending),
         )
-        if self.device.type == "cuda" and STAGING_KERNEL_ENABLED:
+        ranges = [(b.offset, b.offset + n * b.row_bytes) for b, n in used]
+        staged = (
+            self.device.type == "cuda"
+            and STAGING_KERNEL_ENABLED
+            and sum(end - start for start, end in ranges) <= STAGING_KERNEL_MAX_BYTES
+        )
+        if staged:
             self._stage(used, num_tokens_padded, num_pending, prev_sampled)
         else:
-            self.num_copies_last_step = self._arena.copy_ranges(
-                [(b.offset, b.offset + n * b.row_bytes) for b, n in used]
-            )
+            self.num_copies_last_step = self._arena.copy_ranges(ranges)
             if num_pending:
                 ids = self.input_ids.device
                 ids[self.pending_token_idx.device[:num_pending]] = prev_sampled[

@@ -110,6 +110,12 @@ def stage_inputs(
         raise ValueError(f"ranges must be 4-byte aligned, got {ranges}")
     if (token_source is None) != (prev_sampled is None):
         raise ValueError("token_source and prev_sampled go together")
+    if ids_host.dtype != torch.int64 or ids_device.dtype != torch.int64:
+        raise ValueError(f"the ids must be int64, got {ids_host.dtype} and {ids_device.dtype}")
+    if token_source is not None:
+        if token_source.dtype != torch.int32 or prev_sampled.dtype != torch.int64 or not prev_sampled.is_contiguous():
+            raise ValueError(f"token_source must be int32 and prev_sampled contiguous int64, got "
+                             f"{token_source.dtype}, {prev_sampled.dtype} with strides {prev_sampled.stride()}")
     words = [w for s, e in ranges for w in (s // 4, e // 4)]
     words += [0] * (2 * MAX_RANGES - len(words))
     longest = max([num_tokens, *((e - s) for s, e in zip(words[::2], words[1::2]))])
