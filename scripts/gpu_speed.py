@@ -283,6 +283,9 @@ def main() -> None:
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
                          "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")
+    ap.add_argument("--ab-prefill", action="store_true",
+                    help="with --ab, also time the prefill with each switch flipped (the default-settings "
+                         "prefill runs last, as without this flag)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="the decode engines' max_model_len (default: context + steps + 64)")
     ap.add_argument("--set", default="",
@@ -290,6 +293,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.ab_only and not args.ab:
         raise SystemExit("--ab-only needs --ab")
+    if args.ab_prefill and (not args.ab or args.no_prefill):
+        raise SystemExit("--ab-prefill needs --ab and the prefill (no --no-prefill)")
     global MAX_MODEL_LEN
     MAX_MODEL_LEN = args.max_model_len
     res = {"max_model_len": args.max_model_len} if args.max_model_len else {}
@@ -310,6 +315,8 @@ def main() -> None:
                 res[f"decode_b1_{flag}={flipped}"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps,
                                                             measure_memory=False, trace=args.graph_trace)
             res[f"decode_b32_{flag}={flipped}"] = decode(args.model, 32, 512, 100, trace=args.graph_trace)
+            if args.ab_prefill:
+                res[f"prefill_{flag}={flipped}"] = prefill(args.model)
             setattr(module, flag, default)
         # Everything on again: the spread between this and the first run is the noise.
         res["decode_b1_again"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps, measure_memory=False)
