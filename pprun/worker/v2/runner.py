@@ -204,7 +204,6 @@ class V2ModelRunner:
         )
         self.sampler = Sampler()
         self.sampled_ring = torch.zeros((3, self.max_num_reqs), dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.sampled_host = list(self.sampled_ring)
         """Pinned landing rows of the sampled ids, one per step in turn (a ring: with async
         scheduling, or a pipeline's last stage launching ahead, two steps' ids are outstanding at
         once; a third would need a longer ring).  A full decode graph's argmax writes its row
@@ -213,7 +212,7 @@ class V2ModelRunner:
         """The current step's row of :attr:`sampled_ring` (also in ``bufs.host_slot`` on the device)."""
         self._graph_ids_to_host = False
         """Whether the full decode graphs write the greedy ids to the ring themselves."""
-        self._host_events = [torch.cuda.Event() for _ in self.sampled_host] if device.type == "cuda" else []
+        self._host_events = [torch.cuda.Event() for _ in self.sampled_ring] if device.type == "cuda" else []
         self.prev_sampled: torch.Tensor | None = None
         """The last step's sampled ids, on the device (async scheduling reads them)."""
         self.prev_sample_index: Mapping[str, int] = {}
@@ -441,7 +440,7 @@ class V2ModelRunner:
             # Async pipeline steps: the ids the last stage sent (waits for them on the host).
             n = batch.num_pending
             self._ids_from_last.fill(self.bufs.input_ids.np, self.bufs.pending_token_idx.np[:n], self.bufs.pending_sample_idx.np[:n])
-        self._host_slot = (self._host_slot + 1) % len(self.sampled_host)
+        self._host_slot = (self._host_slot + 1) % len(self.sampled_ring)
         self.bufs.host_slot.np[0] = self._host_slot
         # Async scheduling at pp = 1: the pending inputs are what the previous step sampled, still
         # on the device (stream order makes their read wait for that step, not the host).
@@ -598,7 +597,7 @@ class V2ModelRunner:
         if self.device.type != "cuda":
             return token_ids, None
         n = token_ids.shape[0]
-        host = self.sampled_host[self._host_slot][:n]
+        host = self.sampled_ring[self._host_slot, :n]
         if not on_host:
             host.copy_(token_ids, non_blocking=True)
         done = self._host_events[self._host_slot]  # rotates with its row: no allocation per step
