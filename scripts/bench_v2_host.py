@@ -100,7 +100,7 @@ def bench(batch: int, steps: int, mix: str, ctx: int = 512, max_model_len: int |
             runner.update_states(so)
             t1 = time.perf_counter()
             plan = runner.graphs.plan(so.num_reqs, batch, 1)
-            runner.bufs.wait_for_previous_copies()
+            runner.bufs.wait_for_previous_reads()
             from pprun.worker.v2.inputs import prepare_step
 
             batch_ = prepare_step(runner.table, so, runner.bufs, plan.num_reqs_padded, plan.num_tokens_padded)

@@ -94,7 +94,7 @@ def test_staging_kernel_sends_what_the_copies_send(monkeypatch, num_pending):
         monkeypatch.setattr(inputs_mod, "STAGING_KERNEL_ENABLED", enabled)
         bufs = InputBuffers(64, 48, 16, 16, device)
         _fill(bufs, torch.Generator().manual_seed(1), num_reqs, num_tokens, num_pending)
-        bufs.wait_for_previous_copies()
+        bufs.wait_for_previous_reads()
         bufs.to_device(num_reqs, num_tokens, num_reqs, num_pending, prev if num_pending else None)
         torch.cuda.synchronize()
         got.append({

@@ -53,6 +53,10 @@ class HostDeviceBuffer:
         """Byte offset of this buffer in its arena."""
         self.row_bytes = host[0].numel() * host.element_size() if host.dim() else host.element_size()
 
+    def span(self, num_rows: int) -> tuple[int, int]:
+        """The arena's byte range ``[start, end)`` of the first ``num_rows`` rows."""
+        return self.offset, self.offset + num_rows * self.row_bytes
+
     def to_device(self, num_rows: int) -> torch.Tensor:
         """Copy the first ``num_rows`` rows host -> device (asynchronously); returns the device view."""
         if self.device is not self.host:
@@ -167,7 +171,6 @@ class InputBuffers:
                 ((max_num_reqs, max_num_blocks_per_req), torch.int32),
                 ((max_num_reqs,), torch.int64),
                 ((max_num_reqs,), torch.int64),
-                ((max_num_tokens,), torch.int32),
             ],
             device,
         )
@@ -183,7 +186,6 @@ class InputBuffers:
             self.block_table,
             self.pending_token_idx,
             self.pending_sample_idx,
-            self.token_source,
         ) = self._arena.fields
         """``logits_indices``: rows of the step's hidden states whose logits are sampled;
         ``sample_rows``: the sampling requests' :class:`RequestTable` rows (the sampler gathers
@@ -191,15 +193,17 @@ class InputBuffers:
         that this step's sampled ids go to (a full decode graph's argmax writes it there itself);
         ``pending_token_idx`` / ``pending_sample_idx``:
         with async scheduling, which input tokens are the previous step's samples, still on the
-        device, and where they are in its sampled ids; ``token_source`` (host side only, read by the
-        staging kernel): per token -1, or its row in the previous step's sampled ids."""
+        device, and where they are in its sampled ids."""
+        self.token_source = torch.full((max_num_tokens,), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
+        """Host only, read by the staging kernel: per token -1, or its row in the previous step's
+        sampled ids (what ``pending_token_idx`` / ``pending_sample_idx`` say, per token)."""
         self.num_copies_last_step = 0
         """Host-to-device copies :meth:`to_device` issued last (1 for a typical step; 0 when the
         staging kernel moved the inputs)."""
-        # The host staging buffers are rewritten every step while the previous step's
-        # non_blocking copies may still be reading them: wait for those first.
-        self._copies_done: torch.cuda.Event | None = None
-        self._copy_event = torch.cuda.Event() if device.type == "cuda" else None
+        # The host staging buffers are rewritten every step while the previous step's copies or
+        # staging kernel may still be reading them: wait for those first.
+        self._reads_done: torch.cuda.Event | None = None
+        self._read_event = torch.cuda.Event() if device.type == "cuda" else None
         self.make_inert(0, 0, max_num_reqs, max_num_tokens)
         self.to_device(max_num_reqs, max_num_tokens, 0)
 
@@ -220,11 +224,12 @@ class InputBuffers:
             self.seq_lens.np[num_reqs:num_reqs_padded] = 0
             self.block_table.np[num_reqs:num_reqs_padded] = 0
 
-    def wait_for_previous_copies(self) -> None:
-        """Block until the last :meth:`to_device` copies finished reading the host buffers."""
-        if self._copies_done is not None:
-            self._copies_done.synchronize()
-            self._copies_done = None
+    def wait_for_previous_reads(self) -> None:
+        """Block until the last :meth:`to_device` finished reading the host buffers (its copies or
+        the staging kernel)."""
+        if self._reads_done is not None:
+            self._reads_done.synchronize()
+            self._reads_done = None
 
     def to_device(
         self,
@@ -258,7 +263,7 @@ class InputBuffers:
             (self.pending_token_idx, num_pending),
             (self.pending_sample_idx, num_pending),
         )
-        ranges = [(b.offset, b.offset + n * b.row_bytes) for b, n in used]
+        ranges = [b.span(n) for b, n in used]
         staged = (
             self.device.type == "cuda"
             and STAGING_KERNEL_ENABLED
@@ -275,14 +280,14 @@ class InputBuffers:
                 ]
         if self.device.type == "cuda":
             # One event, recorded again each step (it was waited on first, or a second record
-            # simply covers both steps' copies): no allocation per step.
-            self._copies_done = self._copy_event
-            self._copies_done.record()
+            # simply covers both steps' reads): no allocation per step.
+            self._reads_done = self._read_event
+            self._reads_done.record()
 
     def staging_ranges(self, used: tuple[tuple[HostDeviceBuffer, int], ...]) -> list[tuple[int, int]]:
         """The arena's byte ranges the staging kernel copies for ``used`` (buffer, rows) pairs:
         all but ``input_ids`` (the kernel writes it token by token) and the pending index lists
-        (it reads ``token_source`` from the host instead), merged as the copies merge them but
+        (it reads :attr:`token_source` from the host instead), merged as the copies merge them but
         never across ``input_ids``, at most ``staging.MAX_RANGES``."""
         from pprun.worker.v2.staging import MAX_RANGES, fit_ranges
 
@@ -291,7 +296,7 @@ class InputBuffers:
         sides: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
         for b, n in used:
             if b not in skip:
-                sides[b.offset > ids.offset].append((b.offset, b.offset + n * b.row_bytes))
+                sides[b.offset > ids.offset].append(b.span(n))
         half = MAX_RANGES // 2
         return [r for side in sides for r in fit_ranges(merge_ranges(side, MERGE_GAP_BYTES), half)]
 
@@ -307,7 +312,7 @@ class InputBuffers:
 
         ids = self.input_ids
         if num_pending:
-            source = self.token_source.np
+            source = self.token_source.numpy()
             source[:num_tokens_padded] = -1
             source[self.pending_token_idx.np[:num_pending]] = self.pending_sample_idx.np[:num_pending]
         stage_inputs(
@@ -317,7 +322,7 @@ class InputBuffers:
             ids.host,
             ids.device,
             num_tokens_padded,
-            self.token_source.host if num_pending else None,
+            self.token_source if num_pending else None,
             prev_sampled if num_pending else None,
         )
         self.num_copies_last_step = 0

@@ -306,10 +306,10 @@ class V2ModelRunner:
         """Make every row of the buffers inert for one capture size: nothing is read from or
         written to the KV cache, and no request row is touched.  Runs outside capture (host
         writes, copies and event waits are not capturable, and must not replay)."""
-        self.bufs.wait_for_previous_copies()
+        self.bufs.wait_for_previous_reads()
         self.bufs.make_inert(0, 0, num_reqs_padded, num_tokens_padded)
         self.bufs.to_device(num_reqs_padded, num_tokens_padded, 0)
-        self.bufs.wait_for_previous_copies()
+        self.bufs.wait_for_previous_reads()
         if self.graph_intermediate is not None:
             for t in self.graph_intermediate.values():
                 t[:num_tokens_padded].zero_()
@@ -418,7 +418,7 @@ class V2ModelRunner:
         """
         # The deltas rewrite pinned staging memory (sampling parameters) that the previous
         # step's non-blocking copies may still be reading.
-        self.bufs.wait_for_previous_copies()
+        self.bufs.wait_for_previous_reads()
         self.update_states(so)
         if so.is_empty():
             return ModelRunnerOutput(so.step_id, [], []) if self.layout.is_last else None

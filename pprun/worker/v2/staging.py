@@ -46,7 +46,7 @@ def _copy_words(src_ptr, dst_ptr, start, end, pid, nprog, BLOCK: tl.constexpr):
         tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
 
 
-@triton.jit(do_not_specialize=[*_RANGE_ARGS, "num_tokens"])
+@triton.jit(do_not_specialize=[*_RANGE_ARGS, "num_tokens_padded"])
 def _stage_kernel(
     src_ptr,
     dst_ptr,
@@ -55,7 +55,7 @@ def _stage_kernel(
     ids_dst_ptr,
     token_source_ptr,
     prev_ptr,
-    num_tokens,
+    num_tokens_padded,
     HAS_PENDING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -69,9 +69,9 @@ def _stage_kernel(
     _copy_words(src_ptr, dst_ptr, s5, e5, pid, nprog, BLOCK)
     _copy_words(src_ptr, dst_ptr, s6, e6, pid, nprog, BLOCK)
     _copy_words(src_ptr, dst_ptr, s7, e7, pid, nprog, BLOCK)
-    for t0 in range(pid * BLOCK, num_tokens, nprog * BLOCK):
+    for t0 in range(pid * BLOCK, num_tokens_padded, nprog * BLOCK):
         offs = t0 + tl.arange(0, BLOCK)
-        mask = offs < num_tokens
+        mask = offs < num_tokens_padded
         ids = tl.load(ids_src_ptr + offs, mask=mask)
         if HAS_PENDING:
             source = tl.load(token_source_ptr + offs, mask=mask, other=-1)
@@ -96,14 +96,15 @@ def stage_inputs(
     ranges: list[tuple[int, int]],
     ids_host: torch.Tensor,
     ids_device: torch.Tensor,
-    num_tokens: int,
+    num_tokens_padded: int,
     token_source: torch.Tensor | None = None,
     prev_sampled: torch.Tensor | None = None,
 ) -> None:
     """One launch: copy the byte ``ranges`` (4-byte aligned, at most :data:`MAX_RANGES`, none
     overlapping ``ids_device``) of ``host_arena`` (pinned uint8) into ``device_arena``, and write
-    ``ids_device[:num_tokens]``: ``ids_host`` where ``token_source`` is -1, else
-    ``prev_sampled[token_source]`` (no ``token_source``: ``ids_host`` throughout)."""
+    ``ids_device[:num_tokens_padded]`` (the step's tokens, padding rows included): ``ids_host``
+    where ``token_source`` is -1, else ``prev_sampled[token_source]`` (no ``token_source``:
+    ``ids_host`` throughout)."""
     if len(ranges) > MAX_RANGES:
         raise ValueError(f"at most {MAX_RANGES} ranges per launch, got {len(ranges)}")
     if any(s % 4 or e % 4 for s, e in ranges):
@@ -118,7 +119,7 @@ def stage_inputs(
                              f"{token_source.dtype}, {prev_sampled.dtype} with strides {prev_sampled.stride()}")
     words = [w for s, e in ranges for w in (s // 4, e // 4)]
     words += [0] * (2 * MAX_RANGES - len(words))
-    longest = max([num_tokens, *((e - s) for s, e in zip(words[::2], words[1::2]))])
+    longest = max([num_tokens_padded, *((e - s) for s, e in zip(words[::2], words[1::2]))])
     grid = (max(1, min(_MAX_PROGRAMS, triton.cdiv(longest, _BLOCK))),)
     has_pending = token_source is not None
     _stage_kernel[grid](
@@ -129,7 +130,7 @@ def stage_inputs(
         ids_device,
         token_source if has_pending else ids_host,
         prev_sampled if has_pending else ids_host,
-        num_tokens,
+        num_tokens_padded,
         HAS_PENDING=has_pending,
         BLOCK=_BLOCK,
     )
