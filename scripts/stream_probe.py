@@ -1,0 +1,178 @@
+"""What a decode step's byte pattern costs when nothing but streaming happens: the ceiling for
+any kernel design, and what its sync points cost kernel by kernel or inside one kernel.
+
+A batch-32 decode step of the 1.1B model reads, in order and with a full dependency between
+each: per layer the norm's partials (~2.2 MB), qkv (12.6 MB), the K/V cache (33.5 MB at
+context 512), o_proj (8.4 MB), the norm's partials again, gate_up (67.1 MB), down (33.5 MB);
+then the final norm, the LM head (131.1 MB) and the logits (2 MB): 113 phases, ~2.69 GB.
+This script streams exactly those byte counts from HBM (distinct ranges of one buffer, so L2
+never serves a phase from an earlier one) with a kernel that only loads and sums, in four ways:
+
+- ``one_phase``: every byte in a single phase (no sync point at all): the bandwidth ceiling;
+- ``kernels_pdl``: one launch per phase in a CUDA graph, with PDL as pprun's kernels use it
+  (wait for the previous kernel, then let the next one be scheduled);
+- ``kernels_plain``: the same launches without PDL;
+- ``persistent``: one launch of a few programs per SM that stream phase after phase with a
+  grid-wide barrier (an arrival counter in L2) between phases: the sync a whole-step
+  "megakernel" with coarse dependencies would pay.
+
+Prints one JSON object with each way's ms per step and TB/s, and the byte count.
+
+    python3 scripts/stream_probe.py [--programs-per-sm 2] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+import triton.language as tl
+
+from pprun.layers.triton_utils import pdl_options, pdl_sync
+
+MB = 1e6
+LAYER_PHASES = [("norm", 2.2), ("qkv", 12.58), ("attention", 33.55), ("o_proj", 8.39), ("norm", 2.2),
+                ("gate_up", 67.11), ("down", 33.55)]
+TAIL_PHASES = [("norm", 2.2), ("lm_head", 131.07), ("argmax", 2.05)]
+CHUNK = 4096  # bf16 elements per load (8 KB)
+
+
+@triton.jit
+def _stream_phase(buf_ptr, start, end, sink_ptr, pid, nprog, CHUNK: tl.constexpr, UNROLL: tl.constexpr):
+    """Sum elements [start, end) of buf (both multiples of CHUNK * UNROLL), groups of UNROLL
+    chunks dealt round-robin over nprog programs; each group's loads are all in flight at once."""
+    acc = tl.zeros([CHUNK], tl.float32)
+    offs = tl.arange(0, CHUNK)
+    for base in range(start + pid * CHUNK * UNROLL, end, nprog * CHUNK * UNROLL):
+        for u in tl.static_range(UNROLL):
+            at = tl.multiple_of(base + u * CHUNK, CHUNK)
+            acc += tl.load(buf_ptr + at + offs, cache_modifier=".cg").to(tl.float32)
+    tl.store(sink_ptr + pid, tl.sum(acc))
+
+
+@triton.jit
+def _phase_kernel(buf_ptr, start, end, sink_ptr, CHUNK: tl.constexpr, UNROLL: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_sync(USE_PDL)
+    _stream_phase(buf_ptr, start, end, sink_ptr, tl.program_id(0), tl.num_programs(0), CHUNK, UNROLL)
+
+
+@triton.jit
+def _persistent_kernel(buf_ptr, bounds_ptr, n_phases, sink_ptr, bar_ptr, CHUNK: tl.constexpr, UNROLL: tl.constexpr):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for p in range(n_phases):
+        start = tl.multiple_of(tl.load(bounds_ptr + p), CHUNK)
+        end = tl.multiple_of(tl.load(bounds_ptr + p + 1), CHUNK)
+        _stream_phase(buf_ptr, start, end, sink_ptr + p * nprog, pid, nprog, CHUNK, UNROLL)
+        # Grid barrier: every program's loads of this phase are done before the next starts.
+        tl.debug_barrier()
+        tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+        target = (p + 1) * nprog
+        # (a compare-and-swap that never matches reads the counter; an add of 0 is folded away)
+        seen = tl.atomic_cas(bar_ptr, -1, -1, sem="acquire", scope="gpu")
+        while seen < target:
+            seen = tl.atomic_cas(bar_ptr, -1, -1, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+
+
+def _time(fn, reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        for _ in range(reps):
+            g.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / reps)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--programs-per-sm", default="1,2", help="programs per SM (all must fit at once: the persistent kernel spins)")
+    ap.add_argument("--unroll", type=int, default=8, help="loads in flight per program per iteration")
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--merge", default="", help="phase names (e.g. norm,qkv) whose bytes join the next phase: "
+                    "the sync points a fusion or an overlap would remove")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    phases = LAYER_PHASES * args.layers + TAIL_PHASES
+    merge = set(filter(None, args.merge.split(",")))
+    folded: list[tuple[str, float]] = []
+    carry = 0.0
+    for name, mb in phases:  # a merged phase's bytes go to the phase after it (no sync point between)
+        if name in merge:
+            carry += mb
+        else:
+            folded.append((name, mb + carry))
+            carry = 0.0
+    phases = folded
+    group = CHUNK * args.unroll
+    sizes = [int(mb * MB / 2) // group * group for _, mb in phases]  # bf16 elements, whole groups
+    bounds = [0]
+    for s in sizes:
+        bounds.append(bounds[-1] + s)
+    total_bytes = bounds[-1] * 2
+    buf = torch.ones(bounds[-1], dtype=torch.bfloat16, device=dev)
+    bounds_t = torch.tensor(bounds, dtype=torch.int64, device=dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    result = {"device": torch.cuda.get_device_name(dev), "phases": len(phases), "bytes": total_bytes,
+              "chunk_bytes": CHUNK * 2, "unroll": args.unroll, "warps": args.warps,
+              "merged": sorted(merge)}
+
+    def record(name: str, ms: float) -> None:
+        result[name] = {"ms": round(ms, 4), "tb_s": round(total_bytes / ms / 1e9, 3)}
+        print(name, result[name], flush=True)
+
+    for per_sm in (int(v) for v in args.programs_per_sm.split(",")):
+        nprog = sms * per_sm
+        sink = torch.empty(nprog * len(phases), dtype=torch.float32, device=dev)
+        def one_phase(nprog=nprog, sink=sink):
+            _phase_kernel[(nprog,)](buf, 0, bounds[-1], sink, CHUNK=CHUNK, UNROLL=args.unroll, USE_PDL=False,
+                                    num_warps=args.warps)
+        record(f"one_phase_{per_sm}_per_sm", _time(one_phase))
+        for use_pdl in (True, False):
+
+            def kernels(use_pdl=use_pdl, nprog=nprog, sink=sink):
+                # pprun's launch options: PDL while a graph is captured
+                opts = pdl_options(dev) if use_pdl else {"USE_PDL": False}
+                for p in range(len(phases)):
+                    _phase_kernel[(nprog,)](buf, bounds[p], bounds[p + 1], sink, CHUNK=CHUNK, UNROLL=args.unroll,
+                                            num_warps=args.warps, **opts)
+            record(f"kernels_{'pdl' if use_pdl else 'plain'}_{per_sm}_per_sm", _time(kernels))
+        bar = torch.zeros(1, dtype=torch.int32, device=dev)
+        compiled = _persistent_kernel.warmup(buf, bounds_t, len(phases), sink, bar, CHUNK=CHUNK, UNROLL=args.unroll,
+                                             num_warps=args.warps, grid=(1,))
+        compiled._init_handles()
+        threads = 32 * args.warps
+        fits = min(65536 // max(1, compiled.n_regs * threads), 2048 // threads)
+        if per_sm > fits:  # the barrier would wait for programs that cannot start
+            result[f"persistent_{per_sm}_per_sm"] = {"skipped": f"{compiled.n_regs} registers: {fits} per SM fit"}
+            continue
+
+        def persistent(bar=bar, sink=sink, nprog=nprog):
+            bar.zero_()
+            _persistent_kernel[(nprog,)](buf, bounds_t, len(phases), sink, bar, CHUNK=CHUNK, UNROLL=args.unroll,
+                                         num_warps=args.warps)
+        record(f"persistent_{per_sm}_per_sm", _time(persistent))
+    text = json.dumps(result, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
