@@ -229,9 +229,7 @@ def switches() -> list[tuple]:
             (pprun.layers.fused, "NORM_PARTS_NUM_WARPS", 4, False),
             (pprun.attention.triton_ops, "DECODE_PRELOAD_SECOND", False, False),
             (pprun.worker.v2.inputs, "STAGING_KERNEL_ENABLED", False, True),
-            (pprun.worker.v2.runner, "GRAPH_IDS_TO_HOST_ENABLED", False, True),
-            (pprun.attention.triton_ops, "DECODE_WAIT_IN_LOOP", True, True),
-            (pprun.attention.triton_ops, "DECODE_WAIT_IN_LOOP_STAGES", 3, True)]
+            (pprun.worker.v2.runner, "GRAPH_IDS_TO_HOST_ENABLED", False, True)]
 
 
 def parse_settings(text: str) -> list[tuple]:
@@ -281,10 +279,7 @@ def main() -> None:
                          "loaded in its loop instead of before its PDL wait (DECODE_PRELOAD_SECOND; batch 32 only), a step's "
                          "inputs sent by cudaMemcpy plus indexed writes instead of the staging kernel "
                          "(STAGING_KERNEL_ENABLED), the greedy ids copied to the host after the graph instead of stored "
-                         "there by its argmax (GRAPH_IDS_TO_HOST_ENABLED), the decode attention's PDL wait inside "
-                         "its K/V loop, the first tiles in flight in shared memory, instead of tiles preloaded into "
-                         "registers (DECODE_WAIT_IN_LOOP), 3 stages for that loop instead of 4 "
-                         "(DECODE_WAIT_IN_LOOP_STAGES; only with DECODE_WAIT_IN_LOOP set)")
+                         "there by its argmax (GRAPH_IDS_TO_HOST_ENABLED)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
                          "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")

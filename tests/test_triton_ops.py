@@ -605,30 +605,6 @@ def test_triton_rope_decode_second_preloaded_tile_changes_nothing(dtype, monkeyp
     assert not triton_ops.preload_second(8)
 
 
-@triton_only
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_rope_decode_wait_in_loop_changes_nothing(dtype, monkeypatch):
-    """The wait, q and the new token inside the K/V loop's first iteration
-    (``DECODE_WAIT_IN_LOOP``) give the same output and cache bit for bit as the preloads: the
-    same tiles in the same order, over splits of one, two and four tiles, an empty split (the
-    one all-masked iteration), a context of one token and a padded request."""
-    from pprun.attention import triton_ops
-
-    case = make_case(
-        [1, 1, 1, 1, 0], [400, 20, 70, 1, 0], num_heads=4, num_kv_heads=1, head_dim=64, block_size=16,
-        dtype=dtype, device=TRITON_DEVICE, num_reqs_padded=5, num_tokens_padded=5, max_blocks_per_req=64, seed=17,
-    )
-    for min_tokens in (64, 256, 512):
-        monkeypatch.setattr(triton_ops, "DECODE_MIN_TOKENS_PER_SPLIT", min_tokens)
-        monkeypatch.setattr(triton_ops, "DECODE_WAIT_IN_LOOP", False)
-        want = _rope_decode_once(case, 64)
-        for stages in (2, 4):
-            monkeypatch.setattr(triton_ops, "DECODE_WAIT_IN_LOOP", True)
-            monkeypatch.setattr(triton_ops, "DECODE_WAIT_IN_LOOP_STAGES", stages)
-            got = _rope_decode_once(case, 64)
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-
-
 @pytest.mark.parametrize("second", [False, True])
 def test_decode_kernel_compiles_for_sm90(second):
     """The decode kernel compiles for an H100/H200 without a GPU (``sm90_compile``), with its K/V
@@ -637,8 +613,7 @@ def test_decode_kernel_compiles_for_sm90(second):
 
     const = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=64, HALF=32, NEW_TOKEN=True, HAS_ROPE=True,
                  BLOCK_G=16, BLOCK_D=64, BLOCK_N=64, PAGE_SIZE=16, NUM_SPLITS=2, DOT_F32=False, PRELOAD_KV=True,
-                 PRELOAD_SECOND=second, USE_PDL=True, QKV_PARTS=2, QKV_BIAS=True, WAIT_IN_LOOP=False,
-                 LOOP_STAGES=2)
+                 PRELOAD_SECOND=second, USE_PDL=True, QKV_PARTS=2, QKV_BIAS=True)
     pointers = {"pos_ptr": "*i64", "slot_ptr": "*i64", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
                 "counter_ptr": "*i32", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
                 "qkv_bias_ptr": "*bf16"}
@@ -646,25 +621,6 @@ def test_decode_kernel_compiles_for_sm90(second):
                        float_args=("scale_log2",), options={"num_warps": 2, "num_stages": 2, "enable_fp_fusion": False})
     assert "cp.async.cg.shared.global" in ptx  # the K/V loop pipelined
     assert "griddepcontrol.wait" in ptx
-
-
-def test_decode_kernel_wait_in_loop_issues_tiles_before_the_wait():
-    """With ``WAIT_IN_LOOP`` the K/V loop's first tiles are asynchronous copies issued before the
-    PDL wait (compiled for sm_90); without it, no copy precedes the wait."""
-    from sm90_compile import compile_sm90
-
-    const = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=64, HALF=32, NEW_TOKEN=True, HAS_ROPE=True,
-                 BLOCK_G=16, BLOCK_D=64, BLOCK_N=64, PAGE_SIZE=16, NUM_SPLITS=2, DOT_F32=False, PRELOAD_KV=True,
-                 PRELOAD_SECOND=True, USE_PDL=True, QKV_PARTS=2, QKV_BIAS=True, LOOP_STAGES=4)
-    pointers = {"pos_ptr": "*i64", "slot_ptr": "*i64", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
-                "counter_ptr": "*i32", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
-                "qkv_bias_ptr": "*bf16"}
-    for in_loop in (True, False):
-        ptx = compile_sm90("pprun.attention.triton_ops", "_decode_kernel", dict(const, WAIT_IN_LOOP=in_loop),
-                           pointers=pointers, float_args=("scale_log2",),
-                           options={"num_warps": 2, "num_stages": 2, "enable_fp_fusion": False})
-        before_wait = ptx[: ptx.index("griddepcontrol.wait")]
-        assert ("cp.async.cg.shared.global" in before_wait) == in_loop
 
 
 @triton_only

@@ -65,14 +65,6 @@ with its weights); batch 1 (8 splits of one tile, where the second is all masked
 DECODE_PRELOAD_SECOND_MAX_SPLITS = 4
 """Most splits of the context that take :data:`DECODE_PRELOAD_SECOND` (more splits are shorter:
 at batch 1 they hold one tile each)."""
-DECODE_WAIT_IN_LOOP = False
-"""Decode with a new token: instead of the preloads above (K/V tiles held in registers across the
-PDL wait), the wait, q and the new token happen inside the K/V loop's first iteration, so that
-the loop's software pipeline has its first :data:`DECODE_WAIT_IN_LOOP_STAGES` - 1 tiles in
-flight, in shared memory, before the wait (an A/B switch of ``scripts/gpu_speed.py``; the same
-tiles in the same order, so the same output bit for bit)."""
-DECODE_WAIT_IN_LOOP_STAGES = 4
-"""The K/V loop's pipeline stages under :data:`DECODE_WAIT_IN_LOOP`."""
 # The CPU interpreter multiplies bf16/fp16 dot operands as raw bits; it gets fp32 dots.
 # The rotary products are rounded one by one, as torch does them (see pprun.layers.fused): NO_FMA.
 
@@ -351,54 +343,6 @@ def _merge_split(part_m_ptr, part_l_ptr, part_acc_ptr, rows, offs_d, g_mask, qd_
 
 
 @triton.jit
-def _decode_start(q_rows, k_row, v_row, qkv_bias_ptr, qkv_part_stride, k_cache_ptr, v_cache_ptr, slot, partner,
-                  cos_row, sin_row, offs_d, heads, kv_head, g_mask, d_mask, qd_mask, seq_len, split, scale_log2,
-                  stride_c_blk, stride_c_off, stride_c_head, act, NUM_HEADS: tl.constexpr,
-                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_ROPE: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  QKV_PARTS: tl.constexpr, QKV_BIAS: tl.constexpr, USE_PDL: tl.constexpr, NEW_TOKEN: tl.constexpr):
-    """What a decode program does before its cached tokens: (with a new token) wait for the qkv
-    kernel, load and rotate q, and (the last split) rotate the new token's k, write its K/V to
-    the cache and start the online softmax with it.  Returns (q, running max, sum, accumulator)."""
-    if NEW_TOKEN:
-        # q/k/v come from the kernel just before.
-        pdl_sync(USE_PDL)
-    q_bias = qkv_bias_ptr + heads[:, None] * HEAD_DIM
-    q = _load_act(q_rows + offs_d[None, :], qd_mask, q_bias + offs_d[None, :], qkv_part_stride, act,
-                  QKV_PARTS, QKV_BIAS)
-    if HAS_ROPE:
-        q_partner = _load_act(q_rows + partner[None, :], qd_mask, q_bias + partner[None, :], qkv_part_stride, act,
-                              QKV_PARTS, QKV_BIAS)
-        q = _rope_row(q, q_partner, cos_row, sin_row, offs_d, HALF)
-    m_i = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    if NEW_TOKEN:
-        if (split == NUM_SPLITS - 1) & (seq_len > 0):
-            # The new token first: its loads do not wait behind the cache loop.  The running
-            # max starts at its score, so its weight is exactly 1 until rescaled.
-            k_bias = qkv_bias_ptr + (NUM_HEADS + kv_head) * HEAD_DIM
-            v_bias = qkv_bias_ptr + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
-            k_new = _load_act(k_row + offs_d, d_mask, k_bias + offs_d, qkv_part_stride, act, QKV_PARTS, QKV_BIAS)
-            if HAS_ROPE:
-                k_partner = _load_act(k_row + partner, d_mask, k_bias + partner, qkv_part_stride, act, QKV_PARTS,
-                                      QKV_BIAS)
-                k_new = _rope_row(k_new, k_partner, cos_row, sin_row, offs_d, HALF)
-            v_new = _load_act(v_row + offs_d, d_mask, v_bias + offs_d, qkv_part_stride, act, QKV_PARTS, QKV_BIAS)
-            if slot >= 0:
-                dst = (slot // PAGE_SIZE) * stride_c_blk + (slot % PAGE_SIZE) * stride_c_off + kv_head * stride_c_head
-                tl.store(k_cache_ptr + dst + offs_d, k_new.to(k_cache_ptr.dtype.element_ty), mask=d_mask)
-                tl.store(v_cache_ptr + dst + offs_d, v_new.to(v_cache_ptr.dtype.element_ty), mask=d_mask)
-            # The cache's dtype is what the other tokens are multiplied in.
-            k_new = k_new.to(k_cache_ptr.dtype.element_ty).to(tl.float32)
-            v_new = v_new.to(v_cache_ptr.dtype.element_ty).to(tl.float32)
-            m_i = tl.sum(q.to(tl.float32) * k_new[None, :], 1) * scale_log2
-            l_i = tl.full([BLOCK_G], 1.0, tl.float32)
-            acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + v_new[None, :]
-    return q, m_i, l_i, acc
-
-
-@triton.jit
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -451,8 +395,6 @@ def _decode_kernel(
     USE_PDL: tl.constexpr,
     QKV_PARTS: tl.constexpr,
     QKV_BIAS: tl.constexpr,
-    WAIT_IN_LOOP: tl.constexpr,
-    LOOP_STAGES: tl.constexpr,
 ):
     # One program per (request, kv head, context split).  With QKV_PARTS q/k/v point into the
     # qkv matmul's fp32 split-K partials, merged here as they are read (_load_act).  With
@@ -499,9 +441,8 @@ def _decode_kernel(
     qd_mask = g_mask[:, None] & d_mask[None, :]
     q_rows = q_ptr + req * stride_q_tok + heads[:, None] * stride_q_head
     k_row = k_ptr + req * stride_k_tok + kv_head * stride_k_head
-    v_row = v_ptr + req * stride_v_tok + kv_head * stride_v_head
     bt_row = block_table_ptr + req * stride_bt_req
-    if PRELOAD_KV and not WAIT_IN_LOOP:
+    if PRELOAD_KV:
         # The first tile of this split's cached tokens, in flight across the wait.
         k0, v0, n_mask0 = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, start, end, kv_head, offs_d, d_mask,
                                    stride_c_blk, stride_c_off, stride_c_head, BLOCK_N, PAGE_SIZE)
@@ -514,51 +455,56 @@ def _decode_kernel(
         pos = tl.load(pos_ptr + req).to(tl.int64)
         cos_row = cos_ptr + pos * stride_cos
         sin_row = sin_ptr + pos * stride_sin
-    else:
-        partner = offs_d
-        cos_row = cos_ptr
-        sin_row = sin_ptr
-    slot = -1
     if NEW_TOKEN:
         slot = tl.load(slot_ptr + req).to(tl.int64)
+        # q/k/v come from the kernel just before.
+        pdl_sync(USE_PDL)
     act = out_ptr.dtype.element_ty
-    if WAIT_IN_LOOP:
-        # The K/V loop's software pipeline issues its first LOOP_STAGES - 1 tiles before the
-        # loop, hence before the wait in its first iteration (shared memory, not registers).
-        q = tl.zeros([BLOCK_G, BLOCK_D], act)
-        m_i = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        # At least one iteration: a split without cached tokens attends one all-masked tile (an
-        # exact no-op) after the wait and the new token.
-        for n0 in tl.range(start, tl.maximum(end, start + 1), BLOCK_N, num_stages=LOOP_STAGES):
-            k, v, n_mask = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kv_head, offs_d, d_mask,
-                                    stride_c_blk, stride_c_off, stride_c_head, BLOCK_N, PAGE_SIZE)
-            if n0 == start:
-                q, m_i, l_i, acc = _decode_start(
-                    q_rows, k_row, v_row, qkv_bias_ptr, qkv_part_stride, k_cache_ptr, v_cache_ptr, slot, partner,
-                    cos_row, sin_row, offs_d, heads, kv_head, g_mask, d_mask, qd_mask, seq_len, split, scale_log2,
-                    stride_c_blk, stride_c_off, stride_c_head, act, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF,
-                    HAS_ROPE, BLOCK_G, BLOCK_D, PAGE_SIZE, NUM_SPLITS, QKV_PARTS, QKV_BIAS, USE_PDL, NEW_TOKEN)
-            m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, DOT_F32)
-    else:
-        q, m_i, l_i, acc = _decode_start(
-            q_rows, k_row, v_row, qkv_bias_ptr, qkv_part_stride, k_cache_ptr, v_cache_ptr, slot, partner, cos_row,
-            sin_row, offs_d, heads, kv_head, g_mask, d_mask, qd_mask, seq_len, split, scale_log2, stride_c_blk,
-            stride_c_off, stride_c_head, act, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF, HAS_ROPE, BLOCK_G, BLOCK_D,
-            PAGE_SIZE, NUM_SPLITS, QKV_PARTS, QKV_BIAS, USE_PDL, NEW_TOKEN)
-    if not WAIT_IN_LOOP:
-        first = start
-        if PRELOAD_KV:
-            m_i, l_i, acc = _attend_tile(q, k0, v0, n_mask0, m_i, l_i, acc, scale_log2, DOT_F32)
-            first = start + BLOCK_N
-            if PRELOAD_SECOND:
-                m_i, l_i, acc = _attend_tile(q, k1, v1, n_mask1, m_i, l_i, acc, scale_log2, DOT_F32)
-                first = start + 2 * BLOCK_N
-        for n0 in range(first, end, BLOCK_N):
-            k, v, n_mask = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kv_head, offs_d, d_mask,
-                                    stride_c_blk, stride_c_off, stride_c_head, BLOCK_N, PAGE_SIZE)
-            m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, DOT_F32)
+    q_bias = qkv_bias_ptr + heads[:, None] * HEAD_DIM
+    q = _load_act(q_rows + offs_d[None, :], qd_mask, q_bias + offs_d[None, :], qkv_part_stride, act,
+                  QKV_PARTS, QKV_BIAS)
+    if HAS_ROPE:
+        q_partner = _load_act(q_rows + partner[None, :], qd_mask, q_bias + partner[None, :], qkv_part_stride, act,
+                              QKV_PARTS, QKV_BIAS)
+        q = _rope_row(q, q_partner, cos_row, sin_row, offs_d, HALF)
+
+    m_i = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    if NEW_TOKEN:
+        if (split == NUM_SPLITS - 1) & (seq_len > 0):
+            # The new token first: its loads do not wait behind the cache loop.  The running
+            # max starts at its score, so its weight is exactly 1 until rescaled.
+            k_bias = qkv_bias_ptr + (NUM_HEADS + kv_head) * HEAD_DIM
+            v_bias = qkv_bias_ptr + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
+            k_new = _load_act(k_row + offs_d, d_mask, k_bias + offs_d, qkv_part_stride, act, QKV_PARTS, QKV_BIAS)
+            if HAS_ROPE:
+                k_partner = _load_act(k_row + partner, d_mask, k_bias + partner, qkv_part_stride, act, QKV_PARTS,
+                                      QKV_BIAS)
+                k_new = _rope_row(k_new, k_partner, cos_row, sin_row, offs_d, HALF)
+            v_new = _load_act(v_ptr + req * stride_v_tok + kv_head * stride_v_head + offs_d, d_mask, v_bias + offs_d,
+                              qkv_part_stride, act, QKV_PARTS, QKV_BIAS)
+            if slot >= 0:
+                dst = (slot // PAGE_SIZE) * stride_c_blk + (slot % PAGE_SIZE) * stride_c_off + kv_head * stride_c_head
+                tl.store(k_cache_ptr + dst + offs_d, k_new.to(k_cache_ptr.dtype.element_ty), mask=d_mask)
+                tl.store(v_cache_ptr + dst + offs_d, v_new.to(v_cache_ptr.dtype.element_ty), mask=d_mask)
+            # The cache's dtype is what the other tokens are multiplied in.
+            k_new = k_new.to(k_cache_ptr.dtype.element_ty).to(tl.float32)
+            v_new = v_new.to(v_cache_ptr.dtype.element_ty).to(tl.float32)
+            m_i = tl.sum(q.to(tl.float32) * k_new[None, :], 1) * scale_log2
+            l_i = tl.full([BLOCK_G], 1.0, tl.float32)
+            acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + v_new[None, :]
+    first = start
+    if PRELOAD_KV:
+        m_i, l_i, acc = _attend_tile(q, k0, v0, n_mask0, m_i, l_i, acc, scale_log2, DOT_F32)
+        first = start + BLOCK_N
+        if PRELOAD_SECOND:
+            m_i, l_i, acc = _attend_tile(q, k1, v1, n_mask1, m_i, l_i, acc, scale_log2, DOT_F32)
+            first = start + 2 * BLOCK_N
+    for n0 in range(first, end, BLOCK_N):
+        k, v, n_mask = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kv_head, offs_d, d_mask,
+                                stride_c_blk, stride_c_off, stride_c_head, BLOCK_N, PAGE_SIZE)
+        m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, DOT_F32)
 
     out_rows = out_ptr + req * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
     if NUM_SPLITS == 1:
@@ -692,8 +638,6 @@ def _launch_decode(
         PRELOAD_SECOND=preload_second(num_splits),
         QKV_PARTS=num_parts,
         QKV_BIAS=qkv_bias is not None,
-        WAIT_IN_LOOP=DECODE_WAIT_IN_LOOP and new_token is not None,
-        LOOP_STAGES=DECODE_WAIT_IN_LOOP_STAGES,
         num_warps=_DECODE_NUM_WARPS,
         num_stages=_DECODE_NUM_STAGES,
         **(_NO_FMA if has_rope else {}),
