@@ -16,9 +16,12 @@ never serves a phase from an earlier one) with a kernel that only loads and sums
   grid-wide barrier (an arrival counter in L2) between phases: the sync a whole-step
   "megakernel" with coarse dependencies would pay.
 
-Prints one JSON object with each way's ms per step and TB/s, and the byte count.
+``--merge NAMES`` folds each named phase's bytes into the next phase: the floor once a fusion or
+an overlap removes those sync points.  Prints one JSON object with each way's ms per step and
+TB/s, and the byte count.  On an H200 the fastest kernels were 4 warps, 2 loads in flight, 8
+programs per SM (``docs/performance.md``, thirteenth session).
 
-    python3 scripts/stream_probe.py [--programs-per-sm 2] [--out FILE]
+    python3 scripts/stream_probe.py [--warps 4] [--unroll 2] [--programs-per-sm 8] [--merge norm,qkv] [--out FILE]
 """
 
 from __future__ import annotations
