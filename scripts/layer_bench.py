@@ -47,11 +47,11 @@ def copies_for(nbytes: int) -> int:
     return max(1, -(-L2_FLUSH_BYTES // nbytes))
 
 
-def time_us(fns, iters: int = 10) -> float:
+def time_us(fns, iters: int = 10, calls: int = 400) -> float:
     """Mean µs per call, replayed from one CUDA graph that calls ``fns`` (one callable, or a list
-    cycled through: one per copy of the data) ~400 times in all."""
+    cycled through: one per copy of the data) about ``calls`` times in all (at least twice each)."""
     fns = fns if isinstance(fns, list) else [fns]
-    rounds = max(2, 400 // len(fns))
+    rounds = max(2, calls // len(fns))
     for fn in fns:
         fn()
     torch.cuda.synchronize()

@@ -12,36 +12,27 @@ in a decode step.  Findings: ``docs/performance.md`` (thirteenth session).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 
 from pprun.attention.triton_ops import paged_decode_attention_rope
 from pprun.layers.skinny import skinny_linear
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from layer_bench import HEAD_DIM, SHAPES, decode_attention_inputs  # noqa: E402
+
 
 def main() -> None:
     torch.manual_seed(0)
-    dev = "cuda"
-    batch, heads, kv_heads, dim, page, ctx = 32, 32, 8, 64, 16, 512
-    max_blocks = (ctx + 64 + page - 1) // page + 4
-    num_blocks = batch * max_blocks + 16
-    kv = torch.randn(2, num_blocks, page, kv_heads, dim, device=dev, dtype=torch.bfloat16)
-    # Blocks scattered over the cache, as after many requests came and went.
-    table = (torch.randperm(num_blocks - 1, device=dev)[: batch * max_blocks].view(batch, max_blocks) + 1).int()
-    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-    positions = (seq_lens - 1).long()
-    slots = table[torch.arange(batch, device=dev), positions // page].long() * page + positions % page
-    q = torch.randn(batch, heads, dim, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(batch, kv_heads, dim, device=dev, dtype=torch.bfloat16)
-    v = torch.randn(batch, kv_heads, dim, device=dev, dtype=torch.bfloat16)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=dev).float() / dim))
-    angles = torch.outer(torch.arange(4096, device=dev).float(), inv_freq)
-    table_cs = torch.cat([angles, angles], -1)
-    cos, sin = table_cs.cos(), table_cs.sin()
-    out = torch.empty_like(q)
-    w = torch.randn(16384, 2048, device=dev, dtype=torch.bfloat16) * 0.02
-    x = torch.randn(32, 2048, device=dev, dtype=torch.bfloat16)
+    d = decode_attention_inputs(32)  # context 512, blocks scattered over the cache
+    k, n = SHAPES["gate_up"]
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(32, k, device="cuda", dtype=torch.bfloat16)
     for _ in range(5):
-        paged_decode_attention_rope(q, k, v, cos, sin, positions, kv, slots, table, seq_lens, dim ** -0.5, out)
+        paged_decode_attention_rope(d.q, d.k, d.v, d.cos, d.sin, d.pos, d.kvs[0], d.slots, d.table, d.seq_lens,
+                                    HEAD_DIM**-0.5, d.o)
         skinny_linear(x, w, swiglu=True)
     torch.cuda.synchronize()
     print("done")

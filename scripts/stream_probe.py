@@ -28,12 +28,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 from pprun.layers.triton_utils import pdl_options, pdl_sync
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from layer_bench import time_us  # noqa: E402
 
 MB = 1e6
 LAYER_PHASES = [("norm", 2.2), ("qkv", 12.58), ("attention", 33.55), ("o_proj", 8.39), ("norm", 2.2),
@@ -80,26 +85,6 @@ def _persistent_kernel(buf_ptr, bounds_ptr, n_phases, sink_ptr, bar_ptr, CHUNK: 
         tl.debug_barrier()
 
 
-def _time(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        for _ in range(reps):
-            g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / reps)
-    return best
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=16)
@@ -135,7 +120,9 @@ def main() -> None:
               "chunk_bytes": CHUNK * 2, "unroll": args.unroll, "warps": args.warps,
               "merged": sorted(merge)}
 
-    def record(name: str, ms: float) -> None:
+    def record(name: str, step) -> None:
+        """Time ``step`` (one whole step's launches) in a CUDA graph of two steps."""
+        ms = time_us(step, calls=2) / 1e3
         result[name] = {"ms": round(ms, 4), "tb_s": round(total_bytes / ms / 1e9, 3)}
         print(name, result[name], flush=True)
 
@@ -145,7 +132,7 @@ def main() -> None:
         def one_phase(nprog=nprog, sink=sink):
             _phase_kernel[(nprog,)](buf, 0, bounds[-1], sink, CHUNK=CHUNK, UNROLL=args.unroll, USE_PDL=False,
                                     num_warps=args.warps)
-        record(f"one_phase_{per_sm}_per_sm", _time(one_phase))
+        record(f"one_phase_{per_sm}_per_sm", one_phase)
         for use_pdl in (True, False):
 
             def kernels(use_pdl=use_pdl, nprog=nprog, sink=sink):
@@ -154,7 +141,7 @@ def main() -> None:
                 for p in range(len(phases)):
                     _phase_kernel[(nprog,)](buf, bounds[p], bounds[p + 1], sink, CHUNK=CHUNK, UNROLL=args.unroll,
                                             num_warps=args.warps, **opts)
-            record(f"kernels_{'pdl' if use_pdl else 'plain'}_{per_sm}_per_sm", _time(kernels))
+            record(f"kernels_{'pdl' if use_pdl else 'plain'}_{per_sm}_per_sm", kernels)
         bar = torch.zeros(1, dtype=torch.int32, device=dev)
         compiled = _persistent_kernel.warmup(buf, bounds_t, len(phases), sink, bar, CHUNK=CHUNK, UNROLL=args.unroll,
                                              num_warps=args.warps, grid=(1,))
@@ -169,7 +156,7 @@ def main() -> None:
             bar.zero_()
             _persistent_kernel[(nprog,)](buf, bounds_t, len(phases), sink, bar, CHUNK=CHUNK, UNROLL=args.unroll,
                                          num_warps=args.warps)
-        record(f"persistent_{per_sm}_per_sm", _time(persistent))
+        record(f"persistent_{per_sm}_per_sm", persistent)
     text = json.dumps(result, indent=1)
     if args.out:
         with open(args.out, "w") as f:

@@ -6,7 +6,8 @@ the weight tiles (and optionally the activation tiles) loaded through tensor des
 (Hopper's TMA: one instruction per tile, completion on an mbarrier), so that Triton's
 pipeliner can keep more tiles in flight per SM for the same registers.  Each matmul is timed
 alone inside one CUDA graph of back-to-back launches that cycle through enough weight copies
-to defeat L2 (weights come from HBM, as in a decode step), with PDL as in pprun.
+to defeat L2 (weights come from HBM, as in a decode step), with PDL as in pprun
+(``layer_bench.time_us``, as ``scripts/sweep_skinny.py`` times the same kernels).
 
 Prints one JSON object: per shape, the pprun kernel's us and TB/s and each variant's, and each
 variant's largest difference from pprun's output.  Needs a Hopper GPU.
@@ -17,7 +18,10 @@ variant's largest difference from pprun's output.  Needs a Hopper GPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -29,14 +33,13 @@ from pprun.layers.fused import silu_mul
 from pprun.layers.skinny import _plan, skinny_linear
 from pprun.layers.triton_utils import pdl_options, pdl_sync
 
-# name: (N rows of the weight, K, swiglu, defer_merge) of the 1.1B model's matmuls
-SHAPES = {
-    "qkv": (3072, 2048, False, "attention"),
-    "o_proj": (2048, 2048, False, "norm"),
-    "gate_up": (16384, 2048, True, None),
-    "down": (2048, 8192, False, "norm"),
-    "lm_head": (32000, 2048, False, None),
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from layer_bench import SHAPES, copies_for, time_us  # noqa: E402
+
+FORMS = {"qkv": (False, "attention"), "o_proj": (False, "norm"), "gate_up": (True, None), "down": (False, "norm"),
+         "lm_head": (False, None)}
+"""Per matmul of :data:`layer_bench.SHAPES`: (SwiGLU epilogue, ``defer_merge``) as the model runs it
+at 32 rows."""
 
 
 @triton.jit
@@ -92,35 +95,12 @@ def _tma_linear(x, w, swiglu, plan, out, x_tma: bool, stages: int):
     return out
 
 
-def _time_graph(launch, copies: int, reps: int) -> float:
-    """us per launch: one graph of ``copies`` launches (launch(i) uses weight copy i), replayed."""
-    for i in range(copies):
-        launch(i)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(copies):
-            launch(i)
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        for _ in range(reps):
-            g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / (reps * copies))
-    return best
-
-
 def _probe_shape(name: str, args: argparse.Namespace, dev: torch.device) -> dict:
     """pprun's kernel and each TMA variant on one of :data:`SHAPES`."""
-    n, k, swiglu, defer = SHAPES[name]
+    k, n = SHAPES[name]
+    swiglu, defer = FORMS[name]
     n_out = n // 2 if swiglu else n
-    copies = max(4, -(-400 * 2**20 // (n * k * 2)))  # >= 400 MiB of weights per graph
-    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies_for(n * k * 2))]
     x = torch.randn(args.rows, k, device=dev, dtype=torch.bfloat16)
     plan = _plan(args.rows, n_out, k, swiglu, dev, None, False, defer)
     cfg, _, split = plan
@@ -128,20 +108,19 @@ def _probe_shape(name: str, args: argparse.Namespace, dev: torch.device) -> dict
     ref = ref.parts if isinstance(ref, SplitPartials) else ref
     row = {"config": {"block_n": cfg.block_n, "block_k": cfg.block_k, "split": split,
                       "stages": cfg.num_stages, "warps": cfg.num_warps}, "weight_mb": n * k * 2 / 1e6}
-    us = _time_graph(lambda i: skinny_linear(x, ws[i], swiglu=swiglu, defer_merge=defer), copies, args.reps)
+    us = time_us([functools.partial(skinny_linear, x, w, swiglu=swiglu, defer_merge=defer) for w in ws], args.reps)
     row["pprun"] = {"us": round(us, 2), "tb_s": round(n * k * 2 / us / 1e6, 3)}
-    out_shape = (args.rows, n_out) if split == 1 else (split, args.rows, n_out)
-    outs = [torch.empty(out_shape, device=dev, dtype=torch.bfloat16 if split == 1 else torch.float32)
-            for _ in range(2)]
+    out = torch.empty((args.rows, n_out) if split == 1 else (split, args.rows, n_out), device=dev,
+                      dtype=torch.bfloat16 if split == 1 else torch.float32)
     for x_tma in (False, True):
         for stages in (int(s) for s in args.stages.split(",")):
             key = f"tma_w{'_x' if x_tma else ''}_s{stages}"
             try:
-                got = _tma_linear(x, ws[0], swiglu, plan, outs[0], x_tma, stages)
+                got = _tma_linear(x, ws[0], swiglu, plan, out, x_tma, stages)
                 torch.cuda.synchronize()
                 diff = (got.float() - ref.float()).abs().max().item()
-                us = _time_graph(lambda i, x_tma=x_tma, stages=stages: _tma_linear(
-                    x, ws[i], swiglu, plan, outs[i % 2], x_tma, stages), copies, args.reps)
+                us = time_us([functools.partial(_tma_linear, x, w, swiglu, plan, out, x_tma, stages) for w in ws],
+                             args.reps)
                 row[key] = {"us": round(us, 2), "tb_s": round(n * k * 2 / us / 1e6, 3), "max_diff": diff}
             except Exception as e:  # a setting Triton cannot compile (shared memory) is reported, not fatal
                 row[key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
@@ -153,7 +132,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--stages", default="3,4,5,6")
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=10, help="graph replays per timing")
     ap.add_argument("--out")
     args = ap.parse_args()
     dev = torch.device("cuda")
