@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pprun.layers.triton_utils import pdl_options, pdl_sync
+from pprun.layers.triton_utils import gdc_launch_dependents, gdc_wait, pdl_options, pdl_sync
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layer_bench import time_us  # noqa: E402
@@ -45,6 +45,9 @@ LAYER_PHASES = [("norm", 2.2), ("qkv", 12.58), ("attention", 33.55), ("o_proj", 
                 ("gate_up", 67.11), ("down", 33.55)]
 TAIL_PHASES = [("norm", 2.2), ("lm_head", 131.07), ("argmax", 2.05)]
 CHUNK = 4096  # bf16 elements per load (8 KB)
+DEPENDENT = {"norm", "argmax"}
+"""Phases whose bytes come from the kernel before (the split-K partials, the logits): nothing of
+theirs can be loaded ahead of the PDL wait.  The others read weights or cached K/V."""
 
 
 @triton.jit
@@ -64,6 +67,47 @@ def _stream_phase(buf_ptr, start, end, sink_ptr, pid, nprog, CHUNK: tl.constexpr
 def _phase_kernel(buf_ptr, start, end, sink_ptr, CHUNK: tl.constexpr, UNROLL: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_sync(USE_PDL)
     _stream_phase(buf_ptr, start, end, sink_ptr, tl.program_id(0), tl.num_programs(0), CHUNK, UNROLL)
+
+
+@triton.jit
+def _ahead_kernel(buf_ptr, start, end, sink_ptr, done_ptr, prev_done_ptr, gate, CHUNK: tl.constexpr,
+                  UNROLL: tl.constexpr, AHEAD: tl.constexpr, GATE: tl.constexpr, LATE: tl.constexpr,
+                  COUNT: tl.constexpr):
+    """One phase, PDL always on, with the boundary handled one of several ways: ``AHEAD`` groups
+    of this program's share loaded before the PDL wait (they do not depend on the kernel before,
+    as a matmul's weights do not); with ``GATE``, those loads wait until ``gate`` programs of the
+    kernel before have finished (a counter each program bumps at its end when ``COUNT``), so that they fill that
+    kernel's tail instead of competing with its stream; with ``LATE``, the next kernel is let
+    launch only once this program has read everything (instead of right after the wait)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    group = CHUNK * UNROLL
+    offs = tl.arange(0, CHUNK)
+    acc = tl.zeros([CHUNK], tl.float32)
+    if AHEAD > 0:
+        if GATE:
+            seen = tl.atomic_cas(prev_done_ptr, -1, -1, sem="relaxed", scope="gpu")
+            while seen < gate:
+                seen = tl.atomic_cas(prev_done_ptr, -1, -1, sem="relaxed", scope="gpu")
+        rows = tl.arange(0, AHEAD * UNROLL)
+        at = start + (pid + (rows // UNROLL) * nprog) * group + (rows % UNROLL) * CHUNK
+        ptrs = buf_ptr + at[:, None] + offs[None, :]
+        ahead = tl.load(ptrs, mask=(at < end)[:, None], other=0.0, cache_modifier=".cg")
+    gdc_wait()
+    if not LATE:
+        gdc_launch_dependents()
+    if AHEAD > 0:
+        acc += tl.sum(ahead.to(tl.float32), axis=0)
+    for base in range(start + (pid + AHEAD * nprog) * group, end, nprog * group):
+        for u in tl.static_range(UNROLL):
+            at1 = tl.multiple_of(base + u * CHUNK, CHUNK)
+            acc += tl.load(buf_ptr + at1 + offs, cache_modifier=".cg").to(tl.float32)
+    tl.store(sink_ptr + pid, tl.sum(acc))
+    if COUNT:
+        tl.debug_barrier()
+        tl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
+    if LATE:
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -93,6 +137,10 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--merge", default="", help="phase names (e.g. norm,qkv) whose bytes join the next phase: "
                     "the sync points a fusion or an overlap would remove")
+    ap.add_argument("--boundary", default="", help="ways of crossing a phase boundary, timed with PDL as "
+                    "'AHEAD[:gGATE|:late]' each (e.g. 0,1,2,1:g0.8,1:late): AHEAD groups per program loaded "
+                    "before the wait, those loads held until a fraction GATE of the kernel before has "
+                    "finished, or the next kernel let launch only at the end")
     ap.add_argument("--out")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -142,6 +190,20 @@ def main() -> None:
                     _phase_kernel[(nprog,)](buf, bounds[p], bounds[p + 1], sink, CHUNK=CHUNK, UNROLL=args.unroll,
                                             num_warps=args.warps, **opts)
             record(f"kernels_{'pdl' if use_pdl else 'plain'}_{per_sm}_per_sm", kernels)
+        done = torch.zeros(len(phases) + 1, dtype=torch.int32, device=dev)
+        for way in filter(None, args.boundary.split(",")):
+            ahead, _, how = way.partition(":")
+            gate = float(how[1:]) if how.startswith("g") else 0.0
+
+            def crossing(ahead=int(ahead), gate=gate, late=how == "late", nprog=nprog, sink=sink, done=done):
+                done.zero_()  # a memset node at the step's start: the counters count this step
+                for p in range(len(phases)):
+                    _ahead_kernel[(nprog,)](buf, bounds[p], bounds[p + 1], sink, done[p + 1:], done[p:],
+                                            int(gate * nprog) if p else 0, CHUNK=CHUNK, UNROLL=args.unroll,
+                                            AHEAD=0 if phases[p][0] in DEPENDENT else ahead, GATE=gate > 0 and p > 0, LATE=late, COUNT=gate > 0,
+                                            num_warps=args.warps,
+                                            launch_pdl=True)
+            record(f"boundary_{way}_{per_sm}_per_sm", crossing)
         bar = torch.zeros(1, dtype=torch.int32, device=dev)
         compiled = _persistent_kernel.warmup(buf, bounds_t, len(phases), sink, bar, CHUNK=CHUNK, UNROLL=args.unroll,
                                              num_warps=args.warps, grid=(1,))

@@ -116,6 +116,31 @@ def test_skinny_weights_ahead_swapped_rows(m, split_k, bias, monkeypatch):
 
 @triton_only
 @pytest.mark.parametrize("m", [2, 17, 32])
+@pytest.mark.parametrize("split_k", [1, 3, 4])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_skinny_hold_last_is_bit_identical(m, split_k, swiglu, monkeypatch):
+    """``hold_last``: each program's last weight tile loaded before the wait and multiplied
+    after its loop gives the same bits as the plain loop (same order of accumulation), with
+    one-tile splits (nothing left for the loop), ragged K and ragged columns."""
+    from pprun.layers import skinny
+
+    dtype = DTYPES[-1]
+    x, w, b = _inputs(m, 2 * 50, 200, dtype, True, seed=8)  # K = 200: 4 tiles of 64, the last ragged
+    for block_k in (64, 256):
+        plain = skinny.SkinnyConfig(64, block_k, split_k, swap_ab=True)
+        held = skinny.SkinnyConfig(64, block_k, split_k, swap_ab=True, hold_last=True)
+        want = skinny.skinny_linear(x, w, b, swiglu=swiglu, config=plain)
+        got = skinny.skinny_linear(x, w, b, swiglu=swiglu, config=held)
+        assert torch.equal(got, want), (block_k, (got.float() - want.float()).abs().max())
+    monkeypatch.setattr(skinny, "HOLD_LAST_ENABLED", True)
+    assert skinny.default_config(m, 100, 200, swiglu, x.device).hold_last
+    assert not skinny.default_config(1, 100, 200, swiglu, x.device).hold_last
+    with pytest.raises(ValueError, match="hold_last needs the swapped form"):
+        skinny.skinny_linear(x, w, b, config=skinny.SkinnyConfig(16, 64, 1, hold_last=True))
+
+
+@triton_only
+@pytest.mark.parametrize("m", [2, 17, 32])
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_deferred_merge_matches_in_kernel_merge(m, bias):
     """``defer_merge``: the partials, merged by torch or by the norm's kernel, give what the
@@ -257,19 +282,23 @@ def test_linear_dispatch_falls_back_for_what_the_kernel_cannot_take():
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
-def test_skinny_swapped_compiles_for_sm90(swiglu):
+@pytest.mark.parametrize("hold_last", [False, True])
+def test_skinny_swapped_compiles_for_sm90(swiglu, hold_last):
     """The swapped form at the 1.1B model's batch-32 settings compiles for an H100/H200 without a
-    GPU (``sm90_compile``): nothing is loaded from global memory before the PDL wait, and the
-    weight stream is ``cp.async`` into ``wgmma``."""
+    GPU (``sm90_compile``): nothing is loaded from global memory before the PDL wait but, with
+    ``hold_last``, the held weight tile(s), and the weight stream is ``cp.async`` into ``wgmma``."""
     from sm90_compile import compile_sm90
 
     const = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1 if swiglu else 2, HAS_BIAS=False, SWIGLU=swiglu,
-                 USE_DOT=True, SWAP_AB=True, DOT_F32=False, PRECISE_EXP=True, PRELOAD_W=False, USE_PDL=True,
-                 NORM=False, HAS_RESIDUAL=False, BLOCK_ROW=1, EXACT_MUL=True, DEFER_MERGE=not swiglu)
+                 USE_DOT=True, SWAP_AB=True, DOT_F32=False, PRECISE_EXP=True, PRELOAD_W=False, HOLD_LAST=hold_last,
+                 USE_PDL=True, NORM=False, HAS_RESIDUAL=False, BLOCK_ROW=1, EXACT_MUL=True,
+                 DEFER_MERGE=not swiglu)
     ptx = compile_sm90("pprun.layers.skinny", "_skinny_kernel", const,
                        pointers={"part_ptr": "*fp32", "counter_ptr": "*i32"}, default_pointer="*bf16",
                        float_args=("inv_hidden", "eps"), divisible=("K", "N_OUT", "K_PER"),
                        options={"num_warps": 4, "num_stages": 4, "enable_fp_fusion": False})
     before_wait = ptx[:ptx.index("griddepcontrol.wait")]
-    assert "ld.global" not in before_wait and "cp.async" not in before_wait
+    assert "cp.async" not in before_wait
+    # 64 x 128 bf16 over 128 threads: 8 loads of 16 bytes each per held tile
+    assert before_wait.count("ld.global") == (8 * (2 if swiglu else 1) if hold_last else 0)
     assert "cp.async.cg.shared.global" in ptx and "wgmma.mma_async" in ptx

@@ -59,6 +59,13 @@ WEIGHTS_AHEAD_ENABLED = True
 memory bandwidth idle, as decode attention does before ``o_proj``) loads its whole weight slice
 before its PDL wait, at one row and up to :data:`WEIGHTS_AHEAD_MAX_ROWS`; ``scripts/gpu_speed.py
 --ab`` flips it."""
+SWAPPED_NUM_STAGES = 4
+"""Pipeline stages of the swapped form (``scripts/gpu_speed.py --ab`` may change it)."""
+
+HOLD_LAST_ENABLED = False
+"""Whether the swapped form (2 to 32 rows) loads each program's last weight tile before its PDL
+wait (``SkinnyConfig.hold_last``), so that those bytes stream while the kernel before drains;
+``scripts/gpu_speed.py --ab`` flips it."""
 WEIGHTS_AHEAD_MAX_K = 4096
 """Longest K a program of the one-row weights-ahead form holds in registers (8 rows x K)."""
 
@@ -223,6 +230,7 @@ def _skinny_kernel(
     DOT_F32: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
     PRELOAD_W: tl.constexpr,
+    HOLD_LAST: tl.constexpr,
     USE_PDL: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -253,7 +261,21 @@ def _skinny_kernel(
         offs_k_all = k_begin + tl.arange(0, BLOCK_K)
         k_mask_all = offs_k_all < k_end
         w_all = tl.load(w_rows + offs_k_all[None, :], mask=n_mask[:, None] & k_mask_all[None, :], other=0.0)
+    # HOLD_LAST: the split's last K tile of weights is loaded before the wait and held in
+    # registers across the loop over the others, then multiplied last: the same order of
+    # accumulation as without it, and the loop's own pipeline is left as it was.
+    loop_end = k_end
+    if HOLD_LAST:
+        loop_end = k_begin + (tl.cdiv(k_end - k_begin, BLOCK_K) - 1) * BLOCK_K
+        offs_k_last = loop_end + tl.arange(0, BLOCK_K)
+        k_mask_last = offs_k_last < k_end
+        wl_mask = n_mask[:, None] & k_mask_last[None, :]
+        w_last = tl.load(w_rows + offs_k_last[None, :], mask=wl_mask, other=0.0)
+        if SWIGLU:
+            wu_last = tl.load(up_rows + offs_k_last[None, :], mask=wl_mask, other=0.0)
     pdl_sync(USE_PDL)
+    if HOLD_LAST:
+        x_last = tl.load(x_rows + offs_k_last[None, :], mask=m_mask[:, None] & k_mask_last[None, :], other=0.0)
     if NORM:
         rstd = _norm_row_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_hidden, eps, (pid_n == 0) & (pid_k == 0),
                               HAS_RESIDUAL, BLOCK_ROW, EXACT_MUL)
@@ -269,7 +291,7 @@ def _skinny_kernel(
         else:
             acc += _tile_product(x, w_all, USE_DOT, DOT_F32)
     else:
-        for k0 in range(k_begin, k_end, BLOCK_K):
+        for k0 in range(k_begin, loop_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < k_end
             if NORM:
@@ -289,6 +311,10 @@ def _skinny_kernel(
                     acc_up_t += _swapped_product(x, wu, DOT_F32)
                 else:
                     acc_up += _tile_product(x, wu, USE_DOT, DOT_F32)
+    if HOLD_LAST:
+        acc_t += _swapped_product(x_last, w_last, DOT_F32)
+        if SWIGLU:
+            acc_up_t += _swapped_product(x_last, wu_last, DOT_F32)
     if SWAP_AB:
         acc = tl.trans(acc_t)
         acc_up = tl.trans(acc_up_t)
@@ -341,6 +367,9 @@ class SkinnyConfig:
     preload: bool = False
     """Each program loads its whole weight slice (one K tile per split: ``block_k * split_k >=
     K``) before its PDL wait (see :data:`WEIGHTS_AHEAD_ENABLED`); no norm prologue, no SwiGLU."""
+    hold_last: bool = False
+    """(swapped form only) Each program loads the last K tile of its weight slice before its PDL
+    wait and holds it in registers while its loop streams the others (see :data:`HOLD_LAST_ENABLED`)."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -382,7 +411,8 @@ def default_config(
         block_n, block_k = 64, min(128, triton.next_power_of_2(k))
         target = DEFERRED_TARGET_PROGRAMS if defer_merge == "norm" and not swiglu else SWAPPED_TARGET_PROGRAMS
         split = max(1, min(target // triton.cdiv(n_out, block_n), k // block_k))
-        return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=4, swap_ab=True)
+        return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=SWAPPED_NUM_STAGES, swap_ab=True,
+                            hold_last=HOLD_LAST_ENABLED)
     long_k = k > 4096
     block_n = 16 if (swiglu or long_k) else 8
     block_k = min(256 if long_k else 512, triton.next_power_of_2(k))
@@ -459,6 +489,9 @@ def _launch(
     n_out]`` are returned; otherwise None."""
     m, k = x.shape
     cfg, k_per, split = plan
+    if cfg.hold_last and (cfg.preload or norm is not None or not cfg.swap_ab or m == 1):
+        raise ValueError(f"SkinnyConfig.hold_last needs the swapped form above one row, no preload and no norm "
+                         f"prologue; got m={m}, norm={norm is not None}, {cfg}")
     if cfg.preload and (norm is not None or swiglu or cfg.block_k * cfg.split_k < k):
         raise ValueError(
             f"SkinnyConfig.preload needs no norm prologue, no SwiGLU and one K tile per split "
@@ -505,6 +538,7 @@ def _launch(
         SWIGLU=swiglu,
         USE_DOT=block_m > 1,
         PRELOAD_W=cfg.preload,
+        HOLD_LAST=cfg.hold_last,
         SWAP_AB=cfg.swap_ab and block_m > 1,
         DOT_F32=x.dtype == torch.float32 or _INTERPRETED,
         PRECISE_EXP=not _INTERPRETED,
