@@ -133,7 +133,9 @@ def test_skinny_hold_last_is_bit_identical(m, split_k, swiglu, monkeypatch):
         got = skinny.skinny_linear(x, w, b, swiglu=swiglu, config=held)
         assert torch.equal(got, want), (block_k, (got.float() - want.float()).abs().max())
     monkeypatch.setattr(skinny, "HOLD_LAST_ENABLED", True)
-    assert skinny.default_config(m, 100, 200, swiglu, x.device).hold_last
+    cfg = skinny.default_config(m, 100, 200, swiglu, x.device, defer_merge=None if swiglu else "norm")
+    assert cfg.hold_last == (not swiglu) and cfg.num_stages == skinny.SWAPPED_NUM_STAGES - cfg.hold_last
+    assert not skinny.default_config(m, 100, 200, False, x.device, defer_merge="attention").hold_last
     assert not skinny.default_config(1, 100, 200, swiglu, x.device).hold_last
     with pytest.raises(ValueError, match="hold_last needs the swapped form"):
         skinny.skinny_linear(x, w, b, config=skinny.SkinnyConfig(16, 64, 1, hold_last=True))

@@ -60,12 +60,15 @@ memory bandwidth idle, as decode attention does before ``o_proj``) loads its who
 before its PDL wait, at one row and up to :data:`WEIGHTS_AHEAD_MAX_ROWS`; ``scripts/gpu_speed.py
 --ab`` flips it."""
 SWAPPED_NUM_STAGES = 4
-"""Pipeline stages of the swapped form (``scripts/gpu_speed.py --ab`` may change it)."""
+"""Pipeline stages of the swapped form, one fewer with ``hold_last`` (``scripts/gpu_speed.py
+--ab`` may change it)."""
 
 HOLD_LAST_ENABLED = False
 """Whether the swapped form (2 to 32 rows) loads each program's last weight tile before its PDL
-wait (``SkinnyConfig.hold_last``), so that those bytes stream while the kernel before drains;
-``scripts/gpu_speed.py --ab`` flips it."""
+wait (``SkinnyConfig.hold_last``), so that those bytes stream while the kernel before drains.
+The held tile takes one pipeline stage's shared memory (24 KiB at 32 rows), so the loop gets
+one stage fewer.  Not for SwiGLU (gate_up: no gain) nor ahead of the decode attention (qkv:
+the attention's own K/V preloads compete with it); ``scripts/gpu_speed.py --ab`` flips it."""
 WEIGHTS_AHEAD_MAX_K = 4096
 """Longest K a program of the one-row weights-ahead form holds in registers (8 rows x K)."""
 
@@ -411,8 +414,9 @@ def default_config(
         block_n, block_k = 64, min(128, triton.next_power_of_2(k))
         target = DEFERRED_TARGET_PROGRAMS if defer_merge == "norm" and not swiglu else SWAPPED_TARGET_PROGRAMS
         split = max(1, min(target // triton.cdiv(n_out, block_n), k // block_k))
-        return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=SWAPPED_NUM_STAGES, swap_ab=True,
-                            hold_last=HOLD_LAST_ENABLED)
+        hold = HOLD_LAST_ENABLED and not swiglu and defer_merge != "attention"
+        return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=SWAPPED_NUM_STAGES - hold,
+                            swap_ab=True, hold_last=hold)
     long_k = k > 4096
     block_n = 16 if (swiglu or long_k) else 8
     block_k = min(256 if long_k else 512, triton.next_power_of_2(k))
