@@ -215,7 +215,7 @@ def switches() -> list[tuple]:
             (pprun.layers.skinny, "DISPATCH_MAX_M", 1, False),  # 1: cuBLAS above one row
             (pprun.attention.triton_ops, "DECODE_PRELOAD_KV", False, True),
             (pprun.layers.skinny, "WEIGHTS_AHEAD_ENABLED", False, True),
-            (pprun.layers.skinny, "HOLD_LAST_ENABLED", True, False),
+            (pprun.layers.skinny, "HOLD_LAST_ENABLED", False, False),
             (pprun.layers.skinny, "SWAPPED_NUM_STAGES", 3, False),
             (pprun.worker.v2.runner, "GREEDY_KERNEL_ENABLED", False, True),
             (pprun.attention.triton_ops, "DECODE_MIN_TOKENS_PER_SPLIT", 256, True),
