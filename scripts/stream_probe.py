@@ -17,11 +17,17 @@ never serves a phase from an earlier one) with a kernel that only loads and sums
   "megakernel" with coarse dependencies would pay.
 
 ``--merge NAMES`` folds each named phase's bytes into the next phase: the floor once a fusion or
-an overlap removes those sync points.  Prints one JSON object with each way's ms per step and
-TB/s, and the byte count.  On an H200 the fastest kernels were 4 warps, 2 loads in flight, 8
-programs per SM (``docs/performance.md``, thirteenth session).
+an overlap removes those sync points.  ``--boundary WAYS`` times the PDL launches with other
+ways of crossing each boundary (``boundary_*``): some of each program's loads issued before the
+wait (what a matmul's weights or the cached K/V allow; never for the norm's and argmax's bytes),
+those loads held until most of the kernel before has finished, or the next kernel let launch
+only at the end.  Prints one JSON object with each way's ms per step and TB/s, and the byte
+count.  On an H200 the fastest kernels were 4 warps, 2 loads in flight, 8 programs per SM
+(thirteenth session), and one 16 KB group per program ahead of the wait took the step from
+0.796 to 0.751 ms (fourteenth; ``docs/performance.md``).
 
-    python3 scripts/stream_probe.py [--warps 4] [--unroll 2] [--programs-per-sm 8] [--merge norm,qkv] [--out FILE]
+    python3 scripts/stream_probe.py [--warps 4] [--unroll 2] [--programs-per-sm 8] [--merge norm,qkv]
+                                    [--boundary 0,1,2,1:late,1:g0.8] [--out FILE]
 """
 
 from __future__ import annotations
@@ -129,6 +135,21 @@ def _persistent_kernel(buf_ptr, bounds_ptr, n_phases, sink_ptr, bar_ptr, CHUNK: 
         tl.debug_barrier()
 
 
+def parse_boundary(way: str, unroll: int) -> tuple[int, float, bool]:
+    """``AHEAD[:gFRACTION|:late]`` -> (groups ahead, gate fraction or 0, late launch)."""
+    ahead, _, how = way.partition(":")
+    try:
+        groups = int(ahead)
+        gate = float(how[1:]) if how.startswith("g") else 0.0
+    except ValueError:
+        groups, gate = -1, 0.0
+    if (groups < 0 or (groups and (groups * unroll) & (groups * unroll - 1)) or how not in ("", "late")
+            and not (how.startswith("g") and 0 < gate <= 1 and groups > 0)):
+        raise SystemExit(f"--boundary {way!r}: want AHEAD (0, or groups with AHEAD x --unroll a power of two), "
+                         f"optionally ':late' or ':gF' with 0 < F <= 1 and AHEAD > 0")
+    return groups, gate, how == "late"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=16)
@@ -143,6 +164,7 @@ def main() -> None:
                     "finished, or the next kernel let launch only at the end")
     ap.add_argument("--out")
     args = ap.parse_args()
+    ways = {way: parse_boundary(way, args.unroll) for way in filter(None, args.boundary.split(","))}
     dev = torch.device("cuda")
     phases = LAYER_PHASES * args.layers + TAIL_PHASES
     merge = set(filter(None, args.merge.split(",")))
@@ -191,18 +213,16 @@ def main() -> None:
                                             num_warps=args.warps, **opts)
             record(f"kernels_{'pdl' if use_pdl else 'plain'}_{per_sm}_per_sm", kernels)
         done = torch.zeros(len(phases) + 1, dtype=torch.int32, device=dev)
-        for way in filter(None, args.boundary.split(",")):
-            ahead, _, how = way.partition(":")
-            gate = float(how[1:]) if how.startswith("g") else 0.0
+        for way, (ahead, gate, late) in ways.items():
 
-            def crossing(ahead=int(ahead), gate=gate, late=how == "late", nprog=nprog, sink=sink, done=done):
+            def crossing(ahead=ahead, gate=gate, late=late, nprog=nprog, sink=sink, done=done):
                 done.zero_()  # a memset node at the step's start: the counters count this step
                 for p in range(len(phases)):
+                    gated = gate > 0 and p > 0
                     _ahead_kernel[(nprog,)](buf, bounds[p], bounds[p + 1], sink, done[p + 1:], done[p:],
-                                            int(gate * nprog) if p else 0, CHUNK=CHUNK, UNROLL=args.unroll,
-                                            AHEAD=0 if phases[p][0] in DEPENDENT else ahead, GATE=gate > 0 and p > 0, LATE=late, COUNT=gate > 0,
-                                            num_warps=args.warps,
-                                            launch_pdl=True)
+                                            int(gate * nprog) if gated else 0, CHUNK=CHUNK, UNROLL=args.unroll,
+                                            AHEAD=0 if phases[p][0] in DEPENDENT else ahead, GATE=gated, LATE=late,
+                                            COUNT=gate > 0, num_warps=args.warps, launch_pdl=True)
             record(f"boundary_{way}_{per_sm}_per_sm", crossing)
         bar = torch.zeros(1, dtype=torch.int32, device=dev)
         compiled = _persistent_kernel.warmup(buf, bounds_t, len(phases), sink, bar, CHUNK=CHUNK, UNROLL=args.unroll,
