@@ -82,9 +82,10 @@ def _ahead_kernel(buf_ptr, start, end, sink_ptr, done_ptr, prev_done_ptr, gate, 
     """One phase, PDL always on, with the boundary handled one of several ways: ``AHEAD`` groups
     of this program's share loaded before the PDL wait (they do not depend on the kernel before,
     as a matmul's weights do not); with ``GATE``, those loads wait until ``gate`` programs of the
-    kernel before have finished (a counter each program bumps at its end when ``COUNT``), so that they fill that
-    kernel's tail instead of competing with its stream; with ``LATE``, the next kernel is let
-    launch only once this program has read everything (instead of right after the wait)."""
+    kernel before have finished (with ``COUNT`` each program bumps a counter at its end), so
+    that they fill that kernel's tail instead of competing with its stream; with ``LATE``, the
+    next kernel is let launch only once this program has read everything (instead of right
+    after the wait)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     group = CHUNK * UNROLL

@@ -268,9 +268,10 @@ def _skinny_kernel(
         offs_k_all = k_begin + tl.arange(0, BLOCK_K)
         k_mask_all = offs_k_all < k_end
         w_all = tl.load(w_rows + offs_k_all[None, :], mask=n_mask[:, None] & k_mask_all[None, :], other=0.0)
-    # HOLD_LAST: the split's last K tile of weights is loaded before the wait and held in
-    # registers across the loop over the others, then multiplied last: the same order of
-    # accumulation as without it, and the loop's own pipeline is left as it was.
+    # HOLD_LAST: the split's last K tile of weights is loaded before the wait and held across
+    # the loop over the others (the compiler stages it in shared memory for the MMA: one
+    # pipeline stage's worth), then multiplied last: the same order of accumulation as without
+    # it, and the loop's own pipeline starts right after the wait as before.
     loop_end = k_end
     if HOLD_LAST:
         loop_end = k_begin + (tl.cdiv(k_end - k_begin, BLOCK_K) - 1) * BLOCK_K
@@ -376,7 +377,7 @@ class SkinnyConfig:
     K``) before its PDL wait (see :data:`WEIGHTS_AHEAD_ENABLED`); no norm prologue, no SwiGLU."""
     hold_last: bool = False
     """(swapped form only) Each program loads the last K tile of its weight slice before its PDL
-    wait and holds it in registers while its loop streams the others (see :data:`HOLD_LAST_ENABLED`)."""
+    wait and holds it while its loop streams the others (see :data:`HOLD_LAST_ENABLED`)."""
 
 
 @functools.lru_cache(maxsize=64)
