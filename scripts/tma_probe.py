@@ -36,10 +36,10 @@ from pprun.layers.triton_utils import pdl_options, pdl_sync
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layer_bench import SHAPES, copies_for, time_us  # noqa: E402
 
-FORMS = {"qkv": (False, "attention"), "o_proj": (False, "norm"), "gate_up": (True, None), "down": (False, "norm"),
-         "lm_head": (False, None)}
-"""Per matmul of :data:`layer_bench.SHAPES`: (SwiGLU epilogue, ``defer_merge``) as the model runs it
-at 32 rows."""
+FORMS = {"qkv": (False, "attention", False), "o_proj": (False, "norm", True), "gate_up": (True, None, True),
+         "down": (False, "norm", True), "lm_head": (False, None, True)}
+"""Per matmul of :data:`layer_bench.SHAPES`: (SwiGLU epilogue, ``defer_merge``, ``hold_last``) as
+the model runs it at 32 rows."""
 
 
 @triton.jit
@@ -98,17 +98,18 @@ def _tma_linear(x, w, swiglu, plan, out, x_tma: bool, stages: int):
 def _probe_shape(name: str, args: argparse.Namespace, dev: torch.device) -> dict:
     """pprun's kernel and each TMA variant on one of :data:`SHAPES`."""
     k, n = SHAPES[name]
-    swiglu, defer = FORMS[name]
+    swiglu, defer, hold = FORMS[name]
     n_out = n // 2 if swiglu else n
     ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies_for(n * k * 2))]
     x = torch.randn(args.rows, k, device=dev, dtype=torch.bfloat16)
-    plan = _plan(args.rows, n_out, k, swiglu, dev, None, False, defer)
+    plan = _plan(args.rows, n_out, k, swiglu, dev, None, False, defer, hold)
     cfg, _, split = plan
-    ref = skinny_linear(x, ws[0], swiglu=swiglu, defer_merge=defer)
+    ref = skinny_linear(x, ws[0], swiglu=swiglu, defer_merge=defer, hold_last=hold)
     ref = ref.parts if isinstance(ref, SplitPartials) else ref
     row = {"config": {"block_n": cfg.block_n, "block_k": cfg.block_k, "split": split,
                       "stages": cfg.num_stages, "warps": cfg.num_warps}, "weight_mb": n * k * 2 / 1e6}
-    us = time_us([functools.partial(skinny_linear, x, w, swiglu=swiglu, defer_merge=defer) for w in ws], args.reps)
+    us = time_us([functools.partial(skinny_linear, x, w, swiglu=swiglu, defer_merge=defer, hold_last=hold)
+                  for w in ws], args.reps)
     row["pprun"] = {"us": round(us, 2), "tb_s": round(n * k * 2 / us / 1e6, 3)}
     out = torch.empty((args.rows, n_out) if split == 1 else (split, args.rows, n_out), device=dev,
                       dtype=torch.bfloat16 if split == 1 else torch.float32)

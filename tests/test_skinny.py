@@ -135,10 +135,31 @@ def test_skinny_hold_last_is_bit_identical(m, split_k, swiglu, monkeypatch):
     monkeypatch.setattr(skinny, "HOLD_LAST_ENABLED", True)
     cfg = skinny.default_config(m, 100, 200, swiglu, x.device, defer_merge=None if swiglu else "norm")
     assert cfg.hold_last == (not swiglu) and cfg.num_stages == skinny.SWAPPED_NUM_STAGES - cfg.hold_last
-    assert not skinny.default_config(m, 100, 200, False, x.device, defer_merge="attention").hold_last
+    assert not skinny.default_config(m, 100, 200, False, x.device, defer_merge="attention", hold_last=False).hold_last
     assert not skinny.default_config(1, 100, 200, swiglu, x.device).hold_last
     with pytest.raises(ValueError, match="hold_last needs the swapped form"):
         skinny.skinny_linear(x, w, b, config=skinny.SkinnyConfig(16, 64, 1, hold_last=True))
+
+
+@triton_only
+def test_linear_passes_hold_last_whatever_the_deferral_switch(monkeypatch):
+    """``linear(..., hold_last=False)`` (qkv ahead of the decode attention) reaches the launch
+    settings with the deferred merge switched off too: the caller's word, not ``defer_merge``."""
+    from pprun import layers
+    from pprun.layers import skinny
+
+    configs = []
+    default_config = skinny.default_config
+    monkeypatch.setattr(skinny, "default_config",
+                        lambda *a, **kw: configs.append(default_config(*a, **kw)) or configs[-1])
+    monkeypatch.setattr(layers, "DEFER_MERGE_ENABLED", False)
+    monkeypatch.setattr(skinny, "HOLD_LAST_ENABLED", True)
+    monkeypatch.setattr(layers, "_skinny_for", lambda layer, x: skinny)  # the dispatch itself needs CUDA
+    layer = torch.nn.Linear(256, 96, bias=False).to(DEVICE, DTYPES[-1]).requires_grad_(False)
+    x = torch.randn(4, 256).to(DEVICE, DTYPES[-1])
+    layers.linear(layer, x, defer_merge="attention", hold_last=False)
+    layers.linear(layer, x, defer_merge="norm")
+    assert [c.hold_last for c in configs] == [False, True]
 
 
 @triton_only

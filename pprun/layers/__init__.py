@@ -143,7 +143,8 @@ def _skinny_for(layer: nn.Linear, x: torch.Tensor):
 
 
 def linear(
-    layer: nn.Linear, x: torch.Tensor, weights_ahead: bool = False, defer_merge: str | None = None
+    layer: nn.Linear, x: torch.Tensor, weights_ahead: bool = False, defer_merge: str | None = None,
+    hold_last: bool = True,
 ) -> torch.Tensor | SplitPartials:
     """``layer(x)``; decode-sized CUDA batches take the split-K kernels of ``skinny``.
 
@@ -154,14 +155,17 @@ def linear(
     them, ``"norm"`` (``fused.fused_add_rms_norm``) or ``"attention"`` (the one-kernel decode);
     a split-K decode matmul of two rows or more then returns its partials unmerged.  Not at
     one row: there the next norm folds into the matmul after it (:func:`norm_linear`), whose
-    prologue reads a merged row."""
+    prologue reads a merged row.  ``hold_last=False``: the kernel after loads its own data
+    before its wait, so this one must not hold a weight tile across its own
+    (``skinny.HOLD_LAST_ENABLED``)."""
     if defer_merge is not None:
         _load_skinny().check_defer_merge(defer_merge)
     skinny = _skinny_for(layer, x)
     if skinny is None:
         return layer(x)
     defer = defer_merge if DEFER_MERGE_ENABLED and x.shape[0] > 1 else None
-    return skinny.skinny_linear(x, layer.weight, layer.bias, weights_ahead=weights_ahead, defer_merge=defer)
+    return skinny.skinny_linear(x, layer.weight, layer.bias, weights_ahead=weights_ahead, defer_merge=defer,
+                                hold_last=hold_last)
 
 
 def linear_swiglu(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:

@@ -68,8 +68,9 @@ HOLD_LAST_ENABLED = True
 wait (``SkinnyConfig.hold_last``), so that those bytes stream while the kernel before drains.
 The held tile takes one pipeline stage's shared memory (24 KiB at 32 rows), so the loop gets
 one stage fewer and the kernel the same 96 KiB.  Used by o_proj, down and the LM head; not by
-gate_up (SwiGLU: no gain) nor qkv (the decode attention's own K/V preloads compete with it:
-qkv + attention 21.8 -> 23.3 us per layer).  H200, batch 32, two processes
+gate_up (SwiGLU: no gain) nor by a caller that passes ``hold_last=False`` (qkv, whose decode
+attention after it preloads its own K/V, which a held tile competes with: qkv + attention
+21.8 -> 23.3 us per layer).  H200, batch 32, two processes
 (``scripts/gpu_speed.py --ab --ab-only HOLD_LAST_ENABLED``): graph 0.991 / 0.995 ms against
 0.997-1.002 without (o_proj 4.1 -> 3.7 us, down 10.2 -> 9.6, the norms after them +0.2 each).
 ``scripts/gpu_speed.py --ab`` flips it."""
@@ -389,7 +390,7 @@ def _num_sms(device: torch.device) -> int:
 
 def default_config(
     m: int, n_out: int, k: int, swiglu: bool, device: torch.device, weights_ahead: bool = False,
-    defer_merge: str | None = None,
+    defer_merge: str | None = None, hold_last: bool = True,
 ) -> SkinnyConfig:
     """Launch settings from ``scripts/layer_bench.py`` / ``sweep_skinny.py`` sweeps on an H200
     (the 1.1B model's shapes).
@@ -419,9 +420,9 @@ def default_config(
         block_n, block_k = 64, min(128, triton.next_power_of_2(k))
         target = DEFERRED_TARGET_PROGRAMS if defer_merge == "norm" and not swiglu else SWAPPED_TARGET_PROGRAMS
         split = max(1, min(target // triton.cdiv(n_out, block_n), k // block_k))
-        hold = HOLD_LAST_ENABLED and not swiglu and defer_merge != "attention"
-        return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=SWAPPED_NUM_STAGES - hold,
-                            swap_ab=True, hold_last=hold)
+        hold = HOLD_LAST_ENABLED and hold_last and not swiglu
+        stages = SWAPPED_NUM_STAGES - 1 if hold else SWAPPED_NUM_STAGES  # the held tile takes a stage's memory
+        return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=stages, swap_ab=True, hold_last=hold)
     long_k = k > 4096
     block_n = 16 if (swiglu or long_k) else 8
     block_k = min(256 if long_k else 512, triton.next_power_of_2(k))
@@ -473,9 +474,9 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def _plan(m: int, n_out: int, k: int, swiglu: bool, device: torch.device, config: SkinnyConfig | None,
-          weights_ahead: bool, defer_merge: str | None = None) -> tuple[SkinnyConfig, int, int]:
+          weights_ahead: bool, defer_merge: str | None = None, hold_last: bool = True) -> tuple[SkinnyConfig, int, int]:
     """The launch settings, K per split and the number of splits for these shapes."""
-    cfg = config or default_config(m, n_out, k, swiglu, device, weights_ahead, defer_merge)
+    cfg = config or default_config(m, n_out, k, swiglu, device, weights_ahead, defer_merge, hold_last)
     k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     return cfg, k_per, triton.cdiv(k, k_per)
 
@@ -572,6 +573,7 @@ def skinny_linear(
     config: SkinnyConfig | None = None,
     weights_ahead: bool = False,
     defer_merge: str | None = None,
+    hold_last: bool = True,
 ) -> torch.Tensor | SplitPartials:
     """``x @ weight.T (+ bias)``, or with ``swiglu`` ``silu(gate) * up`` of that product.
 
@@ -591,6 +593,8 @@ def skinny_linear(
             that kernel merges them as this one would have, and the merge's arrival counter and
             L2 round trip leave the critical path.  It also sets how far K is split
             (:data:`DEFERRED_TARGET_PROGRAMS`).
+        hold_last: False where the kernel after this one loads its own data ahead of its wait
+            and a held weight tile would compete with it (:data:`HOLD_LAST_ENABLED`).
 
     Returns a new ``[M, N]`` (``[M, N // 2]`` with ``swiglu``) tensor in ``x``'s dtype, or the
     partials (see ``defer_merge``).
@@ -600,7 +604,7 @@ def skinny_linear(
     n_out = n // 2 if swiglu else n
     check_defer_merge(defer_merge)
     defer_merge = defer_merge if not swiglu else None
-    plan = _plan(m, n_out, x.shape[1], swiglu, x.device, config, weights_ahead, defer_merge)
+    plan = _plan(m, n_out, x.shape[1], swiglu, x.device, config, weights_ahead, defer_merge, hold_last)
     _, _, split = plan
     if m > 0 and defer_merge is not None and split > 1:  # K split: the partials are the output
         return SplitPartials(_launch(x, weight, bias, None, n_out, swiglu, plan, deferred=True), bias, x.dtype)

@@ -153,9 +153,11 @@ class Attention(nn.Module):
         """Attend ``x [T, hidden]`` over the request contexts described by ``meta``; returns
         ``o_proj``'s output, or on the decode path its unmerged partials (for the next norm)."""
         # The kernel before is the input norm on its own, which leaves the bandwidth idle.  A
-        # decode step's attention kernel merges a split qkv's partials as it reads q, k and v.
-        defer = "attention" if self._rope_decode(meta, x) is not None else None
-        qkv = linear(self.qkv_proj, x, weights_ahead=True, defer_merge=defer)
+        # decode step's attention kernel merges a split qkv's partials as it reads q, k and v,
+        # and loads its first K/V tiles before waiting for qkv: qkv holds no weight tile.
+        fused_decode = self._rope_decode(meta, x) is not None
+        qkv = linear(self.qkv_proj, x, weights_ahead=True, defer_merge="attention" if fused_decode else None,
+                     hold_last=not fused_decode)
         return self.attend(positions, qkv, meta)
 
     def _rope_decode(self, meta: AttentionMetadata, x: torch.Tensor) -> Callable | None:
