@@ -43,6 +43,14 @@ this much, five times the H200's 50 MB L2: otherwise repeated calls would read s
 from L2 instead of HBM, as they never do inside a model."""
 
 
+def write_result(result: dict, out: str | Path | None) -> None:
+    """Print the result object as JSON, and write it to ``out`` when given."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if out:
+        Path(out).write_text(text)
+
+
 def copies_for(nbytes: int) -> int:
     return max(1, -(-L2_FLUSH_BYTES // nbytes))
 
@@ -180,10 +188,7 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name()}
     res["attention"] = bench_attention()
     res["skinny"] = bench_skinny(sweep=not args.no_sweep)
-    text = json.dumps(res, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    write_result(res, args.out)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ count.  On an H200 the fastest kernels were 4 warps, 2 loads in flight, 8 progra
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -44,7 +43,7 @@ import triton.language as tl
 from pprun.layers.triton_utils import gdc_launch_dependents, gdc_wait, pdl_options, pdl_sync
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from layer_bench import time_us  # noqa: E402
+from layer_bench import time_us, write_result  # noqa: E402
 
 MB = 1e6
 LAYER_PHASES = [("norm", 2.2), ("qkv", 12.58), ("attention", 33.55), ("o_proj", 8.39), ("norm", 2.2),
@@ -57,22 +56,31 @@ theirs can be loaded ahead of the PDL wait.  The others read weights or cached K
 
 
 @triton.jit
-def _stream_phase(buf_ptr, start, end, sink_ptr, pid, nprog, CHUNK: tl.constexpr, UNROLL: tl.constexpr):
-    """Sum elements [start, end) of buf (both multiples of CHUNK * UNROLL), groups of UNROLL
-    chunks dealt round-robin over nprog programs; each group's loads are all in flight at once."""
+def _stream_phase(buf_ptr, start, end, pid, nprog, CHUNK: tl.constexpr, UNROLL: tl.constexpr):
+    """The sum of elements [start, end) of buf (both multiples of CHUNK * UNROLL) that this
+    program reads: groups of UNROLL chunks dealt round-robin over nprog programs, each group's
+    loads all in flight at once."""
     acc = tl.zeros([CHUNK], tl.float32)
     offs = tl.arange(0, CHUNK)
     for base in range(start + pid * CHUNK * UNROLL, end, nprog * CHUNK * UNROLL):
         for u in tl.static_range(UNROLL):
             at = tl.multiple_of(base + u * CHUNK, CHUNK)
             acc += tl.load(buf_ptr + at + offs, cache_modifier=".cg").to(tl.float32)
-    tl.store(sink_ptr + pid, tl.sum(acc))
+    return tl.sum(acc)
+
+
+@triton.jit
+def _read_counter(ptr, SEM: tl.constexpr):
+    """A counter in global memory, read at GPU scope (a compare-and-swap that never matches: an
+    atomic add of 0 is folded away)."""
+    return tl.atomic_cas(ptr, -1, -1, sem=SEM, scope="gpu")
 
 
 @triton.jit
 def _phase_kernel(buf_ptr, start, end, sink_ptr, CHUNK: tl.constexpr, UNROLL: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_sync(USE_PDL)
-    _stream_phase(buf_ptr, start, end, sink_ptr, tl.program_id(0), tl.num_programs(0), CHUNK, UNROLL)
+    pid = tl.program_id(0)
+    tl.store(sink_ptr + pid, _stream_phase(buf_ptr, start, end, pid, tl.num_programs(0), CHUNK, UNROLL))
 
 
 @triton.jit
@@ -89,27 +97,23 @@ def _ahead_kernel(buf_ptr, start, end, sink_ptr, done_ptr, prev_done_ptr, gate, 
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     group = CHUNK * UNROLL
-    offs = tl.arange(0, CHUNK)
-    acc = tl.zeros([CHUNK], tl.float32)
+    total = 0.0
     if AHEAD > 0:
         if GATE:
-            seen = tl.atomic_cas(prev_done_ptr, -1, -1, sem="relaxed", scope="gpu")
-            while seen < gate:
-                seen = tl.atomic_cas(prev_done_ptr, -1, -1, sem="relaxed", scope="gpu")
+            while _read_counter(prev_done_ptr, "relaxed") < gate:
+                pass
+        # the first AHEAD groups _stream_phase would deal this program, loaded at once
         rows = tl.arange(0, AHEAD * UNROLL)
         at = start + (pid + (rows // UNROLL) * nprog) * group + (rows % UNROLL) * CHUNK
-        ptrs = buf_ptr + at[:, None] + offs[None, :]
+        ptrs = buf_ptr + at[:, None] + tl.arange(0, CHUNK)[None, :]
         ahead = tl.load(ptrs, mask=(at < end)[:, None], other=0.0, cache_modifier=".cg")
     gdc_wait()
     if not LATE:
         gdc_launch_dependents()
     if AHEAD > 0:
-        acc += tl.sum(ahead.to(tl.float32), axis=0)
-    for base in range(start + (pid + AHEAD * nprog) * group, end, nprog * group):
-        for u in tl.static_range(UNROLL):
-            at1 = tl.multiple_of(base + u * CHUNK, CHUNK)
-            acc += tl.load(buf_ptr + at1 + offs, cache_modifier=".cg").to(tl.float32)
-    tl.store(sink_ptr + pid, tl.sum(acc))
+        total += tl.sum(tl.sum(ahead.to(tl.float32), axis=0))
+    total += _stream_phase(buf_ptr, start + AHEAD * nprog * group, end, pid, nprog, CHUNK, UNROLL)
+    tl.store(sink_ptr + pid, total)
     if COUNT:
         tl.debug_barrier()
         tl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
@@ -124,15 +128,12 @@ def _persistent_kernel(buf_ptr, bounds_ptr, n_phases, sink_ptr, bar_ptr, CHUNK: 
     for p in range(n_phases):
         start = tl.multiple_of(tl.load(bounds_ptr + p), CHUNK)
         end = tl.multiple_of(tl.load(bounds_ptr + p + 1), CHUNK)
-        _stream_phase(buf_ptr, start, end, sink_ptr + p * nprog, pid, nprog, CHUNK, UNROLL)
+        tl.store(sink_ptr + p * nprog + pid, _stream_phase(buf_ptr, start, end, pid, nprog, CHUNK, UNROLL))
         # Grid barrier: every program's loads of this phase are done before the next starts.
         tl.debug_barrier()
         tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
-        target = (p + 1) * nprog
-        # (a compare-and-swap that never matches reads the counter; an add of 0 is folded away)
-        seen = tl.atomic_cas(bar_ptr, -1, -1, sem="acquire", scope="gpu")
-        while seen < target:
-            seen = tl.atomic_cas(bar_ptr, -1, -1, sem="acquire", scope="gpu")
+        while _read_counter(bar_ptr, "acquire") < (p + 1) * nprog:
+            pass
         tl.debug_barrier()
 
 
@@ -240,11 +241,7 @@ def main() -> None:
             _persistent_kernel[(nprog,)](buf, bounds_t, len(phases), sink, bar, CHUNK=CHUNK, UNROLL=args.unroll,
                                          num_warps=args.warps)
         record(f"persistent_{per_sm}_per_sm", persistent)
-    text = json.dumps(result, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(text)
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

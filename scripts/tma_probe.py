@@ -34,7 +34,7 @@ from pprun.layers.skinny import _plan, skinny_linear
 from pprun.layers.triton_utils import pdl_options, pdl_sync
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from layer_bench import SHAPES, copies_for, time_us  # noqa: E402
+from layer_bench import SHAPES, copies_for, time_us, write_result  # noqa: E402
 
 FORMS = {"qkv": (False, "attention", False), "o_proj": (False, "norm", True), "gate_up": (True, None, True),
          "down": (False, "norm", True), "lm_head": (False, None, True)}
@@ -143,11 +143,7 @@ def main() -> None:
         result[name] = _probe_shape(name, args, dev)
         print(name, json.dumps(result[name]), flush=True)
         torch.cuda.empty_cache()
-    text = json.dumps(result, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(text)
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":
