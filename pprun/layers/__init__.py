@@ -119,6 +119,19 @@ def _load_skinny() -> ModuleType:
     return _skinny_module
 
 
+def _kernel_weight(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """``module.weight`` when a kernel may read it as it is for the input ``x``: no hooks on the
+    module, no autograd, ``x``'s dtype and device, contiguous; else None."""
+    if module._forward_hooks or module._forward_pre_hooks:
+        return None
+    weight = module.weight
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return None
+    if weight.dtype != x.dtype or weight.device != x.device or not weight.is_contiguous():
+        return None
+    return weight
+
+
 def _skinny_for(layer: nn.Linear, x: torch.Tensor):
     """``pprun.layers.skinny`` when ``layer(x)`` can take it: a plain ``nn.Linear`` (no subclass,
     no hooks, no autograd) on a decode-sized bf16/fp16 CUDA batch whose weight, bias and input
@@ -130,13 +143,9 @@ def _skinny_for(layer: nn.Linear, x: torch.Tensor):
     skinny = _load_skinny()
     if x.shape[0] > skinny.DISPATCH_MAX_M or x.stride(1) != 1:
         return None
-    if type(layer) is not nn.Linear or layer._forward_hooks or layer._forward_pre_hooks:
+    if type(layer) is not nn.Linear or _kernel_weight(layer, x) is None:
         return None
-    weight, bias = layer.weight, layer.bias
-    if torch.is_grad_enabled() and weight.requires_grad:
-        return None
-    if weight.dtype != x.dtype or weight.device != x.device or not weight.is_contiguous():
-        return None
+    bias = layer.bias
     if bias is not None and (bias.dtype != x.dtype or bias.device != x.device or bias.stride(0) != 1):
         return None
     return skinny
@@ -195,14 +204,8 @@ def norm_linear(
     skinny = _skinny_for(layer, x)
     if skinny is None or (swiglu and layer.weight.shape[0] % 2):
         return None
-    if norm._forward_hooks or norm._forward_pre_hooks:
-        return None
-    weight = norm.weight
-    if torch.is_grad_enabled() and weight.requires_grad:
-        return None
-    if weight.dtype != x.dtype or weight.device != x.device or weight.shape != (x.shape[1],):
-        return None
-    if not weight.is_contiguous():
+    weight = _kernel_weight(norm, x)
+    if weight is None or weight.shape != (x.shape[1],):
         return None
     if residual is not None and (
         residual.shape != x.shape
