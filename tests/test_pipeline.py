@@ -304,6 +304,15 @@ def test_step_trace_written_by_every_stage_and_the_engine(tiny_llama_dir, tmp_pa
         )
         assert all(r["host_us"] > 0 for r in stage["steps"])
         assert "compute_us" not in stage["steps"][0]  # CPU: no stream events
+        # The V2 runner's host waits before each launch: the previous step's reads of the input
+        # buffers (every step), the sampled ids (the first stage of an async pipeline, on the
+        # steps that read pending ids: not every step).
+        assert all(0 <= r["wait_reads_us"] <= r["host_us"] for r in stage["steps"] if r["num_tokens"] > 0)
+        with_ids = [r for r in stage["steps"] if "wait_ids_us" in r]
+        if rank == 0 and async_steps:
+            assert 0 < len(with_ids) < num_steps and all(0 <= r["wait_ids_us"] <= r["host_us"] for r in with_ids)
+        else:
+            assert with_ids == []
     # The summary of the run's steady decode (scripts/trace_summary.py): the engine's window,
     # and per stage the steps that started in it.
     from pprun.worker.step_trace import summarize_traces
@@ -312,6 +321,7 @@ def test_step_trace_written_by_every_stage_and_the_engine(tiny_llama_dir, tmp_pa
     window = summary["steady_decode"]
     assert window is not None and window["decode_steps"] >= 2
     assert sorted(summary["stages"]) == ["stage0", "stage1"]
+    assert ("wait_ids_us" in summary["stages"]["stage0"]) == async_steps
     for stage in summary["stages"].values():
         # Steps started between the window's first and last answer: all but those already in
         # flight when it opened (at most steps in flight - 1: 1, or 3 with async steps).

@@ -14,6 +14,13 @@ after the compute, after the send.  From them:
 - ``idle``: the stream empty between the end of one step and the start of the next (the host
   was late: waiting for the step's message, or preparing it).
 
+The V2 runner adds two host waits before a step's launch (host clock, part of ``host``):
+``wait_reads`` until the previous step's copies have read the pinned input buffers (they run on
+the stream behind the step before it, so this waits for the device), and on an async pipeline's
+first stage ``wait_ids`` for the sampled ids that the last stage sends
+(``pprun.distributed.feedback``).  On the first stage the stream's start event is recorded before
+that host work, so a host wait there shows as ``compute``, not ``idle``.
+
 Off by default: the events cost a few microseconds of host time per step
 (``PPRUN_STEP_TRACE_EVENTS=0`` keeps the host clock only, for throughput runs).
 """
@@ -35,6 +42,8 @@ logger = logging.getLogger(__name__)
 ENV = "PPRUN_STEP_TRACE"
 MAX_STEPS = 50_000
 """Steps kept per process (the first ones); later steps are not recorded."""
+STAGE_KEYS = ("host_us", "wait_reads_us", "wait_ids_us", "recv_wait_us", "compute_us", "send_wait_us", "idle_us")
+"""A stage step's timings, as its row and the summaries name them (see the module docstring)."""
 
 
 def trace_prefix() -> str | None:
@@ -72,6 +81,9 @@ class NullStageTrace:
         pass
 
     def mark(self) -> None:  # noqa: D102
+        pass
+
+    def note(self, values: dict[str, float] | None) -> None:  # noqa: D102
         pass
 
     def end(self) -> None:  # noqa: D102
@@ -117,6 +129,11 @@ class StageTrace(NullStageTrace):
         if self._open is not None:
             self._evs.append(self._event())
 
+    def note(self, values: dict[str, float] | None) -> None:
+        """Extra per-step figures (the runner's host waits, in us) for the open step."""
+        if self._open is not None and values:
+            self._open.update(values)
+
     def end(self) -> None:
         """After the send (or the sampling on the last stage)."""
         if self._open is None:
@@ -148,7 +165,7 @@ class StageTrace(NullStageTrace):
         busy = [r for r in self.rows if r["num_tokens"] > 0]
         summary = {
             key: _summary([r[key] for r in busy if key in r])
-            for key in ("host_us", "recv_wait_us", "compute_us", "send_wait_us", "idle_us")
+            for key in STAGE_KEYS
         }
         span = (self.rows[-1]["t0"] - self.rows[0]["t0"]) if len(self.rows) > 1 else 0.0
         out = {"name": self.name, "num_steps": len(self.rows), "span_s": round(span, 6), "summary": summary,
@@ -287,8 +304,7 @@ def summarize_traces(prefix: str) -> dict[str, Any]:
         steps = [r for r in stage["steps"] if t0 <= r["t0"] <= t1 and r["num_tokens"] > 0]
         if len(steps) < 2:
             continue
-        keys = ("host_us", "recv_wait_us", "compute_us", "send_wait_us", "idle_us")
-        summary = {k: _summary([r[k] for r in steps if k in r]) for k in keys}
+        summary = {k: _summary([r[k] for r in steps if k in r]) for k in STAGE_KEYS}
         summary["period_us"] = round((steps[-1]["t0"] - steps[0]["t0"]) / (len(steps) - 1) * 1e6, 1)
         out["stages"][stage["name"]] = {k: v for k, v in summary.items() if v}
     return out

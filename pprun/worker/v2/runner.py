@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -35,6 +36,7 @@ from pprun.layers import fused_ops_for
 from pprun.sampling.sampler import Sampler, SamplerOutput, SamplingTensors, to_logprobs
 from pprun.switches import enabled_unless
 from pprun.worker.model_inputs import build_model_inputs
+from pprun.worker.step_trace import trace_prefix
 from pprun.worker.v2.cuda_graphs import CudaGraphManager, GraphPlan
 from pprun.worker.v2.inputs import InputBuffers, StepBatch, prepare_step
 from pprun.worker.v2.model_state import ModelState, make_model_state
@@ -231,6 +233,11 @@ class V2ModelRunner:
             )
         self._ids_from_last = self.feedback if layout.is_first else None
         """The first stage's end of :attr:`feedback` (input ids of pending tokens come from it)."""
+        self.host_waits: dict[str, float] | None = {} if trace_prefix() else None
+        """With ``PPRUN_STEP_TRACE``: the last step's host time blocked before its launch, in us:
+        ``wait_reads_us`` for the previous step's reads of the pinned input buffers, and on an async
+        pipeline's first stage ``wait_ids_us`` for the last stage's sampled ids (the worker puts
+        them in the step trace).  None when tracing is off: nothing is timed."""
         self._plan_of: tuple[SchedulerOutput, GraphPlan] | None = None
         """The newest :meth:`plan` and its step (held, so compared by identity): the last stage's
         worker asks for it before launching the step, the step itself again."""
@@ -418,7 +425,12 @@ class V2ModelRunner:
         """
         # The deltas rewrite pinned staging memory (sampling parameters) that the previous
         # step's non-blocking copies may still be reading.
+        waits = self.host_waits
+        t0 = time.perf_counter() if waits is not None else 0.0
         self.bufs.wait_for_previous_reads()
+        if waits is not None:
+            waits.clear()
+            waits["wait_reads_us"] = (time.perf_counter() - t0) * 1e6
         self.update_states(so)
         if so.is_empty():
             return ModelRunnerOutput(so.step_id, [], []) if self.layout.is_last else None
@@ -439,7 +451,10 @@ class V2ModelRunner:
         if batch.num_pending and self._ids_from_last is not None:
             # Async pipeline steps: the ids the last stage sent (waits for them on the host).
             n = batch.num_pending
+            t0 = time.perf_counter() if waits is not None else 0.0
             self._ids_from_last.fill(self.bufs.input_ids.np, self.bufs.pending_token_idx.np[:n], self.bufs.pending_sample_idx.np[:n])
+            if waits is not None:
+                waits["wait_ids_us"] = (time.perf_counter() - t0) * 1e6
         self._host_slot = (self._host_slot + 1) % len(self.sampled_ring)
         self.bufs.host_slot.np[0] = self._host_slot
         # Async scheduling at pp = 1: the pending inputs are what the previous step sampled, still
