@@ -1,15 +1,18 @@
 """Sweep the decode attention's launch settings at one batch size, alone and behind the qkv matmul.
 
     python scripts/decode_attn_sweep.py [--batch 32] [--ctx 560] [--out result.json]
+    python scripts/decode_attn_sweep.py --batch 1 --tiles 32x2,64x2 --min-tokens 64,128,256
 
 For every setting (K/V tile length ``_DECODE_BLOCK_N``, warps per program, context splits via
-``DECODE_PROGRAMS_PER_SM``, pipeline stages, which K/V tiles load before the PDL wait) it times,
-graph-replayed with each call reading its own copy of the weights and KV cache:
+``DECODE_PROGRAMS_PER_SM`` and ``DECODE_MIN_TOKENS_PER_SPLIT``, pipeline stages, which K/V tiles
+load before the PDL wait) it times, graph-replayed with each call reading its own copy of the
+weights and KV cache:
 
 - ``alone``: the fused decode attention (rotary, cache write, attention, split merge) reading
-  the qkv matmul's split-K partials, launched back to back;
-- ``pair``: the qkv matmul (split K, partials left to the attention) then the attention, as a
-  decode layer of the 1.1B model runs them at 32 rows: what a setting is worth in the model.
+  the qkv matmul's output (its split-K partials above one row, as the model runs it), launched
+  back to back;
+- ``pair``: the qkv matmul then the attention, as a decode layer of the 1.1B model runs them:
+  what a setting is worth in the model.
 
 Each setting's output is compared with the default's (``max_diff``): a setting that breaks the
 kernel shows there.  Prints JSON, best pair first.
@@ -30,25 +33,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import layer_bench as lb  # noqa: E402
 
 import pprun.attention.triton_ops as ops  # noqa: E402
+from pprun.layers import SplitPartials  # noqa: E402
 from pprun.layers.skinny import skinny_linear  # noqa: E402
 
-KNOBS = ("_DECODE_BLOCK_N", "_DECODE_NUM_WARPS", "DECODE_PROGRAMS_PER_SM", "_DECODE_NUM_STAGES",
-         "DECODE_PRELOAD_KV", "DECODE_PRELOAD_SECOND")
+KNOBS = ("_DECODE_BLOCK_N", "_DECODE_NUM_WARPS", "DECODE_PROGRAMS_PER_SM", "DECODE_MIN_TOKENS_PER_SPLIT",
+         "_DECODE_NUM_STAGES", "DECODE_PRELOAD_KV", "DECODE_PRELOAD_SECOND")
+TILES = "64x2,64x4,128x4,128x8,256x8,256x16,512x16"
+"""The default tiles (TOKENSxWARPS): at most 128 K/V values per thread (2 warps per 64 tokens),
+and twice as many threads."""
 
 
-def settings(full: bool, tiles: str = "") -> list[dict]:
-    """The settings swept: K/V tiles of at most 128 values per thread (2 warps per 64 tokens), and
-    twice as many threads."""
-    out = []
-    chosen = [tuple(int(v) for v in t.split("x")) for t in tiles.split(",")] if tiles else (
-        (64, 2), (64, 4), (128, 4), (128, 8), (256, 8), (256, 16), (512, 16))
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def settings(tiles: str = TILES, programs_per_sm: str = "1,2,4", min_tokens: str = "64",
+             stages: bool = True) -> list[dict]:
+    """Each tile with each programs-per-SM and min-tokens value and three preload forms (two tiles
+    ahead, one, none); with ``stages``, also the default tile at 1 and 3 pipeline stages."""
+    chosen = [tuple(int(v) for v in t.split("x")) for t in tiles.split(",")]
     preloads = ((True, True), (True, False), (False, False))
-    for (bn, w), pps, (pre, second) in itertools.product(chosen, (1, 2, 4, 8) if tiles else (1, 2, 4), preloads):
-        out.append(dict(zip(KNOBS, (bn, w, pps, 2, pre, second))))
-    if full:
-        for stages, pps in itertools.product((1, 3), (1, 2, 4)):
-            out.append(dict(zip(KNOBS, (64, 2, pps, stages, True, True))))
+    out = [dict(zip(KNOBS, (bn, w, pps, mt, 2, pre, second)))
+           for (bn, w), pps, mt, (pre, second) in itertools.product(chosen, _ints(programs_per_sm), _ints(min_tokens),
+                                                                     preloads)]
+    if stages:
+        out += [dict(zip(KNOBS, (64, 2, pps, 64, st, True, True))) for st, pps in itertools.product((1, 3), (1, 2, 4))]
     return out
+
+
+def qkv_views(src: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v as ``[batch, heads, head_dim]`` views of the qkv output (or its first partial)."""
+    qs, ks = lb.HEADS * lb.HEAD_DIM, lb.KV_HEADS * lb.HEAD_DIM
+    return (src[:, :qs].view(batch, lb.HEADS, lb.HEAD_DIM), src[:, qs:qs + ks].view(batch, lb.KV_HEADS, lb.HEAD_DIM),
+            src[:, qs + ks:].view(batch, lb.KV_HEADS, lb.HEAD_DIM))
 
 
 def main() -> None:
@@ -57,8 +74,9 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=560, help="cached tokens + the new one (gpu_speed: 512-612)")
     ap.add_argument("--max-len", type=int, default=688, help="the block table's width in tokens (gpu_speed: 688)")
     ap.add_argument("--quick", action="store_true", help="skip the pipeline-stage settings")
-    ap.add_argument("--tiles", default="", help="TOKENSxWARPS,...: sweep these tiles (with 1, 2, 4 and 8 programs per "
-                                                  "SM) instead of the built-in list")
+    ap.add_argument("--tiles", default=TILES, help="TOKENSxWARPS,...: the K/V tiles swept")
+    ap.add_argument("--programs-per-sm", default="1,2,4", help="DECODE_PROGRAMS_PER_SM values swept")
+    ap.add_argument("--min-tokens", default="64", help="DECODE_MIN_TOKENS_PER_SPLIT values swept")
     ap.add_argument("--inputs", action="store_true",
                     help="instead of the sweep, time the default kernel alone with and without rotary and with q/k/v "
                          "as merged bf16 tensors instead of the matmul's partials (what its prologue costs)")
@@ -71,31 +89,30 @@ def main() -> None:
     ws = [torch.randn(width, hidden, device="cuda", dtype=torch.bfloat16) * hidden**-0.5
           for _ in range(lb.copies_for(width * hidden * 2))]
     scale = lb.HEAD_DIM**-0.5
-    qs, ks = lb.HEADS * lb.HEAD_DIM, lb.KV_HEADS * lb.HEAD_DIM
 
-    def attend(parts, kv) -> None:
-        src = parts.parts[0]
-        q = src[:, :qs].view(args.batch, lb.HEADS, lb.HEAD_DIM)
-        k = src[:, qs:qs + ks].view(args.batch, lb.KV_HEADS, lb.HEAD_DIM)
-        v = src[:, qs + ks:].view(args.batch, lb.KV_HEADS, lb.HEAD_DIM)
-        ops.paged_decode_attention_rope(q, k, v, d.cos, d.sin, d.pos, kv, d.slots, d.table, d.seq_lens, scale,
-                                        d.o, qkv_parts=parts)
+    def attend(qkv_out: torch.Tensor | SplitPartials, kv, rope: bool = True) -> None:
+        """The decode attention on the qkv matmul's output: its partials merged as they are read
+        where K was split (above one row), else the merged tensor."""
+        split = isinstance(qkv_out, SplitPartials)
+        cos, sin = (d.cos, d.sin) if rope else (None, None)
+        extra = {"qkv_parts": qkv_out} if split else {}
+        q, k, v = qkv_views(qkv_out.parts[0] if split else qkv_out, args.batch)
+        ops.paged_decode_attention_rope(q, k, v, cos, sin, d.pos, kv, d.slots, d.table, d.seq_lens, scale, d.o,
+                                        **extra)
 
     def qkv(w):
         return skinny_linear(x, w, weights_ahead=True, defer_merge="attention", hold_last=False)
 
     fixed = qkv(ws[0])
-    if not hasattr(fixed, "parts"):
-        raise SystemExit(f"qkv at {args.batch} rows is not split: nothing to merge in the attention")
     if args.inputs:
-        lb.write_result(prologue_costs(args, d, fixed, attend, scale), args.out)
+        lb.write_result(prologue_costs(d, fixed, attend), args.out)
         return
     defaults = {name: getattr(ops, name) for name in KNOBS}
     attend(fixed, d.kvs[0])
     reference = d.o.clone()
     pairs = [(ws[i % len(ws)], d.kvs[i % len(d.kvs)]) for i in range(max(len(ws), len(d.kvs)))]
     rows = []
-    for setting in [defaults] + settings(not args.quick, args.tiles):
+    for setting in [defaults] + settings(args.tiles, args.programs_per_sm, args.min_tokens, not args.quick):
         for name, value in setting.items():
             setattr(ops, name, value)
         row = dict(setting)
@@ -118,30 +135,18 @@ def main() -> None:
     rows.sort(key=lambda r: r.get("pair_us", float("inf")))
     lb.write_result({"device": torch.cuda.get_device_name(), "batch": args.batch, "ctx": args.ctx,
                      "max_len": args.max_len, "kv_bytes": d.kv_bytes, "qkv_alone_us": round(qkv_us, 2),
-                     "default": {k: v for k, v in defaults.items()}, "rows": rows}, args.out)
+                     "default": defaults, "rows": rows}, args.out)
 
 
-def prologue_costs(args, d, parts, attend, scale) -> dict:
-    """The default kernel alone, four ways: with the matmul's partials or merged bf16 q/k/v, with
-    rotary or without."""
-    merged = parts.merge()
-    qs, ks = lb.HEADS * lb.HEAD_DIM, lb.KV_HEADS * lb.HEAD_DIM
-
-    def call(kv, rope: bool, split: bool) -> None:
-        cos, sin = (d.cos, d.sin) if rope else (None, None)
-        src = parts.parts[0] if split else merged
-        extra = {"qkv_parts": parts} if split else {}
-        ops.paged_decode_attention_rope(src[:, :qs].view(args.batch, lb.HEADS, lb.HEAD_DIM),
-                                        src[:, qs:qs + ks].view(args.batch, lb.KV_HEADS, lb.HEAD_DIM),
-                                        src[:, qs + ks:].view(args.batch, lb.KV_HEADS, lb.HEAD_DIM),
-                                        cos, sin, d.pos, kv, d.slots, d.table, d.seq_lens, scale, d.o, **extra)
-
+def prologue_costs(d, qkv_out, attend) -> dict:
+    """The default kernel alone, four ways: with the matmul's output as it comes (partials above
+    one row) or merged, with rotary or without."""
+    ways = {"parts": qkv_out, "bf16": qkv_out.merge() if isinstance(qkv_out, SplitPartials) else qkv_out}
     out = {}
-    for again, split, rope in itertools.product(("", "_again"), (True, False), (True, False)):
-        name = f"{'parts' if split else 'bf16'}_{'rope' if rope else 'norope'}{again}_us"
-        out[name] = lb.time_us([lambda kv=kv, r=rope, s=split: call(kv, r, s) for kv in d.kvs])
-    out["parts_rope_script_us"] = lb.time_us([lambda kv=kv: attend(parts, kv) for kv in d.kvs])
-    return {k: round(v, 2) if isinstance(v, float) else v for k, v in out.items()}
+    for again, (name, src), rope in itertools.product(("", "_again"), ways.items(), (True, False)):
+        key = f"{name}_{'rope' if rope else 'norope'}{again}_us"
+        out[key] = round(lb.time_us([lambda kv=kv, s=src, r=rope: attend(s, kv, r) for kv in d.kvs]), 2)
+    return out
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ attention 13.8 -> 19.6 us per layer."""
 _MAX_SPLITS = 16
 """At most this many splits: with room for 4,096 tokens 16 splits took 0.788 ms and 32 splits
 0.812 (batch 1, context 512: eight splits hold tokens either way)."""
-# Decode launch settings; scripts/tune_decode.py sweeps them on a GPU.
+# Decode launch settings; scripts/decode_attn_sweep.py sweeps them on a GPU (alone and behind qkv).
 _DECODE_BLOCK_N = 64
 _DECODE_NUM_WARPS = 2  # 4 before: batch 1 0.803 vs 0.817 ms, batch 32 1.126 vs 1.135 (H200, same process)
 _DECODE_NUM_STAGES = 2  # 3: batch 32 graph 1.101 and 1.056 vs 1.107 and 1.059 ms, batch 1 slower (H200): no gain;
