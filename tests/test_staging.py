@@ -142,7 +142,7 @@ def test_staging_ranges_leave_input_ids_and_the_pending_lists_out():
     for limit in (MAX_RANGES, 2):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr("pprun.worker.v2.staging.MAX_RANGES", limit)
-            ranges = bufs.staging_ranges(used)
+            ranges = bufs.staging_ranges([(b, b.span(n)) for b, n in used])
         assert len(ranges) <= limit
         assert all(e <= ids_bytes[0] or s >= ids_bytes[1] for s, e in ranges), ranges
         for b, n in used:

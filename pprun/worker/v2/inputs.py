@@ -263,16 +263,16 @@ class InputBuffers:
             (self.pending_token_idx, num_pending),
             (self.pending_sample_idx, num_pending),
         )
-        ranges = [b.span(n) for b, n in used]
+        spans = [(b, b.span(n)) for b, n in used]
         staged = (
             self.device.type == "cuda"
             and STAGING_KERNEL_ENABLED
-            and sum(end - start for start, end in ranges) <= STAGING_KERNEL_MAX_BYTES
+            and sum(end - start for _, (start, end) in spans) <= STAGING_KERNEL_MAX_BYTES
         )
         if staged:
-            self._stage(used, num_tokens_padded, num_pending, prev_sampled)
+            self._stage(spans, num_tokens_padded, num_pending, prev_sampled)
         else:
-            self.num_copies_last_step = self._arena.copy_ranges(ranges)
+            self.num_copies_last_step = self._arena.copy_ranges([span for _, span in spans])
             if num_pending:
                 ids = self.input_ids.device
                 ids[self.pending_token_idx.device[:num_pending]] = prev_sampled[
@@ -284,25 +284,25 @@ class InputBuffers:
             self._reads_done = self._read_event
             self._reads_done.record()
 
-    def staging_ranges(self, used: tuple[tuple[HostDeviceBuffer, int], ...]) -> list[tuple[int, int]]:
-        """The arena's byte ranges the staging kernel copies for ``used`` (buffer, rows) pairs:
-        all but ``input_ids`` (the kernel writes it token by token) and the pending index lists
-        (it reads :attr:`token_source` from the host instead), merged as the copies merge them but
-        never across ``input_ids``, at most ``staging.MAX_RANGES``."""
+    def staging_ranges(self, spans: list[tuple[HostDeviceBuffer, tuple[int, int]]]) -> list[tuple[int, int]]:
+        """The arena's byte ranges the staging kernel copies for ``spans`` (buffer, its used byte
+        range) pairs: all but ``input_ids`` (the kernel writes it token by token) and the pending
+        index lists (it reads :attr:`token_source` from the host instead), merged as the copies
+        merge them but never across ``input_ids``, at most ``staging.MAX_RANGES``."""
         from pprun.worker.v2.staging import MAX_RANGES, fit_ranges
 
         ids = self.input_ids
         skip = (ids, self.pending_token_idx, self.pending_sample_idx)
         sides: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
-        for b, n in used:
+        for b, span in spans:
             if b not in skip:
-                sides[b.offset > ids.offset].append(b.span(n))
+                sides[b.offset > ids.offset].append(span)
         half = MAX_RANGES // 2
         return [r for side in sides for r in fit_ranges(merge_ranges(side, MERGE_GAP_BYTES), half)]
 
     def _stage(
         self,
-        used: tuple[tuple[HostDeviceBuffer, int], ...],
+        spans: list[tuple[HostDeviceBuffer, tuple[int, int]]],
         num_tokens_padded: int,
         num_pending: int,
         prev_sampled: torch.Tensor | None,
@@ -318,7 +318,7 @@ class InputBuffers:
         stage_inputs(
             self._arena.host,
             self._arena.device,
-            self.staging_ranges(used),
+            self.staging_ranges(spans),
             ids.host,
             ids.device,
             num_tokens_padded,
