@@ -308,6 +308,16 @@ def test_step_trace_written_by_every_stage_and_the_engine(tiny_llama_dir, tmp_pa
         # buffers (every step), the sampled ids (the first stage of an async pipeline, on the
         # steps that read pending ids: not every step).
         assert all(0 <= r["wait_reads_us"] <= r["host_us"] for r in stage["steps"] if r["num_tokens"] > 0)
+        # Its host work by phase: every phase a stage runs, and together no more than its step.
+        from pprun.worker.step_trace import HOST_PHASES
+
+        busy = [r for r in stage["steps"] if r["num_tokens"] > 0]
+        ran = {"update_us", "prepare_us", "to_device_us", "launch_us"}
+        ran |= {"sample_us"} if rank == 1 else {"expect_us"} if async_steps else set()
+        assert {k for r in busy for k in HOST_PHASES if k in r} == ran
+        for r in busy:
+            spent = sum(r.get(k, 0.0) for k in (*HOST_PHASES, "wait_reads_us", "wait_ids_us"))
+            assert 0 < spent <= r["host_us"]
         with_ids = [r for r in stage["steps"] if "wait_ids_us" in r]
         if rank == 0 and async_steps:
             assert 0 < len(with_ids) < num_steps and all(0 <= r["wait_ids_us"] <= r["host_us"] for r in with_ids)

@@ -72,6 +72,46 @@ def test_stage_inputs_copies_the_ranges_and_takes_pending_ids_from_the_previous_
     assert bool((ids_device[num_tokens:] == -7).all())  # past num_tokens: untouched
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="the direct launch is for CUDA only")
+def test_direct_launch_writes_what_the_jit_launch_writes(monkeypatch):
+    """Steps of changing ranges, token counts and pending ids through Triton's launch and through
+    the kernels it compiled, launched directly: the same device bytes after every step.  Also a
+    misaligned ``prev_sampled`` (a new specialisation, so Triton's launch again)."""
+    from pprun.worker.v2 import staging
+
+    g = torch.Generator().manual_seed(3)
+    host = torch.randint(0, 256, (8192,), dtype=torch.uint8, generator=g).pin_memory()
+    ids_host = torch.randint(0, 32000, (4096,), dtype=torch.int64, generator=g).pin_memory()
+    prev_all = torch.randint(0, 32000, (65,), dtype=torch.int64, generator=g).cuda()
+    source = torch.full((4096,), -1, dtype=torch.int32).pin_memory()
+    source[torch.randperm(2000, generator=g)[:40]] = torch.arange(40, dtype=torch.int32)
+    steps = [
+        ([(0, 12), (64, 4104)], 3000, None),
+        ([(8, 400), (6000, 6400), (7000, 7004)], 17, 0),
+        ([(0, 4)], 1, 0),
+        ([(16, 2000)], 2000, 1),  # prev_sampled 8 bytes past an aligned address
+        ([(0, 8192 - 4)], 4096, None),
+    ]
+    results = []
+    for fast in (False, True):
+        monkeypatch.setattr(staging, "FAST_LAUNCH_ENABLED", fast)
+        monkeypatch.setattr(staging, "_compiled", {})
+        device = torch.zeros(8192, dtype=torch.uint8, device="cuda")
+        ids_device = torch.full((4096,), -7, dtype=torch.int64, device="cuda")
+        seen = []
+        for _ in range(2):  # the second round finds every specialisation compiled
+            for ranges, num_tokens, prev_offset in steps:
+                prev = None if prev_offset is None else prev_all[prev_offset : prev_offset + 64]
+                stage_inputs(host, device, ranges, ids_host, ids_device, num_tokens,
+                             None if prev is None else source, prev)  # fmt: skip
+                seen.append((device.cpu(), ids_device.cpu()))
+        results.append(seen)
+        assert len(staging._compiled) == (3 if fast else 0)  # pending or not, and the misaligned prev
+    for (dev_a, ids_a), (dev_b, ids_b) in zip(*results):
+        assert torch.equal(dev_a, dev_b) and torch.equal(ids_a, ids_b)
+
+
 def _fill(bufs: InputBuffers, g: torch.Generator, num_reqs: int, num_tokens: int, num_pending: int) -> None:
     """Random host values in every field a step sends."""
     for field in (bufs.query_start_loc, bufs.seq_lens, bufs.logits_indices, bufs.sample_rows, bufs.input_ids,

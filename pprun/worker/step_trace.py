@@ -19,7 +19,12 @@ The V2 runner adds two host waits before a step's launch (host clock, part of ``
 the stream behind the step before it, so this waits for the device), and on an async pipeline's
 first stage ``wait_ids`` for the sampled ids that the last stage sends
 (``pprun.distributed.feedback``).  On the first stage the stream's start event is recorded before
-that host work, so a host wait there shows as ``compute``, not ``idle``.
+that host work, so a host wait there shows as ``compute``, not ``idle``.  The rest of its host
+time it splits by phase (:data:`HOST_PHASES`): ``update`` (the request table takes the step's
+deltas), ``prepare`` (the step's plan and its rows in the pinned input buffers), ``to_device``
+(their launch to the device and the attention metadata), ``launch`` (the receive on a non-first
+stage, the graph replay or the eager forward), ``expect`` (the first stage posts the receive of
+the step's sampled ids) and ``sample`` (the last stage).
 
 Off by default: the events cost a few microseconds of host time per step
 (``PPRUN_STEP_TRACE_EVENTS=0`` keeps the host clock only, for throughput runs).
@@ -42,8 +47,30 @@ logger = logging.getLogger(__name__)
 ENV = "PPRUN_STEP_TRACE"
 MAX_STEPS = 50_000
 """Steps kept per process (the first ones); later steps are not recorded."""
-STAGE_KEYS = ("host_us", "wait_reads_us", "wait_ids_us", "recv_wait_us", "compute_us", "send_wait_us", "idle_us")
+HOST_PHASES = ("update_us", "prepare_us", "to_device_us", "launch_us", "expect_us", "sample_us")
+"""The V2 runner's host work per step, by phase (see the module docstring)."""
+STAGE_KEYS = (
+    "host_us", "wait_reads_us", "wait_ids_us", *HOST_PHASES, "recv_wait_us", "compute_us", "send_wait_us", "idle_us",
+)
 """A stage step's timings, as its row and the summaries name them (see the module docstring)."""
+
+
+class HostClock:
+    """Laps of one step's host time (perf_counter, in us) added up by phase into ``out`` (cleared
+    first); inert when ``out`` is None, so that an untraced step reads no clock."""
+
+    def __init__(self, out: dict[str, float] | None) -> None:
+        self.out = out
+        if out is not None:
+            out.clear()
+            self._t = time.perf_counter()
+
+    def lap(self, key: str) -> None:
+        """Charge the time since the last lap (or the start) to ``key``."""
+        if self.out is not None:
+            t = time.perf_counter()
+            self.out[key] = self.out.get(key, 0.0) + (t - self._t) * 1e6
+            self._t = t
 
 
 def trace_prefix() -> str | None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -36,7 +36,7 @@ from pprun.layers import fused_ops_for
 from pprun.sampling.sampler import Sampler, SamplerOutput, SamplingTensors, to_logprobs
 from pprun.switches import enabled_unless
 from pprun.worker.model_inputs import build_model_inputs
-from pprun.worker.step_trace import trace_prefix
+from pprun.worker.step_trace import HostClock, trace_prefix
 from pprun.worker.v2.cuda_graphs import CudaGraphManager, GraphPlan
 from pprun.worker.v2.inputs import InputBuffers, StepBatch, prepare_step
 from pprun.worker.v2.model_state import ModelState, make_model_state
@@ -66,6 +66,12 @@ GRAPH_HOP_ENABLED: bool = enabled_unless("PPRUN_DISABLE_GRAPH_HOP")
 of a stage's graph, the receive at the start of the next one's): a decode hop then costs no host
 time and no copy.  ``PPRUN_DISABLE_GRAPH_HOP=1`` sends and receives outside the graphs (the A/B
 switch); every stage must agree, and they check (:meth:`PipelineTransport.agree`)."""
+EARLY_IDS_ENABLED: bool = enabled_unless("PPRUN_DISABLE_EARLY_IDS")
+"""Whether the last stage of an async pipeline sends a step's sampled ids to the first stage as
+soon as it sees them on the host, checked twice during each later step's host work
+(:meth:`V2ModelRunner._send_ready_ids`).  Off (``PPRUN_DISABLE_EARLY_IDS=1``, the A/B switch):
+only with the step's answer to the engine, which the stage builds after launching the next step
+when that step's message is already waiting."""
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
@@ -215,6 +221,8 @@ class V2ModelRunner:
         self._graph_ids_to_host = False
         """Whether the full decode graphs write the greedy ids to the ring themselves."""
         self._host_events = [torch.cuda.Event() for _ in self.sampled_ring] if device.type == "cuda" else []
+        self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        """The stream the steps run on, kept for the events (see ``InputBuffers``)."""
         self.prev_sampled: torch.Tensor | None = None
         """The last step's sampled ids, on the device (async scheduling reads them)."""
         self.prev_sample_index: Mapping[str, int] = {}
@@ -232,12 +240,20 @@ class V2ModelRunner:
                 transport.feedback_group, peer, layout.is_first, self.max_num_reqs, sample_feedback_slots
             )
         self._ids_from_last = self.feedback if layout.is_first else None
+        self._ids_to_send: deque[tuple[int, torch.cuda.Event | None, torch.Tensor]] = deque()
+        """The last stage's end of :attr:`feedback`: steps whose sampled ids have not gone to the
+        first stage yet, oldest first, as (sequence number, the event after which the ids are on
+        the host, the ids).  They go as soon as the host sees them ready
+        (:meth:`_send_ready_ids`), not only when the step's answer to the engine is built: the
+        first stage's next step of that batch waits for them."""
+        self._num_id_steps = 0
         """The first stage's end of :attr:`feedback` (input ids of pending tokens come from it)."""
         self.host_waits: dict[str, float] | None = {} if trace_prefix() else None
-        """With ``PPRUN_STEP_TRACE``: the last step's host time blocked before its launch, in us:
-        ``wait_reads_us`` for the previous step's reads of the pinned input buffers, and on an async
-        pipeline's first stage ``wait_ids_us`` for the last stage's sampled ids (the worker puts
-        them in the step trace).  None when tracing is off: nothing is timed."""
+        """With ``PPRUN_STEP_TRACE``: the last step's host time by phase, in us (the worker puts
+        them in the step trace).  Two are waits: ``wait_reads_us`` for the previous step's reads of
+        the pinned input buffers, and on an async pipeline's first stage ``wait_ids_us`` for the
+        last stage's sampled ids.  The others are work (:data:`HOST_PHASES`).  None when tracing is
+        off: nothing is timed."""
         self._plan_of: tuple[SchedulerOutput, GraphPlan] | None = None
         """The newest :meth:`plan` and its step (held, so compared by identity): the last stage's
         worker asks for it before launching the step, the step itself again."""
@@ -425,13 +441,11 @@ class V2ModelRunner:
         """
         # The deltas rewrite pinned staging memory (sampling parameters) that the previous
         # step's non-blocking copies may still be reading.
-        waits = self.host_waits
-        t0 = time.perf_counter() if waits is not None else 0.0
+        clock = HostClock(self.host_waits)
         self.bufs.wait_for_previous_reads()
-        if waits is not None:
-            waits.clear()
-            waits["wait_reads_us"] = (time.perf_counter() - t0) * 1e6
+        clock.lap("wait_reads_us")
         self.update_states(so)
+        clock.lap("update_us")
         if so.is_empty():
             return ModelRunnerOutput(so.step_id, [], []) if self.layout.is_last else None
         num_tokens = so.total_num_scheduled_tokens
@@ -447,14 +461,14 @@ class V2ModelRunner:
         batch = prepare_step(self.table, so, self.bufs, plan.num_reqs_padded, plan.num_tokens_padded, pending_from)
         if self.layout.is_last:
             self.table.flush_sampling_params()
+        clock.lap("prepare_us")
+        self._send_ready_ids()
         num_pending_on_device = batch.num_pending if self.layout.pp_size == 1 else 0
         if batch.num_pending and self._ids_from_last is not None:
             # Async pipeline steps: the ids the last stage sent (waits for them on the host).
             n = batch.num_pending
-            t0 = time.perf_counter() if waits is not None else 0.0
             self._ids_from_last.fill(self.bufs.input_ids.np, self.bufs.pending_token_idx.np[:n], self.bufs.pending_sample_idx.np[:n])
-            if waits is not None:
-                waits["wait_ids_us"] = (time.perf_counter() - t0) * 1e6
+            clock.lap("wait_ids_us")
         self._host_slot = (self._host_slot + 1) % len(self.sampled_ring)
         self.bufs.host_slot.np[0] = self._host_slot
         # Async scheduling at pp = 1: the pending inputs are what the previous step sampled, still
@@ -463,9 +477,12 @@ class V2ModelRunner:
             plan.num_reqs_padded, plan.num_tokens_padded, batch.num_sampled, num_pending_on_device,
             self.prev_sampled if num_pending_on_device else None,
         )
-        meta = self.bufs.attn_metadata(
-            batch.num_reqs, plan.num_reqs_padded, num_tokens, plan.num_tokens_padded, batch.max_query_len
-        )
+        meta = None
+        if plan.mode != "full":  # a full graph reads its metadata from the buffers it was captured over
+            meta = self.bufs.attn_metadata(
+                batch.num_reqs, plan.num_reqs_padded, num_tokens, plan.num_tokens_padded, batch.max_query_len
+            )
+        clock.lap("to_device_us")
         hop_in_graph = self.hop_in_graph and plan.mode == "full"
         in_graph_buffers = False
         if receive is not None:
@@ -475,11 +492,16 @@ class V2ModelRunner:
             into = self.graph_intermediate if in_graph_buffers else None
             intermediate_tensors = receive(into, hop_in_graph)
         out = self._run_model(plan, batch, meta, intermediate_tensors, in_graph_buffers, hop_in_graph)
+        clock.lap("launch_us")
         if self._ids_from_last is not None and batch.num_sampled:
             self._ids_from_last.expect(batch.req_ids, batch.sample_batch_idx, batch.num_sampled)
+            clock.lap("expect_us")
         if not self.layout.is_last:
             return SENT_IN_GRAPH if hop_in_graph else out[:num_tokens]
-        return self.sample(so, batch, out, plan.mode == "full")
+        self._send_ready_ids()
+        pending = self.sample(so, batch, out, plan.mode == "full")
+        clock.lap("sample_us")
+        return pending
 
     def plan(self, so: SchedulerOutput) -> GraphPlan:
         """How ``so`` runs: a full or piecewise graph (with its padded counts) or eagerly."""
@@ -577,13 +599,17 @@ class V2ModelRunner:
                     *(_pinned_copy(t) for t in (res.sampled_logprobs, res.topk_ids, res.topk_logprobs)),
                 )
         host_ids, done = self._copy_to_host(res.sampled_token_ids, on_host)
-        feedback = self.feedback
+        seq = None
+        if self.feedback is not None:  # async pipeline steps: the first stage waits for these
+            seq = self._num_id_steps
+            self._num_id_steps += 1
+            self._ids_to_send.append((seq, done, host_ids))
 
         def build() -> ModelRunnerOutput:
+            if seq is not None:
+                self._send_ready_ids(through=seq)
             if done is not None:
                 done.synchronize()
-            if feedback is not None:  # async pipeline steps: the first stage waits for these
-                feedback.send(host_ids)
             token_ids = host_ids.tolist()
             logprobs: list[Any] = [None] * batch.num_reqs
             if num_sampled == batch.num_reqs:
@@ -603,6 +629,22 @@ class V2ModelRunner:
 
         return PendingOutput(build, done)
 
+    def _send_ready_ids(self, through: int = -1) -> None:
+        """Last stage of an async pipeline: send the first stage every waiting step's sampled ids
+        that are on the host by now, oldest first; waits for the steps up to sequence number
+        ``through``."""
+        queue = self._ids_to_send
+        if through < 0 and not EARLY_IDS_ENABLED:
+            return
+        while queue:
+            seq, done, host_ids = queue[0]
+            if done is not None:
+                if seq > through and not done.query():
+                    return
+                done.synchronize()
+            self.feedback.send(host_ids)
+            queue.popleft()
+
     def _copy_to_host(
         self, token_ids: torch.Tensor, on_host: bool = False
     ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -616,5 +658,5 @@ class V2ModelRunner:
         if not on_host:
             host.copy_(token_ids, non_blocking=True)
         done = self._host_events[self._host_slot]  # rotates with its row: no allocation per step
-        done.record()
+        done.record(self._stream)
         return host, done

@@ -24,9 +24,22 @@ copies.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
+
+from pprun.switches import enabled_unless
+
+FAST_LAUNCH_ENABLED: bool = enabled_unless("PPRUN_DISABLE_FAST_LAUNCH")
+"""Launch the compiled kernel through its launcher directly, once Triton's ``kernel[grid](...)``
+has compiled and launched it for the same specialisation.  Triton's own path binds and
+specialises every argument in Python on each launch: ~43 us of host time per step on an H200
+host, against ~10 us direct (``docs/performance.md``, sixteenth session).  What Triton
+specialises on here is known: ``HAS_PENDING``, the device, and whether each pointer is 16-byte
+aligned (the integers are ``do_not_specialize``); those make the cache key.  Off while a Triton
+launch hook is set (a profiler), which the direct path would bypass."""
 
 MAX_RANGES = 8
 """Byte ranges one launch copies; more are merged (see :func:`fit_ranges`)."""
@@ -122,7 +135,7 @@ def stage_inputs(
     longest = max([num_tokens_padded, *((e - s) for s, e in zip(words[::2], words[1::2]))])
     grid = (max(1, min(_MAX_PROGRAMS, triton.cdiv(longest, _BLOCK))),)
     has_pending = token_source is not None
-    _stage_kernel[grid](
+    args = (
         host_arena.view(torch.int32),
         device_arena.view(torch.int32),
         *words,
@@ -131,6 +144,29 @@ def stage_inputs(
         token_source if has_pending else ids_host,
         prev_sampled if has_pending else ids_host,
         num_tokens_padded,
-        HAS_PENDING=has_pending,
-        BLOCK=_BLOCK,
     )
+    key = None
+    if FAST_LAUNCH_ENABLED and ids_device.is_cuda:
+        pointers = (args[0], args[1], *args[-5:-1])
+        key = (has_pending, ids_device.device.index, *(p.data_ptr() % 16 == 0 for p in pointers))
+        kernel = _compiled.get(key)
+        if kernel is not None:
+            stream = triton.runtime.driver.active.get_current_stream(key[1])
+            kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                       *args, has_pending, _BLOCK)  # fmt: skip
+            return
+    kernel = _stage_kernel[grid](*args, HAS_PENDING=has_pending, BLOCK=_BLOCK)
+    if key is not None and _direct_launch_possible(kernel):
+        _compiled[key] = kernel
+
+
+_compiled: dict[tuple, Any] = {}
+"""Compiled staging kernels by specialisation (see :data:`FAST_LAUNCH_ENABLED`)."""
+
+
+def _direct_launch_possible(kernel: Any) -> bool:
+    """Whether ``kernel`` (what ``_stage_kernel[grid](...)`` returned) can be launched directly:
+    a compiled kernel with the launcher Triton 3.x uses itself, and no launch hook set."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    hooks_off = runtime is not None and runtime.launch_enter_hook is None and runtime.launch_exit_hook is None
+    return hooks_off and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata"))
