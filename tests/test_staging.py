@@ -72,6 +72,28 @@ def test_stage_inputs_copies_the_ranges_and_takes_pending_ids_from_the_previous_
     assert bool((ids_device[num_tokens:] == -7).all())  # past num_tokens: untouched
 
 
+def test_direct_launch_steps_aside_for_launch_hooks():
+    """A Triton launch hook (a profiler) must see every launch: the direct path is off while one
+    is set."""
+    triton = pytest.importorskip("triton")
+    from pprun.worker.v2 import staging
+
+    chain = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if chain is None or not hasattr(chain.launch_enter_hook, "add"):
+        pytest.skip("this Triton has no launch hook chains")
+    assert staging._no_launch_hooks()
+
+    def hook(*args):
+        pass
+
+    chain.launch_enter_hook.add(hook)
+    try:
+        assert not staging._no_launch_hooks()
+    finally:
+        chain.launch_enter_hook.remove(hook)
+    assert staging._no_launch_hooks()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="the direct launch is for CUDA only")
 def test_direct_launch_writes_what_the_jit_launch_writes(monkeypatch):

@@ -150,7 +150,7 @@ def stage_inputs(
         pointers = (args[0], args[1], *args[-5:-1])
         key = (has_pending, ids_device.device.index, *(p.data_ptr() % 16 == 0 for p in pointers))
         kernel = _compiled.get(key)
-        if kernel is not None:
+        if kernel is not None and _no_launch_hooks():
             stream = triton.runtime.driver.active.get_current_stream(key[1])
             kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
                        *args, has_pending, _BLOCK)  # fmt: skip
@@ -167,6 +167,13 @@ _compiled: dict[tuple, Any] = {}
 def _direct_launch_possible(kernel: Any) -> bool:
     """Whether ``kernel`` (what ``_stage_kernel[grid](...)`` returned) can be launched directly:
     a compiled kernel with the launcher Triton 3.x uses itself, and no launch hook set."""
+    return _no_launch_hooks() and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata"))
+
+
+def _no_launch_hooks() -> bool:
+    """True when Triton would call no hook around a launch: each hook unset, or a hook chain
+    (``triton.knobs.HookChain``, Triton >= 3.5) holding none."""
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    hooks_off = runtime is not None and runtime.launch_enter_hook is None and runtime.launch_exit_hook is None
-    return hooks_off and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata"))
+    if runtime is None:
+        return False
+    return all(h is None or getattr(h, "calls", None) == [] for h in (runtime.launch_enter_hook, runtime.launch_exit_hook))
