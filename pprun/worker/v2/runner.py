@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -66,12 +65,6 @@ GRAPH_HOP_ENABLED: bool = enabled_unless("PPRUN_DISABLE_GRAPH_HOP")
 of a stage's graph, the receive at the start of the next one's): a decode hop then costs no host
 time and no copy.  ``PPRUN_DISABLE_GRAPH_HOP=1`` sends and receives outside the graphs (the A/B
 switch); every stage must agree, and they check (:meth:`PipelineTransport.agree`)."""
-EARLY_IDS_ENABLED: bool = enabled_unless("PPRUN_DISABLE_EARLY_IDS")
-"""Whether the last stage of an async pipeline sends a step's sampled ids to the first stage as
-soon as it sees them on the host, checked twice during each later step's host work
-(:meth:`V2ModelRunner._send_ready_ids`).  Off (``PPRUN_DISABLE_EARLY_IDS=1``, the A/B switch):
-only with the step's answer to the engine, which the stage builds after launching the next step
-when that step's message is already waiting."""
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
@@ -240,13 +233,6 @@ class V2ModelRunner:
                 transport.feedback_group, peer, layout.is_first, self.max_num_reqs, sample_feedback_slots
             )
         self._ids_from_last = self.feedback if layout.is_first else None
-        self._ids_to_send: deque[tuple[int, torch.cuda.Event | None, torch.Tensor]] = deque()
-        """The last stage's end of :attr:`feedback`: steps whose sampled ids have not gone to the
-        first stage yet, oldest first, as (sequence number, the event after which the ids are on
-        the host, the ids).  They go as soon as the host sees them ready
-        (:meth:`_send_ready_ids`), not only when the step's answer to the engine is built: the
-        first stage's next step of that batch waits for them."""
-        self._num_id_steps = 0
         """The first stage's end of :attr:`feedback` (input ids of pending tokens come from it)."""
         self.host_waits: dict[str, float] | None = {} if trace_prefix() else None
         """With ``PPRUN_STEP_TRACE``: the last step's host time by phase, in us (the worker puts
@@ -462,7 +448,6 @@ class V2ModelRunner:
         if self.layout.is_last:
             self.table.flush_sampling_params()
         clock.lap("prepare_us")
-        self._send_ready_ids()
         num_pending_on_device = batch.num_pending if self.layout.pp_size == 1 else 0
         if batch.num_pending and self._ids_from_last is not None:
             # Async pipeline steps: the ids the last stage sent (waits for them on the host).
@@ -498,7 +483,6 @@ class V2ModelRunner:
             clock.lap("expect_us")
         if not self.layout.is_last:
             return SENT_IN_GRAPH if hop_in_graph else out[:num_tokens]
-        self._send_ready_ids()
         pending = self.sample(so, batch, out, plan.mode == "full")
         clock.lap("sample_us")
         return pending
@@ -599,17 +583,13 @@ class V2ModelRunner:
                     *(_pinned_copy(t) for t in (res.sampled_logprobs, res.topk_ids, res.topk_logprobs)),
                 )
         host_ids, done = self._copy_to_host(res.sampled_token_ids, on_host)
-        seq = None
-        if self.feedback is not None:  # async pipeline steps: the first stage waits for these
-            seq = self._num_id_steps
-            self._num_id_steps += 1
-            self._ids_to_send.append((seq, done, host_ids))
+        feedback = self.feedback
 
         def build() -> ModelRunnerOutput:
-            if seq is not None:
-                self._send_ready_ids(through=seq)
             if done is not None:
                 done.synchronize()
+            if feedback is not None:  # async pipeline steps: the first stage waits for these
+                feedback.send(host_ids)
             token_ids = host_ids.tolist()
             logprobs: list[Any] = [None] * batch.num_reqs
             if num_sampled == batch.num_reqs:
@@ -628,22 +608,6 @@ class V2ModelRunner:
             )
 
         return PendingOutput(build, done)
-
-    def _send_ready_ids(self, through: int = -1) -> None:
-        """Last stage of an async pipeline: send the first stage every waiting step's sampled ids
-        that are on the host by now, oldest first; waits for the steps up to sequence number
-        ``through``."""
-        queue = self._ids_to_send
-        if through < 0 and not EARLY_IDS_ENABLED:
-            return
-        while queue:
-            seq, done, host_ids = queue[0]
-            if done is not None:
-                if seq > through and not done.query():
-                    return
-                done.synchronize()
-            self.feedback.send(host_ids)
-            queue.popleft()
 
     def _copy_to_host(
         self, token_ids: torch.Tensor, on_host: bool = False
