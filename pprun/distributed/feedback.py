@@ -15,6 +15,15 @@ between the same GPUs is not an independent channel — a send on the activation
 behind a receive outstanding on the other, which serialised the stages (docs/performance.md,
 ``scripts/nccl_order_probe.py``).
 
+**The ids travel on a plain TCP socket between the two stages** where the stages know a host
+the first one can listen on (pprun's own executors: the process group's rendezvous host, which
+is the first stage's own).  The gloo group then only carries the socket's port, once, at
+warm-up.  A gloo point-to-point operation costs tens of microseconds of host time on each side
+(on the development machine, 16 us to post a receive and 12 us to post a send; 63-89 us for the
+post on the H200 hosts, ``docs/performance.md``, sixteenth session), a socket write or read a
+few.  ``PPRUN_DISABLE_FEEDBACK_SOCKET=1`` on the first stage keeps every message on gloo; the
+first stage decides and tells the last one, so the two ends cannot disagree.
+
 One message per step that samples, in step order on both sides (both take the count of
 sampled requests from the same ``SchedulerOutput``): the last stage sends its ids when it
 builds the step's answer; the first stage posts the matching receive into a ring slot as soon as
@@ -28,7 +37,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
+from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -36,22 +47,46 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pprun.switches import enabled_unless
 from pprun.worker.step_trace import MAX_STEPS
+
+SOCKET_ENABLED: bool = enabled_unless("PPRUN_DISABLE_FEEDBACK_SOCKET")
+"""Whether the first stage opens the socket channel (see the module docstring); read by the
+first stage only, which tells the last."""
 
 
 class SampleFeedback:
     """The first or last stage's end of the sampled-ids channel (see the module docstring)."""
 
-    def __init__(self, group: dist.ProcessGroup, peer: int, is_first: bool, max_num_reqs: int, num_slots: int) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        peer: int,
+        is_first: bool,
+        max_num_reqs: int,
+        num_slots: int,
+        host: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        """``host``: where the first stage may listen for the socket channel, the same string on
+        both ends (None: gloo only); ``timeout_s``: how long a socket read or the connection may
+        take before it is an error (the process groups' timeout)."""
         self.group = group
         self.peer = peer
         """``torch.distributed`` rank of the other end (the last stage for the first, and back)."""
         self.is_first = is_first
         self.max_num_reqs = max_num_reqs
+        self.host = host
+        self.timeout_s = timeout_s
         self.ring = torch.zeros(num_slots, max_num_reqs, dtype=torch.int64)
         self._flat = self.ring.numpy().reshape(-1)
         self._works: list[dist.Work | None] = [None] * num_slots
         self._slot = -1
+        self.sock: socket.socket | None = None
+        """The socket channel once :meth:`warm_up` opened it; None: gloo."""
+        self._unread: deque[tuple[int, int]] = deque()
+        """First stage, socket channel: (ring slot, ids) of the messages expected and not yet read,
+        in step order."""
         self.index: dict[str, int] = {}
         """First stage: request id -> where its newest pending sample lands (flat ring index)."""
         prefix = os.environ.get("PPRUN_STEP_TRACE")
@@ -70,37 +105,97 @@ class SampleFeedback:
         return self._slot
 
     def _wait_slot(self, slot: int) -> None:
-        """Complete the send or receive outstanding on ``slot``, if any."""
+        """Complete the send or receive outstanding on ``slot``, if any (on the socket channel:
+        read the messages in order up to the one landing in ``slot``)."""
         work = self._works[slot]
         if work is not None:
             work.wait()
             self._works[slot] = None
+        while any(s == slot for s, _ in self._unread):
+            self._read_next()
+
+    def _read_next(self) -> None:
+        """First stage, socket channel: read the oldest expected message into its ring slot."""
+        slot, n = self._unread[0]
+        view = memoryview(self.ring.numpy()[slot]).cast("B")[: 8 * n]
+        got = 0
+        try:
+            while got < len(view):
+                k = self.sock.recv_into(view[got:])
+                if k == 0:
+                    raise RuntimeError(
+                        f"the last stage (rank {self.peer}) closed the sampled-ids socket with "
+                        f"{got} of {len(view)} bytes of a step's ids read"
+                    )
+                got += k
+        except TimeoutError:
+            raise RuntimeError(
+                f"no sampled ids from the last stage (rank {self.peer}) within {self.timeout_s} s "
+                "(the pipeline's stage timeout)"
+            ) from None
+        self._unread.popleft()
 
     def warm_up(self) -> None:
-        """One id from the last stage to the first before any step (both ends call it): the
-        pair's connection is checked before the first step needs it."""
+        """Open the channel before any step (both ends call it): the first stage tells the last
+        the port it listens on (-1: gloo only), and one id goes from the last to the first, so
+        the channel is checked before the first step needs it."""
+        port = torch.full((1,), -1, dtype=torch.int64)
+        listener = None
+        if self.is_first and self.host is not None and SOCKET_ENABLED:
+            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+            listener = socket.create_server((self.host, 0), family=family, backlog=1)
+            listener.settimeout(self.timeout_s)
+            port[0] = listener.getsockname()[1]
+        if self.is_first:
+            dist.send(port, self.peer, group=self.group)
+        else:
+            dist.recv(port, self.peer, group=self.group)
+        if int(port) >= 0:
+            try:
+                if listener is not None:
+                    self.sock, _ = listener.accept()
+                else:
+                    self.sock = socket.create_connection((self.host, int(port)), timeout=self.timeout_s)
+            finally:
+                if listener is not None:
+                    listener.close()
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock.settimeout(self.timeout_s)
         probe = self.ring[0, :1]
         if self.is_first:
-            dist.recv(probe, self.peer, group=self.group)
+            self.expect(["probe"], torch.zeros(1, dtype=torch.int64), 1)
+            self._wait_slot(self._slot)
+            self.index.clear()
         else:
-            dist.send(probe, self.peer, group=self.group)
+            self._send(probe)
+            self._wait_slot(self._slot)
 
     def send(self, sampled_ids: torch.Tensor) -> None:
         """Last stage: send a step's sampled ids (host ``[num_sampled]``, sampling order, ready
         to read) to the first stage; copied into the ring, which outlives the send."""
         t0 = time.perf_counter()
+        self._send(sampled_ids)
+        self._record(t0)
+
+    def _send(self, sampled_ids: torch.Tensor) -> None:
+        """:meth:`send` without the trace (the warm-up's probe uses it too)."""
         slot = self._next_slot()
         buf = self.ring[slot, : sampled_ids.shape[0]]
         buf.copy_(sampled_ids)
-        self._works[slot] = dist.isend(buf, self.peer, group=self.group)
-        self._record(t0)
+        if self.sock is not None:
+            self.sock.sendall(memoryview(buf.numpy()).cast("B"))
+        else:
+            self._works[slot] = dist.isend(buf, self.peer, group=self.group)
 
     def expect(self, req_ids: Sequence[str], sample_batch_idx: torch.Tensor, num_sampled: int) -> None:
         """First stage, right after launching a step that samples ``num_sampled`` requests (batch
         positions ``sample_batch_idx``, read only when not every request samples): post the
         receive of their ids and remember where each request's lands."""
         slot = self._next_slot()
-        self._works[slot] = dist.irecv(self.ring[slot, :num_sampled], self.peer, group=self.group)
+        if self.sock is not None:
+            self._unread.append((slot, num_sampled))  # read when a step needs it (fill)
+        else:
+            self._works[slot] = dist.irecv(self.ring[slot, :num_sampled], self.peer, group=self.group)
         base = slot * self.max_num_reqs
         if num_sampled == len(req_ids):
             self.index.update(zip(req_ids, range(base, base + num_sampled)))
@@ -142,3 +237,7 @@ class SampleFeedback:
                 except Exception:  # noqa: BLE001 - shutting down: nothing left to report to
                     pass
                 self._works[i] = None
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+            self._unread.clear()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import pickle
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,8 @@ class PipelineTransport:
         device_group: dist.ProcessGroup | None,
         global_ranks: list[int],
         feedback_group: dist.ProcessGroup | None = None,
+        feedback_host: str | None = None,
+        timeout_s: float = 600.0,
     ) -> None:
         self.layout = layout
         self.device = device
@@ -66,6 +69,12 @@ class PipelineTransport:
         self.feedback_group = feedback_group
         """First and last stage only, on gloo (host to host): the sampled ids of async pipeline
         steps (``pprun.distributed.feedback``); None where the transport was not made here."""
+        self.feedback_host = feedback_host
+        """Where the first stage may listen for the sampled ids' socket: the process group's
+        rendezvous host, which pprun's executors put on the first stage's own host (None: the
+        ids stay on :attr:`feedback_group`)."""
+        self.timeout_s = timeout_s
+        """The process groups' timeout, in seconds."""
         self._meta_out = torch.zeros(META_BYTES, dtype=torch.uint8)
         self._meta_in = torch.zeros(META_BYTES, dtype=torch.uint8)
         self._announced: list[tuple[str, tuple[int, ...], str]] | None = None
@@ -107,7 +116,8 @@ class PipelineTransport:
         feedback_group = None
         if feedback:
             feedback_group = dist.new_group([ranks[0], ranks[-1]], backend="gloo", timeout=timeout)
-        return cls(layout, device, cpu_group, device_group, ranks, feedback_group)
+        host = urlsplit(init_method).hostname if init_method.startswith("tcp://") else None
+        return cls(layout, device, cpu_group, device_group, ranks, feedback_group, host, timeout_s)
 
     @classmethod
     def from_existing(
@@ -124,7 +134,7 @@ class PipelineTransport:
             cpu_group = dist.new_group(global_ranks, backend="gloo", timeout=timeout)
         else:
             cpu_group = device_group
-        return cls(layout, device, cpu_group, device_group, global_ranks)
+        return cls(layout, device, cpu_group, device_group, global_ranks, timeout_s=timeout_s)
 
     # --- point to point ------------------------------------------------------------------------
 

@@ -230,7 +230,8 @@ class V2ModelRunner:
                 )
             peer = transport.global_ranks[-1 if layout.is_first else 0]
             self.feedback = SampleFeedback(
-                transport.feedback_group, peer, layout.is_first, self.max_num_reqs, sample_feedback_slots
+                transport.feedback_group, peer, layout.is_first, self.max_num_reqs, sample_feedback_slots,
+                host=transport.feedback_host, timeout_s=transport.timeout_s,
             )
         self._ids_from_last = self.feedback if layout.is_first else None
         """The first stage's end of :attr:`feedback` (input ids of pending tokens come from it)."""
