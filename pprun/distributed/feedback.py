@@ -9,26 +9,26 @@ a batch's next step while the current one is still in the pipeline (async schedu
 request in at most two steps), the first stage takes that step's input ids for the pending
 tokens from the last stage's message, and the engine's work on the output is off that loop.
 
-The ids go host to host on their own gloo group of the two ranks, also between GPUs: the last
-stage has them in host memory anyway (its answer to the engine), and a second NCCL group
-between the same GPUs is not an independent channel — a send on the activations' group waited
-behind a receive outstanding on the other, which serialised the stages (docs/performance.md,
-``scripts/nccl_order_probe.py``).
+The ids go host to host, also between GPUs: the last stage has them in host memory anyway (its
+answer to the engine), and a second NCCL group between the same GPUs is not an independent
+channel — a send on the activations' group waited behind a receive outstanding on the other,
+which serialised the stages (docs/performance.md, ``scripts/nccl_order_probe.py``).
 
-**The ids travel on a plain TCP socket between the two stages** where the stages know a host
-the first one can listen on (pprun's own executors: the process group's rendezvous host, which
-is the first stage's own).  The gloo group then only carries the socket's port, once, at
-warm-up.  A gloo point-to-point operation costs tens of microseconds of host time on each side
-(on the development machine, 16 us to post a receive and 12 us to post a send; 63-89 us for the
-post on the H200 hosts, ``docs/performance.md``, sixteenth session), a socket write or read a
-few.  ``PPRUN_DISABLE_FEEDBACK_SOCKET=1`` on the first stage keeps every message on gloo; the
-first stage decides and tells the last one, so the two ends cannot disagree.
+**They travel on a plain TCP socket between the two stages** where the stages know a host the
+first one can listen on (pprun's own executors: the process group's rendezvous host, which is
+the first stage's own), else on a gloo group of the two ranks.  That group exists either way;
+with the socket it only carries the socket's port, once, at warm-up.  Per message a gloo
+point-to-point operation cost 20-130 us of host time on each end of the development machine,
+the socket ~5 (``scripts/bench_feedback.py``); on the H200 hosts posting the gloo receive alone
+took 63-89 us of the first stage's step (``docs/performance.md``, sixteenth session).
+``PPRUN_DISABLE_FEEDBACK_SOCKET=1`` on the first stage keeps every message on gloo; the first
+stage decides and tells the last one, so the two ends cannot disagree.
 
 One message per step that samples, in step order on both sides (both take the count of
 sampled requests from the same ``SchedulerOutput``): the last stage sends its ids when it
-builds the step's answer; the first stage posts the matching receive into a ring slot as soon as
-it has launched the step, and waits for it only when a later step's input reads one of those
-ids.  The ring has a slot per step in flight plus spare ones (``WorkerSpec.sample_feedback_slots``,
+builds the step's answer; the first stage notes (socket) or posts (gloo) the matching receive
+into a ring slot as soon as it has launched the step, and reads or waits for it only when a
+later step's input reads one of those ids.  The ring has a slot per step in flight plus spare ones (``WorkerSpec.sample_feedback_slots``,
 from the executor): an id is only read by a step scheduled while its own step is in flight, so a
 slot comes round again only after every reader of it was prepared.
 """
