@@ -28,9 +28,10 @@ One message per step that samples, in step order on both sides (both take the co
 sampled requests from the same ``SchedulerOutput``): the last stage sends its ids when it
 builds the step's answer; the first stage notes (socket) or posts (gloo) the matching receive
 into a ring slot as soon as it has launched the step, and reads or waits for it only when a
-later step's input reads one of those ids.  The ring has a slot per step in flight plus spare ones (``WorkerSpec.sample_feedback_slots``,
-from the executor): an id is only read by a step scheduled while its own step is in flight, so a
-slot comes round again only after every reader of it was prepared.
+later step's input reads one of those ids.  The ring has a slot per step in flight plus spare
+ones (``WorkerSpec.sample_feedback_slots``, from the executor): an id is only read by a step
+scheduled while its own step is in flight, so a slot comes round again only after every reader
+of it was prepared.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ that host work, so a host wait there shows as ``compute``, not ``idle``.  The re
 time it splits by phase (:data:`HOST_PHASES`): ``update`` (the request table takes the step's
 deltas), ``prepare`` (the step's plan and its rows in the pinned input buffers), ``to_device``
 (their launch to the device and the attention metadata), ``launch`` (the receive on a non-first
-stage, the graph replay or the eager forward), ``expect`` (the first stage posts the receive of
-the step's sampled ids) and ``sample`` (the last stage).
+stage, the graph replay or the eager forward), ``expect`` (the first stage notes the step's
+sampled ids as coming, or on gloo posts their receive) and ``sample`` (the last stage).
 
 Off by default: the events cost a few microseconds of host time per step
 (``PPRUN_STEP_TRACE_EVENTS=0`` keeps the host clock only, for throughput runs).
