@@ -143,8 +143,8 @@ class SampleFeedback:
         port = torch.full((1,), -1, dtype=torch.int64)
         listener = None
         if self.is_first and self.host is not None and SOCKET_ENABLED:
-            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-            listener = socket.create_server((self.host, 0), family=family, backlog=1)
+            family, _, _, _, address = socket.getaddrinfo(self.host, 0, type=socket.SOCK_STREAM)[0]
+            listener = socket.create_server(address[:2], family=family, backlog=1)
             listener.settimeout(self.timeout_s)
             port[0] = listener.getsockname()[1]
         if self.is_first:
