@@ -21,14 +21,19 @@ STEPS = [  # (requests that sample, their ids) per step, in step order
 
 
 def _end(rank: int, port: int, socket_on: bool, mode: str, out) -> None:
-    """One end of the channel (rank 0: the first stage, 1: the last); puts what it saw in ``out``."""
+    """One end of the channel (rank 0: the first stage, 1: the last); puts what it saw in ``out``.
+
+    ``mode``: "ok" (the first stage reads each step's ids one step later), "lag" (it expects every
+    step first and reads the last ``num_slots`` steps' ids at the end: slots come round with their
+    messages unread), "closed" / "silent" (the last stage closes after one step / sends nothing),
+    "mismatch" (the last stage sends two ids where the first expects three)."""
     try:
         import torch
         import torch.distributed as dist
 
         from pprun.distributed import feedback as fb
 
-        fb.SOCKET_ENABLED = socket_on
+        fb.SOCKET_ENABLED = socket_on if rank == 0 else not socket_on  # only the first stage's counts
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                 timeout=timedelta(seconds=60))  # fmt: skip
         timeout_s = 2.0 if mode != "ok" else 60.0
@@ -37,13 +42,27 @@ def _end(rank: int, port: int, socket_on: bool, mode: str, out) -> None:
         end.warm_up()
         seen: dict[str, object] = {"socket": end.sock is not None}
         if rank == 1:
-            if mode == "ok":
+            if mode in ("ok", "lag"):
                 for _, ids in STEPS:
                     end.send(torch.tensor(ids, dtype=torch.int64))
             elif mode == "closed":
                 end.send(torch.tensor(STEPS[0][1], dtype=torch.int64))
                 end.close()
+            elif mode == "mismatch":
+                end.send(torch.tensor(STEPS[0][1][:2], dtype=torch.int64))
             dist.barrier()  # "silent": sends nothing, waits for the first stage to time out
+        elif mode == "lag":
+            flats = []
+            for req_ids, _ in STEPS:
+                end.expect(req_ids, torch.arange(len(req_ids)), len(req_ids))
+                flats.append(np.array([end.index[r] for r in req_ids]))  # where this step's land
+            got = []
+            for flat in flats[-3:]:  # the newest step per slot (num_slots=3)
+                row = np.zeros(len(flat), dtype=np.int64)
+                end.fill(row, np.arange(len(flat)), flat)
+                got.append(row.tolist())
+            seen["got"] = got
+            dist.barrier()
         else:
             got = []
             for step, (req_ids, _) in enumerate(STEPS):
@@ -85,18 +104,24 @@ def _run(socket_on: bool, mode: str = "ok") -> dict[int, dict]:
 
 
 @pytest.mark.parametrize("socket_on", [True, False])
-def test_ids_arrive_in_step_order_on_either_channel(socket_on):
+@pytest.mark.parametrize("mode", ["ok", "lag"])
+def test_ids_arrive_in_step_order_on_either_channel(socket_on, mode):
     """Each step's ids land where the first stage's index says, read only when a later step
-    fills them in; with the socket switched off on the first stage both ends stay on gloo."""
-    results = _run(socket_on)
-    assert results[0]["socket"] is socket_on and results[1]["socket"] is socket_on  # the first decides
-    assert results[0]["got"] == [ids for _, ids in STEPS[:-1]]
+    fills them in, also when ring slots come round with their messages unread.  The first stage's
+    switch decides for both ends (the last stage's is set the other way)."""
+    results = _run(socket_on, mode)
+    assert results[0]["socket"] is socket_on and results[1]["socket"] is socket_on
+    want = [ids for _, ids in STEPS[:-1]] if mode == "ok" else [ids for _, ids in STEPS[-3:]]
+    assert results[0]["got"] == want
 
 
-def test_socket_channel_reports_a_closed_or_silent_last_stage():
-    """A last stage that closes the channel, or sends nothing within the timeout: the first stage's
-    fill raises an error saying which, instead of waiting for good."""
+def test_socket_channel_reports_a_closed_silent_or_out_of_step_last_stage():
+    """A last stage that closes the channel, sends nothing within the timeout, or sends another
+    count of ids than the first stage expects: the first stage's fill raises an error saying
+    which, instead of waiting for good or reading shifted ids."""
     closed = _run(True, "closed")[0]
     assert closed["got"] == [STEPS[0][1]] and "closed the sampled-ids socket" in closed["error"]
     silent = _run(True, "silent")[0]
     assert silent["got"] == [] and "no sampled ids from the last stage" in silent["error"]
+    mismatch = _run(True, "mismatch")[0]
+    assert mismatch["got"] == [] and "out of step" in mismatch["error"]

@@ -98,16 +98,20 @@ def test_direct_launch_steps_aside_for_launch_hooks():
 @pytest.mark.skipif(not HAS_CUDA, reason="the direct launch is for CUDA only")
 def test_direct_launch_writes_what_the_jit_launch_writes(monkeypatch):
     """Steps of changing ranges, token counts and pending ids through Triton's launch and through
-    the kernels it compiled, launched directly: the same device bytes after every step.  Also a
-    misaligned ``prev_sampled`` (a new specialisation, so Triton's launch again)."""
+    the kernels it compiled, launched directly: after every step the device holds exactly the
+    step's ranges and ids, whichever way it was launched.  Also a misaligned ``prev_sampled`` (a
+    new specialisation, so Triton's launch again)."""
     from pprun.worker.v2 import staging
 
     g = torch.Generator().manual_seed(3)
     host = torch.randint(0, 256, (8192,), dtype=torch.uint8, generator=g).pin_memory()
     ids_host = torch.randint(0, 32000, (4096,), dtype=torch.int64, generator=g).pin_memory()
     prev_all = torch.randint(0, 32000, (65,), dtype=torch.int64, generator=g).cuda()
-    source = torch.full((4096,), -1, dtype=torch.int32).pin_memory()
-    source[torch.randperm(2000, generator=g)[:40]] = torch.arange(40, dtype=torch.int32)
+    source = torch.full((4096,), -1, dtype=torch.int32)
+    # Pending tokens among the first 64 (token 0 one of them), so that short steps have some.
+    source[torch.cat([torch.zeros(1, dtype=torch.int64), torch.randperm(63, generator=g)[:39] + 1])] = (
+        torch.arange(40, dtype=torch.int32))
+    source = source.pin_memory()
     steps = [
         ([(0, 12), (64, 4104)], 3000, None),
         ([(8, 400), (6000, 6400), (7000, 7004)], 17, 0),
@@ -115,23 +119,30 @@ def test_direct_launch_writes_what_the_jit_launch_writes(monkeypatch):
         ([(16, 2000)], 2000, 1),  # prev_sampled 8 bytes past an aligned address
         ([(0, 8192 - 4)], 4096, None),
     ]
-    results = []
     for fast in (False, True):
         monkeypatch.setattr(staging, "FAST_LAUNCH_ENABLED", fast)
         monkeypatch.setattr(staging, "_compiled", {})
-        device = torch.zeros(8192, dtype=torch.uint8, device="cuda")
-        ids_device = torch.full((4096,), -7, dtype=torch.int64, device="cuda")
-        seen = []
+        device = torch.empty(8192, dtype=torch.uint8, device="cuda")
+        ids_device = torch.empty(4096, dtype=torch.int64, device="cuda")
         for _ in range(2):  # the second round finds every specialisation compiled
             for ranges, num_tokens, prev_offset in steps:
+                device.fill_(0xA5)  # each step's bytes are then its own
+                ids_device.fill_(-7)
                 prev = None if prev_offset is None else prev_all[prev_offset : prev_offset + 64]
                 stage_inputs(host, device, ranges, ids_host, ids_device, num_tokens,
                              None if prev is None else source, prev)  # fmt: skip
-                seen.append((device.cpu(), ids_device.cpu()))
-        results.append(seen)
+                want = torch.full((8192,), 0xA5, dtype=torch.uint8)
+                for a, b in ranges:
+                    want[a:b] = host[a:b]
+                want_ids = torch.full((4096,), -7, dtype=torch.int64)
+                want_ids[:num_tokens] = ids_host[:num_tokens]
+                if prev is not None:
+                    rows = source[:num_tokens].long()
+                    pending = rows >= 0
+                    want_ids[:num_tokens][pending] = prev.cpu()[rows[pending]]
+                assert torch.equal(device.cpu(), want), (fast, ranges)
+                assert torch.equal(ids_device.cpu(), want_ids), (fast, num_tokens)
         assert len(staging._compiled) == (3 if fast else 0)  # pending or not, and the misaligned prev
-    for (dev_a, ids_a), (dev_b, ids_b) in zip(*results):
-        assert torch.equal(dev_a, dev_b) and torch.equal(ids_a, ids_b)
 
 
 def _fill(bufs: InputBuffers, g: torch.Generator, num_reqs: int, num_tokens: int, num_pending: int) -> None:

@@ -22,7 +22,10 @@ point-to-point operation cost 20-130 us of host time on each end of the developm
 the socket ~5 (``scripts/bench_feedback.py``); on the H200 hosts posting the gloo receive alone
 took 63-89 us of the first stage's step (``docs/performance.md``, sixteenth session).
 ``PPRUN_DISABLE_FEEDBACK_SOCKET=1`` on the first stage keeps every message on gloo; the first
-stage decides and tells the last one, so the two ends cannot disagree.
+stage decides and tells the last one, so the two ends cannot disagree.  A socket that cannot be
+opened is an error that names that switch, not a silent change of channel.  Each socket message
+carries its number and its count of ids ahead of them: two ends that disagree on what a step
+samples get an error, where gloo would have failed on the size, not shifted ids.
 
 One message per step that samples, in step order on both sides (both take the count of
 sampled requests from the same ``SchedulerOutput``): the last stage sends its ids when it
@@ -88,6 +91,10 @@ class SampleFeedback:
         self._unread: deque[tuple[int, int]] = deque()
         """First stage, socket channel: (ring slot, ids) of the messages expected and not yet read,
         in step order."""
+        self._num_sent = 0
+        self._num_read = 0
+        """Socket channel: messages sent (last stage) or read (first stage) so far; each message
+        carries its number and its count of ids ahead of them, checked on reading."""
         self.index: dict[str, int] = {}
         """First stage: request id -> where its newest pending sample lands (flat ring index)."""
         prefix = os.environ.get("PPRUN_STEP_TRACE")
@@ -116,9 +123,24 @@ class SampleFeedback:
             self._read_next()
 
     def _read_next(self) -> None:
-        """First stage, socket channel: read the oldest expected message into its ring slot."""
+        """First stage, socket channel: read the oldest expected message into its ring slot,
+        after checking its header (its number in step order and its count of ids)."""
         slot, n = self._unread[0]
-        view = memoryview(self.ring.numpy()[slot]).cast("B")[: 8 * n]
+        header = np.empty(2, dtype=np.int64)
+        self._recv_exact(memoryview(header).cast("B"))
+        if int(header[0]) != self._num_read or int(header[1]) != n:
+            raise RuntimeError(
+                f"the sampled-ids socket is out of step: message {int(header[0])} with {int(header[1])} ids "
+                f"arrived where message {self._num_read} with {n} ids was due (the first and last stage "
+                "disagree on what a step samples)"
+            )
+        self._recv_exact(memoryview(self.ring.numpy()[slot]).cast("B")[: 8 * n])
+        self._num_read += 1
+        self._unread.popleft()
+
+    def _recv_exact(self, view: memoryview) -> None:
+        """Fill ``view`` from the socket; a closed socket, a read past the timeout or a socket
+        error is a RuntimeError that says which."""
         got = 0
         try:
             while got < len(view):
@@ -126,7 +148,7 @@ class SampleFeedback:
                 if k == 0:
                     raise RuntimeError(
                         f"the last stage (rank {self.peer}) closed the sampled-ids socket with "
-                        f"{got} of {len(view)} bytes of a step's ids read"
+                        f"{got} of {len(view)} bytes of a message read"
                     )
                 got += k
         except TimeoutError:
@@ -134,7 +156,8 @@ class SampleFeedback:
                 f"no sampled ids from the last stage (rank {self.peer}) within {self.timeout_s} s "
                 "(the pipeline's stage timeout)"
             ) from None
-        self._unread.popleft()
+        except OSError as e:
+            raise RuntimeError(f"reading sampled ids from the last stage (rank {self.peer}) failed: {e}") from e
 
     def warm_up(self) -> None:
         """Open the channel before any step (both ends call it): the first stage tells the last
@@ -143,8 +166,14 @@ class SampleFeedback:
         port = torch.full((1,), -1, dtype=torch.int64)
         listener = None
         if self.is_first and self.host is not None and SOCKET_ENABLED:
-            family, _, _, _, address = socket.getaddrinfo(self.host, 0, type=socket.SOCK_STREAM)[0]
-            listener = socket.create_server(address[:2], family=family, backlog=1)
+            try:
+                family, _, _, _, address = socket.getaddrinfo(self.host, 0, type=socket.SOCK_STREAM)[0]
+                listener = socket.create_server(address[:2], family=family, backlog=1)
+            except OSError as e:
+                raise RuntimeError(
+                    f"the first stage cannot listen for the sampled-ids socket on {self.host!r}: {e}; "
+                    "PPRUN_DISABLE_FEEDBACK_SOCKET=1 keeps the ids on gloo"
+                ) from e
             listener.settimeout(self.timeout_s)
             port[0] = listener.getsockname()[1]
         if self.is_first:
@@ -157,11 +186,18 @@ class SampleFeedback:
                     self.sock, _ = listener.accept()
                 else:
                     self.sock = socket.create_connection((self.host, int(port)), timeout=self.timeout_s)
+                self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self.sock.settimeout(self.timeout_s)
+            except OSError as e:  # a stage reports a RuntimeError; an OSError reads as "driver gone"
+                end = f"accepting the last stage (rank {self.peer})" if self.is_first else (
+                    f"connecting to the first stage (rank {self.peer}) at {self.host}:{int(port)}")
+                raise RuntimeError(
+                    f"opening the sampled-ids socket failed {end} within {self.timeout_s} s: {e}; "
+                    "PPRUN_DISABLE_FEEDBACK_SOCKET=1 keeps the ids on gloo"
+                ) from e
             finally:
                 if listener is not None:
                     listener.close()
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.sock.settimeout(self.timeout_s)
         probe = self.ring[0, :1]
         if self.is_first:
             self.expect(["probe"], torch.zeros(1, dtype=torch.int64), 1)
@@ -184,7 +220,12 @@ class SampleFeedback:
         buf = self.ring[slot, : sampled_ids.shape[0]]
         buf.copy_(sampled_ids)
         if self.sock is not None:
-            self.sock.sendall(memoryview(buf.numpy()).cast("B"))
+            header = np.array([self._num_sent, buf.shape[0]], dtype=np.int64).tobytes()
+            try:
+                self.sock.sendall(header + buf.numpy().tobytes())
+            except OSError as e:  # a timeout too: the first stage stopped reading
+                raise RuntimeError(f"sending sampled ids to the first stage (rank {self.peer}) failed: {e}") from e
+            self._num_sent += 1
         else:
             self._works[slot] = dist.isend(buf, self.peer, group=self.group)
 

@@ -37,8 +37,9 @@ FAST_LAUNCH_ENABLED: bool = enabled_unless("PPRUN_DISABLE_FAST_LAUNCH")
 has compiled and launched it for the same specialisation.  Triton's own path binds and
 specialises every argument in Python on each launch: ~43 us of host time per step on an H200
 host, against ~10 us direct (``docs/performance.md``, sixteenth session).  What Triton
-specialises on here is known: ``HAS_PENDING``, the device, and whether each pointer is 16-byte
-aligned (the integers are ``do_not_specialize``); those make the cache key.  Off while a Triton
+specialises on here is known: ``HAS_PENDING``, the device, whether each pointer is 16-byte
+aligned, and whether an integer needs 64 bits (the integers are ``do_not_specialize``, which
+Triton still types by value); those make the cache key.  Off while a Triton
 launch hook is set (a profiler), which the direct path would bypass."""
 
 MAX_RANGES = 8
@@ -148,7 +149,9 @@ def stage_inputs(
     key = None
     if FAST_LAUNCH_ENABLED and ids_device.is_cuda:
         pointers = (args[0], args[1], *args[-5:-1])
-        key = (has_pending, ids_device.device.index, *(p.data_ptr() % 16 == 0 for p in pointers))
+        # Triton types a do_not_specialize integer as i32 or i64 by its value: part of the key.
+        wide = longest >= 2**31 or max(words) >= 2**31
+        key = (has_pending, ids_device.device.index, wide, *(p.data_ptr() % 16 == 0 for p in pointers))
         kernel = _compiled.get(key)
         if kernel is not None and _no_launch_hooks():
             stream = triton.runtime.driver.active.get_current_stream(key[1])
