@@ -56,7 +56,7 @@ STAGE_KEYS = (
 
 
 class HostClock:
-    """Laps of one step's host time (perf_counter, in us) added up by phase into ``out`` (cleared
+    """Laps of one step's host time (perf_counter, in us), one per phase, into ``out`` (cleared
     first); inert when ``out`` is None, so that an untraced step reads no clock."""
 
     def __init__(self, out: dict[str, float] | None) -> None:
@@ -69,7 +69,7 @@ class HostClock:
         """Charge the time since the last lap (or the start) to ``key``."""
         if self.out is not None:
             t = time.perf_counter()
-            self.out[key] = self.out.get(key, 0.0) + (t - self._t) * 1e6
+            self.out[key] = (t - self._t) * 1e6
             self._t = t
 
 
@@ -157,7 +157,7 @@ class StageTrace(NullStageTrace):
             self._evs.append(self._event())
 
     def note(self, values: dict[str, float] | None) -> None:
-        """Extra per-step figures (the runner's host waits, in us) for the open step."""
+        """Extra per-step figures (the runner's host times by phase, in us) for the open step."""
         if self._open is not None and values:
             self._open.update(values)
 

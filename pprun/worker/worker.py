@@ -190,7 +190,7 @@ class Worker:
         else:
             out = self.runner.execute_model(so, receive=receive)
         trace.mark()
-        trace.note(getattr(self.runner, "host_waits", None))
+        trace.note(getattr(self.runner, "host_times", None))
         if not self.layout.is_last:
             if out is None and num_tokens > 0:
                 raise RuntimeError(
@@ -238,7 +238,7 @@ class Worker:
         run = getattr(self.runner, "execute_model_async", None)
         out = run(so, None) if run is not None else self.runner.execute_model(so, None)
         self.trace.mark()
-        self.trace.note(getattr(self.runner, "host_waits", None))
+        self.trace.note(getattr(self.runner, "host_times", None))
         self.trace.end()
         return out
 

@@ -204,9 +204,10 @@ class InputBuffers:
         # staging kernel may still be reading them: wait for those first.
         self._reads_done: torch.cuda.Event | None = None
         self._read_event = torch.cuda.Event() if device.type == "cuda" else None
-        self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        """The stream the steps run on (the one current when the buffers were made), kept:
-        ``Event.record()`` without a stream builds a stream object per call (~8 us of host time)."""
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        """The stream the steps run on (the one current when the buffers were made), kept for the
+        runner's events too: ``Event.record()`` without a stream builds a stream object per call
+        (~8 us of host time)."""
         self.make_inert(0, 0, max_num_reqs, max_num_tokens)
         self.to_device(max_num_reqs, max_num_tokens, 0)
 
@@ -285,7 +286,7 @@ class InputBuffers:
             # One event, recorded again each step (it was waited on first, or a second record
             # simply covers both steps' reads): no allocation per step.
             self._reads_done = self._read_event
-            self._reads_done.record(self._stream)
+            self._reads_done.record(self.stream)
 
     def staging_ranges(self, spans: list[tuple[HostDeviceBuffer, tuple[int, int]]]) -> list[tuple[int, int]]:
         """The arena's byte ranges the staging kernel copies for ``spans`` (buffer, its used byte

@@ -214,8 +214,6 @@ class V2ModelRunner:
         self._graph_ids_to_host = False
         """Whether the full decode graphs write the greedy ids to the ring themselves."""
         self._host_events = [torch.cuda.Event() for _ in self.sampled_ring] if device.type == "cuda" else []
-        self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        """The stream the steps run on, kept for the events (see ``InputBuffers``)."""
         self.prev_sampled: torch.Tensor | None = None
         """The last step's sampled ids, on the device (async scheduling reads them)."""
         self.prev_sample_index: Mapping[str, int] = {}
@@ -235,7 +233,7 @@ class V2ModelRunner:
             )
         self._ids_from_last = self.feedback if layout.is_first else None
         """The first stage's end of :attr:`feedback` (input ids of pending tokens come from it)."""
-        self.host_waits: dict[str, float] | None = {} if trace_prefix() else None
+        self.host_times: dict[str, float] | None = {} if trace_prefix() else None
         """With ``PPRUN_STEP_TRACE``: the last step's host time by phase, in us (the worker puts
         them in the step trace).  Two are waits: ``wait_reads_us`` for the previous step's reads of
         the pinned input buffers, and on an async pipeline's first stage ``wait_ids_us`` for the
@@ -428,7 +426,7 @@ class V2ModelRunner:
         """
         # The deltas rewrite pinned staging memory (sampling parameters) that the previous
         # step's non-blocking copies may still be reading.
-        clock = HostClock(self.host_waits)
+        clock = HostClock(self.host_times)
         self.bufs.wait_for_previous_reads()
         clock.lap("wait_reads_us")
         self.update_states(so)
@@ -623,5 +621,5 @@ class V2ModelRunner:
         if not on_host:
             host.copy_(token_ids, non_blocking=True)
         done = self._host_events[self._host_slot]  # rotates with its row: no allocation per step
-        done.record(self._stream)
+        done.record(self.bufs.stream)
         return host, done
