@@ -16,10 +16,18 @@ import json
 import multiprocessing as mp
 import statistics
 import time
+import traceback
 from datetime import timedelta
 
 
-def _end(rank: int, port: int, socket_on: bool, messages: int, n: int, out) -> None:
+def _end(rank: int, port: int, socket_on: bool, messages: int, num_ids: int, out) -> None:
+    try:
+        _time_end(rank, port, socket_on, messages, num_ids, out)
+    except BaseException:  # noqa: BLE001 - the parent waits for every rank's answer
+        out.put({"error": f"rank {rank}: {traceback.format_exc()}"})
+
+
+def _time_end(rank: int, port: int, socket_on: bool, messages: int, num_ids: int, out) -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -29,13 +37,15 @@ def _end(rank: int, port: int, socket_on: bool, messages: int, n: int, out) -> N
     fb.SOCKET_ENABLED = socket_on
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))  # fmt: skip
-    end = fb.SampleFeedback(dist.group.WORLD, 1 - rank, rank == 0, max_num_reqs=max(n, 1), num_slots=4,
+    end = fb.SampleFeedback(dist.group.WORLD, 1 - rank, rank == 0, max_num_reqs=max(num_ids, 1), num_slots=4,
                             host="127.0.0.1", timeout_s=60.0)  # fmt: skip
     end.warm_up()
-    ids = torch.arange(n, dtype=torch.int64)
-    req_ids = [f"r{i}" for i in range(n)]
+    ids = torch.arange(num_ids, dtype=torch.int64)
+    req_ids = [f"r{i}" for i in range(num_ids)]
     times: dict[str, list[float]] = {"send": [], "expect": [], "fill": []}
-    row = np.zeros(n, dtype=np.int64)
+    row = np.zeros(num_ids, dtype=np.int64)
+    positions = np.arange(num_ids)  # where each id goes in the row (fill)
+    batch_idx = torch.arange(num_ids)
     for _ in range(messages):
         if rank == 1:
             t0 = time.perf_counter()
@@ -43,12 +53,14 @@ def _end(rank: int, port: int, socket_on: bool, messages: int, n: int, out) -> N
             times["send"].append(time.perf_counter() - t0)
         else:
             t0 = time.perf_counter()
-            end.expect(req_ids, torch.arange(n), n)
+            end.expect(req_ids, batch_idx, num_ids)
             t1 = time.perf_counter()
-            end.fill(row, np.arange(n), np.array([end.index[r] for r in req_ids]))
+            flat = np.array([end.index[r] for r in req_ids])
+            t1b = time.perf_counter()
+            end.fill(row, positions, flat)
             t2 = time.perf_counter()
             times["expect"].append(t1 - t0)
-            times["fill"].append(t2 - t1)
+            times["fill"].append(t2 - t1b)
     dist.barrier()
     end.close()
     out.put({k: round(statistics.median(v) * 1e6, 2) for k, v in times.items() if v})
@@ -71,7 +83,10 @@ def main() -> None:
             p.start()
         result = {"channel": "socket" if socket_on else "gloo", "ids": args.ids}
         for _ in procs:
-            result.update(out.get(timeout=300))
+            got = out.get(timeout=300)
+            if "error" in got:
+                raise SystemExit(got["error"])
+            result.update(got)
         for p in procs:
             p.join(timeout=30)
         print(json.dumps(result))

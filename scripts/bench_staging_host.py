@@ -42,18 +42,20 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_staging_host.py needs a CUDA device")
-    n = args.requests
-    bufs = InputBuffers(8192, max(n, 32), 128, 16, torch.device("cuda"))
-    prev = torch.zeros(n, dtype=torch.int64, device="cuda")
-    bufs.pending_token_idx.np[:n] = np.arange(n)
-    bufs.pending_sample_idx.np[:n] = np.arange(n)
+    num_reqs = args.requests  # decode: one token per request, all sampled, none padded
+    bufs = InputBuffers(8192, max(num_reqs, 32), 128, 16, torch.device("cuda"))
+    prev = torch.zeros(num_reqs, dtype=torch.int64, device="cuda")
+    bufs.pending_token_idx.np[:num_reqs] = np.arange(num_reqs)
+    bufs.pending_sample_idx.np[:num_reqs] = np.arange(num_reqs)
+    step = {"num_reqs_padded": num_reqs, "num_tokens_padded": num_reqs, "num_sampled": num_reqs}
     for r in range(args.rounds):
-        row: dict[str, object] = {"round": r, "requests": n}
+        row: dict[str, object] = {"round": r, "requests": num_reqs}
         for direct in (False, True):
             staging.FAST_LAUNCH_ENABLED = direct
             name = "direct" if direct else "triton"
-            row[f"pending_{name}_us"] = host_us(lambda: bufs.to_device(n, n, n, n, prev), args.iters)
-            row[f"none_pending_{name}_us"] = host_us(lambda: bufs.to_device(n, n, n), args.iters)
+            row[f"pending_{name}_us"] = host_us(
+                lambda: bufs.to_device(**step, num_pending=num_reqs, prev_sampled=prev), args.iters)
+            row[f"none_pending_{name}_us"] = host_us(lambda: bufs.to_device(**step), args.iters)
         print(json.dumps(row))
 
 

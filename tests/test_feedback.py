@@ -1,14 +1,14 @@
 """The sampled-ids channel of async pipeline steps (``pprun.distributed.feedback``), its two ends
-in two processes: the socket channel, the gloo fallback, and the errors of a channel that breaks."""
+in two processes: the socket channel, the gloo one, and the errors of a channel that breaks."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import traceback
 from datetime import timedelta
 
 import numpy as np
 import pytest
+from two_ranks import run_two_ranks
 
 STEPS = [  # (requests that sample, their ids) per step, in step order
     (["a", "b", "c"], [11, 12, 13]),
@@ -20,7 +20,7 @@ STEPS = [  # (requests that sample, their ids) per step, in step order
 ]
 
 
-def _end(rank: int, port: int, socket_on: bool, mode: str, out) -> None:
+def _end(rank: int, init_method: str, socket_on: bool, mode: str, out) -> None:
     """One end of the channel (rank 0: the first stage, 1: the last); puts what it saw in ``out``.
 
     ``mode``: "ok" (the first stage reads each step's ids one step later), "lag" (it expects every
@@ -34,7 +34,7 @@ def _end(rank: int, port: int, socket_on: bool, mode: str, out) -> None:
         from pprun.distributed import feedback as fb
 
         fb.SOCKET_ENABLED = socket_on if rank == 0 else not socket_on  # only the first stage's counts
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2,
                                 timeout=timedelta(seconds=60))  # fmt: skip
         timeout_s = 2.0 if mode != "ok" else 60.0
         end = fb.SampleFeedback(dist.group.WORLD, 1 - rank, rank == 0, max_num_reqs=4, num_slots=3,
@@ -55,28 +55,19 @@ def _end(rank: int, port: int, socket_on: bool, mode: str, out) -> None:
             flats = []
             for req_ids, _ in STEPS:
                 end.expect(req_ids, torch.arange(len(req_ids)), len(req_ids))
-                flats.append(np.array([end.index[r] for r in req_ids]))  # where this step's land
-            got = []
-            for flat in flats[-3:]:  # the newest step per slot (num_slots=3)
-                row = np.zeros(len(flat), dtype=np.int64)
-                end.fill(row, np.arange(len(flat)), flat)
-                got.append(row.tolist())
-            seen["got"] = got
+                flats.append(_where(end, req_ids))  # where this step's land
+            seen["got"] = [_read(end, flat) for flat in flats[-3:]]  # the newest step per slot (num_slots=3)
             dist.barrier()
         else:
             got = []
             for step, (req_ids, _) in enumerate(STEPS):
                 end.expect(req_ids, torch.arange(len(req_ids)), len(req_ids))
                 if step >= 1:  # the previous step's ids, as a step two behind would read them
-                    prev_ids = STEPS[step - 1][0]
-                    flat = np.array([end.index[r] for r in prev_ids])
-                    row = np.zeros(len(prev_ids), dtype=np.int64)
                     try:
-                        end.fill(row, np.arange(len(prev_ids)), flat)
+                        got.append(_read(end, _where(end, STEPS[step - 1][0])))
                     except RuntimeError as e:
                         seen["error"] = str(e)
                         break
-                    got.append(row.tolist())
             seen["got"] = got
             dist.barrier()
         end.close()
@@ -86,18 +77,20 @@ def _end(rank: int, port: int, socket_on: bool, mode: str, out) -> None:
         out.put((rank, {"exception": traceback.format_exc()}))
 
 
-def _run(socket_on: bool, mode: str = "ok") -> dict[int, dict]:
-    from pprun.executor.mp import free_port
+def _where(end, req_ids: list[str]) -> np.ndarray:
+    """Where the first stage's index says the newest expected ids of ``req_ids`` land."""
+    return np.array([end.index[r] for r in req_ids])
 
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_end, args=(r, port, socket_on, mode, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
+
+def _read(end, flat: np.ndarray) -> list[int]:
+    """The first stage's ``fill`` of the ids at ``flat`` (as a step's pending input ids)."""
+    row = np.zeros(len(flat), dtype=np.int64)
+    end.fill(row, np.arange(len(flat)), flat)
+    return row.tolist()
+
+
+def _run(socket_on: bool, mode: str = "ok") -> dict[int, dict]:
+    results = run_two_ranks(_end, socket_on, mode)
     for rank, seen in results.items():
         assert "exception" not in seen, f"rank {rank}:\n{seen['exception']}"
     return results
@@ -106,8 +99,8 @@ def _run(socket_on: bool, mode: str = "ok") -> dict[int, dict]:
 @pytest.mark.parametrize("socket_on", [True, False])
 @pytest.mark.parametrize("mode", ["ok", "lag"])
 def test_ids_arrive_in_step_order_on_either_channel(socket_on, mode):
-    """Each step's ids land where the first stage's index says, read only when a later step
-    fills them in, also when ring slots come round with their messages unread.  The first stage's
+    """Each step's ids land where the first stage's index says when a later step fills them in,
+    also when ring slots come round with their messages unread.  The first stage's
     switch decides for both ends (the last stage's is set the other way)."""
     results = _run(socket_on, mode)
     assert results[0]["socket"] is socket_on and results[1]["socket"] is socket_on

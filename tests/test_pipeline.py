@@ -658,19 +658,8 @@ def test_graph_hop_protocol_over_gloo():
     ``agree`` is True only when every stage passed the same value, ``warm_up`` announces and
     checks the metadata with one real hop, and ``send_in_graph`` / ``recv_in_graph`` move each
     tensor into the buffer of its key (a send in another order is refused)."""
-    import multiprocessing
+    from two_ranks import run_two_ranks
 
-    from pprun.executor.mp import free_port
-
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_graph_hop_rank, args=(r, init_method, results)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    got = run_two_ranks(_graph_hop_rank)
     assert got[0] == {"same": True, "differ": False, "swapped_refused": True}
     assert got[1] == {"same": True, "differ": False, "landed": [True, True], "rest_untouched": True}

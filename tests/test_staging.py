@@ -72,16 +72,19 @@ def test_stage_inputs_copies_the_ranges_and_takes_pending_ids_from_the_previous_
     assert bool((ids_device[num_tokens:] == -7).all())  # past num_tokens: untouched
 
 
-def test_direct_launch_steps_aside_for_launch_hooks():
+def test_direct_launch_steps_aside_for_launch_hooks(monkeypatch):
     """A Triton launch hook (a profiler) must see every launch: the direct path is off while one
-    is set."""
+    is set, also for a specialisation already compiled."""
     triton = pytest.importorskip("triton")
     from pprun.worker.v2 import staging
 
     chain = getattr(getattr(triton, "knobs", None), "runtime", None)
     if chain is None or not hasattr(chain.launch_enter_hook, "add"):
         pytest.skip("this Triton has no launch hook chains")
+    compiled = object()  # stands for a compiled kernel (the launch itself needs CUDA)
+    monkeypatch.setattr(staging, "_compiled", {("key",): compiled})
     assert staging._no_launch_hooks()
+    assert staging._direct_kernel(("key",)) is compiled and staging._direct_kernel(("other",)) is None
 
     def hook(*args):
         pass
@@ -89,9 +92,11 @@ def test_direct_launch_steps_aside_for_launch_hooks():
     chain.launch_enter_hook.add(hook)
     try:
         assert not staging._no_launch_hooks()
+        assert staging._direct_kernel(("key",)) is None
     finally:
         chain.launch_enter_hook.remove(hook)
     assert staging._no_launch_hooks()
+    assert staging._direct_kernel(("key",)) is compiled
 
 
 @pytest.mark.gpu

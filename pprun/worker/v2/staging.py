@@ -152,8 +152,8 @@ def stage_inputs(
         # Triton types a do_not_specialize integer as i32 or i64 by its value: part of the key.
         wide = longest >= 2**31 or max(words) >= 2**31
         key = (has_pending, ids_device.device.index, wide, *(p.data_ptr() % 16 == 0 for p in pointers))
-        kernel = _compiled.get(key)
-        if kernel is not None and _no_launch_hooks():
+        kernel = _direct_kernel(key)
+        if kernel is not None:
             stream = triton.runtime.driver.active.get_current_stream(key[1])
             kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
                        *args, has_pending, _BLOCK)  # fmt: skip
@@ -165,6 +165,13 @@ def stage_inputs(
 
 _compiled: dict[tuple, Any] = {}
 """Compiled staging kernels by specialisation (see :data:`FAST_LAUNCH_ENABLED`)."""
+
+
+def _direct_kernel(key: tuple) -> Any:
+    """The compiled kernel to launch directly for ``key``, or None: none compiled yet, or a
+    launch hook is set (it must see every launch)."""
+    kernel = _compiled.get(key)
+    return kernel if kernel is not None and _no_launch_hooks() else None
 
 
 def _direct_launch_possible(kernel: Any) -> bool:
