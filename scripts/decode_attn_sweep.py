@@ -47,25 +47,18 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",")]
 
 
-def settings(tiles: str = TILES, programs_per_sm: str = "1,2,4", min_tokens: str = "64",
-             stages: bool = True) -> list[dict]:
+def settings(defaults: dict, tiles: str, programs_per_sm: list[int], min_tokens: list[int], stages: bool) -> list[dict]:
     """Each tile with each programs-per-SM and min-tokens value and three preload forms (two tiles
-    ahead, one, none); with ``stages``, also the default tile at 1 and 3 pipeline stages."""
+    ahead, one, none); with ``stages``, also the default setting at 1 and 3 pipeline stages for
+    each programs-per-SM value.  ``defaults`` itself (timed first) is left out."""
     chosen = [tuple(int(v) for v in t.split("x")) for t in tiles.split(",")]
     preloads = ((True, True), (True, False), (False, False))
     out = [dict(zip(KNOBS, (bn, w, pps, mt, 2, pre, second)))
-           for (bn, w), pps, mt, (pre, second) in itertools.product(chosen, _ints(programs_per_sm), _ints(min_tokens),
-                                                                     preloads)]
+           for (bn, w), pps, mt, (pre, second) in itertools.product(chosen, programs_per_sm, min_tokens, preloads)]
     if stages:
-        out += [dict(zip(KNOBS, (64, 2, pps, 64, st, True, True))) for st, pps in itertools.product((1, 3), (1, 2, 4))]
-    return out
-
-
-def qkv_views(src: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k and v as ``[batch, heads, head_dim]`` views of the qkv output (or its first partial)."""
-    qs, ks = lb.HEADS * lb.HEAD_DIM, lb.KV_HEADS * lb.HEAD_DIM
-    return (src[:, :qs].view(batch, lb.HEADS, lb.HEAD_DIM), src[:, qs:qs + ks].view(batch, lb.KV_HEADS, lb.HEAD_DIM),
-            src[:, qs + ks:].view(batch, lb.KV_HEADS, lb.HEAD_DIM))
+        out += [{**defaults, "_DECODE_NUM_STAGES": st, "DECODE_PROGRAMS_PER_SM": pps}
+                for st, pps in itertools.product((1, 3), programs_per_sm)]
+    return [s for s in out if s != defaults]
 
 
 def main() -> None:
@@ -75,8 +68,8 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=688, help="the block table's width in tokens (gpu_speed: 688)")
     ap.add_argument("--quick", action="store_true", help="skip the pipeline-stage settings")
     ap.add_argument("--tiles", default=TILES, help="TOKENSxWARPS,...: the K/V tiles swept")
-    ap.add_argument("--programs-per-sm", default="1,2,4", help="DECODE_PROGRAMS_PER_SM values swept")
-    ap.add_argument("--min-tokens", default="64", help="DECODE_MIN_TOKENS_PER_SPLIT values swept")
+    ap.add_argument("--programs-per-sm", type=_ints, default=[1, 2, 4], help="DECODE_PROGRAMS_PER_SM values swept")
+    ap.add_argument("--min-tokens", type=_ints, default=[64], help="DECODE_MIN_TOKENS_PER_SPLIT values swept")
     ap.add_argument("--inputs", action="store_true",
                     help="instead of the sweep, time the default kernel alone with and without rotary and with q/k/v "
                          "as merged bf16 tensors instead of the matmul's partials (what its prologue costs)")
@@ -96,7 +89,7 @@ def main() -> None:
         split = isinstance(qkv_out, SplitPartials)
         cos, sin = (d.cos, d.sin) if rope else (None, None)
         extra = {"qkv_parts": qkv_out} if split else {}
-        q, k, v = qkv_views(qkv_out.parts[0] if split else qkv_out, args.batch)
+        q, k, v = lb.qkv_views(qkv_out.parts[0] if split else qkv_out, args.batch)
         ops.paged_decode_attention_rope(q, k, v, cos, sin, d.pos, kv, d.slots, d.table, d.seq_lens, scale, d.o,
                                         **extra)
 
@@ -112,11 +105,11 @@ def main() -> None:
     reference = d.o.clone()
     pairs = [(ws[i % len(ws)], d.kvs[i % len(d.kvs)]) for i in range(max(len(ws), len(d.kvs)))]
     rows = []
-    for setting in [defaults] + settings(args.tiles, args.programs_per_sm, args.min_tokens, not args.quick):
+    for setting in [defaults] + settings(defaults, args.tiles, args.programs_per_sm, args.min_tokens, not args.quick):
         for name, value in setting.items():
             setattr(ops, name, value)
         row = dict(setting)
-        row["splits"] = ops.num_decode_splits(args.batch, lb.KV_HEADS, d.table.shape[1] * 16, x.device)
+        row["splits"] = ops.num_decode_splits(args.batch, lb.KV_HEADS, d.table.shape[1] * d.block_size, x.device)
         try:
             attend(fixed, d.kvs[0])
             row["max_diff"] = (d.o.float() - reference.float()).abs().max().item()

@@ -137,6 +137,14 @@ class DecodeAttentionInputs:
     table: torch.Tensor
     seq_lens: torch.Tensor
     o: torch.Tensor
+    block_size: int
+    """Tokens per KV block (``table`` is in blocks)."""
+
+
+def qkv_views(src: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v as ``[batch, heads, head_dim]`` views of a qkv output (or its first partial)."""
+    q, k, v = src.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    return q.view(batch, HEADS, HEAD_DIM), k.view(batch, KV_HEADS, HEAD_DIM), v.view(batch, KV_HEADS, HEAD_DIM)
 
 
 def decode_attention_inputs(batch: int, ctx: int = 512, max_len: int = 2048, block: int = 16) -> DecodeAttentionInputs:
@@ -149,14 +157,12 @@ def decode_attention_inputs(batch: int, ctx: int = 512, max_len: int = 2048, blo
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     slots = table[:, (ctx - 1) // block].long() * block + (ctx - 1) % block
     qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    q, k, v = qkv_views(qkv, batch)
     inv = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, device="cuda").float() / HEAD_DIM))
     freqs = torch.outer(torch.arange(max_len, device="cuda").float(), inv)
     cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
-    q = q.view(batch, HEADS, HEAD_DIM)
     return DecodeAttentionInputs(
-        kvs, kv_bytes, q, k.view(batch, KV_HEADS, HEAD_DIM), v.view(batch, KV_HEADS, HEAD_DIM), cos, sin,
-        (seq_lens - 1).long(), slots, table, seq_lens, torch.empty_like(q),
+        kvs, kv_bytes, q, k, v, cos, sin, (seq_lens - 1).long(), slots, table, seq_lens, torch.empty_like(q), block,
     )
 
 

@@ -84,12 +84,12 @@ def _phase_kernel(buf_ptr, start, end, sink_ptr, CHUNK: tl.constexpr, UNROLL: tl
 
 
 @triton.jit
-def _ahead_kernel(buf_ptr, start, end, sink_ptr, done_ptr, prev_done_ptr, gate, CHUNK: tl.constexpr,
+def _ahead_kernel(buf_ptr, start, end, sink_ptr, done_ptr, prev_done_ptr, gate_programs, CHUNK: tl.constexpr,
                   UNROLL: tl.constexpr, AHEAD: tl.constexpr, GATE: tl.constexpr, LATE: tl.constexpr,
                   COUNT: tl.constexpr):
     """One phase, PDL always on, with the boundary handled one of several ways: ``AHEAD`` groups
     of this program's share loaded before the PDL wait (they do not depend on the kernel before,
-    as a matmul's weights do not); with ``GATE``, those loads wait until ``gate`` programs of the
+    as a matmul's weights do not); with ``GATE``, those loads wait until ``gate_programs`` programs of the
     kernel before have finished (with ``COUNT`` each program bumps a counter at its end), so
     that they fill that kernel's tail instead of competing with its stream; with ``LATE``, the
     next kernel is let launch only once this program has read everything (instead of right
@@ -100,7 +100,7 @@ def _ahead_kernel(buf_ptr, start, end, sink_ptr, done_ptr, prev_done_ptr, gate, 
     total = 0.0
     if AHEAD > 0:
         if GATE:
-            while _read_counter(prev_done_ptr, "relaxed") < gate:
+            while _read_counter(prev_done_ptr, "relaxed") < gate_programs:
                 pass
         # the first AHEAD groups _stream_phase would deal this program, loaded at once
         rows = tl.arange(0, AHEAD * UNROLL)
@@ -145,8 +145,10 @@ def parse_boundary(way: str, unroll: int) -> tuple[int, float, bool]:
         gate = float(how[1:]) if how.startswith("g") else 0.0
     except ValueError:
         groups, gate = -1, 0.0
-    if (groups < 0 or (groups and (groups * unroll) & (groups * unroll - 1)) or how not in ("", "late")
-            and not (how.startswith("g") and 0 < gate <= 1 and groups > 0)):
+    loads = groups * unroll
+    power_of_two = groups >= 0 and loads & (loads - 1) == 0  # 0 (nothing ahead) passes too
+    gated = how.startswith("g") and 0 < gate <= 1 and groups > 0
+    if not power_of_two or not (how in ("", "late") or gated):
         raise SystemExit(f"--boundary {way!r}: want AHEAD (0, or groups with AHEAD x --unroll a power of two), "
                          f"optionally ':late' or ':gF' with 0 < F <= 1 and AHEAD > 0")
     return groups, gate, how == "late"

@@ -36,10 +36,11 @@ from pprun.layers.triton_utils import pdl_options, pdl_sync
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layer_bench import SHAPES, copies_for, time_us, write_result  # noqa: E402
 
-FORMS = {"qkv": (False, "attention", False), "o_proj": (False, "norm", True), "gate_up": (True, None, True),
-         "down": (False, "norm", True), "lm_head": (False, None, True)}
-"""Per matmul of :data:`layer_bench.SHAPES`: (SwiGLU epilogue, ``defer_merge``, ``hold_last``) as
-the model runs it at 32 rows."""
+FORMS = {"qkv": (False, "attention"), "o_proj": (False, "norm"), "gate_up": (True, None), "down": (False, "norm"),
+         "lm_head": (False, None)}
+"""Per matmul of :data:`layer_bench.SHAPES`: (SwiGLU epilogue, ``defer_merge``) as the model runs it
+at 32 rows.  It holds the last weight tile except ahead of the fused decode attention, as
+``models.llama`` passes it (``hold_last``)."""
 
 
 @triton.jit
@@ -98,7 +99,8 @@ def _tma_linear(x, w, swiglu, plan, out, x_tma: bool, stages: int):
 def _probe_shape(name: str, args: argparse.Namespace, dev: torch.device) -> dict:
     """pprun's kernel and each TMA variant on one of :data:`SHAPES`."""
     k, n = SHAPES[name]
-    swiglu, defer, hold = FORMS[name]
+    swiglu, defer = FORMS[name]
+    hold = defer != "attention"
     n_out = n // 2 if swiglu else n
     ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies_for(n * k * 2))]
     x = torch.randn(args.rows, k, device=dev, dtype=torch.bfloat16)

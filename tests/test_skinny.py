@@ -118,7 +118,7 @@ def test_skinny_weights_ahead_swapped_rows(m, split_k, bias, monkeypatch):
 @pytest.mark.parametrize("m", [2, 17, 32])
 @pytest.mark.parametrize("split_k", [1, 3, 4])
 @pytest.mark.parametrize("swiglu", [False, True])
-def test_skinny_hold_last_is_bit_identical(m, split_k, swiglu, monkeypatch):
+def test_skinny_hold_last_is_bit_identical(m, split_k, swiglu):
     """``hold_last``: each program's last weight tile loaded before the wait and multiplied
     after its loop gives the same bits as the plain loop (same order of accumulation), with
     one-tile splits (nothing left for the loop), ragged K and ragged columns."""
@@ -132,6 +132,17 @@ def test_skinny_hold_last_is_bit_identical(m, split_k, swiglu, monkeypatch):
         want = skinny.skinny_linear(x, w, b, swiglu=swiglu, config=plain)
         got = skinny.skinny_linear(x, w, b, swiglu=swiglu, config=held)
         assert torch.equal(got, want), (block_k, (got.float() - want.float()).abs().max())
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_default_config_holds_last_except_swiglu_qkv_and_one_row(swiglu, monkeypatch):
+    """Where ``default_config`` holds the last tile: the swapped form without SwiGLU, unless the
+    caller says not to (qkv ahead of the fused decode attention), never at one row; a config that
+    holds outside the swapped form is refused."""
+    from pprun.layers import skinny
+
+    x, w, b = _inputs(32, 2 * 50, 200, DTYPES[-1], True, seed=8)
+    m = x.shape[0]
     monkeypatch.setattr(skinny, "HOLD_LAST_ENABLED", True)
     cfg = skinny.default_config(m, 100, 200, swiglu, x.device, defer_merge=None if swiglu else "norm")
     assert cfg.hold_last == (not swiglu) and cfg.num_stages == skinny.SWAPPED_NUM_STAGES - cfg.hold_last
@@ -312,6 +323,8 @@ def test_skinny_swapped_compiles_for_sm90(swiglu, hold_last):
     ``hold_last``, the held weight tile(s), and the weight stream is ``cp.async`` into ``wgmma``."""
     from sm90_compile import compile_sm90
 
+    from pprun.layers import skinny
+
     const = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1 if swiglu else 2, HAS_BIAS=False, SWIGLU=swiglu,
                  USE_DOT=True, SWAP_AB=True, DOT_F32=False, PRECISE_EXP=True, PRELOAD_W=False, HOLD_LAST=hold_last,
                  USE_PDL=True, NORM=False, HAS_RESIDUAL=False, BLOCK_ROW=1, EXACT_MUL=True,
@@ -319,7 +332,7 @@ def test_skinny_swapped_compiles_for_sm90(swiglu, hold_last):
     ptx = compile_sm90("pprun.layers.skinny", "_skinny_kernel", const,
                        pointers={"part_ptr": "*fp32", "counter_ptr": "*i32"}, default_pointer="*bf16",
                        float_args=("inv_hidden", "eps"), divisible=("K", "N_OUT", "K_PER"),
-                       options={"num_warps": 4, "num_stages": 4 - hold_last, "enable_fp_fusion": False})
+                       options={"num_warps": 4, "num_stages": skinny.SWAPPED_NUM_STAGES - hold_last, "enable_fp_fusion": False})
     before_wait = ptx[:ptx.index("griddepcontrol.wait")]
     assert "cp.async" not in before_wait
     # 64 x 128 bf16 over 128 threads: 8 loads of 16 bytes each per held tile
