@@ -18,8 +18,8 @@ which serialised the stages (docs/performance.md, ``scripts/nccl_order_probe.py`
 first one can listen on (pprun's own executors: the process group's rendezvous host, which is
 the first stage's own), else on a gloo group of the two ranks.  That group exists either way;
 with the socket it only carries the socket's port, once, at warm-up.  Per message a gloo
-point-to-point operation cost 20-130 us of host time on each end of the development machine,
-the socket ~5 (``scripts/bench_feedback.py``); on the H200 hosts posting the gloo receive alone
+point-to-point operation cost 14-90 us of host time on each end of the development machine,
+the socket 1-8 (``scripts/bench_feedback.py``); on the H200 hosts posting the gloo receive alone
 took 63-89 us of the first stage's step (``docs/performance.md``, sixteenth session).
 ``PPRUN_DISABLE_FEEDBACK_SOCKET=1`` on the first stage keeps every message on gloo; the first
 stage decides and tells the last one, so the two ends cannot disagree.  A socket that cannot be
