@@ -1,18 +1,27 @@
 """Host cost of one V2 decode step, without a GPU: the runner's own work around the forward.
 
-    python scripts/bench_v2_host.py [--batches 32 128] [--steps 300]
+    python scripts/bench_v2_host.py [--batches 32 128] [--steps 300] [--gap-us 500 --wait block|spin] [--pin]
 
 Drives :class:`V2ModelRunner` on CPU with a fake model (its forward and logits cost next to
 nothing), so what is timed is the runner's host work: applying the scheduler's deltas
 (``update_states``), building the step's inputs (``prepare_step`` + the buffer copies), gathering
 the sampling tensors, and the whole ``execute_model``.  Prints one JSON line per batch size and
 parameter mix, in microseconds per step (median over steps).
+
+A pipeline stage does this work in bursts between waits (for the scheduler's message, the
+previous stage, the sampled ids), not back to back.  ``--gap-us`` puts such a wait before every
+step: ``--wait block`` blocks in ``select`` on a socket that stays silent (the thread sleeps, as in
+a blocking receive), ``--wait spin`` polls the clock.  ``--pin`` keeps the process on one CPU.
+Comparing the three shows what the host's idle states and thread migrations cost the bursts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
+import socket
 import statistics
 import time
 from types import SimpleNamespace
@@ -61,7 +70,28 @@ def params_for(i: int, mix: str) -> SamplingParams:
     )
 
 
-def bench(batch: int, steps: int, mix: str, ctx: int = 512, max_model_len: int | None = None) -> dict[str, Any]:
+def make_gap(gap_us: float, wait: str):
+    """A callable that waits ``gap_us`` microseconds the ``wait`` way (see the module docstring)."""
+    gap_s = gap_us / 1e6
+    if gap_s <= 0:
+        return lambda: None
+    if wait == "spin":
+        def spin() -> None:
+            end = time.perf_counter() + gap_s
+            while time.perf_counter() < end:
+                pass
+        return spin
+    quiet, _peer = socket.socketpair()
+
+    def block() -> None:
+        select.select([quiet], [], [], gap_s)
+        _peer.fileno()  # keeps the peer open (a closed peer would make the socket readable)
+    return block
+
+
+def bench(
+    batch: int, steps: int, mix: str, ctx: int = 512, max_model_len: int | None = None, gap=lambda: None
+) -> dict[str, Any]:
     max_model_len = max_model_len or ctx + steps + 64
     runner = make_runner(batch, max_model_len)
     ids = [f"r{i}" for i in range(batch)]
@@ -94,6 +124,7 @@ def bench(batch: int, steps: int, mix: str, ctx: int = 512, max_model_len: int |
             blocks[r] += need
             cached.new_block_ids.append(take(need))
         so = SchedulerOutput(step, [], cached, {r: 1 for r in ids}, batch)
+        gap()
         if step % 2:
             # Odd steps: the phases one by one (the runner's state advances exactly once).
             t0 = time.perf_counter()
@@ -130,11 +161,21 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[32, 128])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--max-model-len", type=int, help="the runner's max_model_len (default: just enough)")
+    ap.add_argument("--gap-us", type=float, default=0.0, help="a wait before every step (default none)")
+    ap.add_argument("--wait", choices=("block", "spin"), default="block", help="how --gap-us waits")
+    ap.add_argument("--pin", action="store_true", help="keep the process on one CPU (the first it may use)")
+    ap.add_argument("--mixes", default="greedy,mixed", help="sampling-parameter mixes, comma-separated")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.pin:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    gap = make_gap(args.gap_us, args.wait)
     for batch in args.batches:
-        for mix in ("greedy", "mixed"):
-            result = bench(batch, args.steps, mix, max_model_len=args.max_model_len)
+        for mix in args.mixes.split(","):
+            result = bench(batch, args.steps, mix, max_model_len=args.max_model_len, gap=gap)
+            if args.gap_us:
+                result.update(gap_us=args.gap_us, wait=args.wait)
+            result["pinned"] = args.pin
             print(json.dumps(result))
 
 

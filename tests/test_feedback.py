@@ -20,13 +20,14 @@ STEPS = [  # (requests that sample, their ids) per step, in step order
 ]
 
 
-def _end(rank: int, init_method: str, socket_on: bool, mode: str, out) -> None:
+def _end(rank: int, init_method: str, socket_on: bool, mode: str, spin_s: float, out) -> None:
     """One end of the channel (rank 0: the first stage, 1: the last); puts what it saw in ``out``.
 
     ``mode``: "ok" (the first stage reads each step's ids one step later), "lag" (it expects every
     step first and reads the last ``num_slots`` steps' ids at the end: slots come round with their
     messages unread), "closed" / "silent" (the last stage closes after one step / sends nothing),
-    "mismatch" (the last stage sends two ids where the first expects three)."""
+    "mismatch" (the last stage sends two ids where the first expects three).  ``spin_s``: how
+    long the first stage polls the socket before a blocking read."""
     try:
         import torch
         import torch.distributed as dist
@@ -38,9 +39,9 @@ def _end(rank: int, init_method: str, socket_on: bool, mode: str, out) -> None:
                                 timeout=timedelta(seconds=60))  # fmt: skip
         timeout_s = 2.0 if mode != "ok" else 60.0
         end = fb.SampleFeedback(dist.group.WORLD, 1 - rank, rank == 0, max_num_reqs=4, num_slots=3,
-                                host="127.0.0.1", timeout_s=timeout_s)  # fmt: skip
+                                host="127.0.0.1", timeout_s=timeout_s, spin_s=spin_s)  # fmt: skip
         end.warm_up()
-        seen: dict[str, object] = {"socket": end.sock is not None}
+        seen: dict[str, object] = {"socket": end.sock is not None, "polls": end._poll is not None}
         if rank == 1:
             if mode in ("ok", "lag"):
                 for _, ids in STEPS:
@@ -89,21 +90,24 @@ def _read(end, flat: np.ndarray) -> list[int]:
     return row.tolist()
 
 
-def _run(socket_on: bool, mode: str = "ok") -> dict[int, dict]:
-    results = run_two_ranks(_end, socket_on, mode)
+def _run(socket_on: bool, mode: str = "ok", spin_s: float = 0.0) -> dict[int, dict]:
+    results = run_two_ranks(_end, socket_on, mode, spin_s)
     for rank, seen in results.items():
         assert "exception" not in seen, f"rank {rank}:\n{seen['exception']}"
     return results
 
 
-@pytest.mark.parametrize("socket_on", [True, False])
+@pytest.mark.parametrize(("socket_on", "spin_s"), [(True, 0.0), (True, 0.002), (False, 0.002)])
 @pytest.mark.parametrize("mode", ["ok", "lag"])
-def test_ids_arrive_in_step_order_on_either_channel(socket_on, mode):
+def test_ids_arrive_in_step_order_on_either_channel(socket_on, spin_s, mode):
     """Each step's ids land where the first stage's index says when a later step fills them in,
-    also when ring slots come round with their messages unread.  The first stage's
-    switch decides for both ends (the last stage's is set the other way)."""
-    results = _run(socket_on, mode)
+    also when ring slots come round with their messages unread, with the first stage polling
+    the socket before it blocks or not.  The first stage's switch decides for both ends (the
+    last stage's is set the other way)."""
+    results = _run(socket_on, mode, spin_s)
     assert results[0]["socket"] is socket_on and results[1]["socket"] is socket_on
+    # Only the first stage's end of a socket polls.
+    assert results[0]["polls"] is (socket_on and spin_s > 0) and results[1]["polls"] is False
     want = [ids for _, ids in STEPS[:-1]] if mode == "ok" else [ids for _, ids in STEPS[-3:]]
     assert results[0]["got"] == want
 
@@ -112,9 +116,9 @@ def test_socket_channel_reports_a_closed_silent_or_out_of_step_last_stage():
     """A last stage that closes the channel, sends nothing within the timeout, or sends another
     count of ids than the first stage expects: the first stage's fill raises an error saying
     which, instead of waiting for good or reading shifted ids."""
-    closed = _run(True, "closed")[0]
+    closed = _run(True, "closed", spin_s=0.002)[0]  # a closed socket ends the polling too
     assert closed["got"] == [STEPS[0][1]] and "closed the sampled-ids socket" in closed["error"]
-    silent = _run(True, "silent")[0]
+    silent = _run(True, "silent", spin_s=0.002)[0]
     assert silent["got"] == [] and "no sampled ids from the last stage" in silent["error"]
     mismatch = _run(True, "mismatch")[0]
     assert mismatch["got"] == [] and "out of step" in mismatch["error"]

@@ -139,6 +139,7 @@ def test_default_config_holds_last_except_swiglu_qkv_and_one_row(swiglu, monkeyp
     """Where ``default_config`` holds the last tile: the swapped form without SwiGLU, unless the
     caller says not to (qkv ahead of the fused decode attention), never at one row; a config that
     holds outside the swapped form is refused."""
+    pytest.importorskip("triton")
     from pprun.layers import skinny
 
     x, w, b = _inputs(32, 2 * 50, 200, DTYPES[-1], True, seed=8)
@@ -321,6 +322,7 @@ def test_skinny_swapped_compiles_for_sm90(swiglu, hold_last):
     """The swapped form at the 1.1B model's batch-32 settings compiles for an H100/H200 without a
     GPU (``sm90_compile``): nothing is loaded from global memory before the PDL wait but, with
     ``hold_last``, the held weight tile(s), and the weight stream is ``cp.async`` into ``wgmma``."""
+    pytest.importorskip("triton")
     from sm90_compile import compile_sm90
 
     from pprun.layers import skinny

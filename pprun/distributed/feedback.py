@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import time
 from collections import deque
@@ -57,6 +58,9 @@ from pprun.worker.step_trace import MAX_STEPS
 SOCKET_ENABLED: bool = enabled_unless("PPRUN_DISABLE_FEEDBACK_SOCKET")
 """Whether the first stage opens the socket channel (see the module docstring); read by the
 first stage only, which tells the last."""
+SPIN_ENABLED: bool = enabled_unless("PPRUN_DISABLE_FEEDBACK_SPIN")
+"""Whether the first stage polls the socket before a blocking read when given a ``spin_s``
+(``PPRUN_DISABLE_FEEDBACK_SPIN=1``: block at once, the A/B switch)."""
 
 
 class SampleFeedback:
@@ -71,10 +75,13 @@ class SampleFeedback:
         num_slots: int,
         host: str | None = None,
         timeout_s: float = 600.0,
+        spin_s: float = 0.0,
     ) -> None:
         """``host``: where the first stage may listen for the socket channel, the same string on
         both ends (None: gloo only); ``timeout_s``: how long a socket read or the connection may
-        take before it is an error (the process groups' timeout)."""
+        take before it is an error (the process groups' timeout); ``spin_s``: how long the first
+        stage polls the socket for a message before a blocking read (the control path's
+        ``pprun.executor.remote.control_spin_s``; 0: block at once)."""
         self.group = group
         self.peer = peer
         """``torch.distributed`` rank of the other end (the last stage for the first, and back)."""
@@ -82,6 +89,13 @@ class SampleFeedback:
         self.max_num_reqs = max_num_reqs
         self.host = host
         self.timeout_s = timeout_s
+        self.spin_s = spin_s
+        self._poll = None
+        """First stage, socket channel with ``spin_s``: the socket's poller.  A thread that blocks
+        in a read sleeps until the ids land: on the H200 hosts its wake-up and the host work
+        right after it (the step's input copy and launch) ran slower than on a thread kept
+        running (``scripts/bench_v2_host.py --gap-us``), and that work is the pipeline's critical
+        path at small batches."""
         self.ring = torch.zeros(num_slots, max_num_reqs, dtype=torch.int64)
         self._flat = self.ring.numpy().reshape(-1)
         self._works: list[dist.Work | None] = [None] * num_slots
@@ -126,6 +140,11 @@ class SampleFeedback:
         """First stage, socket channel: read the oldest expected message into its ring slot,
         after checking its header (its number in step order and its count of ids)."""
         slot, n = self._unread[0]
+        if self._poll is not None:
+            poll = self._poll.poll
+            deadline = time.perf_counter() + self.spin_s
+            while not poll(0) and time.perf_counter() < deadline:
+                pass
         header = np.empty(2, dtype=np.int64)
         self._recv_exact(memoryview(header).cast("B"))
         if int(header[0]) != self._num_read or int(header[1]) != n:
@@ -188,6 +207,9 @@ class SampleFeedback:
                     self.sock = socket.create_connection((self.host, int(port)), timeout=self.timeout_s)
                 self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self.sock.settimeout(self.timeout_s)
+                if self.is_first and self.spin_s > 0 and SPIN_ENABLED:
+                    self._poll = select.poll()
+                    self._poll.register(self.sock.fileno(), select.POLLIN)
             except OSError as e:  # a stage reports a RuntimeError; an OSError reads as "driver gone"
                 end = f"accepting the last stage (rank {self.peer})" if self.is_first else (
                     f"connecting to the first stage (rank {self.peer}) at {self.host}:{int(port)}")

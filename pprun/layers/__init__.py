@@ -107,6 +107,17 @@ def fused_decode_enabled(t: torch.Tensor) -> bool:
     return FUSED_DECODE_ENABLED and fused_ops_for(t) is not None
 
 
+DEFER_MERGERS = ("norm", "attention")
+"""The kernels that may merge a matmul's deferred partials (``defer_merge``)."""
+
+
+def check_defer_merge(defer_merge: str | None) -> None:
+    """Raise ValueError unless ``defer_merge`` is None or one of :data:`DEFER_MERGERS` (here, not
+    in ``skinny``: every device checks it, and only CUDA runs import Triton)."""
+    if defer_merge is not None and defer_merge not in DEFER_MERGERS:
+        raise ValueError(f"defer_merge must be one of {DEFER_MERGERS} or None, got {defer_merge!r}")
+
+
 _skinny_module: ModuleType | None = None
 
 
@@ -167,8 +178,7 @@ def linear(
     prologue reads a merged row.  ``hold_last=False``: the kernel after loads its own data
     before its wait, so this one must not hold a weight tile across its own
     (``skinny.HOLD_LAST_ENABLED``)."""
-    if defer_merge is not None:
-        _load_skinny().check_defer_merge(defer_merge)
+    check_defer_merge(defer_merge)
     skinny = _skinny_for(layer, x)
     if skinny is None:
         return layer(x)

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pprun.layers import SplitPartials
+from pprun.layers import SplitPartials, check_defer_merge
 from pprun.layers.fused import silu_mul
 from pprun.layers.triton_utils import INTERPRETED as _INTERPRETED
 from pprun.layers.triton_utils import pdl_options, pdl_sync
@@ -100,15 +100,6 @@ attention merges (``"attention"``, qkv) keep :data:`SWAPPED_TARGET_PROGRAMS` (2 
 more (256 programs for both: qkv 7.1 -> 5.9 us, attention 15.3 -> 17.3 us per layer at batch 32;
 4 splits for qkv alone, 192 programs: 1.018 against 1.009 ms, and again 1.042 against 0.996 in
 the eleventh session, attention 13.7 -> 18.9 us; 3 splits: 1.016)."""
-
-DEFER_MERGERS = ("norm", "attention")
-"""The kernels that may merge a matmul's deferred partials (``defer_merge``)."""
-
-
-def check_defer_merge(defer_merge: str | None) -> None:
-    """Raise ValueError unless ``defer_merge`` is None or one of :data:`DEFER_MERGERS`."""
-    if defer_merge is not None and defer_merge not in DEFER_MERGERS:
-        raise ValueError(f"defer_merge must be one of {DEFER_MERGERS} or None, got {defer_merge!r}")
 
 
 @triton.jit

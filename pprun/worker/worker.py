@@ -40,8 +40,8 @@ class WorkerSpec:
     (``pprun.distributed.feedback``) into a ring of this many steps (the executor's steps in
     flight plus spares); 0: off."""
     control_spin_s: float = 0.0
-    """How long the stage polls its control socket before a blocking read (the driver's
-    ``pprun.executor.remote.control_spin_s``)."""
+    """How long the stage polls its control socket, and the first stage its sampled-ids socket,
+    before a blocking read (the driver's ``pprun.executor.remote.control_spin_s``)."""
     fault_injection: dict | None = None
     """Tests only: ``{"raise_at_step": k}``, ``{"delay_s": d}`` (sleep each step) or
     ``{"rename_sent_keys": True}`` (send intermediate tensors under wrong names)."""
@@ -142,6 +142,7 @@ class Worker:
             self.runner = V2ModelRunner(
                 self.model, self.layout, self.device, rc, num_blocks, self.transport,
                 sample_feedback_slots=self.spec.sample_feedback_slots,
+                feedback_spin_s=self.spec.control_spin_s,
             )
         else:
             from pprun.worker.v1.runner import V1ModelRunner

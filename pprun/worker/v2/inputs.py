@@ -25,6 +25,9 @@ MERGE_GAP_BYTES = 128 * 1024
 """Two used ranges of the staging arena closer than this go in one copy, unused gap included:
 copying a few more bytes costs the copy engine less than another copy costs the host."""
 _ALIGN = 64
+MAX_RANGES = 8
+"""Byte ranges one launch of the staging kernel (``pprun.worker.v2.staging``) copies; more are
+merged (see :func:`fit_ranges`).  Here, not there: planning the ranges needs no Triton."""
 STAGING_KERNEL_ENABLED: bool = enabled_unless("PPRUN_DISABLE_STAGING_KERNEL")
 """On CUDA, a step's inputs reach the device through one kernel that reads the pinned arena
 (``pprun.worker.v2.staging``) instead of ``cudaMemcpyAsync`` plus, with async scheduling, three
@@ -109,6 +112,16 @@ def merge_ranges(ranges: list[tuple[int, int]], max_gap: int) -> list[tuple[int,
         else:
             merged.append((start, end))
     return merged
+
+
+def fit_ranges(ranges: list[tuple[int, int]], limit: int = MAX_RANGES) -> list[tuple[int, int]]:
+    """``ranges`` (sorted, disjoint) merged pairwise across their smallest gaps until at most
+    ``limit`` remain (the gaps' bytes are copied too)."""
+    out = list(ranges)
+    while len(out) > limit:
+        i = min(range(len(out) - 1), key=lambda j: out[j + 1][0] - out[j][1])
+        out[i : i + 2] = [(out[i][0], out[i + 1][1])]
+    return out
 
 
 @dataclass
@@ -292,9 +305,7 @@ class InputBuffers:
         """The arena's byte ranges the staging kernel copies for ``spans`` (buffer, its used byte
         range) pairs: all but ``input_ids`` (the kernel writes it token by token) and the pending
         index lists (it reads :attr:`token_source` from the host instead), merged as the copies
-        merge them but never across ``input_ids``, at most ``staging.MAX_RANGES``."""
-        from pprun.worker.v2.staging import MAX_RANGES, fit_ranges
-
+        merge them but never across ``input_ids``, at most :data:`MAX_RANGES`."""
         ids = self.input_ids
         skip = (ids, self.pending_token_idx, self.pending_sample_idx)
         sides: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])

@@ -167,12 +167,14 @@ class V2ModelRunner:
         num_blocks: int,
         transport: PipelineTransport | None = None,
         sample_feedback_slots: int = 0,
+        feedback_spin_s: float = 0.0,
     ) -> None:
         """``transport``: the stage's channel when the pipeline has more than one stage (its
         decode graphs may then carry the hop, see :data:`GRAPH_HOP_ENABLED`);
         ``sample_feedback_slots``: async pipeline steps, the last stage sending its sampled ids to
         the first into a ring of that many steps (``pprun.distributed.feedback``; the first and
-        last stage must agree); 0: off."""
+        last stage must agree); 0: off; ``feedback_spin_s``: how long the first stage polls for
+        those ids before a blocking read (``SampleFeedback``'s ``spin_s``)."""
         cfg = resolved.cfg
         self.model = model
         self.layout = layout
@@ -229,7 +231,7 @@ class V2ModelRunner:
             peer = transport.global_ranks[-1 if layout.is_first else 0]
             self.feedback = SampleFeedback(
                 transport.feedback_group, peer, layout.is_first, self.max_num_reqs, sample_feedback_slots,
-                host=transport.feedback_host, timeout_s=transport.timeout_s,
+                host=transport.feedback_host, timeout_s=transport.timeout_s, spin_s=feedback_spin_s,
             )
         self._ids_from_last = self.feedback if layout.is_first else None
         """The first stage's end of :attr:`feedback` (input ids of pending tokens come from it)."""

@@ -15,7 +15,7 @@ does not know yet, the previous step's sampled id (``token_source``: -1, or the 
 previous step's sampled ids).  ``input_ids`` is therefore never part of a copied range, so no
 two programs write one word.
 
-The ranges arrive as scalar arguments (:data:`MAX_RANGES` pairs, unused ones empty), so nothing
+The ranges arrive as scalar arguments (``inputs.MAX_RANGES`` pairs, unused ones empty), so nothing
 is read from the host before the data itself; they are not specialised on, so one compiled
 kernel serves every step.  The host must not rewrite the staging arena before the kernel has
 run: the caller records an event after the launch and waits for it first, as it does for the
@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from pprun.switches import enabled_unless
+from pprun.worker.v2.inputs import MAX_RANGES
 
 FAST_LAUNCH_ENABLED: bool = enabled_unless("PPRUN_DISABLE_FAST_LAUNCH")
 """Launch the compiled kernel through its launcher directly, once Triton's ``kernel[grid](...)``
@@ -42,8 +43,6 @@ aligned, and whether an integer needs 64 bits (the integers are ``do_not_special
 Triton still types by value); those make the cache key.  Off while a Triton
 launch hook is set (a profiler), which the direct path would bypass."""
 
-MAX_RANGES = 8
-"""Byte ranges one launch copies; more are merged (see :func:`fit_ranges`)."""
 _BLOCK = 1024
 """32-bit words (or token ids) per program and loop trip."""
 _MAX_PROGRAMS = 64
@@ -92,16 +91,6 @@ def _stage_kernel(
             sampled = tl.load(prev_ptr + source, mask=mask & (source >= 0), other=0)
             ids = tl.where(source >= 0, sampled, ids)
         tl.store(ids_dst_ptr + offs, ids, mask=mask)
-
-
-def fit_ranges(ranges: list[tuple[int, int]], limit: int = MAX_RANGES) -> list[tuple[int, int]]:
-    """``ranges`` (sorted, disjoint) merged pairwise across their smallest gaps until at most
-    ``limit`` remain (the gaps' bytes are copied too)."""
-    out = list(ranges)
-    while len(out) > limit:
-        i = min(range(len(out) - 1), key=lambda j: out[j + 1][0] - out[j][1])
-        out[i : i + 2] = [(out[i][0], out[i + 1][1])]
-    return out
 
 
 def stage_inputs(
