@@ -37,6 +37,34 @@ def test_tiny_greedy_matches_transformers(tiny_llama_dir, hf_tiny, runner):
         assert o.outputs[0].finish_reason in ("stop", "length")
 
 
+def test_cpu_runs_without_triton(tiny_llama_dir):
+    """Triton is optional off CUDA (only CUDA runs import it): a CPU generate, both runners, in a
+    process where ``import triton`` fails, gives the tokens the same process gives with it.
+    (A check of the matmuls' ``defer_merge`` argument once imported the Triton module on every
+    device.)"""
+    import json
+    import subprocess
+    import sys
+
+    code = f"""
+import json, sys
+sys.modules["triton"] = None  # any import of triton fails, as where it is not installed
+from pprun import LLM, SamplingParams
+got = {{}}
+for runner in ("v1", "v2"):
+    with LLM({str(tiny_llama_dir)!r}, runner=runner, dtype="float32") as llm:
+        outs = llm.generate({token_prompts(3)!r}, SamplingParams(temperature=0, max_tokens=8))
+    got[runner] = [o.outputs[0].token_ids for o in outs]
+print(json.dumps(got))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    with LLM(str(tiny_llama_dir), runner="v2", dtype="float32") as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(token_prompts(3), SamplingParams(temperature=0, max_tokens=8))]
+    assert got == {"v1": want, "v2": want}
+
+
 DEMO_PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
