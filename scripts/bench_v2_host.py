@@ -12,7 +12,7 @@ A pipeline stage does this work in bursts between waits (for the scheduler's mes
 previous stage, the sampled ids), not back to back.  ``--gap-us`` puts such a wait before every
 step: ``--wait block`` blocks in ``select`` on a socket that stays silent (the thread sleeps, as in
 a blocking receive), ``--wait spin`` polls the clock.  ``--pin`` keeps the process on one CPU.
-Comparing the three shows what the host's idle states and thread migrations cost the bursts.
+Comparing them with back-to-back steps shows what running in bursts costs the same work.
 """
 
 from __future__ import annotations

@@ -92,10 +92,11 @@ class SampleFeedback:
         self.spin_s = spin_s
         self._poll = None
         """First stage, socket channel with ``spin_s``: the socket's poller.  A thread that blocks
-        in a read sleeps until the ids land: on the H200 hosts its wake-up and the host work
-        right after it (the step's input copy and launch) ran slower than on a thread kept
-        running (``scripts/bench_v2_host.py --gap-us``), and that work is the pipeline's critical
-        path at small batches."""
+        in a read sleeps until the ids land, and the step's input copy and launch come right
+        after: the pipeline's critical path at small batches.  The runner's host work ran 1.5x
+        slower after a blocking wait than after polling on the development machine, 6% on an
+        H200 host (``scripts/bench_v2_host.py --gap-us``); the pipeline's throughput showed no
+        measurable difference either way (``docs/performance.md``, seventeenth session)."""
         self.ring = torch.zeros(num_slots, max_num_reqs, dtype=torch.int64)
         self._flat = self.ring.numpy().reshape(-1)
         self._works: list[dist.Work | None] = [None] * num_slots
