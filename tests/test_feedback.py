@@ -41,7 +41,7 @@ def _end(rank: int, init_method: str, socket_on: bool, mode: str, spin_s: float,
         end = fb.SampleFeedback(dist.group.WORLD, 1 - rank, rank == 0, max_num_reqs=4, num_slots=3,
                                 host="127.0.0.1", timeout_s=timeout_s, spin_s=spin_s)  # fmt: skip
         end.warm_up()
-        seen: dict[str, object] = {"socket": end.sock is not None, "polls": end._poll is not None}
+        seen: dict[str, object] = {"socket": end.sock is not None, "polls": end._spinner is not None}
         if rank == 1:
             if mode in ("ok", "lag"):
                 for _, ids in STEPS:

@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import socket
+import struct
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -52,12 +52,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pprun.executor.remote import Spinner
 from pprun.switches import enabled_unless
 from pprun.worker.step_trace import MAX_STEPS
 
 SOCKET_ENABLED: bool = enabled_unless("PPRUN_DISABLE_FEEDBACK_SOCKET")
 """Whether the first stage opens the socket channel (see the module docstring); read by the
 first stage only, which tells the last."""
+_HEADER = struct.Struct("=2q")
+"""A socket message's header: its number in step order and its count of ids (native int64, as
+the first stage reads it into an int64 array)."""
 SPIN_ENABLED: bool = enabled_unless("PPRUN_DISABLE_FEEDBACK_SPIN")
 """Whether the first stage polls the socket before a blocking read when given a ``spin_s``
 (``PPRUN_DISABLE_FEEDBACK_SPIN=1``: block at once, the A/B switch)."""
@@ -90,8 +94,8 @@ class SampleFeedback:
         self.host = host
         self.timeout_s = timeout_s
         self.spin_s = spin_s
-        self._poll = None
-        """First stage, socket channel with ``spin_s``: the socket's poller.  A thread that blocks
+        self._spinner: Spinner | None = None
+        """First stage, socket channel with ``spin_s``: polls the socket before a read.  A thread that blocks
         in a read sleeps until the ids land, and the step's input copy and launch come right
         after: the pipeline's critical path at small batches.  The runner's host work ran 1.5x
         slower after a blocking wait than after polling on the development machine, 6% on an
@@ -109,7 +113,10 @@ class SampleFeedback:
         self._num_sent = 0
         self._num_read = 0
         """Socket channel: messages sent (last stage) or read (first stage) so far; each message
-        carries its number and its count of ids ahead of them, checked on reading."""
+        carries its number and its count of ids ahead of them (:data:`_HEADER`), checked on
+        reading."""
+        self._header = np.empty(2, dtype=np.int64)
+        """First stage, socket channel: where a message's header is read (reused)."""
         self.index: dict[str, int] = {}
         """First stage: request id -> where its newest pending sample lands (flat ring index)."""
         prefix = os.environ.get("PPRUN_STEP_TRACE")
@@ -141,12 +148,9 @@ class SampleFeedback:
         """First stage, socket channel: read the oldest expected message into its ring slot,
         after checking its header (its number in step order and its count of ids)."""
         slot, n = self._unread[0]
-        if self._poll is not None:
-            poll = self._poll.poll
-            deadline = time.perf_counter() + self.spin_s
-            while not poll(0) and time.perf_counter() < deadline:
-                pass
-        header = np.empty(2, dtype=np.int64)
+        if self._spinner is not None:
+            self._spinner.wait()
+        header = self._header
         self._recv_exact(memoryview(header).cast("B"))
         if int(header[0]) != self._num_read or int(header[1]) != n:
             raise RuntimeError(
@@ -209,8 +213,7 @@ class SampleFeedback:
                 self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self.sock.settimeout(self.timeout_s)
                 if self.is_first and self.spin_s > 0 and SPIN_ENABLED:
-                    self._poll = select.poll()
-                    self._poll.register(self.sock.fileno(), select.POLLIN)
+                    self._spinner = Spinner([self.sock], self.spin_s)
             except OSError as e:  # a stage reports a RuntimeError; an OSError reads as "driver gone"
                 end = f"accepting the last stage (rank {self.peer})" if self.is_first else (
                     f"connecting to the first stage (rank {self.peer}) at {self.host}:{int(port)}")
@@ -243,9 +246,8 @@ class SampleFeedback:
         buf = self.ring[slot, : sampled_ids.shape[0]]
         buf.copy_(sampled_ids)
         if self.sock is not None:
-            header = np.array([self._num_sent, buf.shape[0]], dtype=np.int64).tobytes()
             try:
-                self.sock.sendall(header + buf.numpy().tobytes())
+                self.sock.sendall(_HEADER.pack(self._num_sent, buf.shape[0]) + buf.numpy().tobytes())
             except OSError as e:  # a timeout too: the first stage stopped reading
                 raise RuntimeError(f"sending sampled ids to the first stage (rank {self.peer}) failed: {e}") from e
             self._num_sent += 1
