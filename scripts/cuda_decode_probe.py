@@ -1,0 +1,184 @@
+"""Time a decode attention written in CUDA (``scripts/cuda_decode_attn.cu``) against pprun's
+Triton one, at batch 32, alone and behind the qkv matmul, as ``decode_attn_sweep.py`` does.
+
+    python scripts/cuda_decode_probe.py [--batch 32] [--ctx 560] [--out result.json]
+
+The fifteenth session found the Triton decode attention latency-bound (~2,800 instructions per
+warp, 12 barriers per K/V tile, ~2 warps per scheduler) and concluded that a faster one needs
+layouts Triton does not choose.  This probe measures that claim before anything is adopted:
+the CUDA kernel reads the same inputs (the qkv matmul's fp32 split partials, rotary tables,
+the paged cache, block table), writes the new token's K/V to the cache and the attention
+output.  It checks that the cache write is bit-identical to the Triton kernel's and that the
+output agrees to bf16 rounding, then times every compiled variant (warps per CTA, blocks in
+flight per warp, blocks issued before the PDL wait).  Needs nvcc and an sm_90 GPU (the kernel
+is compiled with ``torch.utils.cpp_extension.load_inline``).  Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import layer_bench as lb  # noqa: E402
+
+import pprun.attention.triton_ops as ops  # noqa: E402
+from pprun.layers import SplitPartials  # noqa: E402
+from pprun.layers.skinny import skinny_linear  # noqa: E402
+
+VARIANTS = [("fma", 8, 2, 1), ("mma", 8, 2, 1), ("mma", 8, 3, 1), ("mma", 8, 3, 2), ("mma", 4, 3, 1),
+            ("mma", 4, 4, 2), ("mma", 4, 2, 1), ("mma", 16, 2, 1)]
+"""(form, warps per CTA, K/V blocks of 16 tokens in flight per warp, of which issued before the
+PDL wait): the instantiations at the end of the .cu file.  ``fma``: scores by FMAs and lane
+shuffles; ``mma``: ``mma.sync`` on ldmatrix fragments."""
+
+LAUNCHER = r"""
+#include <torch/extension.h>
+#include <cuda_runtime.h>
+
+template <bool MMA, int NW, int D, int P>
+static void launch_t(const DecodeArgs& a, int batch, bool pdl, cudaStream_t stream) {
+  auto fn = MMA ? decode_attn_mma_kernel<NW, D, P> : decode_attn_kernel<NW, D, P>;
+  const int smem = NW * D * 8 * 32 * 16;
+  TORCH_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(a.num_kv_heads, batch, 1);
+  cfg.blockDim = dim3(NW * 32, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  TORCH_CHECK(cudaLaunchKernelEx(&cfg, fn, a) == cudaSuccess, "launch failed");
+}
+
+void launch(torch::Tensor parts, c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> cos_t,
+            c10::optional<torch::Tensor> sin_t, torch::Tensor positions, torch::Tensor slots,
+            torch::Tensor cache, torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor out,
+            double scale, int64_t variant, bool pdl, int64_t stream_handle) {
+  DecodeArgs a;
+  a.parts = parts.data_ptr<float>();
+  a.bias = bias ? reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr()) : nullptr;
+  a.num_parts = parts.size(0);
+  a.width = parts.size(2);
+  a.part_stride = parts.stride(0);
+  a.cos_t = cos_t ? cos_t->data_ptr<float>() : nullptr;
+  a.sin_t = sin_t ? sin_t->data_ptr<float>() : nullptr;
+  a.positions = positions.data_ptr<int64_t>();
+  a.slots = slots.data_ptr<int64_t>();
+  a.cache = reinterpret_cast<__nv_bfloat16*>(cache.data_ptr());
+  a.v_offset = cache.stride(0);
+  a.block_table = block_table.data_ptr<int>();
+  a.bt_stride = block_table.stride(0);
+  a.seq_lens = seq_lens.data_ptr<int>();
+  a.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
+  a.num_kv_heads = cache.size(3);
+  a.scale_log2 = (float)(scale * 1.4426950408889634);
+  const int batch = seq_lens.size(0);
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  switch (variant) {
+    case 0: launch_t<false, 8, 2, 1>(a, batch, pdl, stream); break;
+    case 1: launch_t<true, 8, 2, 1>(a, batch, pdl, stream); break;
+    case 2: launch_t<true, 8, 3, 1>(a, batch, pdl, stream); break;
+    case 3: launch_t<true, 8, 3, 2>(a, batch, pdl, stream); break;
+    case 4: launch_t<true, 4, 3, 1>(a, batch, pdl, stream); break;
+    case 5: launch_t<true, 4, 4, 2>(a, batch, pdl, stream); break;
+    case 6: launch_t<true, 4, 2, 1>(a, batch, pdl, stream); break;
+    case 7: launch_t<true, 16, 2, 1>(a, batch, pdl, stream); break;
+    default: TORCH_CHECK(false, "unknown variant ", variant);
+  }
+}
+"""
+
+
+def build():
+    from torch.utils.cpp_extension import load_inline
+
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
+    src = (Path(__file__).resolve().parent / "cuda_decode_attn.cu").read_text()
+    return load_inline(
+        name="pprun_cuda_decode_probe",
+        cpp_sources="void launch(torch::Tensor parts, c10::optional<torch::Tensor> bias, "
+                    "c10::optional<torch::Tensor> cos_t, c10::optional<torch::Tensor> sin_t, torch::Tensor positions, "
+                    "torch::Tensor slots, torch::Tensor cache, torch::Tensor block_table, torch::Tensor seq_lens, "
+                    "torch::Tensor out, double scale, int64_t variant, bool pdl, int64_t stream_handle);",
+        cuda_sources=src + LAUNCHER,
+        functions=["launch"],
+        extra_cuda_cflags=["-O3", "-std=c++17"],
+        verbose=False,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--ctx", type=int, default=560)
+    ap.add_argument("--max-len", type=int, default=688)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    ext = build()
+    hidden, width = lb.SHAPES["qkv"]
+    d = lb.decode_attention_inputs(args.batch, args.ctx, args.max_len)
+    x = torch.randn(args.batch, hidden, device="cuda", dtype=torch.bfloat16)
+    ws = [torch.randn(width, hidden, device="cuda", dtype=torch.bfloat16) * hidden**-0.5
+          for _ in range(lb.copies_for(width * hidden * 2))]
+    scale = lb.HEAD_DIM**-0.5
+    pdl = torch.cuda.get_device_capability()[0] >= 9
+
+    def qkv(w) -> SplitPartials:
+        return skinny_linear(x, w, weights_ahead=True, defer_merge="attention", hold_last=False)
+
+    def triton_attend(parts: SplitPartials, kv) -> None:
+        q, k, v = lb.qkv_views(parts.parts[0], args.batch)
+        ops.paged_decode_attention_rope(q, k, v, d.cos, d.sin, d.pos, kv, d.slots, d.table, d.seq_lens, scale, d.o,
+                                        qkv_parts=parts)
+
+    def cuda_attend(parts: SplitPartials, kv, variant: int, out=None) -> None:
+        ext.launch(parts.parts, parts.bias, d.cos, d.sin, d.pos, d.slots, kv, d.table, d.seq_lens,
+                   d.o if out is None else out, scale, variant, pdl,
+                   torch.cuda.current_stream().cuda_stream)
+
+    fixed = qkv(ws[0])
+    assert isinstance(fixed, SplitPartials), "batch 32's qkv should split K (deferred merge)"
+    kv_t, kv_c = d.kvs[0].clone(), d.kvs[0].clone()
+    triton_attend(fixed, kv_t)
+    want = d.o.clone()
+    res: dict = {"device": torch.cuda.get_device_name(), "batch": args.batch, "ctx": args.ctx,
+                 "kv_bytes": d.kv_bytes, "qkv_splits": fixed.parts.shape[0], "variants": []}
+    pairs = [(ws[i % len(ws)], d.kvs[i % len(d.kvs)]) for i in range(max(len(ws), len(d.kvs)))]
+    res["triton"] = {
+        "alone_us": round(lb.time_us([lambda kv=kv: triton_attend(fixed, kv) for kv in d.kvs]), 2),
+        "pair_us": round(lb.time_us([lambda w=w, kv=kv: triton_attend(qkv(w), kv) for w, kv in pairs]), 2),
+    }
+    res["qkv_alone_us"] = round(lb.time_us([lambda w=w: qkv(w) for w in ws]), 2)
+    print(res, flush=True)
+    for i, (form, nw, depth, pre) in enumerate(VARIANTS):
+        row = {"form": form, "warps": nw, "depth": depth, "pre_wait": pre}
+        try:
+            got = torch.empty_like(d.o)
+            kv_c.copy_(d.kvs[0])
+            cuda_attend(fixed, kv_c, i, out=got)
+            torch.cuda.synchronize()
+            row["cache_equal"] = bool(torch.equal(kv_c, kv_t))
+            diff = (got.float() - want.float()).abs()
+            row["max_diff"] = diff.max().item()
+            row["max_rel"] = (diff / want.float().abs().clamp_min(1e-2)).max().item()
+            row["alone_us"] = round(lb.time_us([lambda kv=kv, i=i: cuda_attend(fixed, kv, i) for kv in d.kvs]), 2)
+            row["pair_us"] = round(lb.time_us([lambda w=w, kv=kv, i=i: cuda_attend(qkv(w), kv, i) for w, kv in pairs]), 2)
+            row["kv_tb_s_alone"] = round(d.kv_bytes / row["alone_us"] / 1e6, 2)
+        except Exception as e:  # noqa: BLE001 - a variant the device rejects is reported, not fatal
+            row["error"] = repr(e)[:300]
+        res["variants"].append(row)
+        print(row, flush=True)
+    lb.write_result(res, args.out)
+
+
+if __name__ == "__main__":
+    main()
