@@ -10,6 +10,9 @@ let the next kernel be scheduled) under a ``USE_PDL`` constexpr that :func:`pdl_
 together with the launch flag, so GPUs before sm_90 never see the instructions.  Switching PDL
 off (``PPRUN_DISABLE_PDL=1``, the A/B switch of ``scripts/gpu_speed.py``) changes only the
 launch.  The CPU interpreter gets no-ops.
+
+Under the interpreter this module also mends one of its bugs (:func:`_patch_interpreter_splat`)
+before any kernel runs: every kernel module imports it first.
 """
 
 from __future__ import annotations
@@ -29,6 +32,40 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 NO_FMA = {} if INTERPRETED else {"enable_fp_fusion": False}
 """Compile option, passed at launch: no mul+add -> fma contraction (torch rounds in between)."""
+
+
+def _patch_interpreter_splat() -> None:
+    """Make the interpreter's splat of a boolean (``int1``) scalar give numpy ``bool`` data.
+
+    The interpreter gives a comparison's result the numpy dtype ``bool`` but the *operands'*
+    Triton dtype (``n < end`` on int32 is an int32 handle holding a bool), and its
+    ``create_splat`` picks the numpy dtype from that handle dtype: broadcasting such a scalar
+    into a block (``mask & write_residual``, ``g_mask & merged_s``) yields an ``int1`` block
+    that holds int32 0/1.  Up to Triton 3.8 the native load, store and atomics took any integer
+    mask (nonzero: on); since 3.9.0 they accept numpy ``bool`` only and raise ``ValueError:
+    mask has unsupported dtype``.  The splat is mended here (its data cast to ``bool`` and its
+    handle typed ``int1`` when the block's element type is ``int1``), for every Triton version,
+    so that 3.7 and 3.9 interpret alike.  Interpreter only: compiled kernels are untouched."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    splat = builder.create_splat
+    if getattr(splat, "_pprun_bool_splat", False):
+        return
+
+    def create_splat(self, ret_ty, arg):
+        out = splat(self, ret_ty, arg)
+        if ret_ty.scalar == tl.int1 and out.data.dtype != np.bool_:
+            out = interpreter.TensorHandle(out.data.astype(np.bool_), tl.int1)
+        return out
+
+    create_splat._pprun_bool_splat = True  # type: ignore[attr-defined]
+    builder.create_splat = create_splat
+
+
+if INTERPRETED:
+    _patch_interpreter_splat()
 
 PDL_ENABLED: bool = enabled_unless("PPRUN_DISABLE_PDL")
 """False when ``PPRUN_DISABLE_PDL`` is set; tests and benchmarks may flip it."""
