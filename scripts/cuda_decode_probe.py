@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -123,6 +124,10 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=688)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        sys.exit("cuda_decode_probe.py needs an sm_90 (Hopper) GPU: the kernel uses griddepcontrol and is built for sm_90a")
+    if shutil.which("nvcc") is None:
+        sys.exit("cuda_decode_probe.py needs nvcc on PATH: the kernel is compiled at run time")
     ext = build()
     hidden, width = lb.SHAPES["qkv"]
     d = lb.decode_attention_inputs(args.batch, args.ctx, args.max_len)
@@ -130,7 +135,7 @@ def main() -> None:
     ws = [torch.randn(width, hidden, device="cuda", dtype=torch.bfloat16) * hidden**-0.5
           for _ in range(lb.copies_for(width * hidden * 2))]
     scale = lb.HEAD_DIM**-0.5
-    pdl = torch.cuda.get_device_capability()[0] >= 9
+    pdl = True
 
     def qkv(w) -> SplitPartials:
         return skinny_linear(x, w, weights_ahead=True, defer_merge="attention", hold_last=False)
