@@ -7,15 +7,15 @@
 // DEPTH - 1 blocks in flight ahead of the one in use, the first PRE of them issued before the
 // PDL wait (they do not depend on the qkv matmul).  After the wait, the CTA merges the new
 // token's q/k/v from the qkv matmul's fp32 split partials, rotates q and k, writes k and v to the
-// cache (bit for bit what pprun's Triton kernel writes) and scores the new token.  The warps'
-// online-softmax states are merged once at the end, through shared memory.  Two forms:
-// - decode_attn_kernel (FMA): lane = (token slot, 8-dim chunk); scores by FMAs and lane shuffles.
-// - decode_attn_mma_kernel (MMA): S = Q K^T and O += P V as mma.sync m16n8k16 on ldmatrix
-//   fragments from a swizzled tile (Q's 4 heads padded to 16 rows), P handed from S's
-//   accumulators to the A fragment in registers: ~120 instructions per 16-token block per warp.
-// Measured (eighteenth session, docs/performance.md): at batch 32, context 560, the MMA form
-// (8 warps, 3 stages, 2 before the wait) took 12.9 us alone against the Triton kernel's 14.6,
-// and 20.0 us behind the qkv matmul against 21.2; the FMA form 17.4-23.1 us alone.
+// cache (bit for bit what pprun's Triton kernel writes) and scores the new token.  Per block,
+// S = Q K^T and O += P V are mma.sync m16n8k16 on ldmatrix fragments from a swizzled tile (Q's 4
+// heads padded to 16 rows), P handed from S's accumulators to the A fragment in registers:
+// ~120 instructions per 16-token block per warp, no barrier in the loop.  The warps'
+// online-softmax states are merged once at the end, through shared memory.
+// Measured (eighteenth session, docs/performance.md): at batch 32, context 560, 8 warps, 3
+// stages, 2 before the wait took 12.9 us alone against the Triton kernel's 14.6, and 20.0 us
+// behind the qkv matmul against 21.2.  A form that scored by FMAs and lane shuffles (~5x the
+// instructions per token; 17.4-23.1 us alone) was measured and removed (it is in fdf3b1e).
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -55,16 +55,6 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 __device__ __forceinline__ float bf16r(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-
-__device__ __forceinline__ void unpack8(uint4 u, float* f) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float2 p = __bfloat1622float2(h[i]);
-    f[2 * i] = p.x;
-    f[2 * i + 1] = p.y;
-  }
-}
 
 // One q/k/v element of token `tok`, column `col`: the partials merged in split order from zero,
 // plus the bias, rounded once to bf16 (what the matmul's own merge writes).
@@ -162,166 +152,7 @@ __device__ __forceinline__ void zero_row(const DecodeArgs& a, int r, int g) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Form 1 (FMA): lane = (token slot t4, dim chunk dc); scores by FMAs and shuffles.
-// ---------------------------------------------------------------------------------------------
-template <int NW, int DEPTH, int PRE>
-__global__ void __launch_bounds__(NW * 32) decode_attn_kernel(DecodeArgs a) {
-  static_assert(HEAD_DIM == 64, "lane layout assumes 8 lanes x 8 dims");
-  static_assert(PRE < DEPTH, "the PRE blocks issued before the wait are among the DEPTH - 1 ahead");
-  const int g = blockIdx.x, r = blockIdx.y;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int t4 = lane / 8, dc = lane % 8;
-  const int KVH = a.num_kv_heads;
-
-  // stage[warp][depth][row 0..7: K rows t=0..3 then V rows][lane], 16 B each: dynamic shared
-  // memory (above the 48 KB a static array may take), NW * DEPTH * 4 KB.
-  extern __shared__ uint4 stage_mem[];
-  auto stage = reinterpret_cast<uint4(*)[DEPTH][8][32]>(stage_mem);
-  __shared__ float raw[(GROUP + 2) * HEAD_DIM], qr[GROUP * HEAD_DIM], kr[HEAD_DIM], s_new[GROUP];
-  __shared__ float wm[NW][GROUP], wl[NW][GROUP], wacc[NW][GROUP][HEAD_DIM];
-
-  const int seq_len = a.seq_lens[r];
-  const int n_cached = seq_len > 0 ? seq_len - 1 : 0;
-  const int nb = (n_cached + BLOCK - 1) / BLOCK;
-  const int cnt = warp < nb ? (nb - warp + NW - 1) / NW : 0;  // this warp's blocks: warp + i*NW
-  const int* bt = a.block_table + (long)r * a.bt_stride;
-  const long row_stride = (long)KVH * HEAD_DIM;
-
-  auto issue = [&](int i) {
-    if (i < cnt) {
-      const int b = warp + i * NW;
-      const long phys = bt[b];
-      uint4* st = stage[warp][i % DEPTH][0] + lane;
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const int off = t * 4 + t4;
-        const bool valid = b * BLOCK + off < n_cached;
-        const __nv_bfloat16* src = a.cache + (phys * BLOCK + off) * row_stride + (long)g * HEAD_DIM + dc * 8;
-        cp_async16(st + t * 32, src, valid);
-        cp_async16(st + (4 + t) * 32, src + a.v_offset, valid);
-      }
-    }
-    cp_async_commit();
-  };
-
-#pragma unroll
-  for (int i = 0; i < PRE; ++i) issue(i);
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n" ::);
-#pragma unroll
-  for (int i = PRE; i < DEPTH - 1; ++i) issue(i);
-  if (seq_len <= 0) {
-    zero_row<NW>(a, r, g);
-    cp_async_wait<0>();
-    return;
-  }
-  new_token<NW>(a, r, g, raw, qr, kr, s_new);
-
-  float q[GROUP][8];
-#pragma unroll
-  for (int h = 0; h < GROUP; ++h)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) q[h][j] = qr[h * HEAD_DIM + dc * 8 + j];
-
-  float m[GROUP], l[GROUP], acc[GROUP][8];
-#pragma unroll
-  for (int h = 0; h < GROUP; ++h) {
-    m[h] = -INFINITY;
-    l[h] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[h][j] = 0.0f;
-  }
-
-  for (int i = 0; i < cnt; ++i) {
-    __syncwarp();  // the stage refilled here was read in the previous iteration
-    issue(i + DEPTH - 1);
-    cp_async_wait<DEPTH - 1>();
-    const int b = warp + i * NW;
-    const uint4* st = stage[warp][i % DEPTH][0] + lane;
-    float s[4][GROUP];
-    float vf[4][8];
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      float kf[8];
-      unpack8(st[t * 32], kf);
-      unpack8(st[(4 + t) * 32], vf[t]);
-#pragma unroll
-      for (int h = 0; h < GROUP; ++h) {
-        float acc_s = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc_s = fmaf(q[h][j], kf[j], acc_s);
-        s[t][h] = acc_s;
-      }
-    }
-#pragma unroll
-    for (int t = 0; t < 4; ++t)
-#pragma unroll
-      for (int h = 0; h < GROUP; ++h) {
-        float v = s[t][h];
-        v += __shfl_xor_sync(0xffffffffu, v, 1);
-        v += __shfl_xor_sync(0xffffffffu, v, 2);
-        v += __shfl_xor_sync(0xffffffffu, v, 4);
-        const bool valid = b * BLOCK + t * 4 + t4 < n_cached;
-        s[t][h] = valid ? v * a.scale_log2 : -INFINITY;
-      }
-#pragma unroll
-    for (int h = 0; h < GROUP; ++h) {
-      float mb = fmaxf(fmaxf(s[0][h], s[1][h]), fmaxf(s[2][h], s[3][h]));
-      float m_new = fmaxf(m[h], mb);
-      if (m_new == -INFINITY) continue;  // nothing visible yet in this lane's class
-      float alpha = exp2f(m[h] - m_new);
-      l[h] *= alpha;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[h][j] *= alpha;
-      m[h] = m_new;
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        float p = exp2f(s[t][h] - m_new);
-        l[h] += p;
-        float pr = bf16r(p);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[h][j] = fmaf(pr, vf[t][j], acc[h][j]);
-      }
-    }
-  }
-  cp_async_wait<0>();
-
-  // Merge the 4 token classes of the warp (lanes xor 8, 16), then the warps, then the new token.
-#pragma unroll
-  for (int h = 0; h < GROUP; ++h) {
-#pragma unroll
-    for (int o = 8; o <= 16; o <<= 1) {
-      float m_o = __shfl_xor_sync(0xffffffffu, m[h], o);
-      float l_o = __shfl_xor_sync(0xffffffffu, l[h], o);
-      float m_n = fmaxf(m[h], m_o);
-      float w_s = m_n == -INFINITY ? 0.0f : exp2f(m[h] - m_n);
-      float w_o = m_n == -INFINITY ? 0.0f : exp2f(m_o - m_n);
-      l[h] = l[h] * w_s + l_o * w_o;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        float a_o = __shfl_xor_sync(0xffffffffu, acc[h][j], o);
-        acc[h][j] = acc[h][j] * w_s + a_o * w_o;
-      }
-      m[h] = m_n;
-    }
-  }
-  if (t4 == 0) {
-#pragma unroll
-    for (int h = 0; h < GROUP; ++h) {
-      if (dc == 0) {
-        wm[warp][h] = m[h];
-        wl[warp][h] = l[h];
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) wacc[warp][h][dc * 8 + j] = acc[h][j];
-    }
-  }
-  __syncthreads();
-  merge_warps<NW>(a, r, g, raw, s_new, wm, wl, wacc);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Form 2 (MMA): per 16-token block, S = Q K^T and O += P V as mma.sync m16n8k16 (bf16 in, fp32
+// The kernel: per 16-token block, S = Q K^T and O += P V as mma.sync m16n8k16 (bf16 in, fp32
 // accumulate; Q's 4 heads padded to 16 rows), K and V fragments by ldmatrix from a swizzled
 // shared-memory tile, P passed from S's accumulator registers straight into the A fragment.
 // ---------------------------------------------------------------------------------------------
@@ -353,7 +184,7 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
 __device__ __forceinline__ int swz(int t, int c) { return t * 8 + (c ^ (t & 7)); }
 
 template <int NW, int DEPTH, int PRE>
-__global__ void __launch_bounds__(NW * 32) decode_attn_mma_kernel(DecodeArgs a) {
+__global__ void __launch_bounds__(NW * 32) decode_attn_kernel(DecodeArgs a) {
   static_assert(HEAD_DIM == 64, "fragments assume 64 dims");
   static_assert(PRE < DEPTH, "the PRE blocks issued before the wait are among the DEPTH - 1 ahead");
   const int g = blockIdx.x, r = blockIdx.y;
@@ -501,10 +332,3 @@ __global__ void __launch_bounds__(NW * 32) decode_attn_mma_kernel(DecodeArgs a) 
   __syncthreads();
   merge_warps<NW>(a, r, g, raw, s_new, wm, wl, wacc);
 }
-
-// Explicit instantiations the probe launches (NW, DEPTH, PRE).
-#define INST(NW, D, P) template __global__ void decode_attn_kernel<NW, D, P>(DecodeArgs);
-#define INST_MMA(NW, D, P) template __global__ void decode_attn_mma_kernel<NW, D, P>(DecodeArgs);
-INST(8, 2, 1)
-INST_MMA(8, 2, 1) INST_MMA(8, 3, 1) INST_MMA(8, 3, 2) INST_MMA(4, 3, 1) INST_MMA(4, 4, 2) INST_MMA(4, 2, 1)
-INST_MMA(16, 2, 1)

@@ -30,21 +30,18 @@ import layer_bench as lb  # noqa: E402
 
 import pprun.attention.triton_ops as ops  # noqa: E402
 from pprun.layers import SplitPartials  # noqa: E402
-from pprun.layers.skinny import skinny_linear  # noqa: E402
 
-VARIANTS = [("fma", 8, 2, 1), ("mma", 8, 2, 1), ("mma", 8, 3, 1), ("mma", 8, 3, 2), ("mma", 4, 3, 1),
-            ("mma", 4, 4, 2), ("mma", 4, 2, 1), ("mma", 16, 2, 1)]
-"""(form, warps per CTA, K/V blocks of 16 tokens in flight per warp, of which issued before the
-PDL wait): the instantiations at the end of the .cu file.  ``fma``: scores by FMAs and lane
-shuffles; ``mma``: ``mma.sync`` on ldmatrix fragments."""
+VARIANTS = [(8, 2, 1), (8, 3, 1), (8, 3, 2), (4, 3, 1), (4, 4, 2), (4, 2, 1), (16, 2, 1)]
+"""(warps per CTA, K/V blocks of 16 tokens in flight per warp, of which issued before the PDL
+wait): the kernel's settings timed, the launcher's ``variant`` in this order."""
 
-LAUNCHER = r"""
+_LAUNCHER = r"""
 #include <torch/extension.h>
 #include <cuda_runtime.h>
 
-template <bool MMA, int NW, int D, int P>
-static void launch_t(const DecodeArgs& a, int batch, bool pdl, cudaStream_t stream) {
-  auto fn = MMA ? decode_attn_mma_kernel<NW, D, P> : decode_attn_kernel<NW, D, P>;
+template <int NW, int D, int P>
+static void launch_t(const DecodeArgs& a, int batch, cudaStream_t stream) {
+  auto fn = decode_attn_kernel<NW, D, P>;
   const int smem = NW * D * 8 * 32 * 16;
   TORCH_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess);
   cudaLaunchConfig_t cfg = {};
@@ -54,7 +51,7 @@ static void launch_t(const DecodeArgs& a, int batch, bool pdl, cudaStream_t stre
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;  // the kernel waits with griddepcontrol
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   TORCH_CHECK(cudaLaunchKernelEx(&cfg, fn, a) == cudaSuccess, "launch failed");
@@ -63,7 +60,7 @@ static void launch_t(const DecodeArgs& a, int batch, bool pdl, cudaStream_t stre
 void launch(torch::Tensor parts, c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> cos_t,
             c10::optional<torch::Tensor> sin_t, torch::Tensor positions, torch::Tensor slots,
             torch::Tensor cache, torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor out,
-            double scale, int64_t variant, bool pdl, int64_t stream_handle) {
+            double scale, int64_t variant, int64_t stream_handle) {
   DecodeArgs a;
   a.parts = parts.data_ptr<float>();
   a.bias = bias ? reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr()) : nullptr;
@@ -85,18 +82,15 @@ void launch(torch::Tensor parts, c10::optional<torch::Tensor> bias, c10::optiona
   const int batch = seq_lens.size(0);
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
   switch (variant) {
-    case 0: launch_t<false, 8, 2, 1>(a, batch, pdl, stream); break;
-    case 1: launch_t<true, 8, 2, 1>(a, batch, pdl, stream); break;
-    case 2: launch_t<true, 8, 3, 1>(a, batch, pdl, stream); break;
-    case 3: launch_t<true, 8, 3, 2>(a, batch, pdl, stream); break;
-    case 4: launch_t<true, 4, 3, 1>(a, batch, pdl, stream); break;
-    case 5: launch_t<true, 4, 4, 2>(a, batch, pdl, stream); break;
-    case 6: launch_t<true, 4, 2, 1>(a, batch, pdl, stream); break;
-    case 7: launch_t<true, 16, 2, 1>(a, batch, pdl, stream); break;
-    default: TORCH_CHECK(false, "unknown variant ", variant);
+{cases}    default: TORCH_CHECK(false, "unknown variant ", variant);
   }
 }
 """
+LAUNCHER = _LAUNCHER.replace("{cases}", "".join(
+    f"    case {i}: launch_t<{nw}, {depth}, {pre}>(a, batch, stream); break;\n"
+    for i, (nw, depth, pre) in enumerate(VARIANTS)))
+"""The launcher, its ``variant`` switch made from :data:`VARIANTS` (which instantiates them)."""
+
 
 
 def build():
@@ -109,7 +103,7 @@ def build():
         cpp_sources="void launch(torch::Tensor parts, c10::optional<torch::Tensor> bias, "
                     "c10::optional<torch::Tensor> cos_t, c10::optional<torch::Tensor> sin_t, torch::Tensor positions, "
                     "torch::Tensor slots, torch::Tensor cache, torch::Tensor block_table, torch::Tensor seq_lens, "
-                    "torch::Tensor out, double scale, int64_t variant, bool pdl, int64_t stream_handle);",
+                    "torch::Tensor out, double scale, int64_t variant, int64_t stream_handle);",
         cuda_sources=src + LAUNCHER,
         functions=["launch"],
         extra_cuda_cflags=["-O3", "-std=c++17"],
@@ -129,16 +123,9 @@ def main() -> None:
     if shutil.which("nvcc") is None:
         sys.exit("cuda_decode_probe.py needs nvcc on PATH: the kernel is compiled at run time")
     ext = build()
-    hidden, width = lb.SHAPES["qkv"]
     d = lb.decode_attention_inputs(args.batch, args.ctx, args.max_len)
-    x = torch.randn(args.batch, hidden, device="cuda", dtype=torch.bfloat16)
-    ws = [torch.randn(width, hidden, device="cuda", dtype=torch.bfloat16) * hidden**-0.5
-          for _ in range(lb.copies_for(width * hidden * 2))]
+    ws, qkv, pairs = lb.qkv_before_attention(args.batch, d.kvs)
     scale = lb.HEAD_DIM**-0.5
-    pdl = True
-
-    def qkv(w) -> SplitPartials:
-        return skinny_linear(x, w, weights_ahead=True, defer_merge="attention", hold_last=False)
 
     def triton_attend(parts: SplitPartials, kv) -> None:
         q, k, v = lb.qkv_views(parts.parts[0], args.batch)
@@ -147,7 +134,7 @@ def main() -> None:
 
     def cuda_attend(parts: SplitPartials, kv, variant: int, out=None) -> None:
         ext.launch(parts.parts, parts.bias, d.cos, d.sin, d.pos, d.slots, kv, d.table, d.seq_lens,
-                   d.o if out is None else out, scale, variant, pdl,
+                   d.o if out is None else out, scale, variant,
                    torch.cuda.current_stream().cuda_stream)
 
     fixed = qkv(ws[0])
@@ -157,15 +144,14 @@ def main() -> None:
     want = d.o.clone()
     res: dict = {"device": torch.cuda.get_device_name(), "batch": args.batch, "ctx": args.ctx,
                  "kv_bytes": d.kv_bytes, "qkv_splits": fixed.parts.shape[0], "variants": []}
-    pairs = [(ws[i % len(ws)], d.kvs[i % len(d.kvs)]) for i in range(max(len(ws), len(d.kvs)))]
     res["triton"] = {
         "alone_us": round(lb.time_us([lambda kv=kv: triton_attend(fixed, kv) for kv in d.kvs]), 2),
         "pair_us": round(lb.time_us([lambda w=w, kv=kv: triton_attend(qkv(w), kv) for w, kv in pairs]), 2),
     }
     res["qkv_alone_us"] = round(lb.time_us([lambda w=w: qkv(w) for w in ws]), 2)
     print(res, flush=True)
-    for i, (form, nw, depth, pre) in enumerate(VARIANTS):
-        row = {"form": form, "warps": nw, "depth": depth, "pre_wait": pre}
+    for i, (nw, depth, pre) in enumerate(VARIANTS):
+        row = {"warps": nw, "depth": depth, "pre_wait": pre}
         try:
             got = torch.empty_like(d.o)
             kv_c.copy_(d.kvs[0])

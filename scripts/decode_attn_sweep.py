@@ -34,7 +34,6 @@ import layer_bench as lb  # noqa: E402
 
 import pprun.attention.triton_ops as ops  # noqa: E402
 from pprun.layers import SplitPartials  # noqa: E402
-from pprun.layers.skinny import skinny_linear  # noqa: E402
 
 KNOBS = ("_DECODE_BLOCK_N", "_DECODE_NUM_WARPS", "DECODE_PROGRAMS_PER_SM", "DECODE_MIN_TOKENS_PER_SPLIT",
          "_DECODE_NUM_STAGES", "DECODE_PRELOAD_KV", "DECODE_PRELOAD_SECOND")
@@ -76,11 +75,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--rows-out", type=Path, help="also append each setting's row here as it is timed (JSON lines)")
     args = ap.parse_args()
-    hidden, width = lb.SHAPES["qkv"]
     d = lb.decode_attention_inputs(args.batch, args.ctx, args.max_len)
-    x = torch.randn(args.batch, hidden, device="cuda", dtype=torch.bfloat16)
-    ws = [torch.randn(width, hidden, device="cuda", dtype=torch.bfloat16) * hidden**-0.5
-          for _ in range(lb.copies_for(width * hidden * 2))]
+    ws, qkv, pairs = lb.qkv_before_attention(args.batch, d.kvs)
     scale = lb.HEAD_DIM**-0.5
 
     def attend(qkv_out: torch.Tensor | SplitPartials, kv, rope: bool = True) -> None:
@@ -93,9 +89,6 @@ def main() -> None:
         ops.paged_decode_attention_rope(q, k, v, cos, sin, d.pos, kv, d.slots, d.table, d.seq_lens, scale, d.o,
                                         **extra)
 
-    def qkv(w):
-        return skinny_linear(x, w, weights_ahead=True, defer_merge="attention", hold_last=False)
-
     fixed = qkv(ws[0])
     if args.inputs:
         lb.write_result(prologue_costs(d, fixed, attend), args.out)
@@ -103,13 +96,12 @@ def main() -> None:
     defaults = {name: getattr(ops, name) for name in KNOBS}
     attend(fixed, d.kvs[0])
     reference = d.o.clone()
-    pairs = [(ws[i % len(ws)], d.kvs[i % len(d.kvs)]) for i in range(max(len(ws), len(d.kvs)))]
     rows = []
     for setting in [defaults] + settings(defaults, args.tiles, args.programs_per_sm, args.min_tokens, not args.quick):
         for name, value in setting.items():
             setattr(ops, name, value)
         row = dict(setting)
-        row["splits"] = ops.num_decode_splits(args.batch, lb.KV_HEADS, d.table.shape[1] * d.block_size, x.device)
+        row["splits"] = ops.num_decode_splits(args.batch, lb.KV_HEADS, d.table.shape[1] * d.block_size, d.table.device)
         try:
             attend(fixed, d.kvs[0])
             row["max_diff"] = (d.o.float() - reference.float()).abs().max().item()

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -164,6 +165,23 @@ def decode_attention_inputs(batch: int, ctx: int = 512, max_len: int = 2048, blo
     return DecodeAttentionInputs(
         kvs, kv_bytes, q, k, v, cos, sin, (seq_lens - 1).long(), slots, table, seq_lens, torch.empty_like(q), block,
     )
+
+
+def qkv_before_attention(batch: int, kvs: list) -> tuple[list, Callable, list]:
+    """The qkv matmul at ``batch`` decode rows as a layer runs it before the decode attention
+    (split-K partials left for the attention to merge): copies of its weight (``copies_for``),
+    the call ``qkv(weight)``, and (weight, KV cache) pairs cycling through both sets of copies,
+    one per timed call of the pair."""
+    hidden, width = SHAPES["qkv"]
+    x = torch.randn(batch, hidden, device="cuda", dtype=torch.bfloat16)
+    ws = [torch.randn(width, hidden, device="cuda", dtype=torch.bfloat16) * hidden**-0.5
+          for _ in range(copies_for(width * hidden * 2))]
+
+    def qkv(w: torch.Tensor):
+        return skinny_linear(x, w, weights_ahead=True, defer_merge="attention", hold_last=False)
+
+    pairs = [(ws[i % len(ws)], kvs[i % len(kvs)]) for i in range(max(len(ws), len(kvs)))]
+    return ws, qkv, pairs
 
 
 def bench_attention(ctx: int = 512, max_len: int = 2048, block: int = 16) -> dict:
