@@ -158,7 +158,8 @@ class SampleFeedback:
                 f"arrived where message {self._num_read} with {n} ids was due (the first and last stage "
                 "disagree on what a step samples)"
             )
-        self._recv_exact(memoryview(self.ring.numpy()[slot]).cast("B")[: 8 * n])
+        base = slot * self.max_num_reqs
+        self._recv_exact(memoryview(self._flat[base : base + n]).cast("B"))
         self._num_read += 1
         self._unread.popleft()
 
