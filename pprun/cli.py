@@ -32,7 +32,7 @@ def usage() -> str:
         "",
         "Overrides are Hydra's: key=value, group=option (e.g. parallel=pp2_ray), -m to sweep",
         "(e.g. pprun bench -m scheduler.max_num_seqs=1,4). `pprun <command> --help` lists the keys.",
-        "Configs: pprun/conf/*.yaml.",
+        "Configs: conf/*.yaml.",
     ]
     return "\n".join(lines)
 

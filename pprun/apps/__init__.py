@@ -2,7 +2,7 @@
 
 Each app module has a ``run(cfg)`` that does the work on a typed app config (callable from Python
 and tests without Hydra) and a ``main()`` that reads ``sys.argv`` as Hydra overrides against the
-YAML in ``pprun/conf/``. ``pprun.cli`` dispatches the subcommands to those ``main()`` functions.
+YAML in ``conf/`` (see ``pprun.config.default_conf_dir``). ``pprun.cli`` dispatches the subcommands to those ``main()`` functions.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 
 def run_hydra_app(config_name: str, task: Callable[[Any], None]) -> None:
-    """Compose ``pprun/conf/<config_name>.yaml`` with the overrides in ``sys.argv[1:]`` and call
+    """Compose ``conf/<config_name>.yaml`` with the overrides in ``sys.argv[1:]`` and call
     ``task(app_config)`` once, or once per job under ``-m`` (multirun).
 
     ``task`` gets the typed app dataclass (``GenerateAppConfig`` / ``BenchAppConfig``). A

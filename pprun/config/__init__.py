@@ -1,4 +1,4 @@
-"""Configuration: dataclasses (mirrored in Hydra's ConfigStore and pprun/conf/), validation, runner choice.
+"""Configuration: dataclasses (mirrored in Hydra's ConfigStore and the top-level conf/), validation, runner choice.
 
 Importing this package does not import torch or Hydra (the scheduler uses the dataclasses).
 """

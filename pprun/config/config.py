@@ -2,7 +2,7 @@
 
 One ``PprunConfig`` groups model, parallel, scheduler, cache and compilation settings. It is built
 three ways: ``PprunConfig(...)`` directly, ``PprunConfig.from_kwargs(pipeline_parallel_size=2, ...)``
-with vLLM-style flat keywords (what ``LLM(...)`` takes), or from Hydra YAML under ``pprun/conf/`` through
+with vLLM-style flat keywords (what ``LLM(...)`` takes), or from Hydra YAML under the top-level ``conf/`` through
 ``register_configs()`` + ``PprunConfig.from_omegaconf``. Values are checked by
 ``pprun.config.validate.validate_config`` before any process starts; this module imports neither
 torch nor Hydra at import time, so the scheduler can use it.
@@ -358,17 +358,22 @@ class BenchAppConfig(PprunConfig):
 def default_conf_dir() -> Path:
     """The directory holding the Hydra YAML (``generate.yaml``, ``bench.yaml`` and groups).
 
-    It lives inside the package (``pprun/conf``), so a source checkout and an installed wheel
-    (package data) read the same files.
+    The YAML lives in the repository's top-level ``conf/``. A wheel ships that folder as the
+    package data ``pprun/conf`` (``setup.py`` maps the package ``pprun.conf`` to ``conf/``), so an
+    installed copy is looked for first, then the checkout's ``conf/`` beside the package (a
+    source tree or an editable install, whichever way it was installed).
     """
-    conf_dir = Path(__file__).resolve().parent.parent / "conf"
-    if not (conf_dir / "generate.yaml").is_file():
-        raise FileNotFoundError(f"no Hydra config generate.yaml in {conf_dir}: is pprun installed completely?")
-    return conf_dir
+    package_dir = Path(__file__).resolve().parent.parent
+    candidates = (package_dir / "conf", package_dir.parent / "conf")
+    for conf_dir in candidates:
+        if (conf_dir / "generate.yaml").is_file():
+            return conf_dir
+    looked = ", ".join(str(c) for c in candidates)
+    raise FileNotFoundError(f"no Hydra config generate.yaml in {looked}: is pprun installed completely?")
 
 
 def register_configs() -> None:
-    """Store the schemas in Hydra's ConfigStore, so YAML under ``pprun/conf/`` is type-checked against them.
+    """Store the schemas in Hydra's ConfigStore, so YAML under ``conf/`` is type-checked against them.
 
     Names: ``pprun_schema`` (PprunConfig), ``generate_schema`` and ``bench_schema`` (the apps).
     Calling it again is harmless.
