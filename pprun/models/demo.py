@@ -117,10 +117,15 @@ def resolve_model(name_or_path: str) -> Path:
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
+    from pprun.models.whisper_ct2 import WHISPER_MODELS, convert_whisper_alias
+
+    if name_or_path in WHISPER_MODELS:
+        return convert_whisper_alias(name_or_path)
     if name_or_path not in DEMO_MODELS:
         raise ValueError(
             f"model={name_or_path!r} is neither an existing directory nor a "
-            f"known model alias; known aliases: {sorted(DEMO_MODELS)}"
+            f"known model alias; known aliases: "
+            f"{sorted([*DEMO_MODELS, *WHISPER_MODELS])}"
         )
     out_dir = model_cache_dir(name_or_path)
     if _is_complete(out_dir):
