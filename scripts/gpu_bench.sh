@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One GPU session: the Triton kernel tests and every GPU-marked test, then the 1.1B benchmarks
-# (V2 full graphs, V1 eager, transformers' generate as the peer; the decode step, prefill and
-# memory of scripts/gpu_speed.py; with two GPUs pp=1 vs pp=2, the hop, the control path, async
-# pipeline steps on and off, and the NCCL ordering probe).  Results land in
-# $OUT (or ./gpu_out).
+# The GPU checks and the figures of docs/performance.md's tables, in one go: the Triton kernel
+# tests and every GPU-marked test; then on the 1.1B random model `pprun bench` against
+# transformers (batch 1 and 32), the V1 runner, scripts/gpu_speed.py (decode step, prefill,
+# memory); with two GPUs pp=1 at batch 64 against pp=2 with 4 batches of 64, and the hop and
+# control path (scripts/bench_pipeline.py).  Results land in $OUT (or ./gpu_out).
 #   bash scripts/gpu_bench.sh [tests|bench|all]
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -34,21 +34,14 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 400 python3 scripts/gpu_speed.py /tmp/llama1b --memory-steps 1000 --out "$OUT/gpu_speed.json" \
     >"$OUT/gpu_speed.log" 2>&1; tail -c 1500 "$OUT/gpu_speed.json"
   if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-    timeout 900 python3 scripts/bench_pipeline.py --device cuda --model /tmp/llama1b --parts throughput,hop,control \
-      --num-prompts 64 --input-len 512 --output-len 512 --microbatches 3,4 --pp2-executors mp \
-      --out "$OUT/bench_pipeline_cuda.json" 2>"$OUT/bench_pipeline_cuda.err" | tail -c 3000
-    # Async pipeline steps (parallel.async_pipeline, the default on GPUs) on and off, same machine;
-    # then a 64 MiB NCCL message against a CUDA IPC peer copy.
-    pp2="python3 -m pprun bench model.model=/tmp/llama1b model.dtype=bfloat16 device=cuda peer=none input_len=512
-      output_len=512 parallel=pp2_mp hydra.run.dir=/tmp/hy"
-    for mb in 2 3; do
-      for ap in false true; do
-        timeout 200 $pp2 parallel.microbatches=$mb num_prompts=$((64 * mb)) scheduler.max_num_seqs=$((64 * mb)) \
-          parallel.async_pipeline=$ap output_json="$OUT/pp2_mb${mb}_async_$ap.json" >/dev/null 2>&1
-        echo "pp2 microbatches=$mb async_pipeline=$ap rc=$?"
-      done
-    done
-    timeout 60 python3 scripts/nccl_order_probe.py 2>&1 | grep '^{' | tee "$OUT/nccl_order_probe.log"
-    timeout 60 python3 scripts/ipc_copy_probe.py 2>&1 | grep '^{' | tee "$OUT/ipc_copy_probe.log"
+    # pp=1 at batch 64 against pp=2 (mp) with 4 batches of 64 in flight, same machine.
+    b64="python3 -m pprun bench model.model=/tmp/llama1b model.dtype=bfloat16 device=cuda peer=none input_len=512
+      output_len=512 hydra.run.dir=/tmp/hy"
+    timeout 300 $b64 parallel=single num_prompts=64 scheduler.max_num_seqs=64 \
+      output_json="$OUT/pp1_b64.json" >/dev/null 2>"$OUT/pp1_b64.err"; echo "pp1 b64 rc=$?"
+    timeout 300 $b64 parallel=pp2_mp parallel.microbatches=4 num_prompts=256 scheduler.max_num_seqs=256 \
+      output_json="$OUT/pp2_b256_mb4.json" >/dev/null 2>"$OUT/pp2_b256_mb4.err"; echo "pp2 4x64 rc=$?"
+    timeout 600 python3 scripts/bench_pipeline.py --device cuda --parts control,hop --control-steps 300 \
+      --hop-iters 300 --hidden 2048 --out "$OUT/bench_pipeline_cuda.json" 2>"$OUT/bench_pipeline_cuda.err" | tail -c 3000
   fi
 fi

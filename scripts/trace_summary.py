@@ -3,7 +3,7 @@
     PPRUN_STEP_TRACE=/tmp/trace pprun bench ...   # writes /tmp/trace.engine.json, /tmp/trace.stage{r}.json
     python scripts/trace_summary.py /tmp/trace
 
-See ``pprun.worker.step_trace.summarize_traces`` for how to read it.
+See ``pprun.utils.step_trace.summarize_traces`` for how to read it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pprun.worker.step_trace import summarize_traces
+from pprun.utils.step_trace import summarize_traces
 
 
 def main() -> None:

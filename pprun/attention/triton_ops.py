@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from pprun.attention.ref_ops import check_kv_cache
-from pprun.layers import SplitPartials
+from pprun.layers.partials import SplitPartials
 from pprun.layers.skinny import arrival_counters
 from pprun.layers.triton_utils import INTERPRETED as _INTERPRETED
 from pprun.layers.triton_utils import NO_FMA as _NO_FMA
@@ -39,16 +39,16 @@ SM get their context split.  Batch 32 of the 1.1B model (256 pairs) gets 2 split
 each walk 4-5 dependent 64-token tiles at context ~512.  Shorter chains did not pay: batch 32
 graph 1.107 ms at 2 per SM, 1.108 at 4, 1.190 at 8 (``scripts/gpu_speed.py --ab --ab-only
 DECODE_PROGRAMS_PER_SM=4,DECODE_PROGRAMS_PER_SM=8``, H200).  Nor did one split (no merge, 8-10
-tiles per program; eleventh session, ``DECODE_PROGRAMS_PER_SM=1``): 1.065 against 1.002 ms,
+tiles per program; ``DECODE_PROGRAMS_PER_SM=1``): 1.065 against 1.002 ms,
 attention 13.8 -> 19.6 us per layer."""
 _MAX_SPLITS = 16
 """At most this many splits: with room for 4,096 tokens 16 splits took 0.788 ms and 32 splits
 0.812 (batch 1, context 512: eight splits hold tokens either way)."""
-# Decode launch settings; scripts/decode_attn_sweep.py sweeps them on a GPU (alone and behind qkv).
+# Decode launch settings, swept on an H200 alone and behind qkv (docs/performance.md, "Probes").
 _DECODE_BLOCK_N = 64
 _DECODE_NUM_WARPS = 2  # 4 before: batch 1 0.803 vs 0.817 ms, batch 32 1.126 vs 1.135 (H200, same process)
 _DECODE_NUM_STAGES = 2  # 3: batch 32 graph 1.101 and 1.056 vs 1.107 and 1.059 ms, batch 1 slower (H200): no gain;
-# again with the second tile preloaded (eleventh session): 1.006 vs 1.002 / 1.005, batch 1 0.762 vs 0.757 / 0.761
+# again with the second tile preloaded: 1.006 vs 1.002 / 1.005, batch 1 0.762 vs 0.757 / 0.761
 DECODE_PRELOAD_KV = True
 """Decode with a new token: each program loads its first K/V tile (and the step's metadata)
 before waiting for the qkv kernel (PDL), overlapping that kernel's tail; ``scripts/gpu_speed.py

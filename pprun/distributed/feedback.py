@@ -12,15 +12,15 @@ tokens from the last stage's message, and the engine's work on the output is off
 The ids go host to host, also between GPUs: the last stage has them in host memory anyway (its
 answer to the engine), and a second NCCL group between the same GPUs is not an independent
 channel — a send on the activations' group waited behind a receive outstanding on the other,
-which serialised the stages (docs/performance.md, ``scripts/nccl_order_probe.py``).
+which serialised the stages (docs/performance.md, "Probes": the NCCL ordering probe).
 
 **They travel on a plain TCP socket between the two stages** where the stages know a host the
 first one can listen on (pprun's own executors: the process group's rendezvous host, which is
 the first stage's own), else on a gloo group of the two ranks.  That group exists either way;
 with the socket it only carries the socket's port, once, at warm-up.  Per message a gloo
 point-to-point operation cost 14-90 us of host time on each end of the development machine,
-the socket 1-8 (``scripts/bench_feedback.py``); on the H200 hosts posting the gloo receive alone
-took 63-89 us of the first stage's step (``docs/performance.md``, sixteenth session).
+the socket 1-8 (docs/performance.md, "Probes"); on the H200 hosts posting the gloo receive alone
+took 63-89 us of the first stage's step (``docs/performance.md``).
 ``PPRUN_DISABLE_FEEDBACK_SOCKET=1`` on the first stage keeps every message on gloo; the first
 stage decides and tells the last one, so the two ends cannot disagree.  A socket that cannot be
 opened is an error that names that switch, not a silent change of channel.  Each socket message
@@ -40,6 +40,7 @@ of it was prepared.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import struct
@@ -52,9 +53,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pprun.executor.remote import Spinner
+from pprun.distributed.auth import HANDSHAKE_TIMEOUT_S, PeerAuthError, authenticate
 from pprun.switches import enabled_unless
-from pprun.worker.step_trace import MAX_STEPS
+from pprun.utils.polling import Spinner
+from pprun.utils.step_trace import MAX_STEPS
+
+logger = logging.getLogger(__name__)
 
 SOCKET_ENABLED: bool = enabled_unless("PPRUN_DISABLE_FEEDBACK_SOCKET")
 """Whether the first stage opens the socket channel (see the module docstring); read by the
@@ -80,13 +84,16 @@ class SampleFeedback:
         host: str | None = None,
         timeout_s: float = 600.0,
         spin_s: float = 0.0,
+        authkey: bytes | None = None,
     ) -> None:
         """``host``: where the first stage may listen for the socket channel, the same string on
-        both ends (None: gloo only); ``timeout_s``: how long a socket read or the connection may
+        both ends (None: gloo only); ``authkey``: the run's secret, with which the two ends of the
+        socket authenticate each other before any id is read (None: gloo only); ``timeout_s``: how long a socket read or the connection may
         take before it is an error (the process groups' timeout); ``spin_s``: how long the first
         stage polls the socket for a message before a blocking read (the control path's
         ``pprun.executor.remote.control_spin_s``; 0: block at once)."""
         self.group = group
+        self.authkey = authkey
         self.peer = peer
         """``torch.distributed`` rank of the other end (the last stage for the first, and back)."""
         self.is_first = is_first
@@ -99,8 +106,8 @@ class SampleFeedback:
         in a read sleeps until the ids land, and the step's input copy and launch come right
         after: the pipeline's critical path at small batches.  The runner's host work ran 1.5x
         slower after a blocking wait than after polling on the development machine, 6% on an
-        H200 host (``scripts/bench_v2_host.py --gap-us``); the pipeline's throughput showed no
-        measurable difference either way (``docs/performance.md``, seventeenth session)."""
+        H200 host (docs/performance.md, "Probes"); the pipeline's throughput showed no
+        measurable difference either way (``docs/performance.md``)."""
         self.ring = torch.zeros(num_slots, max_num_reqs, dtype=torch.int64)
         self._flat = self.ring.numpy().reshape(-1)
         self._works: list[dist.Work | None] = [None] * num_slots
@@ -190,7 +197,7 @@ class SampleFeedback:
         the channel is checked before the first step needs it."""
         port = torch.full((1,), -1, dtype=torch.int64)
         listener = None
-        if self.is_first and self.host is not None and SOCKET_ENABLED:
+        if self.is_first and self.host is not None and self.authkey and SOCKET_ENABLED:
             try:
                 family, _, _, _, address = socket.getaddrinfo(self.host, 0, type=socket.SOCK_STREAM)[0]
                 listener = socket.create_server(address[:2], family=family, backlog=1)
@@ -208,14 +215,18 @@ class SampleFeedback:
         if int(port) >= 0:
             try:
                 if listener is not None:
-                    self.sock, _ = listener.accept()
+                    self.sock = self._accept_last_stage(listener)
                 else:
                     self.sock = socket.create_connection((self.host, int(port)), timeout=self.timeout_s)
+                    authenticate(self.sock, self.authkey, server=False)
                 self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self.sock.settimeout(self.timeout_s)
                 if self.is_first and self.spin_s > 0 and SPIN_ENABLED:
                     self._spinner = Spinner([self.sock], self.spin_s)
             except OSError as e:  # a stage reports a RuntimeError; an OSError reads as "driver gone"
+                if self.sock is not None:
+                    self.sock.close()
+                    self.sock = None
                 end = f"accepting the last stage (rank {self.peer})" if self.is_first else (
                     f"connecting to the first stage (rank {self.peer}) at {self.host}:{int(port)}")
                 raise RuntimeError(
@@ -233,6 +244,23 @@ class SampleFeedback:
         else:
             self._send(probe)
             self._wait_slot(self._slot)
+
+    def _accept_last_stage(self, listener: socket.socket) -> socket.socket:
+        """First stage: accept connections until one proves it holds the run's key (the last
+        stage); a stranger's is closed unread and logged.  Bounded by ``timeout_s`` in all."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("no authenticated connection from the last stage")
+            listener.settimeout(remaining)
+            sock, address = listener.accept()
+            try:
+                authenticate(sock, self.authkey, server=True, timeout_s=min(remaining, HANDSHAKE_TIMEOUT_S))
+                return sock
+            except PeerAuthError as e:
+                logger.warning("sampled-ids socket: refused a connection from %s: %s", address, e)
+                sock.close()
 
     def send(self, sampled_ids: torch.Tensor) -> None:
         """Last stage: send a step's sampled ids (host ``[num_sampled]``, sampling order, ready

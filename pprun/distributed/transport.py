@@ -21,7 +21,8 @@ it is the driver that notices the dead stage and kills the others.
 
 from __future__ import annotations
 
-import pickle
+import dataclasses
+import json
 from datetime import timedelta
 from urllib.parse import urlsplit
 
@@ -60,6 +61,7 @@ class PipelineTransport:
         feedback_group: dist.ProcessGroup | None = None,
         feedback_host: str | None = None,
         timeout_s: float = 600.0,
+        authkey: bytes | None = None,
     ) -> None:
         self.layout = layout
         self.device = device
@@ -75,6 +77,9 @@ class PipelineTransport:
         ids stay on :attr:`feedback_group`)."""
         self.timeout_s = timeout_s
         """The process groups' timeout, in seconds."""
+        self.authkey = authkey
+        """The run's secret: the sampled-ids socket's ends authenticate each other with it (None:
+        no socket, the ids stay on :attr:`feedback_group`)."""
         self._meta_out = torch.zeros(META_BYTES, dtype=torch.uint8)
         self._meta_in = torch.zeros(META_BYTES, dtype=torch.uint8)
         self._announced: list[tuple[str, tuple[int, ...], str]] | None = None
@@ -94,9 +99,14 @@ class PipelineTransport:
         init_method: str,
         timeout_s: float,
         feedback: bool = False,
+        feedback_host: str | None = None,
+        authkey: bytes | None = None,
     ) -> PipelineTransport:
         """Join a fresh process group of ``pp_size`` ranks (pprun's own executors); with
-        ``feedback`` (every rank passes the same) also the first and last stage's gloo group."""
+        ``feedback`` (every rank passes the same) also the first and last stage's gloo group.
+        ``feedback_host``: where the first stage listens for the sampled ids' socket (default:
+        the host of a ``tcp://`` rendezvous); ``authkey``: the run's secret, which that socket
+        needs (without it the ids stay on gloo)."""
         timeout = timedelta(seconds=timeout_s)
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
@@ -112,12 +122,16 @@ class PipelineTransport:
         cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout) if backend == "nccl" else device_group
         # Every rank creates every group (a collective), members or not.  On gloo, also between
         # GPUs: a second NCCL group would not be an independent channel (docs/performance.md,
-        # scripts/nccl_order_probe.py).
+        # "Probes": the NCCL ordering probe).
         feedback_group = None
         if feedback:
             feedback_group = dist.new_group([ranks[0], ranks[-1]], backend="gloo", timeout=timeout)
-        host = urlsplit(init_method).hostname if init_method.startswith("tcp://") else None
-        return cls(layout, device, cpu_group, device_group, ranks, feedback_group, host, timeout_s)
+        host = feedback_host
+        if host is None and init_method.startswith("tcp://"):
+            host = urlsplit(init_method).hostname
+        if authkey is None:
+            host = None
+        return cls(layout, device, cpu_group, device_group, ranks, feedback_group, host, timeout_s, authkey)
 
     @classmethod
     def from_existing(
@@ -143,10 +157,11 @@ class PipelineTransport:
         dst = self.global_ranks[self.layout.pp_rank + 1]
         signature = _signature(tensors)
         if self._announced is None:
-            meta = pickle.dumps([(k, tuple(v.shape), str(v.dtype)) for k, v in tensors.items()])
+            # JSON, not pickle: the gloo pairs do not authenticate their peer (docs/failures.md).
+            meta = json.dumps([(k, list(v.shape), str(v.dtype)) for k, v in tensors.items()]).encode()
             if len(meta) > META_BYTES - 4:
                 raise ValueError(f"intermediate tensor metadata is {len(meta)} bytes; at most {META_BYTES - 4}")
-            # One fixed-size message: its length first, then the pickle (one send, not two).
+            # One fixed-size message: its length first, then the JSON (one send, not two).
             self._meta_out[:4] = torch.tensor([len(meta)], dtype=torch.int32).view(torch.uint8)
             self._meta_out[4 : 4 + len(meta)] = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
             dist.send(self._meta_out, dst, group=self.cpu_group)
@@ -179,7 +194,7 @@ class PipelineTransport:
                     f"stage {self.layout.pp_rank}: malformed intermediate-tensor metadata from stage "
                     f"{self.layout.pp_rank - 1} (length {size}; expected 1..{META_BYTES - 4})"
                 )
-            meta = pickle.loads(self._meta_in[4 : 4 + size].numpy().tobytes())
+            meta = _parse_metadata(self._meta_in[4 : 4 + size].numpy().tobytes(), self.layout.pp_rank)
             check_received_metadata(meta, buffers, num_tokens, self.layout.pp_rank)
             self._expected_keys = [key for key, _, _ in meta]
             if _packable([(k, tuple(shape[1:]), dtype) for k, shape, dtype in meta]):
@@ -208,9 +223,15 @@ class PipelineTransport:
         """True when every stage passed an equal ``mine`` (a collective on the CPU group: every
         stage must call it).  Stages decide together whether their decode graphs carry the hop,
         since one stage sending inside a graph while its neighbour receives outside would hang."""
-        gathered: list[object] = [None] * self.layout.pp_size
-        dist.all_gather_object(gathered, mine, group=self.cpu_group)
-        return all(g == mine for g in gathered)
+        mine_bytes = _encode_plain(mine)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.layout.pp_size)]
+        dist.all_gather(sizes, torch.tensor([len(mine_bytes)], dtype=torch.int64), group=self.cpu_group)
+        width = max(int(s) for s in sizes)
+        out = torch.zeros(width, dtype=torch.uint8)
+        out[: len(mine_bytes)] = torch.frombuffer(bytearray(mine_bytes), dtype=torch.uint8)
+        gathered = [torch.zeros(width, dtype=torch.uint8) for _ in range(self.layout.pp_size)]
+        dist.all_gather(gathered, out, group=self.cpu_group)
+        return all(g[: int(s)].numpy().tobytes() == mine_bytes for g, s in zip(gathered, sizes))
 
     def warm_up(self, sample: IntermediateTensors | None, buffers: IntermediateTensors | None) -> None:
         """One real hop of one token down the pipeline before any graph is captured: the
@@ -256,15 +277,83 @@ class PipelineTransport:
             dist.recv(buffers[key], src, group=self.device_group)
 
     def broadcast_object(self, obj: object, src_stage: int) -> object:
-        """Broadcast a picklable object from stage ``src_stage`` to every stage (CPU group)."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=self.global_ranks[src_stage], group=self.cpu_group)
-        return box[0]
+        """Broadcast ``obj`` from stage ``src_stage`` to every stage (CPU group), encoded as JSON
+        (:func:`_encode_plain`: plain values and pprun's output dataclasses), never pickled —
+        the gloo pairs do not authenticate their peer."""
+        src = self.global_ranks[src_stage]
+        is_src = dist.get_rank() == src
+        data = _encode_plain(obj) if is_src else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(size, src=src, group=self.cpu_group)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if is_src else torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(buf, src=src, group=self.cpu_group)
+        return obj if is_src else _decode_plain(buf.numpy().tobytes())
 
     def close(self) -> None:
         """Tear the process group down (pprun's own executors only)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _plain_types() -> dict[str, type]:
+    """The dataclasses :func:`_decode_plain` may build (by name): pprun's step outputs only."""
+    from pprun.core.outputs import Logprobs, ModelRunnerOutput
+
+    return {cls.__name__: cls for cls in (ModelRunnerOutput, Logprobs)}
+
+
+def _to_plain(obj: object) -> object:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        name = type(obj).__name__
+        if name not in _plain_types():
+            raise TypeError(f"{name} cannot cross the CPU group (only {sorted(_plain_types())} can)")
+        return {"__dataclass__": name, **{f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {str(k): _to_plain(v) for k, v in obj.items()}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if hasattr(obj, "tolist") and hasattr(obj, "dtype"):  # NumPy values and host tensors of ids
+        return obj.tolist()
+    raise TypeError(f"a {type(obj).__name__} cannot cross the CPU group as JSON")
+
+
+def _from_plain(obj: object) -> object:
+    if isinstance(obj, list):
+        return [_from_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        fields = {k: _from_plain(v) for k, v in obj.items() if k != "__dataclass__"}
+        name = obj.get("__dataclass__")
+        if name is None:
+            return fields
+        cls = _plain_types().get(name)
+        if cls is None:
+            raise ValueError(f"a message on the CPU group names an unknown type {name!r}")
+        return cls(**fields)
+    return obj
+
+
+def _encode_plain(obj: object) -> bytes:
+    """JSON bytes of ``obj`` (plain values, lists, dicts with string keys, the dataclasses of
+    :func:`_plain_types`): what goes between stages on a group whose peers are not authenticated."""
+    return json.dumps(_to_plain(obj), separators=(",", ":")).encode()
+
+
+def _decode_plain(data: bytes) -> object:
+    """The object :func:`_encode_plain` encoded (tuples come back as lists)."""
+    return _from_plain(json.loads(data))
+
+
+def _parse_metadata(data: bytes, pp_rank: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """The previous stage's metadata message: [(key, shape, dtype)], or a clear error."""
+    try:
+        meta = [(str(k), tuple(int(d) for d in shape), str(dtype)) for k, shape, dtype in json.loads(data)]
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"stage {pp_rank}: malformed intermediate-tensor metadata from stage {pp_rank - 1}: {e}"
+        ) from None
+    return meta
 
 
 def _signature(tensors: IntermediateTensors) -> list[tuple[str, tuple[int, ...], str]]:

@@ -3,13 +3,13 @@
 At decode a linear layer reads its whole weight to produce a handful of rows: the work is a
 matrix-vector product bound by memory bandwidth.  At one row cuBLAS reaches 1.4-2.0 TB/s on
 the small q/k/v and o_proj weights of a 1B model and 2.7-3.9 TB/s on the large ones
-(``scripts/layer_bench.py`` on an H200, weights from HBM); these kernels use narrow column
+(on an H200, weights from HBM; docs/performance.md, "Probes"); these kernels use narrow column
 tiles (and split K when it is long) so that every SM streams: 8-14% faster on each shape.
 From two rows on the tile product is a tensor-core dot in the swapped form: 64 weight rows as
 the MMA's M side and the activation rows (padded to 16-64) as its N side, which Hopper's wgmma
 accepts (with the activations as the M side, 32 rows are too few for it): at 32 rows 4-13%
 faster than cuBLAS on four of the 1.1B model's five shapes and even on qkv, at 16 rows 4-18%
-faster on all five (``scripts/sweep_skinny.py``; see :data:`DISPATCH_MAX_M`).
+faster on all five (see :data:`DISPATCH_MAX_M`).
 
 - ``out = x @ weight.T (+ bias)`` for ``x [M, K]`` with ``M <= MAX_M``;
 - optional SwiGLU epilogue: with ``weight = [gate; up]`` (``2 * inter`` rows) the kernel
@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pprun.layers import SplitPartials, check_defer_merge
 from pprun.layers.fused import silu_mul
+from pprun.layers.partials import SplitPartials, check_defer_merge
 from pprun.layers.triton_utils import INTERPRETED as _INTERPRETED
 from pprun.layers.triton_utils import pdl_options, pdl_sync
 
@@ -47,7 +47,7 @@ MAX_M = 64
 
 DISPATCH_MAX_M = 32
 """Largest row count ``pprun.layers.linear`` sends here (more go to cuBLAS).  Measured on an
-H200 with weights read from HBM (``scripts/sweep_skinny.py``, ``layer_bench.py``), 1.1B shapes,
+H200 with weights read from HBM (docs/performance.md, "Probes"), 1.1B shapes,
 these kernels against cuBLAS in us: one row qkv 5.7 vs 6.0, o_proj 5.2 vs 6.0, gate_up + SwiGLU
 17.0 vs 19.6, down 11.1 vs 12.5, LM head 30.6 vs 33.2; 32 rows (swapped form) qkv 6.5 vs 6.5,
 o_proj 5.7 vs 6.1, gate_up 18.2 vs 20.3, down 11.5 vs 13.3, LM head 33.5 vs 34.8; at 64 rows
@@ -84,7 +84,7 @@ against 1.107 (attention 15 -> 18 us per layer; ``scripts/gpu_speed.py --ab --ab
 WEIGHTS_AHEAD_MAX_ROWS=32``, H200), so one row only."""
 
 SWAPPED_TARGET_PROGRAMS = 128
-"""Above one row, K is split until about this many programs run (``scripts/sweep_skinny.py``:
+"""Above one row, K is split until about this many programs run (the launch-settings sweep:
 the fastest setting or within 2% of it at 16 and 32 rows, each matmul timed alone); inside the
 step 256 lost (batch 32 graph 1.178 against 1.107 ms, gate_up 19 -> 24 us: its merge;
 ``scripts/gpu_speed.py --ab --ab-only SWAPPED_TARGET_PROGRAMS=256``)."""
@@ -99,7 +99,7 @@ attention merges (``"attention"``, qkv) keep :data:`SWAPPED_TARGET_PROGRAMS` (2 
 32): every program of a (request, KV head) merges its q/k/v rows again, so more splits cost it
 more (256 programs for both: qkv 7.1 -> 5.9 us, attention 15.3 -> 17.3 us per layer at batch 32;
 4 splits for qkv alone, 192 programs: 1.018 against 1.009 ms, and again 1.042 against 0.996 in
-the eleventh session, attention 13.7 -> 18.9 us; 3 splits: 1.016)."""
+attention 13.7 -> 18.9 us; 3 splits: 1.016)."""
 
 
 @triton.jit
@@ -383,7 +383,7 @@ def default_config(
     m: int, n_out: int, k: int, swiglu: bool, device: torch.device, weights_ahead: bool = False,
     defer_merge: str | None = None, hold_last: bool = True,
 ) -> SkinnyConfig:
-    """Launch settings from ``scripts/layer_bench.py`` / ``sweep_skinny.py`` sweeps on an H200
+    """Launch settings from the launch-settings sweeps on an H200
     (the 1.1B model's shapes).
 
     One row: 8-row column tiles over 512-wide K tiles, one program per column tile (enough

@@ -6,7 +6,7 @@ kernels more put the previous step's sampled ids (still on the device) into ``in
 copy runs on a copy engine: the stream passes from compute to the copy engine and back around
 it, and each pass costs a few microseconds; the three kernels cost a launch each.  On an H200
 those ops and the sampled ids' copy back took ~20 us of each decode step outside its graph, 2% of
-a batch-32 step; this kernel saved 4-5 us of it (``docs/performance.md``, twelfth session).
+a batch-32 step; this kernel saved 4-5 us of it (``docs/performance.md``).
 
 Here one kernel does all of it.  Pinned host memory is mapped into the GPU's address space, so
 the kernel loads the used byte ranges straight from it over PCIe and stores them into the device
@@ -15,7 +15,7 @@ does not know yet, the previous step's sampled id (``token_source``: -1, or the 
 previous step's sampled ids).  ``input_ids`` is therefore never part of a copied range, so no
 two programs write one word.
 
-The ranges arrive as scalar arguments (``inputs.MAX_RANGES`` pairs, unused ones empty), so nothing
+The ranges arrive as scalar arguments (``ranges.MAX_RANGES`` pairs, unused ones empty), so nothing
 is read from the host before the data itself; they are not specialised on, so one compiled
 kernel serves every step.  The host must not rewrite the staging arena before the kernel has
 run: the caller records an event after the launch and waits for it first, as it does for the
@@ -31,13 +31,13 @@ import triton
 import triton.language as tl
 
 from pprun.switches import enabled_unless
-from pprun.worker.v2.inputs import MAX_RANGES
+from pprun.worker.v2.ranges import MAX_RANGES
 
 FAST_LAUNCH_ENABLED: bool = enabled_unless("PPRUN_DISABLE_FAST_LAUNCH")
 """Launch the compiled kernel through its launcher directly, once Triton's ``kernel[grid](...)``
 has compiled and launched it for the same specialisation.  Triton's own path binds and
 specialises every argument in Python on each launch: ~43 us of host time per step on an H200
-host, against ~10 us direct (``docs/performance.md``, sixteenth session).  What Triton
+host, against ~10 us direct (``docs/performance.md``).  What Triton
 specialises on here is known: ``HAS_PENDING``, the device, whether each pointer is 16-byte
 aligned, and whether an integer needs 64 bits (the integers are ``do_not_specialize``, which
 Triton still types by value); those make the cache key.  Off while a Triton
