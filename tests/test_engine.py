@@ -331,7 +331,7 @@ def test_stop_string_on_the_last_allowed_token_wins(demo_llm):
 
 def test_engine_trace_steady_decode_window():
     """Steady decode: after the last prefill, while the batch is full; tokens over answer times."""
-    from pprun.worker.step_trace import EngineStep, EngineTrace
+    from pprun.utils.step_trace import EngineStep, EngineTrace
 
     trace = EngineTrace()
     rows = [(8, 2)] * 3 + [(4, 4)] * 12 + [(3, 3)] * 4  # prefill, full decode, the tail

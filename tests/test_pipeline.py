@@ -309,7 +309,7 @@ def test_step_trace_written_by_every_stage_and_the_engine(tiny_llama_dir, tmp_pa
         # steps that read pending ids: not every step).
         assert all(0 <= r["wait_reads_us"] <= r["host_us"] for r in stage["steps"] if r["num_tokens"] > 0)
         # Its host work by phase: every phase a stage runs, and together no more than its step.
-        from pprun.worker.step_trace import HOST_PHASES
+        from pprun.utils.step_trace import HOST_PHASES
 
         busy = [r for r in stage["steps"] if r["num_tokens"] > 0]
         ran = {"update_us", "prepare_us", "to_device_us", "launch_us"}
@@ -325,7 +325,7 @@ def test_step_trace_written_by_every_stage_and_the_engine(tiny_llama_dir, tmp_pa
             assert with_ids == []
     # The summary of the run's steady decode (scripts/trace_summary.py): the engine's window,
     # and per stage the steps that started in it.
-    from pprun.worker.step_trace import summarize_traces
+    from pprun.utils.step_trace import summarize_traces
 
     summary = summarize_traces(str(prefix))
     window = summary["steady_decode"]

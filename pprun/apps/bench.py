@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -167,7 +168,7 @@ def run_pprun(
     warmup = workload[:num_warmup_prompts]
     if warmup:
         llm.generate(prompts[: len(warmup)], [params(min(r.max_tokens, WARMUP_MAX_TOKENS)) for r in warmup])
-    from pprun.worker.step_trace import EngineTrace
+    from pprun.utils.step_trace import EngineTrace
 
     # The engine's step trace over the timed run (host clock: three reads per step); the one of
     # PPRUN_STEP_TRACE when set, else one for this run only.
@@ -343,6 +344,10 @@ def run(cfg: BenchAppConfig) -> dict[str, Any]:
         "peer": None,
         "ratio": None,
     }
+    overrides = job_overrides()
+    if overrides is not None:
+        # What the user set for this run: `pprun report` tells the swept settings by them.
+        result["overrides"] = overrides
     if cfg.peer == "hf":
         logger.info("bench: timing the peer (transformers generate, batch %d)", cfg.scheduler.max_num_seqs)
         peer, peer_tokens = run_hf_peer(
@@ -373,6 +378,48 @@ def run(cfg: BenchAppConfig) -> dict[str, Any]:
         path.write_text(text + "\n")
         logger.info("bench: wrote %s", path)
     return result
+
+
+def job_overrides() -> dict[str, str] | None:
+    """This Hydra job's command-line overrides as ``{key: value}`` (a sweep job's own values), or
+    None outside Hydra."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+    except ImportError:
+        return None
+    if not HydraConfig.initialized():
+        return None
+    overrides = {}
+    for item in HydraConfig.get().overrides.task:
+        key, sep, value = item.partition("=")
+        if sep:
+            overrides[key.lstrip("+~")] = value
+    return overrides
+
+
+try:
+    from hydra.experimental.callback import Callback as _HydraCallback
+except ImportError:  # Hydra is optional for the Python API; the callback only runs under it
+    _HydraCallback = object
+
+
+class SweepReport(_HydraCallback):
+    """Hydra callback (``hydra.callbacks`` in ``conf/bench.yaml``): when a ``pprun bench -m`` sweep
+    ends, render its table and plot into the sweep directory (:mod:`pprun.apps.report`)."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        """Render the report of the sweep just finished; a failure to render is logged, not raised,
+        so the runs' JSONs stay the sweep's result (``pprun report DIR`` renders again)."""
+        from pprun.apps.report import render_report
+
+        sweep_dir = str(config.hydra.sweep.dir)
+        try:
+            paths = render_report(sweep_dir)
+        except Exception as e:  # a plotting error must not hide the finished runs
+            logger.error("bench: no sweep report for %s (%s: %s)", sweep_dir, type(e).__name__, e)
+            return
+        for path in paths.values():
+            print(f"bench: wrote {path}", file=sys.stderr, flush=True)
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 
 from pprun.attention.metadata import AttentionMetadata
-from pprun.layers import SplitPartials
+from pprun.layers.partials import SplitPartials
 
 BACKENDS = ("reference", "triton")
 

@@ -24,7 +24,8 @@ from pprun.core.scheduler import Scheduler, min_blocks_for_one_request
 from pprun.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pprun.executor.base import StageFailedError
 from pprun.sampling.params import SamplingParams
-from pprun.worker.step_trace import EngineStep, EngineTrace, trace_prefix
+from pprun.utils.startup import freeze_startup_objects
+from pprun.utils.step_trace import EngineStep, EngineTrace, trace_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -116,14 +117,15 @@ class LLMEngine:
         self._aborted: list[str] = []
         """Ids aborted by the user since the last collection (their outputs are due)."""
         self.in_flight: deque[SchedulerOutput] = deque()
+        self.last_updated: list[Request] = []
+        """Requests whose tokens the last :meth:`step` applied (finished or not): streaming
+        (``pprun.engine.async_engine``) reads each one's new tokens from them."""
         self.carry_finished: set[str] = set()
         self.dead: str | None = None
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_preemptions = 0
         """Preemptions (by recompute) of requests finished so far."""
-        from pprun.worker.worker import freeze_startup_objects
-
         freeze_startup_objects()  # the driver's start-up objects too (tokenizer, Hydra, Ray client)
 
     def _make_scheduler(self, sc) -> Scheduler:
@@ -215,6 +217,27 @@ class LLMEngine:
             )
         return text, ids
 
+    def render_chat(self, conversation: object, where: str, *, add_generation_prompt: bool = True) -> dict:
+        """One conversation (a non-empty list of ``{role, content}`` dicts) rendered with the
+        model's chat template into a prompt: ``{"prompt_token_ids": [...], "prompt": text}``.
+        Raises ValueError naming ``where`` when there is no template or it cannot be rendered."""
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError(f"model {self.cfg.model.model!r} has no chat template")
+        if (
+            not isinstance(conversation, (list, tuple))
+            or not conversation
+            or not all(isinstance(m, dict) for m in conversation)
+        ):
+            raise ValueError(f"{where}={_short(conversation)} must be a non-empty list of {{role, content}} dicts")
+        try:
+            ids = tok.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt, tokenize=True)
+        except Exception as e:  # the template's own error (jinja2, a missing key, ...)
+            raise ValueError(f"{where} cannot be rendered with the chat template: {e}") from e
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return {"prompt_token_ids": list(ids), "prompt": tok.decode(ids)}
+
     def add_request(
         self,
         prompt_token_ids: list[int],
@@ -259,6 +282,7 @@ class LLMEngine:
         try:
             num_submitted = self._submit_while_room()
             if not self.in_flight:
+                self.last_updated = []
                 return self._collect_finished([])  # user aborts only
             t_wait = time.perf_counter()
             out = self.executor.get_output()
@@ -278,6 +302,7 @@ class LLMEngine:
             raise
         so = self.in_flight.popleft()
         updated = self.scheduler.update_from_output(so, out)
+        self.last_updated = updated
         failure: StageFailedError | None = None
         if self._submit_early and not any(req.sampling_params.stop for req in updated):
             # A pipeline's stages wait for the next steps (the batch's round trip runs through

@@ -12,11 +12,11 @@ where the host has cores to spare (:func:`control_spin_s`, ``PPRUN_CONTROL_SPIN_
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
-import secrets
-import select
+import shutil
 import socket
 import time
 import traceback
@@ -24,8 +24,10 @@ from collections import deque
 from multiprocessing.connection import Client, Connection, Listener, wait
 
 from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pprun.distributed.auth import accept_authenticated, new_key
 from pprun.executor.base import Executor, StageFailedError
 from pprun.switches import enabled_unless
+from pprun.utils.polling import Spinner
 
 logger = logging.getLogger(__name__)
 
@@ -86,28 +88,6 @@ def control_spin_s(num_processes: int, device: str) -> float:
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     return 1e-3 if cores >= 2 * num_processes else 0.0
-
-
-class Spinner:
-    """Polls a set of sockets without blocking for up to ``budget_s`` (see :func:`control_spin_s`)."""
-
-    def __init__(self, conns: list, budget_s: float) -> None:
-        self.budget_s = budget_s
-        self._poller = select.poll()
-        for conn in conns:
-            self._poller.register(conn.fileno(), select.POLLIN)
-
-    def wait(self, limit_s: float | None = None) -> bool:
-        """True as soon as one socket is readable (or closed); False after the budget (or
-        ``limit_s``, when shorter)."""
-        poll = self._poller.poll
-        budget = self.budget_s if limit_s is None else min(self.budget_s, limit_s)
-        deadline = time.perf_counter() + budget
-        while True:
-            if poll(0):
-                return True
-            if time.perf_counter() >= deadline:
-                return False
 
 
 def _finished(out) -> bool:
@@ -173,11 +153,14 @@ def worker_main(address: tuple[str, int], authkey: bytes, rank: int, spec=None) 
     """
     from pprun.worker.worker import Worker
 
-    conn = Client(address, authkey=authkey)
+    conn = Client(address, authkey=authkey)  # HMAC challenge-response both ways before any read
     set_nodelay(conn)
     conn.send(("hello", rank, os.getpid()))
     if spec is None:
         kind, spec = conn.recv()
+    # Before torch.distributed starts: gloo/NCCL on loopback when every stage is on this host.
+    os.environ.update(spec.env)
+    spec = dataclasses.replace(spec, authkey=authkey)  # the sampled-ids socket authenticates with it
     logging.basicConfig(level=spec.resolved.cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     worker = None
     profile_path = os.environ.get("PPRUN_STAGE_PROFILE")  # cProfile of the whole stage process
@@ -240,7 +223,10 @@ class RemoteStagesExecutor(Executor):
         # A step's ids are read only by a step submitted while it is in flight: one ring slot per
         # step in flight, and spares.
         self.sample_feedback_slots = self.max_in_flight + 2 if self.async_steps else 0
-        self.authkey = secrets.token_bytes(16)
+        self.authkey = new_key()
+        """The run's secret: control connections and the sampled-ids socket authenticate with it."""
+        self.rendezvous_dir: str | None = None
+        """Private directory of a file rendezvous (stages on this host only), removed at shutdown."""
         self.conns: list[Connection | None] = [None] * self.pp_size
         self.pending: deque[int] = deque()
         self.inbox: list[deque[tuple]] = [deque() for _ in range(self.pp_size)]
@@ -255,10 +241,13 @@ class RemoteStagesExecutor(Executor):
     # --- start-up ------------------------------------------------------------------------------
 
     def _listen(self, host: str) -> Listener:
-        return Listener((host, 0), authkey=self.authkey)
+        # No authkey here: _accept_all runs the same challenge-response itself, bounded in time,
+        # so that a stranger's connection is dropped instead of failing or stalling start-up.
+        return Listener((host, 0))
 
     def _accept_all(self, listener: Listener, specs: list | None = None) -> None:
-        """Accept one connection per stage (bounded by the timeout), keyed by pp rank.
+        """Accept one authenticated connection per stage (bounded by the timeout), keyed by pp
+        rank; a connection that fails the handshake is dropped and the stages still get in.
 
         With ``specs``, each stage is sent its WorkerSpec once it connects.
         """
@@ -266,8 +255,10 @@ class RemoteStagesExecutor(Executor):
         listener._listener._socket.settimeout(1.0)  # poll so a stage that never starts is seen
         while any(c is None for c in self.conns):
             try:
-                conn = listener.accept()
+                conn = accept_authenticated(listener, self.authkey)
             except TimeoutError:
+                conn = None
+            if conn is None:
                 self._check_alive()
                 if time.monotonic() > deadline:
                     raise StageFailedError("pipeline stages did not connect in time") from None
@@ -373,9 +364,11 @@ class RemoteStagesExecutor(Executor):
         if self.dead:
             raise StageFailedError("the pipeline has failed; start a new LLM")
         data = pickle.dumps(("step", so), protocol=pickle.HIGHEST_PROTOCOL)
+        # Multimodal tensors (pixels, audio features) go to the first stage only.
+        rest = pickle.dumps(("step", so.without_payload()), protocol=pickle.HIGHEST_PROTOCOL) if so.has_payload() else data
         for rank, conn in enumerate(self.conns):
             try:
-                conn.send_bytes(data)
+                conn.send_bytes(data if rank == 0 else rest)
             except OSError:
                 self._fail(f"stage {rank} died (its control socket is closed)")
         self.pending.append(so.step_id)
@@ -417,6 +410,17 @@ class RemoteStagesExecutor(Executor):
             if conn is not None:
                 conn.close()
         self.conns = [None] * self.pp_size
+        if self.rendezvous_dir is not None:
+            shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
+            self.rendezvous_dir = None
+
+    def _local_rendezvous(self) -> str:
+        """A ``file://`` rendezvous in a private temporary directory, for stages that all run on
+        this host: no TCP store, which would listen on every interface."""
+        import tempfile
+
+        self.rendezvous_dir = tempfile.mkdtemp(prefix="pprun-rdzv-")  # mode 0700
+        return f"file://{os.path.join(self.rendezvous_dir, 'store')}"
 
     def _stop_processes(self, grace_s: float) -> None:
         """Subclasses: wait up to ``grace_s`` for the stage processes to exit, then kill them."""

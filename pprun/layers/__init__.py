@@ -9,12 +9,12 @@ imports Triton and a test can set ``TRITON_INTERPRET`` before the kernels are de
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 from torch import nn
 
+from pprun.layers.partials import DEFER_MERGERS, SplitPartials, check_defer_merge, merged  # noqa: F401  (re-exported)
 from pprun.switches import enabled_unless
 
 FUSED_ENABLED: bool = enabled_unless("PPRUN_DISABLE_FUSED")
@@ -40,42 +40,6 @@ without (per layer o_proj 8.0 -> 4.8 us, qkv 8.9 -> 7.1, down ~14 -> 11, the nor
 The merges are exact; the switch also changes the launch settings that come with deferral (the
 norm-merged matmuls' split count, the merging norm's warps), hence fp32 sum orders, so its two
 sides may differ in a last bit as two launch settings may."""
-
-
-@dataclass(frozen=True)
-class SplitPartials:
-    """A decode matmul's output still as the fp32 partial sums of its K splits.
-
-    ``skinny.skinny_linear(..., defer_merge=...)`` returns it where K is split, so that the
-    kernel after the matmul merges the partials (in split order, plus the bias, rounded once to
-    ``dtype``: what the matmul's own merge would write) and the matmul's launch ends as soon as
-    its programs have stored them.  ``fused.fused_add_rms_norm`` takes it as its ``x``;
-    anything else calls :meth:`merge` first.
-    """
-
-    parts: torch.Tensor
-    """``[splits, M, N]`` float32."""
-    bias: torch.Tensor | None
-    dtype: torch.dtype
-    """The matmul's output dtype."""
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.parts.shape[1:]
-
-    def merge(self) -> torch.Tensor:
-        """The ``[M, N]`` output the matmul would have written, rounded the same way."""
-        total = torch.zeros_like(self.parts[0])
-        for part in self.parts:
-            total += part
-        if self.bias is not None:
-            total += self.bias.float()
-        return total.to(self.dtype)
-
-
-def merged(x: torch.Tensor | SplitPartials) -> torch.Tensor:
-    """``x`` itself, or the output its partials stand for."""
-    return x.merge() if isinstance(x, SplitPartials) else x
 
 
 _fused_module: ModuleType | None = None
@@ -105,17 +69,6 @@ def fused_ops_for(t: torch.Tensor) -> ModuleType | None:
 def fused_decode_enabled(t: torch.Tensor) -> bool:
     """Whether a decode step on ``t``'s device may fold rotary and cache write into attention."""
     return FUSED_DECODE_ENABLED and fused_ops_for(t) is not None
-
-
-DEFER_MERGERS = ("norm", "attention")
-"""The kernels that may merge a matmul's deferred partials (``defer_merge``)."""
-
-
-def check_defer_merge(defer_merge: str | None) -> None:
-    """Raise ValueError unless ``defer_merge`` is None or one of :data:`DEFER_MERGERS` (here, not
-    in ``skinny``: every device checks it, and only CUDA runs import Triton)."""
-    if defer_merge is not None and defer_merge not in DEFER_MERGERS:
-        raise ValueError(f"defer_merge must be one of {DEFER_MERGERS} or None, got {defer_merge!r}")
 
 
 _skinny_module: ModuleType | None = None

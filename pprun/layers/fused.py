@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from pprun.layers import SplitPartials
+from pprun.layers.partials import SplitPartials
 from pprun.layers.triton_utils import INTERPRETED as _INTERPRETED
 from pprun.layers.triton_utils import NO_FMA as _NO_FMA
 from pprun.layers.triton_utils import pdl_options, pdl_sync

@@ -6,10 +6,9 @@ The same class runs in process (``uni``), in a local process (``mp``), in a Ray 
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,7 +16,8 @@ from pprun.core.outputs import SchedulerOutput
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
 from pprun.distributed.transport import SENT_IN_GRAPH, PipelineTransport
-from pprun.worker.step_trace import NullStageTrace, StageTrace, trace_prefix
+from pprun.utils.startup import freeze_startup_objects
+from pprun.utils.step_trace import NullStageTrace, StageTrace, trace_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -42,23 +42,18 @@ class WorkerSpec:
     control_spin_s: float = 0.0
     """How long the stage polls its control socket, and the first stage its sampled-ids socket,
     before a blocking read (the driver's ``pprun.executor.remote.control_spin_s``)."""
+    feedback_host: str | None = None
+    """Where the first stage listens for the sampled-ids socket (None: the host of a ``tcp://``
+    ``init_method``; a ``file://`` rendezvous and no host: the ids stay on gloo)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment set in the stage process before ``torch.distributed`` starts (gloo and NCCL on
+    the loopback interface when every stage runs on the driver's host)."""
+    authkey: bytes | None = field(default=None, repr=False)
+    """The run's secret (set by the stage from its control connection, never sent in the spec):
+    the sampled-ids socket authenticates its peer with it."""
     fault_injection: dict | None = None
     """Tests only: ``{"raise_at_step": k}``, ``{"delay_s": d}`` (sleep each step) or
     ``{"rename_sent_keys": True}`` (send intermediate tensors under wrong names)."""
-
-
-def freeze_startup_objects() -> None:
-    """Move every object alive now (imported modules, the model, graphs) out of the garbage
-    collector's reach.
-
-    A full collection walks every tracked object: with torch, Triton and the model loaded that
-    is ~180k objects and 40-50 ms.  Steps allocate enough short-lived objects to trigger one
-    every few dozen steps, and in a pipeline a stage stalled for 40 ms stalls every stage
-    (measured on two H200s: 33 such stalls in 990 decode steps, 40% of the run).  Objects made
-    later are still collected as usual.
-    """
-    gc.collect()
-    gc.freeze()
 
 
 class Worker:
@@ -84,7 +79,7 @@ class Worker:
         if transport is None and self.layout.pp_size > 1:
             self.transport = PipelineTransport.init(
                 self.layout, self.device, spec.init_method, rc.cfg.parallel.stage_timeout_s,
-                feedback=spec.sample_feedback_slots > 0,
+                feedback=spec.sample_feedback_slots > 0, feedback_host=spec.feedback_host, authkey=spec.authkey,
             )
         self.model = None
         self.runner = None

@@ -19,15 +19,13 @@ import torch
 from pprun.attention.metadata import AttentionMetadata
 from pprun.core.outputs import SchedulerOutput
 from pprun.switches import enabled_unless
+from pprun.worker.v2.ranges import MAX_RANGES, fit_ranges, merge_ranges
 from pprun.worker.v2.request_state import RequestTable
 
 MERGE_GAP_BYTES = 128 * 1024
 """Two used ranges of the staging arena closer than this go in one copy, unused gap included:
 copying a few more bytes costs the copy engine less than another copy costs the host."""
 _ALIGN = 64
-MAX_RANGES = 8
-"""Byte ranges one launch of the staging kernel (``pprun.worker.v2.staging``) copies; more are
-merged (see :func:`fit_ranges`).  Here, not there: planning the ranges needs no Triton."""
 STAGING_KERNEL_ENABLED: bool = enabled_unless("PPRUN_DISABLE_STAGING_KERNEL")
 """On CUDA, a step's inputs reach the device through one kernel that reads the pinned arena
 (``pprun.worker.v2.staging``) instead of ``cudaMemcpyAsync`` plus, with async scheduling, three
@@ -100,30 +98,6 @@ class _Arena:
         return len(merged)
 
 
-def merge_ranges(ranges: list[tuple[int, int]], max_gap: int) -> list[tuple[int, int]]:
-    """Merge ``[start, end)`` ranges sorted by start whose gap is at most ``max_gap``; empty
-    ranges are dropped."""
-    merged: list[tuple[int, int]] = []
-    for start, end in ranges:
-        if end <= start:
-            continue
-        if merged and start - merged[-1][1] <= max_gap:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def fit_ranges(ranges: list[tuple[int, int]], limit: int = MAX_RANGES) -> list[tuple[int, int]]:
-    """``ranges`` (sorted, disjoint) merged pairwise across their smallest gaps until at most
-    ``limit`` remain (the gaps' bytes are copied too)."""
-    out = list(ranges)
-    while len(out) > limit:
-        i = min(range(len(out) - 1), key=lambda j: out[j + 1][0] - out[j][1])
-        out[i : i + 2] = [(out[i][0], out[i + 1][1])]
-    return out
-
-
 @dataclass
 class StepBatch:
     """A step's batch as the runner laid it out (host side), real and padded counts named apart."""
@@ -145,6 +119,11 @@ class StepBatch:
     num_pending: int = 0
     """Input tokens that are the previous step's samples, not yet known on the host (async
     scheduling): ``bufs.pending_token_idx[:num_pending]`` is filled on the device."""
+    num_computed_tokens: np.ndarray | None = None
+    """[num_reqs] int64 (host): each request's computed tokens before this step: its scheduled
+    window starts at that prompt position (model-state plug-ins read it, e.g. for placeholder ranges)."""
+    query_start: np.ndarray | None = None
+    """[num_reqs] int64 (host): batch row of each request's first scheduled token."""
 
     @property
     def num_sampled(self) -> int:
@@ -460,4 +439,6 @@ def prepare_step(
         max_query_len=max_query_len,
         sample_batch_idx=torch.from_numpy(sample_batch_idx.astype(np.int64, copy=False)),
         num_pending=num_pending,
+        num_computed_tokens=num_computed,
+        query_start=cu_num_tokens - num_scheduled,
     )

@@ -34,8 +34,8 @@ from pprun.distributed.transport import SENT_IN_GRAPH, PipelineTransport
 from pprun.layers import fused_ops_for
 from pprun.sampling.sampler import Sampler, SamplerOutput, SamplingTensors, to_logprobs
 from pprun.switches import enabled_unless
+from pprun.utils.step_trace import HostClock, trace_prefix
 from pprun.worker.model_inputs import build_model_inputs
-from pprun.worker.step_trace import HostClock, trace_prefix
 from pprun.worker.v2.cuda_graphs import CudaGraphManager, GraphPlan
 from pprun.worker.v2.inputs import InputBuffers, StepBatch, prepare_step
 from pprun.worker.v2.model_state import ModelState, make_model_state
@@ -232,6 +232,7 @@ class V2ModelRunner:
             self.feedback = SampleFeedback(
                 transport.feedback_group, peer, layout.is_first, self.max_num_reqs, sample_feedback_slots,
                 host=transport.feedback_host, timeout_s=transport.timeout_s, spin_s=feedback_spin_s,
+                authkey=transport.authkey,
             )
         self._ids_from_last = self.feedback if layout.is_first else None
         """The first stage's end of :attr:`feedback` (input ids of pending tokens come from it)."""
@@ -281,6 +282,7 @@ class V2ModelRunner:
             )
             self.model_state.add_request(row, new)
         self.table.update_cached(so.scheduled_cached_reqs, so.step_id)
+        self.model_state.begin_step(so)
 
     # --- graphs ------------------------------------------------------------------------------
 
