@@ -132,3 +132,28 @@ def make_tiny_mistral(
         **config_kwargs,
     )
     return _save(MistralForCausalLM, config, Path(path), seed)
+
+
+def make_tiny_whisper(path: Path | str, *, decoder_layers: int = 3, seed: int = 0) -> Path:
+    """A tiny random Whisper of odd sizes (36 wide, 3 heads of 12, 7 mel bins, 15 encoder
+    positions, 101 tokens), with a generation config like tiny.en's."""
+    import json
+
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    config = WhisperConfig(
+        vocab_size=101, num_mel_bins=7, d_model=36, encoder_layers=2, decoder_layers=decoder_layers,
+        encoder_attention_heads=3, decoder_attention_heads=3, encoder_ffn_dim=44, decoder_ffn_dim=52,
+        max_source_positions=15, max_target_positions=40, bos_token_id=98, eos_token_id=97,
+        pad_token_id=97, decoder_start_token_id=98, begin_suppress_tokens=None, suppress_tokens=None,
+    )
+    config.architectures = ["WhisperForConditionalGeneration"]
+    path = _save(WhisperForConditionalGeneration, config, path, seed)
+    generation = {
+        "decoder_start_token_id": 98, "bos_token_id": 98, "eos_token_id": 97, "pad_token_id": 97,
+        "forced_decoder_ids": [[1, 100]], "no_timestamps_token_id": 100, "return_timestamps": False,
+        "is_multilingual": False, "suppress_tokens": [3, 5, 99], "begin_suppress_tokens": [4, 97],
+        "max_length": 40,
+    }
+    (Path(path) / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    return path

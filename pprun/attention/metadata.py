@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pprun.attention.cross import CrossAttentionMetadata
+
 
 @dataclass
 class AttentionMetadata:
@@ -34,6 +36,8 @@ class AttentionMetadata:
     """[num_reqs_padded, max_num_blocks_per_req] int32: KV blocks of each request."""
     slot_mapping: torch.Tensor
     """[num_tokens_padded] int64: cache slot of each token (-1 for padding: not written)."""
+    cross: CrossAttentionMetadata | None = None
+    """Cross-attention lengths and slots of an encoder-decoder model's step (None otherwise)."""
 
     @property
     def is_decode_only(self) -> bool:

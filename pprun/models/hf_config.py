@@ -17,8 +17,13 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
+    "WhisperForConditionalGeneration",
+    "LlavaForConditionalGeneration",
 )
 """Architectures (``config.json``'s ``architectures[0]``) pprun can run."""
+
+SUPPORTED_VISION_TOWERS: tuple[str, ...] = ("clip_vision_model", "siglip_vision_model", "pixtral")
+"""``vision_config.model_type`` values a Llava-form model may use."""
 
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
 """RoPE variants the rotary embedding implements."""
@@ -34,6 +39,7 @@ _MODEL_TYPE_TO_ARCHITECTURE: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "whisper": "WhisperForConditionalGeneration",
 }
 
 _DEFAULT_ROPE_THETA = 10000.0
@@ -85,6 +91,31 @@ class ModelArchConfig:
     """Every end-of-sequence id from ``config.json`` and ``generation_config.json``, deduplicated."""
     sliding_window: int | None
     """Sliding attention window if any layer uses one, else None (validation compares it to max_model_len)."""
+    audio_encoder: AudioEncoderArch | None = None
+    """An encoder-decoder speech model's encoder (Whisper); None for decoder-only models.  The
+    fields above then describe the decoder, which is what pipeline stages split."""
+    multimodal: dict[str, Any] | None = None
+    """Vision-language models (``LlavaForConditionalGeneration``): the fields above describe the
+    language model (``text_config``); this holds the rest, normalised by ``transformers``'
+    ``LlavaConfig``: ``image_token_index``, ``vision_feature_layer``,
+    ``vision_feature_select_strategy``, ``projector_hidden_act``, ``multimodal_projector_bias``,
+    ``vision_config`` (the full dict) and ``text_architecture``.  None for text-only models."""
+
+
+@dataclass(frozen=True)
+class AudioEncoderArch:
+    """The audio encoder of a Whisper-style encoder-decoder (``config.json``'s encoder fields)."""
+
+    num_mel_bins: int
+    """Log-mel channels of the input features."""
+    num_layers: int
+    """Encoder layers (all on the first stage)."""
+    num_attention_heads: int
+    """Encoder attention heads."""
+    ffn_dim: int
+    """Encoder feed-forward width."""
+    max_source_positions: int
+    """Encoder output length (frames after the stride-2 convolution): what cross-attention reads."""
 
 
 def _as_int_tuple(value: Any) -> tuple[int, ...]:
@@ -167,6 +198,39 @@ def _sliding_window(config: dict[str, Any], architecture: str) -> int | None:
     return None
 
 
+def _whisper_as_decoder(config: dict[str, Any], source: Path) -> dict[str, Any]:
+    """A Whisper config.json in the decoder-only field names, plus ``audio_encoder``."""
+    required = (
+        "vocab_size", "d_model", "decoder_layers", "decoder_attention_heads", "decoder_ffn_dim",
+        "encoder_layers", "encoder_attention_heads", "encoder_ffn_dim", "num_mel_bins",
+        "max_source_positions", "max_target_positions",
+    )
+    missing = [key for key in required if config.get(key) is None]
+    if missing:
+        raise ValueError(f"{source}: required Whisper field(s) {', '.join(missing)} missing")
+    return {
+        **config,
+        "hidden_size": config["d_model"],
+        "intermediate_size": config["decoder_ffn_dim"],
+        "num_hidden_layers": config["decoder_layers"],
+        "num_attention_heads": config["decoder_attention_heads"],
+        "num_key_value_heads": config["decoder_attention_heads"],
+        "head_dim": config["d_model"] // config["decoder_attention_heads"],
+        "max_position_embeddings": config["max_target_positions"],
+        # Every Whisper checkpoint ties the output projection to the decoder embeddings.
+        "tie_word_embeddings": config.get("tie_word_embeddings", True),
+        "rope_parameters": None,
+        "rope_scaling": None,
+        "_audio_encoder": AudioEncoderArch(
+            num_mel_bins=int(config["num_mel_bins"]),
+            num_layers=int(config["encoder_layers"]),
+            num_attention_heads=int(config["encoder_attention_heads"]),
+            ffn_dim=int(config["encoder_ffn_dim"]),
+            max_source_positions=int(config["max_source_positions"]),
+        ),
+    }
+
+
 def load_arch_config(model_dir: Path) -> ModelArchConfig:
     """Read ``model_dir/config.json`` (and ``generation_config.json`` if present) into a ModelArchConfig.
 
@@ -181,6 +245,60 @@ def load_arch_config(model_dir: Path) -> ModelArchConfig:
         )
     config = json.loads(config_path.read_text())
     architecture = _architecture(config, config_path)
+    if architecture == "LlavaForConditionalGeneration":
+        return _load_llava_config(model_dir, config_path)
+    return _decoder_arch(config, architecture, model_dir, config_path)
+
+
+def _load_llava_config(model_dir: Path, config_path: Path) -> ModelArchConfig:
+    """A Llava-form config: the language model from ``text_config``, the rest in ``multimodal``.
+
+    ``transformers``' ``LlavaConfig`` fills the defaults a published config leaves out (the
+    sub-configs of llava-1.5 name only what differs from their model type's defaults).
+    """
+    from dataclasses import replace
+
+    from transformers import LlavaConfig
+
+    full = LlavaConfig.from_pretrained(str(model_dir), local_files_only=True).to_dict()
+    text, vision = dict(full["text_config"]), dict(full["vision_config"])
+    text_architecture = _MODEL_TYPE_TO_ARCHITECTURE.get(text.get("model_type", ""))
+    if text_architecture not in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
+        raise ValueError(
+            f"{config_path}: text_config.model_type={text.get('model_type')!r} is not supported; supported: "
+            "llama, mistral, qwen2"
+        )
+    if vision.get("model_type") not in SUPPORTED_VISION_TOWERS:
+        raise ValueError(
+            f"{config_path}: vision_config.model_type={vision.get('model_type')!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_VISION_TOWERS)}"
+        )
+    strategy = full.get("vision_feature_select_strategy", "default")
+    if strategy not in ("default", "full"):
+        raise ValueError(f"{config_path}: vision_feature_select_strategy={strategy!r} must be 'default' or 'full'")
+    text["tie_word_embeddings"] = bool(full.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+    for key in ("eos_token_id", "bos_token_id"):
+        if text.get(key) is None and full.get(key) is not None:
+            text[key] = full[key]
+    arch = _decoder_arch(text, text_architecture, model_dir, config_path)
+    multimodal = {
+        "image_token_index": int(full.get("image_token_index", full.get("image_token_id"))),
+        "vision_feature_layer": full.get("vision_feature_layer", -2),
+        "vision_feature_select_strategy": strategy,
+        "projector_hidden_act": full.get("projector_hidden_act", "gelu"),
+        "multimodal_projector_bias": bool(full.get("multimodal_projector_bias", True)),
+        "vision_config": vision,
+        "text_architecture": text_architecture,
+    }
+    return replace(arch, architecture="LlavaForConditionalGeneration", model_type="llava",
+                   torch_dtype=arch.torch_dtype or full.get("dtype") or full.get("torch_dtype"),
+                   multimodal=multimodal)
+
+
+def _decoder_arch(config: dict[str, Any], architecture: str, model_dir: Path, config_path: Path) -> ModelArchConfig:
+    """A decoder's fields from its config dict (``config.json``'s top level, or a ``text_config``)."""
+    if architecture == "WhisperForConditionalGeneration":
+        config = _whisper_as_decoder(config, config_path)
 
     missing = [
         key
@@ -243,6 +361,7 @@ def load_arch_config(model_dir: Path) -> ModelArchConfig:
         bos_token_id=None if bos_token_id is None else int(bos_token_id),
         eos_token_ids=tuple(eos_token_ids),
         sliding_window=_sliding_window(config, architecture),
+        audio_encoder=config.get("_audio_encoder"),
     )
 
 

@@ -40,3 +40,22 @@ def allocate_kv_caches(
         return [torch.zeros(shape, dtype=dtype, device=device).transpose(2, 3) for _ in range(num_layers)]
     shape = (2, num_blocks, block_size, heads, dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+def allocate_cross_caches(
+    model: torch.nn.Module, num_cross_slots: int, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """One cross-attention cache per owned decoder layer of an encoder-decoder ``model``
+    (``model.cross_cache_shape``, see ``pprun.attention.cross``), zero-filled so the reserved
+    slot 0 that padding rows point at holds finite values."""
+    shape = model.cross_cache_shape(num_cross_slots)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(len(model.layers))]
+
+
+def bytes_per_cross_slot(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes one request's cross K/V cost on a stage (all its decoder layers)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    numel = 1
+    for dim in model.cross_cache_shape(1):
+        numel *= dim
+    return numel * elem * len(model.layers)

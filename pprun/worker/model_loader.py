@@ -11,6 +11,7 @@ import torch
 from pprun.distributed.layout import StageLayout
 from pprun.models.hf_config import ModelArchConfig
 from pprun.models.llama import LlamaForCausalLM
+from pprun.models.whisper import WhisperForConditionalGeneration
 
 logger = logging.getLogger(__name__)
 
@@ -19,6 +20,7 @@ MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "WhisperForConditionalGeneration": WhisperForConditionalGeneration,
 }
 
 

@@ -1,0 +1,419 @@
+"""Whisper (``WhisperForConditionalGeneration``) as Hugging Face checkpoints describe it, built per stage.
+
+One plain module tree, read top to bottom: ``EncoderAttention``, ``EncoderLayer``,
+``SelfAttention``, ``CrossAttention``, ``DecoderLayer``, ``WhisperForConditionalGeneration``.
+
+Stages: the first stage owns the audio encoder (two convolutions with GELU, learned positions,
+pre-norm layers, final LayerNorm) and the decoder's token and position embeddings; decoder
+layers are split over the stages like Llama's; the last stage owns the decoder's final
+LayerNorm and the output projection, tied to the token embeddings (so the last stage reads
+``model.decoder.embed_tokens.weight`` too).  Each stage allocates and reads only these.
+
+The encoder runs once per request (:meth:`WhisperForConditionalGeneration.encode`, on the
+first stage), and each stage that holds decoder layers turns the encoder output into its
+layers' cross-attention K/V once (:meth:`write_cross_kv`), into the cross caches
+(``pprun.attention.cross``).  A decoder step (``forward``) then reads them through
+``attn_metadata.cross``; it never sees the encoder output.
+
+Checkpoint quirks, handled in ``load_weights``: separate q/k/v land in one ``qkv_proj`` and the
+cross-attention's k/v in one ``kv_proj``; Whisper's k projections have no bias, so the fused
+bias keeps zeros in the k rows.  ``forward`` follows DESIGN contract 1 like the Llama model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pprun.attention.cross import cross_attention, write_cross_kv
+from pprun.attention.metadata import AttentionMetadata
+from pprun.distributed.intermediate import IntermediateTensors
+from pprun.distributed.layout import StageLayout
+from pprun.models.hf_config import AudioEncoderArch, ModelArchConfig
+
+LAYER_NORM_EPS = 1e-5
+"""nn.LayerNorm's default, which every Whisper checkpoint uses."""
+
+
+def _qkv_bias_zero_k(proj: nn.Linear, q_rows: int, k_rows: int) -> None:
+    """Zero the k rows of a fused projection's bias (the checkpoint has no k bias)."""
+    if proj.bias is not None:
+        proj.bias.data[q_rows : q_rows + k_rows].zero_()
+
+
+class EncoderAttention(nn.Module):
+    """Bidirectional self-attention over the encoder's frames (dense, no cache)."""
+
+    def __init__(self, hidden: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = hidden // num_heads
+        self.qkv_proj = nn.Linear(hidden, 3 * hidden)
+        self.out_proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, S, hidden]`` -> ``[B, S, hidden]``."""
+        batch, frames, hidden = x.shape
+        qkv = self.qkv_proj(x).view(batch, frames, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, S, D]
+        out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
+        return self.out_proj(out.transpose(1, 2).reshape(batch, frames, hidden))
+
+
+class EncoderLayer(nn.Module):
+    """Pre-norm encoder block: self-attention, then a GELU feed-forward."""
+
+    def __init__(self, hidden: int, num_heads: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.self_attn_layer_norm = nn.LayerNorm(hidden, eps=LAYER_NORM_EPS)
+        self.self_attn = EncoderAttention(hidden, num_heads)
+        self.final_layer_norm = nn.LayerNorm(hidden, eps=LAYER_NORM_EPS)
+        self.fc1 = nn.Linear(hidden, ffn_dim)
+        self.fc2 = nn.Linear(ffn_dim, hidden)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """One block over ``h [B, S, hidden]``."""
+        h = h + self.self_attn(self.self_attn_layer_norm(h))
+        h = h + self.fc2(F.gelu(self.fc1(self.final_layer_norm(h))))
+        if h.dtype == torch.float16:
+            # As the reference does: fp16 activations can overflow in long audio.
+            limit = torch.finfo(h.dtype).max - 1000
+            h = h.clamp(min=-limit, max=limit)
+        return h
+
+
+class SelfAttention(nn.Module):
+    """Causal decoder self-attention over the paged KV cache (no rotary: positions are learned)."""
+
+    def __init__(self, hidden: int, num_heads: int, backend: Callable) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = hidden // num_heads
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(hidden, 3 * hidden)
+        self.out_proj = nn.Linear(hidden, hidden)
+        self.backend = backend
+        self.kv_cache: torch.Tensor | None = None
+        """[2, num_blocks, block_size, num_heads, head_dim], bound by the worker."""
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attend ``x [T, hidden]`` over each request's decoder context."""
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).view(num_tokens, 3, self.num_heads, self.head_dim).unbind(1)
+        out = self.backend(q, k, v, self.kv_cache, meta, self.scale)
+        return self.out_proj(out.reshape(num_tokens, -1))
+
+
+class CrossAttention(nn.Module):
+    """Decoder attention over the request's encoder output, through its cross-cache slot."""
+
+    def __init__(self, hidden: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = hidden // num_heads
+        self.scale = self.head_dim**-0.5
+        self.q_proj = nn.Linear(hidden, hidden)
+        self.kv_proj = nn.Linear(hidden, 2 * hidden)
+        self.out_proj = nn.Linear(hidden, hidden)
+        self.cross_cache: torch.Tensor | None = None
+        """[2, num_cross_slots, num_heads, max_source_positions, head_dim], bound by the worker."""
+
+    def project_kv(self, encoder_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[B, H, S, D]`` of encoder outputs ``[B, S, hidden]``."""
+        batch, frames, _ = encoder_out.shape
+        kv = self.kv_proj(encoder_out).view(batch, frames, 2, self.num_heads, self.head_dim)
+        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)
+        return k, v
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attend ``x [T, hidden]`` over each token's request's encoder K/V."""
+        if meta.cross is None:
+            raise ValueError("a Whisper decoder step needs attn_metadata.cross (encoder lengths)")
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        out = cross_attention(q, self.cross_cache, meta.cross, meta.query_start_loc, self.scale)
+        return self.out_proj(out.reshape(num_tokens, -1))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder block: self-attention, cross-attention, GELU feed-forward."""
+
+    def __init__(self, hidden: int, num_heads: int, ffn_dim: int, backend: Callable) -> None:
+        super().__init__()
+        self.self_attn_layer_norm = nn.LayerNorm(hidden, eps=LAYER_NORM_EPS)
+        self.self_attn = SelfAttention(hidden, num_heads, backend)
+        self.encoder_attn_layer_norm = nn.LayerNorm(hidden, eps=LAYER_NORM_EPS)
+        self.encoder_attn = CrossAttention(hidden, num_heads)
+        self.final_layer_norm = nn.LayerNorm(hidden, eps=LAYER_NORM_EPS)
+        self.fc1 = nn.Linear(hidden, ffn_dim)
+        self.fc2 = nn.Linear(ffn_dim, hidden)
+
+    def forward(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One block over the step's tokens ``h [T, hidden]``."""
+        h = h + self.self_attn(self.self_attn_layer_norm(h), meta)
+        h = h + self.encoder_attn(self.encoder_attn_layer_norm(h), meta)
+        return h + self.fc2(F.gelu(self.fc1(self.final_layer_norm(h))))
+
+
+class WhisperForConditionalGeneration(nn.Module):
+    """Whisper holding only the parts one pipeline stage owns (see the module docstring)."""
+
+    requires_raw_input_tokens = False
+    is_encoder_decoder = True
+    """The engine gives its requests an encoder input and a cross-cache slot."""
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        layout: StageLayout,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_positions: int,
+        attn_backend: Callable,
+    ) -> None:
+        super().__init__()
+        if arch.audio_encoder is None:
+            raise ValueError(f"{arch.architecture}: config has no audio encoder fields")
+        self.arch = arch
+        self.encoder_arch: AudioEncoderArch = arch.audio_encoder
+        self.layout = layout
+        self.dtype = dtype
+        self.device = device
+        enc = self.encoder_arch
+        hidden, heads = arch.hidden_size, arch.num_attention_heads
+        with torch.device("meta"):
+            if layout.is_first:
+                self.conv1 = nn.Conv1d(enc.num_mel_bins, hidden, kernel_size=3, padding=1)
+                self.conv2 = nn.Conv1d(hidden, hidden, kernel_size=3, stride=2, padding=1)
+                self.encoder_positions = nn.Embedding(enc.max_source_positions, hidden)
+                self.encoder_layers = nn.ModuleList(
+                    EncoderLayer(hidden, enc.num_attention_heads, enc.ffn_dim)
+                    for _ in range(enc.num_layers)
+                )
+                self.encoder_layer_norm = nn.LayerNorm(hidden, eps=LAYER_NORM_EPS)
+                self.embed_tokens = nn.Embedding(arch.vocab_size, hidden)
+                self.embed_positions = nn.Embedding(arch.max_position_embeddings, hidden)
+            self.layers = nn.ModuleList(
+                DecoderLayer(hidden, heads, arch.intermediate_size, attn_backend)
+                for _ in layout.layer_range
+            )
+            if layout.is_last:
+                self.layer_norm = nn.LayerNorm(hidden, eps=LAYER_NORM_EPS)
+                self.proj_out = nn.Linear(hidden, arch.vocab_size, bias=False)
+        self.to_empty(device=device)
+        self.to(dtype)
+        # The k rows of fused biases stay zero: the checkpoint has no k bias to fill them.
+        for layer in self.layers:
+            _qkv_bias_zero_k(layer.self_attn.qkv_proj, hidden, hidden)
+            _qkv_bias_zero_k(layer.encoder_attn.kv_proj, 0, hidden)
+        for layer in getattr(self, "encoder_layers", []):
+            _qkv_bias_zero_k(layer.self_attn.qkv_proj, hidden, hidden)
+
+    # --- encoder (first stage) -----------------------------------------------------------
+
+    @property
+    def encoder_input_frames(self) -> int:
+        """Mel frames the encoder takes (30 s of audio): twice its output positions."""
+        return 2 * self.encoder_arch.max_source_positions
+
+    def encode(self, input_features: torch.Tensor) -> torch.Tensor:
+        """Encoder output ``[B, max_source_positions, hidden]`` of log-mel features
+        ``[B, num_mel_bins, 2 * max_source_positions]`` (first stage only)."""
+        if not self.layout.is_first:
+            raise ValueError(f"stage {self.layout.pp_rank} has no encoder (it lives on the first stage)")
+        expected = (self.encoder_arch.num_mel_bins, self.encoder_input_frames)
+        if input_features.dim() != 3 or tuple(input_features.shape[1:]) != expected:
+            raise ValueError(
+                f"input_features must have shape [batch, {expected[0]}, {expected[1]}], "
+                f"got {tuple(input_features.shape)}"
+            )
+        x = input_features.to(self.dtype)
+        x = F.gelu(self.conv1(x))
+        x = F.gelu(self.conv2(x)).transpose(1, 2)
+        h = x + self.encoder_positions.weight
+        for layer in self.encoder_layers:
+            h = layer(h)
+        return self.encoder_layer_norm(h)
+
+    def write_cross_kv(self, encoder_out: torch.Tensor, slots: torch.Tensor) -> None:
+        """Compute this stage's decoder layers' cross K/V of ``encoder_out [B, S, hidden]``
+        and store them in the requests' cross-cache ``slots [B]`` (once per request)."""
+        for layer in self.layers:
+            k, v = layer.encoder_attn.project_kv(encoder_out.to(self.dtype))
+            write_cross_kv(layer.encoder_attn.cross_cache, slots, k, v)
+
+    # --- decoder -------------------------------------------------------------------------
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (first stage only); positions are added in ``forward``."""
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None,
+        intermediate_tensors: IntermediateTensors | None,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor | IntermediateTensors:
+        """Run this stage's decoder layers over a flattened batch of decoder tokens."""
+        if self.layout.is_first:
+            h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+            h = h + self.embed_positions(positions)
+        else:
+            if intermediate_tensors is None:
+                raise ValueError(
+                    f"stage {self.layout.pp_rank} is not the first stage and needs "
+                    "intermediate_tensors"
+                )
+            h = intermediate_tensors["hidden_states"]
+        for layer in self.layers:
+            h = layer(h, attn_metadata)
+        if not self.layout.is_last:
+            return IntermediateTensors({"hidden_states": h})
+        return self.layer_norm(h)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Output-projection logits for the given (last stage) hidden states."""
+        return self.proj_out(hidden_states)
+
+    def make_empty_intermediate_tensors(
+        self, num_tokens: int, dtype: torch.dtype, device: torch.device
+    ) -> IntermediateTensors:
+        """Receive buffers for what the previous stage sends: the decoder's ``hidden_states``."""
+        shape = (num_tokens, self.arch.hidden_size)
+        return IntermediateTensors({"hidden_states": torch.zeros(shape, dtype=dtype, device=device)})
+
+    # --- caches --------------------------------------------------------------------------
+
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Give each owned decoder layer its self-attention cache, in layer order."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            layer.self_attn.kv_cache = cache
+
+    def cross_cache_shape(self, num_cross_slots: int) -> tuple[int, ...]:
+        """Shape of one decoder layer's cross cache with ``num_cross_slots`` slots (slot 0
+        reserved for padding rows)."""
+        heads = self.arch.num_attention_heads
+        return (2, num_cross_slots, heads, self.encoder_arch.max_source_positions,
+                self.arch.hidden_size // heads)
+
+    def bind_cross_caches(self, cross_caches: list[torch.Tensor]) -> None:
+        """Give each owned decoder layer its cross-attention cache, in layer order."""
+        if len(cross_caches) != len(self.layers):
+            raise ValueError(f"got {len(cross_caches)} cross caches for {len(self.layers)} layers")
+        for layer, cache in zip(self.layers, cross_caches, strict=True):
+            layer.encoder_attn.cross_cache = cache
+
+    # --- weights -------------------------------------------------------------------------
+
+    def checkpoint_names(self) -> list[str]:
+        """The checkpoint tensors this stage reads (and no others)."""
+        names: list[str] = []
+        first, last = self.layout.is_first, self.layout.is_last
+        if first:
+            names += [f"model.encoder.{p}" for p, _ in self._encoder_params()]
+            names += ["model.decoder.embed_positions.weight"]
+        if first or (last and self.arch.tie_word_embeddings):
+            names.append("model.decoder.embed_tokens.weight")
+        for i in self.layout.layer_range:
+            prefix = f"model.decoder.layers.{i}"
+            for attn in ("self_attn", "encoder_attn"):
+                for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+                    names.append(f"{prefix}.{attn}.{proj}.weight")
+                    if proj != "k_proj":
+                        names.append(f"{prefix}.{attn}.{proj}.bias")
+            for part in ("self_attn_layer_norm", "encoder_attn_layer_norm", "final_layer_norm",
+                         "fc1", "fc2"):
+                names += [f"{prefix}.{part}.weight", f"{prefix}.{part}.bias"]
+        if last:
+            names += ["model.decoder.layer_norm.weight", "model.decoder.layer_norm.bias"]
+            if not self.arch.tie_word_embeddings:
+                names.append("proj_out.weight")
+        return names
+
+    def _encoder_params(self) -> list[tuple[str, str]]:
+        """(checkpoint name under ``model.encoder.``, module path here) for the encoder."""
+        pairs = [
+            ("conv1.weight", "conv1.weight"), ("conv1.bias", "conv1.bias"),
+            ("conv2.weight", "conv2.weight"), ("conv2.bias", "conv2.bias"),
+            ("embed_positions.weight", "encoder_positions.weight"),
+            ("layer_norm.weight", "encoder_layer_norm.weight"),
+            ("layer_norm.bias", "encoder_layer_norm.bias"),
+        ]
+        for i in range(self.encoder_arch.num_layers):
+            # q/k/v map to "": row blocks of the fused qkv_proj, placed in load_weights.
+            for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+                for param in ("weight", "bias") if proj != "k_proj" else ("weight",):
+                    path = f"encoder_layers.{i}.self_attn.{proj}.{param}" if proj == "out_proj" else ""
+                    pairs.append((f"layers.{i}.self_attn.{proj}.{param}", path))
+            for part in ("self_attn_layer_norm", "final_layer_norm", "fc1", "fc2"):
+                for param in ("weight", "bias"):
+                    name = f"layers.{i}.{part}.{param}"
+                    pairs.append((name, f"encoder_layers.{i}.{part}.{param}"))
+        return pairs
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into this stage's parameters; returns the names loaded."""
+        loaded: set[str] = set()
+        hidden = self.arch.hidden_size
+        encoder_paths = dict(self._encoder_params())
+        start = self.layout.start_layer
+        for name, tensor in weights:
+            if name == "model.decoder.embed_tokens.weight":
+                if self.layout.is_first:
+                    self.embed_tokens.weight.data.copy_(tensor)
+                if self.layout.is_last and self.arch.tie_word_embeddings:
+                    self.proj_out.weight.data.copy_(tensor)
+                loaded.add(name)
+                continue
+            target: torch.Tensor | None = None
+            if name == "model.decoder.embed_positions.weight":
+                target = self.embed_positions.weight
+            elif name == "model.decoder.layer_norm.weight":
+                target = self.layer_norm.weight
+            elif name == "model.decoder.layer_norm.bias":
+                target = self.layer_norm.bias
+            elif name == "proj_out.weight":
+                target = self.proj_out.weight
+            elif name.startswith("model.encoder."):
+                rest = name[len("model.encoder."):]
+                path = encoder_paths.get(rest)
+                if path is None:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
+                if path:
+                    target = self.get_parameter(path)
+                else:  # a q/k/v projection: a row block of the fused qkv_proj
+                    idx, _, proj, param = rest.split(".")[1:]
+                    layer = self.encoder_layers[int(idx)]
+                    row0 = "qkv".index(proj[0]) * hidden
+                    getattr(layer.self_attn.qkv_proj, param).data[row0 : row0 + hidden].copy_(tensor)
+                    loaded.add(name)
+                    continue
+            elif name.startswith("model.decoder.layers."):
+                idx, rest = name[len("model.decoder.layers."):].split(".", 1)
+                layer = self.layers[int(idx) - start]
+                part, param = rest.rsplit(".", 1)
+                attn, _, proj = part.partition(".")
+                if attn == "self_attn" and proj in ("q_proj", "k_proj", "v_proj"):
+                    row0 = "qkv".index(proj[0]) * hidden
+                    getattr(layer.self_attn.qkv_proj, param).data[row0 : row0 + hidden].copy_(tensor)
+                    loaded.add(name)
+                    continue
+                if attn == "encoder_attn" and proj in ("k_proj", "v_proj"):
+                    row0 = 0 if proj == "k_proj" else hidden
+                    getattr(layer.encoder_attn.kv_proj, param).data[row0 : row0 + hidden].copy_(tensor)
+                    loaded.add(name)
+                    continue
+                target = layer.get_submodule(part).get_parameter(param)
+            if target is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
+            target.data.copy_(tensor)
+            loaded.add(name)
+        return loaded
