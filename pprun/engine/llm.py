@@ -97,20 +97,10 @@ class LLM:
             raise ValueError(f"messages={messages!r} must be a non-empty list of {{role, content}} dicts, or a list "
                              "of such conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ValueError(f"model {self.config.model.model!r} has no chat template")
-        prompts = []
-        for i, conv in enumerate(conversations):
-            if not isinstance(conv, (list, tuple)) or not conv or not all(isinstance(m, dict) for m in conv):
-                raise ValueError(f"messages[{i}]={conv!r} must be a non-empty list of {{role, content}} dicts")
-            try:
-                ids = tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt, tokenize=True)
-            except Exception as e:  # the template's own error (jinja2, a missing key, ...)
-                raise ValueError(f"messages[{i}] cannot be rendered with the chat template: {e}") from e
-            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-                ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids), "prompt": tok.decode(ids)})
+        prompts = [
+            self.engine.render_chat(conv, f"messages[{i}]", add_generation_prompt=add_generation_prompt)
+            for i, conv in enumerate(conversations)
+        ]
         return prompts
 
     def _params_for(self, prompts: list, sampling_params) -> list[SamplingParams]:

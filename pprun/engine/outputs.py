@@ -57,3 +57,34 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     """Why the request ended with finish_reason "error"."""
+
+
+@dataclass
+class RequestDelta:
+    """What one engine step added to one request (``pprun.engine.async_engine`` streams these).
+
+    Joined in order, the deltas of a request give its whole output: ``token_ids`` concatenated
+    are ``CompletionOutput.token_ids`` and ``text`` concatenated is ``CompletionOutput.text``.
+    The last delta has ``finished=True`` and carries the finish reason, usage and timings.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    """Tokens sampled since the previous delta."""
+    text: str
+    """Text decoded since the previous delta (incrementally; "" without a tokenizer).  Held back
+    while it could still be the start of a stop string, or an incomplete UTF-8 character."""
+    logprobs: list[Logprobs | None] | None = None
+    """Per new token, when ``SamplingParams.logprobs`` was set."""
+    finished: bool = False
+    finish_reason: str | None = None
+    """"stop", "length", "abort" or "error" on the last delta; None before."""
+    stop_reason: int | str | None = None
+    """The stop string or stop token id that ended the request, if one did."""
+    error: str | None = None
+    """Why the request ended with finish_reason "error" (a stage failed, the engine stopped)."""
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    """Output tokens so far (all of them on the last delta)."""
+    metrics: RequestMetrics | None = None
+    """Timings, on the last delta."""

@@ -1,0 +1,454 @@
+"""The async engine: one thread owns and steps an :class:`LLMEngine`; many callers stream deltas.
+
+Serving needs what offline generation does not: requests arriving from many clients while the
+pipeline runs, tokens going back as they are sampled, and a client that leaves taking its
+request (and its KV blocks) with it.  ``LLMEngine`` is not thread-safe and its ``step`` blocks
+until a batch comes back, so one thread — the engine thread — does everything that touches it:
+
+* callers validate their request in their own thread (tokenizing is the expensive part), then
+  hand it over through a command queue; the engine thread adds it before its next step, so new
+  requests join the running batches (continuous batching across clients, and across the ``pp``
+  batches in flight, which the scheduler fills as usual);
+* after each step the engine thread turns every updated request's new tokens into a
+  :class:`~pprun.engine.outputs.RequestDelta` (incrementally detokenized) and puts it on that
+  request's :class:`RequestStream`; an asyncio caller's deltas of one step are delivered with a
+  single ``call_soon_threadsafe``;
+* an abort (client cancelled, disconnected, deadline passed) goes through the same queue and is
+  applied before the next step: the scheduler frees the request's blocks at once, so they are
+  back within one step;
+* a stage failure ends every stream with an error delta, and the engine refuses new requests;
+* :meth:`AsyncEngine.shutdown` drains: new requests are refused, running ones get up to a drain
+  timeout to finish, the rest are aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pprun.config.config import PprunConfig
+from pprun.engine.detokenizer import IncrementalDetokenizer
+from pprun.engine.llm_engine import LLMEngine
+from pprun.engine.outputs import RequestDelta, RequestOutput
+from pprun.executor.base import StageFailedError
+from pprun.sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.5
+"""How long the idle engine thread sleeps on its command queue between checks of its stop flag."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is draining or stopped (or a stage failed): it takes no new requests."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are queued; the caller should retry later."""
+
+
+class RequestStream:
+    """The deltas of one request, in order; the last one has ``finished=True``.
+
+    Iterate with ``async for`` when the request was added with an event loop (the deltas are
+    delivered on that loop), or with ``for`` (blocking) when it was added without one.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self._queue: asyncio.Queue | queue.SimpleQueue = asyncio.Queue() if loop is not None else queue.SimpleQueue()
+        self.finished = False
+
+    def _put(self, delta: RequestDelta) -> None:
+        """Deliver a delta (on the stream's loop for asyncio streams)."""
+        self._queue.put_nowait(delta)
+
+    async def __aiter__(self) -> AsyncIterator[RequestDelta]:
+        if self.loop is None:
+            raise TypeError("this stream was added without an event loop: iterate it with `for`")
+        while not self.finished:
+            delta = await self._queue.get()
+            self.finished = delta.finished
+            yield delta
+
+    def __iter__(self) -> Iterator[RequestDelta]:
+        if self.loop is not None:
+            raise TypeError("this stream delivers on an event loop: iterate it with `async for`")
+        while not self.finished:
+            delta = self._queue.get()
+            self.finished = delta.finished
+            yield delta
+
+
+@dataclass
+class _Active:
+    """Engine-thread state of one streaming request."""
+
+    stream: RequestStream
+    params: SamplingParams
+    num_prompt_tokens: int
+    detok: IncrementalDetokenizer
+    hold_back: int
+    """Characters kept back while they could begin a stop string (longest stop string - 1)."""
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+    in_engine: bool = False
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    """An :class:`LLMEngine` stepped by its own thread, taking requests from any thread.
+
+    ``max_queued_requests`` bounds the requests accepted beyond what the scheduler runs at once
+    (``scheduler.max_num_seqs``): past ``max_num_seqs + max_queued_requests`` unfinished requests,
+    :meth:`add_request` raises :class:`QueueFullError`.
+    """
+
+    def __init__(
+        self,
+        cfg: PprunConfig,
+        *,
+        max_queued_requests: int = 1024,
+        fault_injection: dict[int, dict] | None = None,
+    ) -> None:
+        if not isinstance(max_queued_requests, int) or max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests={max_queued_requests!r} is invalid: must be an integer >= 0")
+        self.engine = LLMEngine(cfg, fault_injection=fault_injection)
+        self.cfg = cfg
+        self.max_unfinished = cfg.scheduler.max_num_seqs + max_queued_requests
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._active: dict[str, _Active] = {}
+        self._lock = threading.Condition()
+        """Guards ``_active`` (added to by callers, removed from by the engine thread)."""
+        self._closing = False
+        self._stop = False
+        self.dead: str | None = None
+        """Why the engine failed (a stage died); None while healthy."""
+        self._health_listeners: list[Callable[[bool], None]] = []
+        self._thread = threading.Thread(target=self._run, name="pprun-engine", daemon=True)
+        self._thread.start()
+
+    # --- state ------------------------------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        """True while the engine takes requests (no stage failure, not draining)."""
+        return self.dead is None and not self._closing
+
+    def add_health_listener(self, listener: Callable[[bool], None]) -> None:
+        """Call ``listener(healthy)`` when a stage fails or shutdown starts (from whichever thread
+        notices)."""
+        self._health_listeners.append(listener)
+
+    def _health_changed(self) -> None:
+        for listener in list(self._health_listeners):
+            try:
+                listener(self.healthy)
+            except Exception:  # a listener's bug must not stop the engine
+                logger.exception("health listener failed")
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests accepted whose last delta has not been delivered yet."""
+        return len(self._active)
+
+    def num_free_blocks(self) -> int:
+        """KV blocks free in the scheduler's block manager (a consistent snapshot of one int)."""
+        return self.engine.scheduler.block_manager.num_free_blocks
+
+    def describe(self) -> dict:
+        """The engine's facts (model, runner, executor, stage layout) plus the block size."""
+        facts = self.engine.describe()
+        facts["max_model_len"] = self.engine.max_model_len
+        facts["block_size"] = self.cfg.cache.block_size
+        return facts
+
+    # --- requests ---------------------------------------------------------------------------------
+
+    def check_request(self, prompt: object, params: object, where: str = "request") -> tuple[str | None, list[int]]:
+        """Validate a prompt (str or ``{"prompt_token_ids": [...]}``) and its sampling parameters
+        in the caller's thread; returns ``(text, token_ids)`` or raises ValueError naming ``where``."""
+        self.engine.check_params(params, f"{where}.sampling_params")
+        return self.engine.check_prompt(prompt, f"{where}.prompt")
+
+    def chat_prompt(self, messages: object, where: str = "messages", *, add_generation_prompt: bool = True) -> dict:
+        """A chat conversation rendered with the model's template into a token-id prompt."""
+        return self.engine.render_chat(messages, where, add_generation_prompt=add_generation_prompt)
+
+    def add_request(
+        self,
+        prompt: str | dict,
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> RequestStream:
+        """Validate and queue a request; returns its stream of deltas.
+
+        With ``loop`` the deltas are delivered on that event loop (``async for``), without it
+        into a blocking queue (``for``).  Raises ValueError (bad prompt, parameters or a
+        ``request_id`` in use), :class:`EngineClosedError` (draining, stopped or failed) or
+        :class:`QueueFullError`.
+        """
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise ValueError(f"request_id={request_id!r} is invalid: must be a non-empty string, or None")
+        self._check_open()
+        text, ids = self.check_request(prompt, params)
+        req_id = request_id or uuid.uuid4().hex
+        stops = params.stop or []
+        active = _Active(
+            RequestStream(req_id, loop),
+            params,
+            len(ids),
+            IncrementalDetokenizer(self.engine.tokenizer, params.skip_special_tokens),
+            hold_back=max((len(s) for s in stops), default=1) - 1,
+        )
+        with self._lock:
+            self._check_open()
+            if req_id in self._active:
+                raise ValueError(f"request_id={req_id!r} is invalid: a request with this id is running")
+            if len(self._active) >= self.max_unfinished:
+                raise QueueFullError(
+                    f"{len(self._active)} requests are unfinished, the most this server queues "
+                    f"(scheduler.max_num_seqs + serve.max_queued_requests = {self.max_unfinished}); retry later"
+                )
+            self._active[req_id] = active
+        self._commands.put(_Add(req_id, ids, params, text))
+        return active.stream
+
+    async def generate(self, prompt: str | dict, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestDelta]:
+        """Add a request and yield its deltas on the running event loop; leaving the loop early
+        (the caller was cancelled, or broke out) aborts the request."""
+        stream = self.add_request(prompt, params, request_id, loop=asyncio.get_running_loop())
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a running request (its stream ends with finish_reason "abort"); returns False
+        when no request with this id is running."""
+        with self._lock:
+            if request_id not in self._active:
+                return False
+        self._commands.put(_Abort(request_id))
+        return True
+
+    def _check_open(self) -> None:
+        if self.dead is not None:
+            raise EngineClosedError(f"the engine has failed ({self.dead}); the server must be restarted")
+        if self._closing:
+            raise EngineClosedError("the engine is shutting down and takes no new requests")
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+        """Refuse new requests, give running ones ``drain_timeout_s`` to finish, abort the rest,
+        then stop the engine thread and the stages.  Idempotent."""
+        if self._stop:
+            return
+        was_healthy = self.healthy
+        self._closing = True
+        if was_healthy:
+            self._health_changed()
+        deadline = time.monotonic() + max(0.0, drain_timeout_s)
+        with self._lock:
+            self._lock.wait_for(lambda: not self._active, timeout=max(0.0, deadline - time.monotonic()))
+            left = list(self._active)
+        if left:
+            logger.warning("drain timeout (%.1f s): aborting %d unfinished request(s)", drain_timeout_s, len(left))
+            for req_id in left:
+                self._commands.put(_Abort(req_id))
+            with self._lock:
+                self._lock.wait_for(lambda: not self._active, timeout=10.0)
+        self._stop = True
+        self._commands.put(None)  # wakes an idle engine thread
+        self._thread.join(timeout=max(10.0, self.cfg.parallel.stage_timeout_s + 5))
+        self.engine.shutdown()
+
+    # --- the engine thread ------------------------------------------------------------------------
+
+    def _take_commands(self, block: bool) -> list[_Add | _Abort | None]:
+        cmds = []
+        try:
+            cmds.append(self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait())
+        except queue.Empty:
+            return cmds
+        while True:
+            try:
+                cmds.append(self._commands.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop:
+            cmds = self._take_commands(block=not eng.has_unfinished_requests())
+            num_aborts = 0
+            for cmd in cmds:
+                if isinstance(cmd, _Add):
+                    self._apply_add(cmd)
+                elif isinstance(cmd, _Abort):
+                    num_aborts += self._apply_abort(cmd.request_id)
+            if self.dead is not None or not (eng.has_unfinished_requests() or num_aborts):
+                continue
+            try:
+                finished = eng.step()
+            except StageFailedError as e:
+                self._fail(str(e))
+                continue
+            except Exception as e:  # a bug must end the streams, not leave clients waiting forever
+                logger.exception("engine step failed")
+                self._fail(f"{type(e).__name__}: {e}")
+                continue
+            self._emit(eng.last_updated, finished)
+            if eng.dead is not None:  # failed after the step's bookkeeping: the rest end now
+                self._fail(eng.dead)
+                continue
+            if not finished and not eng.in_flight and not eng.last_updated:
+                time.sleep(0.001)  # nothing could be scheduled this round: do not spin
+
+    def _apply_add(self, cmd: _Add) -> None:
+        active = self._active.get(cmd.request_id)
+        if active is None:  # aborted and ended before it reached the engine
+            return
+        if self.dead is not None:
+            self._end(active, self._error_delta(active, self.dead))
+            return
+        try:
+            self.engine.add_request(cmd.prompt_token_ids, cmd.params, prompt=cmd.prompt, request_id=cmd.request_id)
+        except Exception as e:  # validated already; anything here is the engine's own refusal
+            self._end(active, self._error_delta(active, f"{type(e).__name__}: {e}"))
+            return
+        active.in_engine = True
+
+    def _apply_abort(self, request_id: str) -> int:
+        active = self._active.get(request_id)
+        if active is None:
+            return 0
+        if not active.in_engine:  # still in the command queue behind this abort: end it here
+            self._end(active, RequestDelta(request_id, [], "", finished=True, finish_reason="abort",
+                                           num_prompt_tokens=active.num_prompt_tokens))
+            return 0
+        self.engine.abort_request(request_id)
+        return 1
+
+    def _emit(self, updated: list, finished: list[RequestOutput]) -> None:
+        """Deltas of one step: new tokens of running requests, then the finished ones' last."""
+        deliveries: list[tuple[_Active, RequestDelta]] = []
+        for req in updated:
+            if req.is_finished:
+                continue  # its output is among ``finished``
+            active = self._active.get(req.req_id)
+            if active is None or len(req.output_token_ids) <= active.num_sent_tokens:
+                continue
+            new_ids = req.output_token_ids[active.num_sent_tokens :]
+            active.detok.add(new_ids)
+            visible = len(active.detok.text) - active.hold_back
+            text = active.detok.text[active.num_sent_chars : visible] if visible > active.num_sent_chars else ""
+            delta = RequestDelta(
+                req.req_id, list(new_ids), text, self._logprobs(req.req_id, active, len(new_ids)),
+                num_prompt_tokens=active.num_prompt_tokens, num_output_tokens=len(req.output_token_ids),
+            )  # fmt: skip
+            active.num_sent_tokens += len(new_ids)
+            active.num_sent_chars += len(text)
+            deliveries.append((active, delta))
+        for out in finished:
+            active = self._active.get(out.request_id)
+            if active is not None:
+                deliveries.append((active, self._final_delta(active, out)))
+        self._deliver(deliveries)
+
+    def _logprobs(self, req_id: str, active: _Active, num_new: int) -> list | None:
+        tr = self.engine.tracked.get(req_id)
+        if tr is None or tr.logprobs is None:
+            return None
+        return tr.logprobs[active.num_sent_tokens : active.num_sent_tokens + num_new]
+
+    def _final_delta(self, active: _Active, out: RequestOutput) -> RequestDelta:
+        comp = out.outputs[0]
+        new_ids = comp.token_ids[active.num_sent_tokens :]
+        if self.engine.tokenizer is None:
+            text = ""
+        else:
+            if len(active.detok.token_ids) < active.num_sent_tokens + len(new_ids):
+                active.detok.add(new_ids)
+            text = active.detok.finish(comp.text, active.num_sent_chars)
+        logprobs = comp.logprobs[active.num_sent_tokens :] if comp.logprobs is not None else None
+        return RequestDelta(
+            out.request_id, list(new_ids), text, logprobs, finished=True,
+            finish_reason=comp.finish_reason, stop_reason=comp.stop_reason, error=out.error,
+            num_prompt_tokens=len(out.prompt_token_ids), num_output_tokens=len(comp.token_ids),
+            metrics=out.metrics,
+        )  # fmt: skip
+
+    def _error_delta(self, active: _Active, why: str) -> RequestDelta:
+        return RequestDelta(active.stream.request_id, [], "", finished=True, finish_reason="error", error=why,
+                            num_prompt_tokens=active.num_prompt_tokens, num_output_tokens=active.num_sent_tokens)
+
+    def _end(self, active: _Active, delta: RequestDelta) -> None:
+        self._deliver([(active, delta)])
+
+    def _deliver(self, deliveries: list[tuple[_Active, RequestDelta]]) -> None:
+        """Put deltas on their streams (one hand-over per event loop) and forget finished ones."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestDelta]]] = {}
+        ended = []
+        for active, delta in deliveries:
+            stream = active.stream
+            if delta.finished:
+                ended.append(stream.request_id)
+            if stream.loop is None:
+                stream._put(delta)
+            else:
+                by_loop.setdefault(stream.loop, []).append((stream, delta))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening
+                pass
+        if ended:
+            with self._lock:
+                for req_id in ended:
+                    self._active.pop(req_id, None)
+                self._lock.notify_all()
+
+    def _fail(self, why: str) -> None:
+        """A stage failed: every stream ends with an error delta; new requests are refused."""
+        logger.error("engine failed: %s", why)
+        self.dead = why
+        outputs = {out.request_id: out for out in self.engine.drain_failed()}
+        deliveries = []
+        for req_id, active in list(self._active.items()):
+            out = outputs.get(req_id)
+            delta = self._final_delta(active, out) if out is not None else self._error_delta(active, why)
+            delta.finish_reason, delta.error = "error", why
+            deliveries.append((active, delta))
+        self._deliver(deliveries)
+        self._health_changed()
+
+
+def _put_all(items: list[tuple[RequestStream, Any]]) -> None:
+    for stream, delta in items:
+        stream._put(delta)

@@ -1,0 +1,60 @@
+"""Incremental detokenization: the text each step's new tokens add, without re-decoding the output.
+
+Decoding token by token is wrong for byte-level and SentencePiece tokenizers (a character may
+span tokens; a word's leading space depends on what precedes it), and decoding the whole output
+every step costs O(n) per token.  The method here (the one vLLM uses) decodes a short window
+twice: the tokens already shown plus the new ones, and the tokens already shown alone, both from
+the same start ``prefix_offset``; the difference is the new text.  Text ending in U+FFFD (an
+incomplete UTF-8 sequence) waits for the next token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class IncrementalDetokenizer:
+    """Turns a request's output token ids, a few at a time, into text deltas.
+
+    ``text`` (all deltas joined) equals ``tokenizer.decode(all_ids)`` for the tokenizers pprun
+    serves; :meth:`finish` reconciles the rare case where it does not.
+    """
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.text = ""
+        """Text decoded so far (all deltas joined)."""
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, new_token_ids: list[int]) -> str:
+        """Append tokens; returns the text they complete ("" while a character is incomplete)."""
+        if self.tokenizer is None:
+            return ""
+        self.token_ids.extend(new_token_ids)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        self.text += delta
+        return delta
+
+    def finish(self, final_text: str, sent_len: int) -> str:
+        """The last delta, given the request's final text and how many characters were sent.
+
+        ``final_text`` is the engine's decode of the whole output (cut before a stop string); it
+        normally extends what was sent.  If a tokenizer's clean-up made it differ, what was sent
+        cannot be taken back: the rest of this detokenizer's own text is sent instead.
+        """
+        sent = self.text[:sent_len]
+        if final_text.startswith(sent):
+            return final_text[sent_len:]
+        return self.text[sent_len:]

@@ -1,0 +1,196 @@
+"""The async engine: per-step deltas from an engine thread, many callers, abort, failure, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from pprun import LLM
+from pprun.config.config import PprunConfig
+from pprun.engine.async_engine import AsyncEngine, EngineClosedError, QueueFullError
+from pprun.sampling.params import SamplingParams
+
+TOKEN_PROMPTS = [{"prompt_token_ids": [(7 * i + j) % 250 + 1 for j in range(3 + i)]} for i in range(6)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def tiny_config(model_dir, **kwargs) -> PprunConfig:
+    return PprunConfig.from_kwargs(model=str(model_dir), dtype="float32", max_num_seqs=4, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tiny_offline(tiny_llama_dir):
+    """Offline greedy token ids of TOKEN_PROMPTS (the reference every stream must equal)."""
+    with LLM(str(tiny_llama_dir), dtype="float32") as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(TOKEN_PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_threads_stream_deltas_equal_to_offline(tiny_llama_dir, tiny_offline, runner):
+    """Six callers in six threads (more than max_num_seqs=4: some queue, then join the running
+    batch); every stream's deltas joined are the offline output, one or more deltas each."""
+    engine = AsyncEngine(tiny_config(tiny_llama_dir, runner=runner))
+    free_at_start = engine.num_free_blocks()
+    results: dict[int, list] = {}
+
+    def client(i: int) -> None:
+        results[i] = list(engine.add_request(TOKEN_PROMPTS[i], GREEDY, request_id=f"r{i}"))
+
+    try:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(TOKEN_PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        for i, deltas in results.items():
+            assert [t for d in deltas for t in d.token_ids] == tiny_offline[i]
+            assert len(deltas) >= 2 and not any(d.finished for d in deltas[:-1])
+            last = deltas[-1]
+            assert last.finished and last.finish_reason == "length" and last.metrics is not None
+            assert last.num_output_tokens == len(tiny_offline[i])
+            assert last.num_prompt_tokens == len(TOKEN_PROMPTS[i]["prompt_token_ids"])
+        assert len(results) == len(TOKEN_PROMPTS)
+        assert engine.num_free_blocks() == free_at_start and engine.num_unfinished == 0
+    finally:
+        engine.shutdown()
+
+
+def test_text_deltas_join_to_offline_text(demo_model_dir):
+    """Incremental detokenization: text deltas joined equal the offline text, a stop string
+    included (never streamed, even in part)."""
+    prompts = ["The capital of France is", "Write a haiku about a graphics card."]
+    params = [SamplingParams(temperature=0.0, max_tokens=24), SamplingParams(temperature=0.0, max_tokens=24)]
+    with LLM(demo_model_dir, executor="uni") as llm:
+        offline = llm.generate(prompts, params)
+        # A stop string taken from the middle of the first output: the request must stop there.
+        full = offline[0].outputs[0].text
+        stop = full[len(full) // 2 : len(full) // 2 + 3]
+        params.append(SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]))
+        prompts.append(prompts[0])
+        offline.append(llm.generate(prompts[0], params[2])[0])
+    assert offline[2].outputs[0].finish_reason == "stop"
+    engine = AsyncEngine(PprunConfig.from_kwargs(model=str(demo_model_dir), executor="uni"))
+    try:
+        streams = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        for stream, ref in zip(streams, offline):
+            deltas = list(stream)
+            assert "".join(d.text for d in deltas) == ref.outputs[0].text
+            assert [t for d in deltas for t in d.token_ids] == ref.outputs[0].token_ids
+            assert deltas[-1].finish_reason == ref.outputs[0].finish_reason
+            if ref.outputs[0].finish_reason == "stop":
+                assert all(stop not in "".join(d.text for d in deltas[: k + 1]) for k in range(len(deltas)))
+    finally:
+        engine.shutdown()
+
+
+def test_asyncio_callers_and_cancel_frees_blocks(tiny_llama_dir, tiny_offline):
+    """Callers on an event loop: one cancelled mid-stream is aborted (its blocks come back),
+    the others finish with the offline output."""
+    engine = AsyncEngine(tiny_config(tiny_llama_dir))
+    free_at_start = engine.num_free_blocks()
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    async def collect(i: int) -> list[int]:
+        return [t async for d in engine.generate(TOKEN_PROMPTS[i], GREEDY) for t in d.token_ids]
+
+    async def cancelled() -> int:
+        seen = 0
+        async for _ in engine.generate(TOKEN_PROMPTS[0], long, request_id="long"):
+            seen += 1
+            if seen == 3:
+                break  # leaving the generator aborts the request
+        return seen
+
+    async def main():
+        return await asyncio.gather(cancelled(), *(collect(i) for i in range(3)))
+
+    try:
+        seen, *outs = asyncio.run(main())
+        assert seen == 3 and outs == tiny_offline[:3]
+        # The abort is applied before the engine's next step; wait for the stream to be dropped.
+        for _ in range(200):
+            if engine.num_unfinished == 0:
+                break
+            threading.Event().wait(0.01)
+        assert engine.num_unfinished == 0 and engine.num_free_blocks() == free_at_start
+    finally:
+        engine.shutdown()
+
+
+def test_abort_ends_stream_and_frees_blocks(tiny_llama_dir):
+    engine = AsyncEngine(tiny_config(tiny_llama_dir))
+    free_at_start = engine.num_free_blocks()
+    try:
+        stream = engine.add_request(TOKEN_PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+        it = iter(stream)
+        first = next(it)
+        assert not first.finished and engine.num_free_blocks() < free_at_start
+        assert engine.abort(stream.request_id)
+        rest = list(it)
+        assert rest[-1].finished and rest[-1].finish_reason == "abort"
+        assert first.num_output_tokens + sum(len(d.token_ids) for d in rest) < 400
+        assert engine.num_free_blocks() == free_at_start
+        assert not engine.abort(stream.request_id)  # gone: nothing to abort
+    finally:
+        engine.shutdown()
+
+
+def test_bad_requests_are_refused_before_queueing(tiny_llama_dir):
+    engine = AsyncEngine(tiny_config(tiny_llama_dir), max_queued_requests=0)
+    try:
+        with pytest.raises(ValueError, match=r"request\.sampling_params: SamplingParams\.top_p=2\.0"):
+            engine.add_request(TOKEN_PROMPTS[0], SamplingParams(top_p=2.0))
+        with pytest.raises(ValueError, match=r"request\.prompt\.prompt_token_ids\[0\]=999 is outside the vocabulary"):
+            engine.add_request({"prompt_token_ids": [999]}, GREEDY)
+        with pytest.raises(ValueError, match="needs a tokenizer"):
+            engine.add_request("text", GREEDY)
+        long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        streams = [engine.add_request(TOKEN_PROMPTS[0], long, request_id=f"q{i}") for i in range(4)]
+        with pytest.raises(ValueError, match="request_id='q0' is invalid"):
+            engine.add_request(TOKEN_PROMPTS[0], long, request_id="q0")
+        with pytest.raises(QueueFullError, match="4 requests are unfinished"):
+            engine.add_request(TOKEN_PROMPTS[0], long)
+        for s in streams:
+            engine.abort(s.request_id)
+        assert all(list(s)[-1].finish_reason == "abort" for s in streams)
+        assert engine.num_unfinished == 0
+    finally:
+        engine.shutdown()
+
+
+def test_stage_failure_ends_every_stream_with_an_error(tiny_llama_dir):
+    engine = AsyncEngine(tiny_config(tiny_llama_dir), fault_injection={0: {"raise_at_step": 4}})
+    health: list[bool] = []
+    engine.add_health_listener(health.append)
+    try:
+        streams = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+                   for p in TOKEN_PROMPTS[:3]]
+        for s in streams:
+            last = list(s)[-1]
+            assert last.finish_reason == "error" and "injected failure" in last.error
+        assert not engine.healthy and health == [False]
+        with pytest.raises(EngineClosedError, match="the engine has failed"):
+            engine.add_request(TOKEN_PROMPTS[0], GREEDY)
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_drains_then_aborts(tiny_llama_dir, tiny_offline):
+    """Shutdown lets a short request finish within the drain timeout, aborts one that cannot,
+    and refuses new requests from the moment it starts."""
+    engine = AsyncEngine(tiny_config(tiny_llama_dir, stage_timeout_s=30.0))
+    short = engine.add_request(TOKEN_PROMPTS[2], GREEDY)
+    endless = engine.add_request(TOKEN_PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=1900, ignore_eos=True))
+    results = {}
+    readers = [threading.Thread(target=lambda s=s: results.setdefault(s.request_id, list(s))) for s in (short, endless)]
+    for t in readers:
+        t.start()
+    engine.shutdown(drain_timeout_s=1.0)
+    for t in readers:
+        t.join(timeout=30)
+    assert [t for d in results[short.request_id] for t in d.token_ids] == tiny_offline[2]
+    assert results[endless.request_id][-1].finish_reason == "abort"
+    with pytest.raises(EngineClosedError, match="shutting down"):
+        engine.add_request(TOKEN_PROMPTS[0], GREEDY)
