@@ -1,4 +1,4 @@
-"""DESIGN.md contracts 1 and 2 through the real runners (V1 and V2), one regression test each."""
+"""docs/design.md contracts 1 and 2 through the real runners (V1 and V2), one regression test each."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Choose the model runner (V1 or V2) for a configuration (DESIGN.md contract 5).
+"""Choose the model runner (V1 or V2) for a configuration (docs/design.md contract 5).
 
 V2 is the default wherever it can run; every configuration it cannot serve has a reason here, and
 ``runner=auto`` falls back to V1 with one warning naming those reasons.

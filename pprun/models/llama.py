@@ -6,7 +6,7 @@ stage owns the embedding, the last the final norm and LM head (a tied head reads
 weights), and only the stage's own layers are ever allocated.  Checkpoint quirks (separate
 q/k/v and gate/up tensors fused into one matmul each) are handled in ``load_weights``.
 
-Forward follows DESIGN.md contract 1: ``forward(input_ids, positions, inputs_embeds,
+Forward follows docs/design.md contract 1: ``forward(input_ids, positions, inputs_embeds,
 intermediate_tensors, attn_metadata)``; a non-last stage returns ``IntermediateTensors`` with
 one tensor, ``hidden_states``: the residual stream after its last layer (that layer's output
 added to its residual, which the layers otherwise carry apart to fold the add into the next

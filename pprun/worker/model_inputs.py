@@ -1,4 +1,4 @@
-"""Building the keyword arguments of a model's forward: DESIGN.md contracts 1 and 2, in one place.
+"""Building the keyword arguments of a model's forward: docs/design.md contracts 1 and 2, in one place.
 
 Both runners call :func:`build_model_inputs`, so the contract cannot drift between them.
 """
