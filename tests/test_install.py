@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+# A wheel build, a fresh environment and two CLI runs: ~20-40 s on a 2-core machine.
+pytestmark = pytest.mark.slow
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # What a wheel is built from: the package, the YAML, and the packaging files (pyproject names README.md).
