@@ -60,6 +60,14 @@ class ParallelConfig:
     """Longest wait, in seconds, between stages or for a step's result before the step fails."""
     ray_num_cpus_per_stage: float = 0.5
     """CPUs each Ray stage actor reserves (fractional so several stages fit on a small machine)."""
+    placement_strategy: str = "PACK"
+    """How Ray places the stage actors' placement group over nodes (executor ray): PACK (as few
+    nodes as fit them), SPREAD (over as many nodes as can take them), STRICT_PACK (all on one
+    node, else an error), STRICT_SPREAD (every stage on a node of its own, else an error)."""
+    stage_resources: list[dict[str, float]] | None = None
+    """Extra Ray resources each stage's actor reserves (executor ray), one mapping per stage from
+    first to last, e.g. ``[{node_a: 1}, {node_b: 1}]`` to pin stages to nodes started with those
+    custom resources; None: CPU (and one GPU on GPU) only."""
     microbatches: int | None = None
     """Batches in flight through the pipeline (executors mp and ray): steps submitted whose output
     has not come back.  None means one per stage.  One more than the stage count keeps every
@@ -355,6 +363,73 @@ class BenchAppConfig(PprunConfig):
         return PprunConfig.from_omegaconf(self)
 
 
+@dataclass
+class ServeConfig:
+    """The gRPC server of ``pprun serve`` (``docs/serving.md``)."""
+
+    host: str = "127.0.0.1"
+    """Address to bind: loopback by default; "0.0.0.0" or "[::]" only when asked."""
+    port: int = 50051
+    """TCP port; 0 picks a free one (the address served is logged and printed)."""
+    model_name: str | None = None
+    """Name clients use for the model (KServe ``model_name``, pprun.v1 ``model``); None: the
+    last path component of ``model.model``."""
+    auth_token: str | None = None
+    """Bearer token every call must carry (``authorization: Bearer <token>`` metadata); None
+    with no ``auth_token_file``: no token checked."""
+    auth_token_file: str | None = None
+    """File holding the bearer token (first line), so it stays off the command line."""
+    tls_cert_file: str | None = None
+    """PEM certificate chain: with ``tls_key_file``, serve TLS instead of plaintext."""
+    tls_key_file: str | None = None
+    """PEM private key of ``tls_cert_file``."""
+    max_message_bytes: int = 4 * 1024 * 1024
+    """Largest request or response message; a bigger one fails with RESOURCE_EXHAUSTED."""
+    max_queued_requests: int = 1024
+    """Requests accepted beyond ``scheduler.max_num_seqs`` (waiting for a slot); past that a new
+    request fails with RESOURCE_EXHAUSTED."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM/SIGINT: how long running requests get to finish before they are aborted."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field, its value and what is allowed."""
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"serve.host={self.host!r} is invalid: must be an address such as 127.0.0.1")
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"serve.port={self.port!r} is invalid: must be an integer in [0, 65535]")
+        if not isinstance(self.max_message_bytes, int) or self.max_message_bytes < 1024:
+            raise ValueError(f"serve.max_message_bytes={self.max_message_bytes!r} is invalid: must be an integer >= 1024")
+        if not isinstance(self.max_queued_requests, int) or self.max_queued_requests < 0:
+            raise ValueError(f"serve.max_queued_requests={self.max_queued_requests!r} is invalid: must be an integer >= 0")
+        if not isinstance(self.drain_timeout_s, (int, float)) or not 0 <= self.drain_timeout_s < float("inf"):
+            raise ValueError(f"serve.drain_timeout_s={self.drain_timeout_s!r} is invalid: must be a number >= 0")
+        if self.auth_token is not None and self.auth_token_file is not None:
+            raise ValueError("serve.auth_token and serve.auth_token_file are both set: give one")
+        if self.auth_token is not None and (not isinstance(self.auth_token, str) or not self.auth_token.strip()):
+            raise ValueError("serve.auth_token is empty: give a token, or leave it unset")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError(
+                f"serve.tls_cert_file={self.tls_cert_file!r} and serve.tls_key_file={self.tls_key_file!r}: "
+                "TLS needs both (or neither, for plaintext)"
+            )
+        for name in ("auth_token_file", "tls_cert_file", "tls_key_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).expanduser().is_file():
+                raise ValueError(f"serve.{name}={path!r} is not a file")
+
+
+@dataclass
+class ServeAppConfig(PprunConfig):
+    """The ``pprun serve`` app: PprunConfig's keys at top level (as ``pprun generate``), plus the server."""
+
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    """Address, authentication, TLS, limits and draining of the gRPC server."""
+
+    def pprun_config(self) -> PprunConfig:
+        """Just the engine's configuration."""
+        return PprunConfig.from_omegaconf(self)
+
+
 def default_conf_dir() -> Path:
     """The directory holding the Hydra YAML (``generate.yaml``, ``bench.yaml`` and groups).
 
@@ -375,7 +450,7 @@ def default_conf_dir() -> Path:
 def register_configs() -> None:
     """Store the schemas in Hydra's ConfigStore, so YAML under ``conf/`` is type-checked against them.
 
-    Names: ``pprun_schema`` (PprunConfig), ``generate_schema`` and ``bench_schema`` (the apps).
+    Names: ``pprun_schema`` (PprunConfig), ``generate_schema``, ``bench_schema`` and ``serve_schema`` (the apps).
     Calling it again is harmless.
     """
     from hydra.core.config_store import ConfigStore
@@ -384,3 +459,4 @@ def register_configs() -> None:
     store.store(name="pprun_schema", node=PprunConfig)
     store.store(name="generate_schema", node=GenerateAppConfig)
     store.store(name="bench_schema", node=BenchAppConfig)
+    store.store(name="serve_schema", node=ServeAppConfig)

@@ -202,18 +202,19 @@ class AsyncEngine:
         request_id: str | None = None,
         *,
         loop: asyncio.AbstractEventLoop | None = None,
+        where: str = "request",
     ) -> RequestStream:
         """Validate and queue a request; returns its stream of deltas.
 
         With ``loop`` the deltas are delivered on that event loop (``async for``), without it
         into a blocking queue (``for``).  Raises ValueError (bad prompt, parameters or a
         ``request_id`` in use), :class:`EngineClosedError` (draining, stopped or failed) or
-        :class:`QueueFullError`.
+        :class:`QueueFullError`.  Error messages name ``where`` (``request.prompt: ...``).
         """
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise ValueError(f"request_id={request_id!r} is invalid: must be a non-empty string, or None")
         self._check_open()
-        text, ids = self.check_request(prompt, params)
+        text, ids = self.check_request(prompt, params, where)
         req_id = request_id or uuid.uuid4().hex
         stops = params.stop or []
         active = _Active(

@@ -1,0 +1,27 @@
+"""``pprun serve``: serve one model over gRPC (``pprun.serve``) until SIGTERM, then drain and exit 0.
+
+The model, parallel, scheduler, cache, compilation and runner keys are ``pprun generate``'s; the
+server's own are under ``serve.`` (``pprun.config.ServeConfig``).
+"""
+
+from __future__ import annotations
+
+from pprun.apps import run_hydra_app
+from pprun.config.config import ServeAppConfig
+
+
+def run(cfg: ServeAppConfig) -> None:
+    """Validate the server settings, start the engine and serve (returns after draining)."""
+    cfg.serve.validate()
+    from pprun.serve.server import serve
+
+    serve(cfg)
+
+
+def main() -> None:
+    """Entry point of ``pprun serve`` (Hydra overrides from ``sys.argv``)."""
+    run_hydra_app("serve", run)
+
+
+if __name__ == "__main__":
+    main()

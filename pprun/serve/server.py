@@ -1,0 +1,170 @@
+"""The gRPC server of ``pprun serve``: services, authentication, TLS, limits, health, draining.
+
+One asyncio event loop runs the gRPC server (``grpc.aio``); the async engine's own thread steps
+the model.  Served: ``pprun.v1.Pprun``, ``inference.GRPCInferenceService`` (KServe v2 / Triton),
+``grpc.health.v1.Health`` (SERVING while the engine takes requests; NOT_SERVING after a stage
+failure and while draining) and server reflection.  With a bearer token configured every call,
+health and reflection included, must carry ``authorization: Bearer <token>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pprun.config.config import ServeAppConfig, ServeConfig
+from pprun.engine.async_engine import AsyncEngine
+from pprun.serve._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
+from pprun.serve._proto.pprun.v1 import pprun_pb2, pprun_pb2_grpc
+from pprun.serve.kserve import KServeService
+from pprun.serve.pprun_api import PprunService
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAMES = (
+    pprun_pb2.DESCRIPTOR.services_by_name["Pprun"].full_name,
+    grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
+)
+"""The services pprun implements (health and reflection come on top)."""
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses, with UNAUTHENTICATED, every call without ``authorization: Bearer <token>``."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, handler_call_details):
+        """Let the call through to its handler, or swap in one that refuses it."""
+        given = None
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else value
+        handler = await continuation(handler_call_details)
+        if handler is None or (given is not None and hmac.compare_digest(given, self._expected)):
+            return handler
+        message = (
+            "this server needs 'authorization: Bearer <token>' metadata on every call"
+            if given is None
+            else "the bearer token in 'authorization' is wrong"
+        )
+
+        async def refuse(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        make = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(handler.request_streaming, handler.response_streaming)]
+        return make(refuse, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
+
+
+def served_model_name(cfg: ServeAppConfig) -> str:
+    """The name clients use for the model: ``serve.model_name`` or the model path's last part."""
+    return cfg.serve.model_name or Path(str(cfg.model.model)).name
+
+
+def read_token(sc: ServeConfig) -> str | None:
+    """The bearer token from ``serve.auth_token`` or the first line of ``serve.auth_token_file``."""
+    if sc.auth_token_file is not None:
+        token = Path(sc.auth_token_file).expanduser().read_text().strip().splitlines()
+        if not token or not token[0].strip():
+            raise ValueError(f"serve.auth_token_file={sc.auth_token_file!r} holds no token")
+        return token[0].strip()
+    return sc.auth_token
+
+
+def bind_address(host: str, port: int) -> str:
+    """``host:port`` as gRPC takes it (an IPv6 literal in brackets)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+async def serve_engine(engine: AsyncEngine, cfg: ServeAppConfig, stop: asyncio.Event | None = None) -> None:
+    """Serve ``engine`` until SIGTERM/SIGINT (or ``stop`` is set), then drain and return."""
+    sc = cfg.serve
+    token = read_token(sc)
+    loop = asyncio.get_running_loop()
+    options = [
+        ("grpc.max_receive_message_length", sc.max_message_bytes),
+        ("grpc.max_send_message_length", sc.max_message_bytes),
+        ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
+    ]
+    server = grpc.aio.server(interceptors=[BearerTokenInterceptor(token)] if token else [], options=options)
+    name = served_model_name(cfg)
+    pprun_pb2_grpc.add_PprunServicer_to_server(PprunService(engine, name), server)
+    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeService(engine, name), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+
+    async def set_health(serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", *SERVICE_NAMES):
+            await health_servicer.set(service, status)
+
+    await set_health(engine.healthy)
+    engine.add_health_listener(
+        lambda ok: loop.call_soon_threadsafe(lambda: asyncio.ensure_future(set_health(ok)))
+    )
+
+    address = bind_address(sc.host, sc.port)
+    if sc.tls_cert_file is not None:
+        creds = grpc.ssl_server_credentials(
+            [(Path(sc.tls_key_file).expanduser().read_bytes(), Path(sc.tls_cert_file).expanduser().read_bytes())]
+        )
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    if not port:
+        raise ValueError(f"serve.host={sc.host!r} serve.port={sc.port}: cannot bind {address}")
+    await server.start()
+    bound = bind_address(sc.host, port)
+    logger.info("pprun serve: %s on %s (%s)%s", name, bound, "TLS" if sc.tls_cert_file else "plaintext",
+                ", bearer token required" if token else "")
+    # One machine-readable line on stdout: scripts and tests wait for it (port 0 picks the port).
+    print(json.dumps({"event": "serving", "address": bound, "model": name, "tls": sc.tls_cert_file is not None}),
+          flush=True)
+
+    stop = stop or asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests drive `stop`)
+            pass
+    await stop.wait()
+    logger.info("pprun serve: draining (up to %.1f s), then stopping", sc.drain_timeout_s)
+    await set_health(False)
+    # The engine refuses new requests, lets running ones finish (their streams still flow on
+    # this loop), aborts what is left at the timeout and stops the stages.
+    await loop.run_in_executor(None, engine.shutdown, sc.drain_timeout_s)
+    await server.stop(grace=2.0)
+    logger.info("pprun serve: stopped")
+
+
+def serve(cfg: ServeAppConfig) -> None:
+    """Start the engine (the model's stages), then serve it until SIGTERM/SIGINT; returns after
+    draining, so the process exits 0."""
+    cfg.serve.validate()
+    read_token(cfg.serve)  # a bad token file fails before the model loads
+    engine = AsyncEngine(cfg.pprun_config(), max_queued_requests=cfg.serve.max_queued_requests)
+    try:
+        asyncio.run(serve_engine(engine, cfg))
+    finally:
+        engine.shutdown(drain_timeout_s=0.0)
+        sys.stdout.flush()
