@@ -13,8 +13,14 @@ The config is composed with ``hydra.compose`` rather than ``@hydra.main``: every
 script, and ``hydra.main`` would have each of them set up Hydra's logging and working directory.
 
 Every rank computes the same results (the last stage shares each step's sampled tokens), so
-only rank 0 reports them: as JSON lines to ``output_file`` when set, else to stdout. Prompts come
-from ``prompts`` and ``input_file`` (one prompt per line, or ``.jsonl`` with a ``"prompt"`` string
+only rank 0 reports them: as JSON lines to ``output_file`` when set, else to stdout; an
+``output_file`` holding ``{rank}`` has every rank write its own copy.
+
+Several hosts (``--nnodes N``): start the same command on every host with one rendezvous
+endpoint, e.g. ``torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint
+HOST0:29500 --rdzv-id job1 launchers/torchrun_generate.py ...`` (``docs/cluster.md``).
+
+Prompts come from ``prompts`` and ``input_file`` (one prompt per line, or ``.jsonl`` with a ``"prompt"`` string
 or a ``"prompt_token_ids"`` list per line, the latter for models without a tokenizer).
 """
 
@@ -98,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             outputs = llm.generate(prompts, params)
         summary = llm.describe()
-    if rank != 0:
+    # Every rank holds the same results; rank 0 reports them, or every rank where the output file
+    # names its rank (output_file=out/rank{rank}.jsonl), to check or debug each rank's view.
+    per_rank = bool(app.output_file) and "{rank}" in app.output_file
+    if rank != 0 and not per_rank:
         return 0
     rows = [
         {
@@ -112,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     lines = "".join(json.dumps(row) + "\n" for row in rows)
     if app.output_file:
-        Path(app.output_file).write_text(lines)
-        logger.info("wrote %d results to %s", len(rows), app.output_file)
+        out = Path(app.output_file.replace("{rank}", str(rank)))
+        out.write_text(lines)
+        logger.info("wrote %d results to %s", len(rows), out)
     else:
         sys.stdout.write(lines)
     logger.info("pprun: %s", json.dumps(summary))

@@ -35,6 +35,10 @@ BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128)
 """Allowed values of ``cache.block_size``."""
 LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 """Allowed values of ``log_level``."""
+PLACEMENT_STRATEGIES: tuple[str, ...] = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+"""Allowed ``parallel.placement_strategy`` values: Ray's placement group strategies."""
+RAY_BUILTIN_RESOURCES: tuple[str, ...] = ("CPU", "GPU", "memory", "object_store_memory")
+"""Resources pprun reserves itself or Ray accounts by itself: not for ``parallel.stage_resources``."""
 
 _TORCHRUN_ENV_KEYS: tuple[str, ...] = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -143,6 +147,44 @@ def _check_flags(cfg: PprunConfig) -> None:
                 raise ValueError(f"{group.name}.{f.name}={value!r} is not allowed; it must be true or false")
 
 
+def _check_placement(cfg: PprunConfig, executor: str) -> None:
+    """``parallel.placement_strategy`` and ``parallel.stage_resources`` (Ray placement)."""
+    par = cfg.parallel
+    _check_choice("parallel.placement_strategy", par.placement_strategy, PLACEMENT_STRATEGIES)
+    if par.stage_resources is None:
+        return
+    if executor != "ray":
+        raise ValueError(
+            f"parallel.stage_resources={par.stage_resources!r} is not allowed with executor {executor!r}: "
+            "only the ray executor reserves resources per stage; leave it null or use parallel.executor=ray"
+        )
+    pp_size = par.pipeline_parallel_size
+    if not isinstance(par.stage_resources, list | tuple) or len(par.stage_resources) != pp_size:
+        raise ValueError(
+            f"parallel.stage_resources={par.stage_resources!r} is invalid: must be a list of "
+            f"{pp_size} mappings of custom resource name to amount (one per stage, "
+            f"parallel.pipeline_parallel_size={pp_size}; {{}} for a stage that needs none), e.g. "
+            f"[{', '.join(f'{{node_{i}: 1}}' for i in range(pp_size))}]"
+        )
+    for rank, wanted in enumerate(par.stage_resources):
+        where = f"parallel.stage_resources[{rank}]"
+        if not isinstance(wanted, Mapping):
+            raise ValueError(f"{where}={wanted!r} is invalid: must be a mapping of resource name to amount")
+        for name, amount in wanted.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"{where} has the resource name {name!r}: must be a non-empty string")
+            if name in RAY_BUILTIN_RESOURCES:
+                raise ValueError(
+                    f"{where}.{name} is not allowed: pprun sets {name} itself (parallel.ray_num_cpus_per_stage "
+                    "for CPU, one GPU per stage on GPU); name custom resources here"
+                )
+            if not is_number(amount) or not 0 < amount < float("inf") or (amount > 1 and amount != int(amount)):
+                raise ValueError(
+                    f"{where}.{name}={amount!r} is invalid: must be a number in (0, 1] or a whole number "
+                    "above 1 (what Ray can reserve)"
+                )
+
+
 def _check_values(cfg: PprunConfig, env: Mapping[str, str]) -> None:
     """Checks that need neither the model nor the device."""
     _check_choice("runner", cfg.runner, RUNNERS)
@@ -175,6 +217,7 @@ def _check_values(cfg: PprunConfig, env: Mapping[str, str]) -> None:
         )
     _check_min("parallel.stage_timeout_s", cfg.parallel.stage_timeout_s, 1e-9, "a number of seconds > 0")
     _check_min("parallel.ray_num_cpus_per_stage", cfg.parallel.ray_num_cpus_per_stage, 0, "a number >= 0")
+    _check_placement(cfg, resolve_executor(cfg, env))
     if cfg.parallel.microbatches is not None:
         _check_min(
             "parallel.microbatches", cfg.parallel.microbatches, pp_size,
