@@ -82,6 +82,13 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.max_model_len = rc.max_model_len
+        self.speech = None
+        """``pprun.engine.speech.SpeechRequests`` of a speech model (Whisper), else None."""
+        if rc.arch.audio_encoder is not None:
+            from pprun.engine.speech import SpeechRequests
+
+            self.speech = SpeechRequests(rc.model_dir, rc.arch.max_position_embeddings)
+        self._image_processor = None
         logger.info(
             "pprun: model %s, %d layers in %d stage(s) %s, executor %s, runner %s, %s %s",
             cfg.model.model,
@@ -97,8 +104,8 @@ class LLMEngine:
         prefix = trace_prefix()
         self.trace = EngineTrace(f"{prefix}.engine.json") if prefix else None
         """Per-step timings (``PPRUN_STEP_TRACE``; ``pprun bench`` sets one for its timed run)."""
-        self.async_scheduling = bool(getattr(self.executor, "async_steps", False))
-        self._submit_early = bool(getattr(self.executor, "submits_async", False))
+        self.async_scheduling = self.executor.async_steps
+        self._submit_early = self.executor.submits_async
         """Stages in other processes (mp, ray): a step's output is followed by the next
         submissions before the engine's own bookkeeping (in process and under torchrun, submit
         runs the step itself)."""
@@ -141,7 +148,7 @@ class LLMEngine:
             # pp > 1: a batch per stage (with async steps two steps per batch, the next one
             # computing on the ids the last stage sends the first).  One stage with async steps:
             # every request in each step, on the device-side samples of the previous one.
-            spread_over_in_flight=getattr(self.executor, "pp_size", 1) > 1,
+            spread_over_in_flight=self.executor.pp_size > 1,
             async_scheduling=self.async_scheduling,
         )
 
@@ -177,19 +184,37 @@ class LLMEngine:
                              f"the vocabulary size {self.vocab_size}")
 
     def check_prompt(self, prompt: object, where: str) -> tuple[str | None, list[int]]:
-        """Tokenise and validate one prompt; raise ValueError naming ``where`` and the value."""
+        """Tokenise and validate one text prompt; raise ValueError naming ``where`` and the value
+        (a prompt with ``multi_modal_data`` goes through :meth:`process_prompt`)."""
+        checked = self.process_prompt(prompt, where)
+        if checked.mm_items:
+            raise ValueError(f"{where}: multi_modal_data is not taken on this path; use LLM.generate")
+        return checked.text, checked.token_ids
+
+    def process_prompt(self, prompt: object, where: str) -> ProcessedPrompt:
+        """Tokenise and validate one prompt, and process its ``multi_modal_data`` (images expanded
+        into their placeholder ranges); raise ValueError naming ``where``, the field and the value.
+
+        A prompt is a str, or a dict with ``prompt`` (text) or ``prompt_token_ids``, and optionally
+        ``multi_modal_data`` (``{"image": <image or list of images>}``); any other key is an error.
+        """
+        if self.speech is not None:
+            return self._process_speech_prompt(prompt, where)
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"{where}: prompt is empty ('')")
-            if self.tokenizer is None:
-                raise ValueError(
-                    f"{where}: a text prompt needs a tokenizer and model {self.cfg.model.model!r} "
-                    "has none; pass {'prompt_token_ids': [...]}"
-                )
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            prompt = {"prompt": prompt}
+        if not isinstance(prompt, dict) or not ("prompt_token_ids" in prompt or "prompt" in prompt):
+            raise ValueError(
+                f"{where}={_short(prompt)} has type {type(prompt).__name__}: a prompt must be a "
+                "str or a dict with 'prompt' (a str) or 'prompt_token_ids' (a list of ints)"
+            )
+        unknown = sorted(set(prompt) - _PROMPT_KEYS)
+        if unknown:
+            raise ValueError(
+                f"{where} has unknown key(s) {unknown}: a prompt dict takes only {sorted(_PROMPT_KEYS)}"
+            )
+        text = prompt.get("prompt")
+        if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
-            text = prompt.get("prompt")
             if not isinstance(ids, (list, tuple)) or not all(
                 is_int(t) for t in ids
             ):
@@ -204,18 +229,110 @@ class LLMEngine:
                         f"token ids must be in [0, {self.vocab_size})"
                     )
         else:
-            raise ValueError(
-                f"{where}={_short(prompt)} has type {type(prompt).__name__}: a prompt must be a "
-                "str or a dict with 'prompt_token_ids' (a list of ints)"
-            )
+            if not isinstance(text, str):
+                raise ValueError(f"{where}.prompt={_short(text)} has type {type(text).__name__}: must be a str")
+            if not text:
+                raise ValueError(f"{where}: prompt is empty ('')")
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"{where}: a text prompt needs a tokenizer and model {self.cfg.model.model!r} "
+                    "has none; pass {'prompt_token_ids': [...]}"
+                )
+            ids = self.tokenizer.encode(text)
+        mm_items = []
+        if prompt.get("multi_modal_data") is not None:
+            ids, mm_items = self._process_multi_modal(ids, prompt["multi_modal_data"], where)
         if not ids:
             raise ValueError(f"{where}: prompt has 0 tokens; it must have at least 1")
         if len(ids) >= self.max_model_len:
+            expanded = " after its images were expanded into their placeholder tokens" if mm_items else ""
             raise ValueError(
-                f"{where}: prompt has {len(ids)} tokens; with max_model_len={self.max_model_len} "
+                f"{where}: prompt has {len(ids)} tokens{expanded}; with max_model_len={self.max_model_len} "
                 f"a prompt may have at most {self.max_model_len - 1} (room for one output token)"
             )
-        return text, ids
+        return ProcessedPrompt(text, ids, mm_items)
+
+    def _process_speech_prompt(self, prompt: object, where: str) -> ProcessedPrompt:
+        """A speech model's prompt: ``{"multi_modal_data": {"audio": (samples, rate) or a path}}``,
+        optionally with a decoder ``prompt`` or ``prompt_token_ids`` (default: the checkpoint's
+        decoder prompt, ``pprun.engine.speech``)."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not isinstance(data, dict) or "audio" not in data:
+            raise ValueError(
+                f"{where}: model {self.cfg.model.model!r} is a speech model and needs audio: pass "
+                "{'multi_modal_data': {'audio': (samples, sample_rate)}} (optionally with a decoder "
+                "'prompt' or 'prompt_token_ids'), or use LLM.transcribe"
+            )
+        unknown = sorted(set(prompt) - _PROMPT_KEYS) + [f"multi_modal_data.{k}" for k in sorted(set(data) - {"audio"})]
+        if unknown:
+            raise ValueError(f"{where} has unknown key(s) {unknown}: a speech model takes "
+                             f"{sorted(_PROMPT_KEYS)} and multi_modal_data={{'audio': ...}}")
+        speech = self.speech
+        clip = speech.prepare_clip(data["audio"], f"{where}.multi_modal_data.audio")
+        if clip.seconds > speech.window_seconds:
+            raise ValueError(
+                f"{where}.multi_modal_data.audio is {clip.seconds:.1f} s long: one request takes at most "
+                f"{speech.window_seconds:.0f} s; LLM.transcribe splits longer audio into windows"
+            )
+        text = prompt.get("prompt")
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not ids or not all(is_int(t) for t in ids):
+                raise ValueError(f"{where}.prompt_token_ids={_short(ids)} is invalid: must be a non-empty list of ints")
+            for i, t in enumerate(ids):
+                if not 0 <= t < self.vocab_size:
+                    raise ValueError(f"{where}.prompt_token_ids[{i}]={t} is outside the vocabulary: token ids "
+                                     f"must be in [0, {self.vocab_size})")
+            ids = list(ids)
+        elif text is not None:
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"{where}.prompt={_short(text)} must be a non-empty str")
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = list(speech.decoder_prompt)
+        speech.check_length(len(ids), None, where)
+        return ProcessedPrompt(text, ids, [speech.audio_item(clip.samples, clip.source, len(ids))])
+
+    def check_request(self, processed: ProcessedPrompt, params: SamplingParams, where: str) -> SamplingParams:
+        """Checks of a prompt and its parameters together; returns the parameters to queue it
+        with (a speech model's: with its checkpoint's suppress lists, ``pprun.engine.speech``)."""
+        if self.speech is None:
+            return params
+        self.speech.check_length(len(processed.token_ids), params, where)
+        return self.speech.with_suppression(params)
+
+    def _process_multi_modal(self, ids: list[int], data: object, where: str) -> tuple[list[int], list]:
+        """``multi_modal_data`` checked and processed: ``(expanded token ids, items)``."""
+        from pprun.multimodal.processing import SUPPORTED_MODALITIES
+
+        arch = self.resolved.arch
+        if arch.multimodal is None:
+            raise ValueError(
+                f"{where}.multi_modal_data: model {self.cfg.model.model!r} ({arch.architecture}) is text-only "
+                "and takes no images or other multimodal data"
+            )
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}.multi_modal_data has type {type(data).__name__}: must be a dict such as "
+                             "{'image': [...]}")
+        unknown = sorted(set(data) - set(SUPPORTED_MODALITIES))
+        if unknown:
+            raise ValueError(
+                f"{where}.multi_modal_data has unknown modality key(s) {unknown}: this model takes "
+                f"{list(SUPPORTED_MODALITIES)}"
+            )
+        images = data.get("image", [])
+        if not isinstance(images, (list, tuple)):
+            images = [images]
+        return self.image_processor.process(ids, list(images), where)
+
+    @property
+    def image_processor(self):
+        """The model's :class:`~pprun.multimodal.processing.ImageProcessor` (built on first use)."""
+        if self._image_processor is None:
+            from pprun.multimodal.processing import ImageProcessor
+
+            self._image_processor = ImageProcessor(self.resolved.model_dir, self.resolved.arch.multimodal, self.tokenizer)
+        return self._image_processor
 
     def render_chat(self, conversation: object, where: str, *, add_generation_prompt: bool = True) -> dict:
         """One conversation (a non-empty list of ``{role, content}`` dicts) rendered with the
@@ -230,13 +347,23 @@ class LLMEngine:
             or not all(isinstance(m, dict) for m in conversation)
         ):
             raise ValueError(f"{where}={_short(conversation)} must be a non-empty list of {{role, content}} dicts")
+        from pprun.multimodal.processing import image_token_text, split_chat_images
+
+        # OpenAI-style content parts: image parts become the image token's text, in order.
+        mm = self.resolved.arch.multimodal
+        conversation, images = split_chat_images(
+            list(conversation), image_token_text(tok, mm["image_token_index"]) if mm else None, where
+        )
         try:
             ids = tok.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt, tokenize=True)
         except Exception as e:  # the template's own error (jinja2, a missing key, ...)
             raise ValueError(f"{where} cannot be rendered with the chat template: {e}") from e
         if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
-        return {"prompt_token_ids": list(ids), "prompt": tok.decode(ids)}
+        rendered = {"prompt_token_ids": list(ids), "prompt": tok.decode(ids)}
+        if images:
+            rendered["multi_modal_data"] = {"image": images}
+        return rendered
 
     def add_request(
         self,
@@ -244,8 +371,9 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
         request_id: str | None = None,
+        mm_items: list | None = None,
     ) -> str:
-        """Queue an already validated request; returns its id."""
+        """Queue an already validated request (``mm_items`` from :meth:`process_prompt`); returns its id."""
         if self.dead:
             raise StageFailedError(f"the engine has failed ({self.dead}); start a new LLM")
         req_id = request_id or str(next(self._ids))
@@ -256,6 +384,7 @@ class LLMEngine:
             prompt_token_ids,
             params,
             eos_token_ids=set() if params.ignore_eos else set(self.eos_token_ids),
+            mm_items=list(mm_items or ()),
         )
         self.scheduler.add_request(req)
         self.tracked[req_id] = _Tracked(
@@ -296,7 +425,7 @@ class LLMEngine:
             self._fail(str(e))
             raise
         except BaseException as e:
-            if getattr(self.executor, "dead", False):
+            if self.executor.dead:
                 # The executor gave up on its stages (interrupted mid-step): so does the engine.
                 self._fail(f"interrupted: {type(e).__name__}")
             raise
@@ -313,7 +442,7 @@ class LLMEngine:
             except StageFailedError as e:
                 failure = e  # after the bookkeeping: what finished in this step is returned
             except BaseException as e:
-                if getattr(self.executor, "dead", False):
+                if self.executor.dead:
                     self._fail(f"interrupted: {type(e).__name__}")
                 raise
         now = time.time()
@@ -465,7 +594,7 @@ class LLMEngine:
     def describe(self) -> dict:
         """Facts for summaries: runner, executor, stage partition."""
         rc = self.resolved
-        async_steps = bool(getattr(self.executor, "async_steps", False))
+        async_steps = self.executor is not None and self.executor.async_steps
         return {
             "model": self.cfg.model.model,
             "runner": self.runner_name,
@@ -476,12 +605,25 @@ class LLMEngine:
             "device": rc.device,
             "dtype": str(rc.dtype).removeprefix("torch."),
             "kv_blocks_per_stage": self.num_blocks,
-            "steps_in_flight": getattr(self.executor, "max_in_flight", 1),
+            "steps_in_flight": self.executor.max_in_flight if self.executor else 1,
             # Both keep two steps per batch in flight: async scheduling with one stage in process
             # (executor uni), async pipeline steps across stages (mp, ray).
             "async_scheduling": async_steps and rc.executor == "uni",
             "async_pipeline_steps": async_steps and rc.executor != "uni",
         }
+
+
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data"})
+"""The keys a prompt dict may have."""
+
+
+@dataclass
+class ProcessedPrompt:
+    """A validated prompt: its text (if any), token ids (image tokens expanded) and multimodal items."""
+
+    text: str | None
+    token_ids: list[int]
+    mm_items: list
 
 
 def load_tokenizer(path: str):

@@ -19,11 +19,29 @@ class Executor(ABC):
     """
 
     name: str = "?"
+    """The executor's config name (``uni``, ``mp``, ``ray``, ``external_launcher``)."""
+    pp_size: int = 1
+    """Pipeline stages it drives."""
     max_in_flight: int = 1
+    """Steps that may be submitted and not yet answered (the engine keeps this many in flight)."""
+    async_steps: bool = False
+    """A step is submitted before the previous step of the same requests has been answered: its
+    pending input ids are the previous step's samples, taken where they are (on the device at
+    pp = 1, sent by the last stage to the first in a pipeline).  The engine schedules for it."""
+    submits_async: bool = False
+    """``submit`` returns as soon as the step is on its way (it waits for no stage), so the engine
+    may submit the next steps before its own bookkeeping of an answered one."""
+    dead: bool = False
+    """True once the executor has given up on its stages (a stage failed, or a wait was
+    interrupted mid-message); it accepts no more steps."""
     num_blocks: int = 0
     """KV blocks every stage allocated (the minimum over stages)."""
     stage_params: list[int]
     """Parameter count of each stage's model."""
+
+    @abstractmethod
+    def init_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV blocks on every stage and build the stages' runners."""
 
     @abstractmethod
     def submit(self, so: SchedulerOutput) -> None:

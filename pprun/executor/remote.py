@@ -28,6 +28,7 @@ from pprun.distributed.auth import accept_authenticated, new_key
 from pprun.executor.base import Executor, StageFailedError
 from pprun.switches import enabled_unless
 from pprun.utils.polling import Spinner
+from pprun.worker.runner_base import PendingOutput, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def control_spin_s(num_processes: int, device: str) -> float:
 
 
 def _finished(out) -> bool:
-    return EARLY_ANSWER and getattr(out, "done", lambda: True)()
+    return EARLY_ANSWER and (not isinstance(out, PendingOutput) or out.done())
 
 
 def serve_steps(conn: Connection, worker, spin_s: float = 0.0) -> None:
@@ -101,8 +102,7 @@ def serve_steps(conn: Connection, worker, spin_s: float = 0.0) -> None:
     spinner = Spinner([conn], spin_s) if spin_s > 0 else None
 
     def send_output(out) -> None:
-        if hasattr(out, "result"):
-            out = out.result()
+        out = resolve(out)
         conn.send_bytes(pickle.dumps(("output", out), protocol=pickle.HIGHEST_PROTOCOL))
 
     # The last stage's newest step, launched on the GPU but not answered: when the next
@@ -130,7 +130,7 @@ def serve_steps(conn: Connection, worker, spin_s: float = 0.0) -> None:
                 send_output(pending)
                 pending = None
             if out is not None:
-                if getattr(out, "ready", True):
+                if not isinstance(out, PendingOutput) or out.ready:
                     send_output(out)
                 else:
                     pending = out
@@ -243,7 +243,8 @@ class RemoteStagesExecutor(Executor):
     def _listen(self, host: str) -> Listener:
         # No authkey here: _accept_all runs the same challenge-response itself, bounded in time,
         # so that a stranger's connection is dropped instead of failing or stalling start-up.
-        return Listener((host, 0))
+        # A backlog beyond the stages: connections wait there until accepted one by one.
+        return Listener((host, 0), backlog=max(16, 2 * self.pp_size))
 
     def _accept_all(self, listener: Listener, specs: list | None = None) -> None:
         """Accept one authenticated connection per stage (bounded by the timeout), keyed by pp

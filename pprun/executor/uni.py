@@ -7,6 +7,7 @@ from collections import deque
 from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pprun.distributed.layout import StageLayout
 from pprun.executor.base import Executor, StageFailedError
+from pprun.worker.runner_base import resolve
 from pprun.worker.worker import Worker, WorkerSpec
 
 
@@ -45,7 +46,7 @@ class UniExecutor(Executor):
         """The oldest submitted step's output (waits for the device when it is still pending)."""
         out = self.outputs[0]
         try:
-            result = out.result() if hasattr(out, "result") else out
+            result = resolve(out)
         except Exception as e:
             raise StageFailedError(f"stage 0 failed: {e!r}") from e
         # Popped only once the result is in: an interrupt while waiting (Ctrl-C) leaves the

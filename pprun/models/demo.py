@@ -8,7 +8,6 @@ package, and the converted directory is cached under ``cache_dir()``.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -18,10 +17,13 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from pprun.models.model_cache import apply_umask_permissions as _apply_umask_permissions
+from pprun.models.model_cache import cache_dir
+from pprun.models.model_cache import file_lock as _file_lock
 
 if TYPE_CHECKING:
     # Imported lazily at run time: transformers takes seconds to import.
@@ -63,14 +65,6 @@ _REQUIRED_FILES = (
     "pprun_source.json",
 )
 _SOURCE_FILE = "pprun_source.json"
-
-
-def cache_dir() -> Path:
-    """Root of pprun's cache: ``$PPRUN_CACHE_DIR`` if set, else ``~/.cache/pprun``."""
-    env = os.environ.get("PPRUN_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "pprun"
 
 
 def model_cache_dir(alias: str) -> Path:
@@ -197,30 +191,8 @@ def _check_alias(alias: str) -> str:
     return alias
 
 
-def _apply_umask_permissions(directory: Path) -> None:
-    # mkdtemp (and safetensors) create owner-only entries; a shared cache should
-    # get the permissions an ordinary mkdir/open would have given.
-    umask = os.umask(0)
-    os.umask(umask)
-    directory.chmod(0o777 & ~umask)
-    for path in directory.iterdir():
-        path.chmod(0o666 & ~umask)
-
-
 def _is_complete(out_dir: Path) -> bool:
     return out_dir.is_dir() and all((out_dir / f).is_file() for f in _REQUIRED_FILES)
-
-
-@contextlib.contextmanager
-def _file_lock(lock_path: Path) -> Iterator[None]:
-    # flock locks belong to the open file description, so this excludes both
-    # other processes and other threads that open the file themselves.
-    with open(lock_path, "a") as lock_file:
-        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
 
 
 def load_gguf(gguf_path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

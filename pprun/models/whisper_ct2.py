@@ -362,7 +362,7 @@ _REQUIRED_FILES = (
 def convert_whisper_alias(alias: str) -> Path:
     """The cached HF directory of a known Whisper alias, converted on first use.
 
-    Lives at ``<cache>/models/<alias>`` (``demo.cache_dir()``). Safe to call from
+    Lives at ``<cache>/models/<alias>`` (``model_cache.cache_dir()``). Safe to call from
     several processes at once: written into a temp dir next to it and renamed
     into place under an exclusive lock, as the demo LLM is.
     """
@@ -370,7 +370,9 @@ def convert_whisper_alias(alias: str) -> Path:
     import shutil
     import tempfile
 
-    from pprun.models.demo import _apply_umask_permissions, _file_lock, cache_dir
+    from pprun.models.model_cache import apply_umask_permissions as _apply_umask_permissions
+    from pprun.models.model_cache import cache_dir
+    from pprun.models.model_cache import file_lock as _file_lock
 
     ct2_dir = ct2_dir_for(alias)
     out_dir = cache_dir() / "models" / alias

@@ -18,6 +18,7 @@ from pprun.distributed.layout import StageLayout
 from pprun.distributed.transport import SENT_IN_GRAPH, PipelineTransport
 from pprun.utils.startup import freeze_startup_objects
 from pprun.utils.step_trace import NullStageTrace, StageTrace, trace_prefix
+from pprun.worker.runner_base import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +83,10 @@ class Worker:
                 feedback=spec.sample_feedback_slots > 0, feedback_host=spec.feedback_host, authkey=spec.authkey,
             )
         self.model = None
-        self.runner = None
+        self.runner: ModelRunner | None = None
         self.recv_buffers = None
+        self.kv_cache_bytes = 0
+        """Bytes of the KV cache allocated by :meth:`init_cache` (0 before)."""
         self.step_count = 0
         prefix, name = trace_prefix(), f"stage{self.layout.pp_rank}"
         self.trace = StageTrace(self.device, name, f"{prefix}.{name}.json") if prefix else NullStageTrace()
@@ -120,6 +123,23 @@ class Worker:
             budget = int(free * cache.gpu_memory_utilization)
         else:
             budget = cache.cpu_kv_cache_bytes
+        from pprun.worker.encoder_decoder import is_encoder_decoder
+
+        if is_encoder_decoder(self.model):
+            # Cross-attention caches for every request the scheduler may run at once come first
+            # (pprun.worker.encoder_decoder): a running request never waits for a slot.
+            from pprun.worker.kv_cache import bytes_per_cross_slot
+
+            max_num_seqs = rc.cfg.scheduler.max_num_seqs
+            cross = bytes_per_cross_slot(self.model, rc.dtype) * (max_num_seqs + 1)
+            if cross >= budget:
+                raise ValueError(
+                    f"stage {self.layout.pp_rank}: the cross-attention caches for scheduler.max_num_seqs="
+                    f"{max_num_seqs} requests need {cross / 2**20:.0f} MiB, more than the cache budget of "
+                    f"{budget / 2**20:.0f} MiB; lower scheduler.max_num_seqs or raise the cache budget "
+                    "(cache.kv_cache_memory_bytes, cache.cpu_kv_cache_bytes or cache.gpu_memory_utilization)"
+                )
+            budget -= cross
         return budget // per_block
 
     def init_cache(self, num_blocks: int) -> None:
@@ -131,6 +151,15 @@ class Worker:
             rc.arch, self.layout.num_layers, num_blocks, rc.cfg.cache.block_size, rc.dtype, self.device
         )
         self.model.bind_kv_caches(caches)
+        self.kv_cache_bytes = sum(t.numel() * t.element_size() for t in caches)
+        from pprun.worker.encoder_decoder import EncoderDecoderState, is_encoder_decoder
+
+        encoder_decoder = None
+        if is_encoder_decoder(self.model):
+            encoder_decoder = EncoderDecoderState(
+                self.model, self.layout, self.device, rc.dtype, rc.cfg.scheduler.max_num_seqs, self.transport
+            )
+            self.kv_cache_bytes += encoder_decoder.cache_bytes
         if self.spec.runner == "v2":
             from pprun.worker.v2.runner import V2ModelRunner
 
@@ -142,7 +171,9 @@ class Worker:
         else:
             from pprun.worker.v1.runner import V1ModelRunner
 
-            self.runner = V1ModelRunner(self.model, self.layout, self.device, rc.cfg.cache.block_size)
+            self.runner = V1ModelRunner(
+                self.model, self.layout, self.device, rc.cfg.cache.block_size, encoder_decoder=encoder_decoder
+            )
         if not self.layout.is_first:
             max_tokens = rc.cfg.scheduler.max_num_batched_tokens
             self.recv_buffers = self.model.make_empty_intermediate_tensors(
@@ -180,13 +211,10 @@ class Worker:
             trace.mark()
         # Only on a GPU does launching return before the work is done; on CPU a pending output
         # would only be sent later for nothing.
-        run = getattr(self.runner, "execute_model_async", None) if not wait and self.device.type == "cuda" else None
-        if run is not None:
-            out = run(so, receive=receive)
-        else:
-            out = self.runner.execute_model(so, receive=receive)
+        run = self.runner.execute_model_async if not wait and self.device.type == "cuda" else self.runner.execute_model
+        out = run(so, receive=receive)
         trace.mark()
-        trace.note(getattr(self.runner, "host_times", None))
+        trace.note(self.runner.host_times)
         if not self.layout.is_last:
             if out is None and num_tokens > 0:
                 raise RuntimeError(
@@ -204,11 +232,10 @@ class Worker:
     def runner_facts(self) -> dict[str, object]:
         """What this stage's runner does (diagnostics and tests): its name, its CUDA-graph mode
         and whether its decode graphs carry the pipeline hops."""
-        graphs = getattr(self.runner, "graphs", None)
         return {
-            "runner": getattr(self.runner, "name", None),
-            "cudagraph_mode": graphs.mode if graphs is not None else "none",
-            "hop_in_graph": bool(getattr(self.runner, "hop_in_graph", False)),
+            "runner": self.runner.name,
+            "cudagraph_mode": self.runner.cudagraph_mode,
+            "hop_in_graph": self.runner.hop_in_graph,
         }
 
     def launches_quickly(self, so: SchedulerOutput) -> bool:
@@ -220,8 +247,7 @@ class Worker:
         # nothing from the first stage (the hop is a device-side receive), so it cannot wait on
         # them.  (Not A/B-measured alone: on two H200s the async steps ran at 1.84x pp=1 with
         # it, 3 batches; the 0.42x before was the scheduler's, with either order.)
-        plan = getattr(self.runner, "plan", None)
-        return plan is not None and bool(so.num_scheduled_tokens) and plan(so).mode == "full"
+        return self.runner.launches_quickly(so)
 
     def execute_model_async(self, so: SchedulerOutput):
         """The only stage's step, returning before the device finishes when the runner can
@@ -231,10 +257,9 @@ class Worker:
         self._begin_step()
         self.trace.begin(so.total_num_scheduled_tokens, so.num_reqs)
         self.trace.mark()
-        run = getattr(self.runner, "execute_model_async", None)
-        out = run(so, None) if run is not None else self.runner.execute_model(so, None)
+        out = self.runner.execute_model_async(so, None)
         self.trace.mark()
-        self.trace.note(getattr(self.runner, "host_times", None))
+        self.trace.note(self.runner.host_times)
         self.trace.end()
         return out
 
@@ -277,11 +302,7 @@ class Worker:
         params = list(self.model.parameters()) if self.model is not None else []
         buffers = list(self.model.buffers()) if self.model is not None else []
         stats["param_bytes"] = sum(p.numel() * p.element_size() for p in params)
-        # The KV caches are plain attributes of the attention layers (not module buffers).
-        layers = getattr(self.model, "layers", None) or []
-        kv_tensors = [getattr(getattr(layer, "self_attn", None), "kv_cache", None) for layer in layers]
-        kv_tensors = [t for t in kv_tensors if isinstance(t, torch.Tensor)]
-        stats["kv_cache_bytes"] = sum(t.numel() * t.element_size() for t in kv_tensors)
+        stats["kv_cache_bytes"] = self.kv_cache_bytes
         stats["buffer_bytes"] = sum(b.numel() * b.element_size() for b in buffers)
         return stats
 
@@ -289,8 +310,7 @@ class Worker:
         """Write the step trace (``PPRUN_STEP_TRACE``) and release the pipeline channel."""
         self.trace.dump()
         self.trace = NullStageTrace()
-        feedback = getattr(self.runner, "feedback", None)
-        if feedback is not None:
-            feedback.close()  # before the groups go away under an outstanding send or receive
+        if self.runner is not None:
+            self.runner.close()  # before the groups go away under an outstanding send or receive
         if self.transport is not None and self.spec.init_method is not None:
             self.transport.close()

@@ -1,7 +1,7 @@
 """The V1 ("legacy") model runner: eager, inputs rebuilt from the SchedulerOutput every step.
 
 Simple on purpose: per-request state in Python objects, inputs built with Python loops.  It
-works with every executor, including SPMD torchrun ranks at pp > 1 (DESIGN.md contract 5).
+works with every executor, including SPMD torchrun ranks at pp > 1 (docs/design.md contract 5).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
 from pprun.sampling.params import SamplingParams
-from pprun.sampling.sampler import Sampler, SamplingTensors, make_generator, to_logprobs
-from pprun.worker.model_inputs import build_model_inputs
+from pprun.sampling.sampler import Sampler, SamplingTensors, make_generator, suppress_tokens, to_logprobs
+from pprun.worker.model_inputs import build_model_inputs, uses_inputs_embeds
+from pprun.worker.runner_base import ModelRunner
 
 
 @dataclass
@@ -31,26 +32,43 @@ class RequestState:
     num_computed_tokens: int
     sampling_params: SamplingParams
     generator: torch.Generator | None
+    num_prompt_tokens: int = 0
+    """Tokens of the original prompt (its first output is sampled at this length)."""
 
 
-class V1ModelRunner:
+class V1ModelRunner(ModelRunner):
     """Eager runner for one stage."""
 
     name = "v1"
 
-    def __init__(self, model, layout: StageLayout, device: torch.device, block_size: int) -> None:
+    def __init__(
+        self, model, layout: StageLayout, device: torch.device, block_size: int, encoder_decoder=None
+    ) -> None:
         self.model = model
+        self.encoder_decoder = encoder_decoder
+        """``pprun.worker.encoder_decoder.EncoderDecoderState`` of an encoder-decoder model."""
         self.layout = layout
         self.device = device
         self.block_size = block_size
         self.requests: dict[str, RequestState] = {}
         self.sampler = Sampler()
+        self.mm = None
+        """First stage of a multimodal model: items, encoder cache, embeddings scatter (the V2
+        runner's plug-in does the same through ``MultiModalModelState``)."""
+        if layout.is_first and uses_inputs_embeds(model):
+            from pprun.multimodal.runner_state import MultiModalRunnerState
+
+            self.mm = MultiModalRunnerState(model)
 
     def update_states(self, so: SchedulerOutput) -> None:
         """Apply the step's deltas: drop finished requests, add new ones, extend cached ones."""
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            if self.mm is not None:
+                self.mm.remove_request(req_id)
         for new in so.scheduled_new_reqs:
+            if self.mm is not None:
+                self.mm.add_request(new.req_id, new.mm_items)
             gen = None
             if self.layout.is_last:
                 gen = make_generator(new.sampling_params.seed, self.device)
@@ -61,6 +79,7 @@ class V1ModelRunner:
                 new.num_computed_tokens,
                 new.sampling_params,
                 gen,
+                new.num_prompt_tokens if new.num_prompt_tokens is not None else len(new.prompt_token_ids),
             )
         c = so.scheduled_cached_reqs
         for i, req_id in enumerate(c.req_ids):
@@ -68,6 +87,8 @@ class V1ModelRunner:
             st.block_ids.extend(c.new_block_ids[i])
             st.token_ids.extend(c.new_token_ids[i])
             st.num_computed_tokens = c.num_computed_tokens[i]
+        if self.mm is not None:
+            self.mm.apply_step(so)
 
     def prepare_inputs(self, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Token ids, positions, attention metadata and each request's last-token row."""
@@ -108,6 +129,8 @@ class V1ModelRunner:
             block_table=table.to(dev),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
         )
+        if self.encoder_decoder is not None:
+            meta.cross = self.encoder_decoder.fill(list(so.num_scheduled_tokens), num_reqs)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         return ids, pos_t, meta, last_rows
@@ -125,11 +148,23 @@ class V1ModelRunner:
         step's inputs are on the device, to get the previous stage's tensors.
         """
         self.update_states(so)
+        if self.encoder_decoder is not None:
+            self.encoder_decoder.begin_step(so)
         if so.is_empty():
             return ModelRunnerOutput(so.step_id, [], []) if self.layout.is_last else None
         ids, positions, meta, last_rows = self.prepare_inputs(so)
         if receive is not None:
             intermediate_tensors = receive()
+        inputs_embeds = None
+        if self.mm is not None:
+            from pprun.multimodal.mask import StepWindow
+
+            inputs_embeds = self.model.embed_input_ids(ids)
+            windows, start = [], 0
+            for req_id, n in so.num_scheduled_tokens.items():
+                windows.append(StepWindow(start, self.requests[req_id].num_computed_tokens, n))
+                start += n
+            self.mm.scatter(inputs_embeds, list(so.num_scheduled_tokens), windows)
         inputs = build_model_inputs(
             self.model,
             is_first_stage=self.layout.is_first,
@@ -137,6 +172,7 @@ class V1ModelRunner:
             positions=positions,
             intermediate_tensors=intermediate_tensors,
             attn_metadata=meta,
+            inputs_embeds=inputs_embeds,
         )
         out = self.model(**inputs)
         if not self.layout.is_last:
@@ -157,6 +193,7 @@ class V1ModelRunner:
         if rows:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
             params = [s.sampling_params for s in states]
+            logits = suppress_tokens(logits, params, [len(s.token_ids) == s.num_prompt_tokens for s in states])
             t = SamplingTensors.build(params, [s.generator for s in states], self.device)
             res = self.sampler(logits, t)
             token_ids = res.sampled_token_ids.tolist()

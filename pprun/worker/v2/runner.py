@@ -30,12 +30,14 @@ from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pprun.distributed.feedback import SampleFeedback
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
+from pprun.distributed.pipeline import agree_on_graph_hops, open_sample_feedback
 from pprun.distributed.transport import SENT_IN_GRAPH, PipelineTransport
 from pprun.layers import fused_ops_for
 from pprun.sampling.sampler import Sampler, SamplerOutput, SamplingTensors, to_logprobs
 from pprun.switches import enabled_unless
 from pprun.utils.step_trace import HostClock, trace_prefix
 from pprun.worker.model_inputs import build_model_inputs
+from pprun.worker.runner_base import ModelRunner, PendingOutput
 from pprun.worker.v2.cuda_graphs import CudaGraphManager, GraphPlan
 from pprun.worker.v2.inputs import InputBuffers, StepBatch, prepare_step
 from pprun.worker.v2.model_state import ModelState, make_model_state
@@ -60,11 +62,6 @@ GRAPH_IDS_TO_HOST_ENABLED: bool = enabled_unless("PPRUN_DISABLE_GRAPH_IDS_TO_HOS
 its graph: with the staging kernel (``pprun.worker.v2.inputs.STAGING_KERNEL_ENABLED``) nothing
 of such a step runs on a copy engine.  ``PPRUN_DISABLE_GRAPH_IDS_TO_HOST=1`` copies instead."""
 
-GRAPH_HOP_ENABLED: bool = enabled_unless("PPRUN_DISABLE_GRAPH_HOP")
-"""Whether full decode graphs of a pipeline carry the hop to the next stage (the send at the end
-of a stage's graph, the receive at the start of the next one's): a decode hop then costs no host
-time and no copy.  ``PPRUN_DISABLE_GRAPH_HOP=1`` sends and receives outside the graphs (the A/B
-switch); every stage must agree, and they check (:meth:`PipelineTransport.agree`)."""
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
@@ -120,40 +117,7 @@ class _SampleIndex(Mapping[str, int]):
         return len(self._sample_batch_idx)
 
 
-class PendingOutput:
-    """A step's output whose device-to-host copy may still be running; ``result()`` waits."""
-
-    def __init__(self, build: Callable[[], ModelRunnerOutput], event: torch.cuda.Event | None = None) -> None:
-        self._build: Callable[[], ModelRunnerOutput] | None = build
-        self._value: ModelRunnerOutput | None = None
-        self._event = event
-        """Recorded after the step's last device work (its copies to the host), if any."""
-
-    @classmethod
-    def of(cls, value: ModelRunnerOutput) -> PendingOutput:
-        """An output that is already complete (``ready``)."""
-        out = cls(lambda: value)
-        out.result()
-        return out
-
-    @property
-    def ready(self) -> bool:
-        """True once the output is built (``result()`` returns at once)."""
-        return self._build is None
-
-    def done(self) -> bool:
-        """True when ``result()`` would not wait for the device (built, or its event reached)."""
-        return self._build is None or self._event is None or self._event.query()
-
-    def result(self) -> ModelRunnerOutput:
-        """The ModelRunnerOutput (built once)."""
-        if self._build is not None:
-            self._value = self._build()
-            self._build = None
-        return self._value  # type: ignore[return-value]
-
-
-class V2ModelRunner:
+class V2ModelRunner(ModelRunner):
     """Runner for one pipeline stage (built by the worker once the KV cache is bound)."""
 
     name = "v2"
@@ -170,7 +134,7 @@ class V2ModelRunner:
         feedback_spin_s: float = 0.0,
     ) -> None:
         """``transport``: the stage's channel when the pipeline has more than one stage (its
-        decode graphs may then carry the hop, see :data:`GRAPH_HOP_ENABLED`);
+        decode graphs may then carry the hop, see ``pprun.distributed.pipeline``);
         ``sample_feedback_slots``: async pipeline steps, the last stage sending its sampled ids to
         the first into a ring of that many steps (``pprun.distributed.feedback``; the first and
         last stage must agree); 0: off; ``feedback_spin_s``: how long the first stage polls for
@@ -220,20 +184,10 @@ class V2ModelRunner:
         """The last step's sampled ids, on the device (async scheduling reads them)."""
         self.prev_sample_index: Mapping[str, int] = {}
         """Request id -> its row in :attr:`prev_sampled`."""
-        self.feedback: SampleFeedback | None = None
+        self.feedback: SampleFeedback | None = open_sample_feedback(
+            transport, layout, self.max_num_reqs, sample_feedback_slots, feedback_spin_s
+        )
         """First and last stage of an async pipeline: the sampled ids' channel between them."""
-        if sample_feedback_slots and layout.pp_size > 1 and (layout.is_first or layout.is_last):
-            if transport is None or transport.feedback_group is None:
-                raise ValueError(
-                    f"stage {layout.pp_rank}: sample_feedback_slots needs a transport with a feedback group "
-                    "(pprun's own executors make one)"
-                )
-            peer = transport.global_ranks[-1 if layout.is_first else 0]
-            self.feedback = SampleFeedback(
-                transport.feedback_group, peer, layout.is_first, self.max_num_reqs, sample_feedback_slots,
-                host=transport.feedback_host, timeout_s=transport.timeout_s, spin_s=feedback_spin_s,
-                authkey=transport.authkey,
-            )
         self._ids_from_last = self.feedback if layout.is_first else None
         """The first stage's end of :attr:`feedback` (input ids of pending tokens come from it)."""
         self.host_times: dict[str, float] | None = {} if trace_prefix() else None
@@ -290,29 +244,14 @@ class V2ModelRunner:
     def capture_model(self) -> None:
         """Warm up and capture the configured graphs (no-op on CPU or with cudagraph_mode=none)."""
         self._capture_extra: tuple[torch.Tensor | None, dict[str, Any]] = (None, {})
-        self.hop_in_graph = self._agree_on_graph_hops()
+        self.hop_in_graph = agree_on_graph_hops(
+            self.transport, self.layout, self.device, self.graphs.mode, self.graphs.sizes,
+            lambda: self.model.make_empty_intermediate_tensors(1, self.dtype, self.device),
+            self.graph_intermediate,
+        )
         if self.feedback is not None:
             self.feedback.warm_up()
         self.graphs.capture(self._prepare_dummy, self._dummy_forward)
-
-    def _agree_on_graph_hops(self) -> bool:
-        """Whether the decode graphs carry the hops: only when every stage captures full graphs
-        of the same sizes with the switch on (a collective: every stage of a CUDA pipeline calls
-        it).  Then one eager hop goes down the pipeline first, so that the receivers check what
-        they will be sent and NCCL connects each pair outside any capture."""
-        if self.transport is None or self.layout.pp_size == 1 or self.device.type != "cuda":
-            return False
-        mine = (self.graphs.mode, tuple(self.graphs.sizes), GRAPH_HOP_ENABLED)
-        agreed = self.transport.agree(mine)
-        if not (agreed and self.graphs.mode == "full" and GRAPH_HOP_ENABLED):
-            return False
-        sample = None
-        if not self.layout.is_last:
-            sample = self.model.make_empty_intermediate_tensors(1, self.dtype, self.device)
-        self.transport.warm_up(sample, self.graph_intermediate)
-        torch.cuda.synchronize(self.device)
-        logger.info("stage %d: decode graphs carry the pipeline hops", self.layout.pp_rank)
-        return True
 
     def _prepare_dummy(self, num_reqs_padded: int, num_tokens_padded: int) -> None:
         """Make every row of the buffers inert for one capture size: nothing is read from or
@@ -331,7 +270,7 @@ class V2ModelRunner:
         """The stage forward over the buffers :meth:`_prepare_dummy` made inert (captured)."""
         meta = self.bufs.attn_metadata(0, num_reqs_padded, 0, num_tokens_padded, max_query_len=1)
         inputs_embeds, extra = self._capture_extra
-        # Warm-ups run eagerly without the hop; the capture records it (see _agree_on_graph_hops).
+        # Warm-ups run eagerly without the hop; the capture records it (``agree_on_graph_hops``).
         hop = self.hop_in_graph and torch.cuda.is_current_stream_capturing()
         received = self._graph_intermediate(num_tokens_padded)
         if hop and received is not None:
@@ -497,6 +436,22 @@ class V2ModelRunner:
             plan = self.graphs.plan(so.num_reqs, so.total_num_scheduled_tokens, max(num_scheduled.values(), default=0))
             self._plan_of = (so, plan)
         return self._plan_of[1]
+
+    @property
+    def cudagraph_mode(self) -> str:
+        """The CUDA-graph mode captured (``none`` on CPU)."""
+        return self.graphs.mode
+
+    def launches_quickly(self, so: SchedulerOutput) -> bool:
+        """True when ``so`` replays one full CUDA graph (eager and piecewise steps launch kernel
+        by kernel)."""
+        return bool(so.num_scheduled_tokens) and self.plan(so).mode == "full"
+
+    def close(self) -> None:
+        """Close the sampled-ids channel (before the process groups go away under an
+        outstanding send or receive)."""
+        if self.feedback is not None:
+            self.feedback.close()
 
     def _run_model(
         self,
