@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("pprun.apps.generate", "complete prompts (arguments or a JSONL file) and print a summary"),
     "bench": ("pprun.apps.bench", "offline throughput/latency as JSON, against transformers' generate()"),
     "serve": ("pprun.apps.serve", "serve the model over gRPC (pprun.v1, KServe v2 / Triton), loopback by default"),
+    "submit": ("pprun.apps.submit", "run an app as a job on a Ray cluster (Ray Jobs); status, logs, stop"),
     "report": ("pprun.apps.report", "table (CSV, Markdown) and throughput plot (PNG) of a bench sweep's JSONs"),
 }
 """Subcommand -> (module with a ``main()``, one-line description)."""
