@@ -75,3 +75,25 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
             pad_token_id=model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else 0,
         )
     return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture
+def inject_faults(monkeypatch):
+    """Faults for the stages of the next engine built (``pprun.worker.faults``): a context
+    manager that sets ``PPRUN_TEST_FAULTS`` for the block, e.g.
+    ``with inject_faults({1: {"raise_at_step": 3}}): llm = LLM(...)``.  The driver reads it when
+    it builds its executor, so an engine built after the block gets no faults."""
+    import contextlib
+    import json
+
+    from pprun.worker.faults import ENV
+
+    @contextlib.contextmanager
+    def inject(faults: dict[int, dict]):
+        monkeypatch.setenv(ENV, json.dumps({str(rank): f for rank, f in faults.items()}))
+        try:
+            yield
+        finally:
+            monkeypatch.delenv(ENV)
+
+    return inject

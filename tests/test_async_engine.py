@@ -160,8 +160,9 @@ def test_bad_requests_are_refused_before_queueing(tiny_llama_dir):
         engine.shutdown()
 
 
-def test_stage_failure_ends_every_stream_with_an_error(tiny_llama_dir):
-    engine = AsyncEngine(tiny_config(tiny_llama_dir), fault_injection={0: {"raise_at_step": 4}})
+def test_stage_failure_ends_every_stream_with_an_error(tiny_llama_dir, inject_faults):
+    with inject_faults({0: {"raise_at_step": 4}}):
+        engine = AsyncEngine(tiny_config(tiny_llama_dir))
     health: list[bool] = []
     engine.add_health_listener(health.append)
     try:

@@ -178,4 +178,7 @@ def test_auto_runner_is_v2_and_reported(tiny_llama_dir):
         assert d["runner"] == "v2" and d["runner_fallback_reasons"] == []
         # One stage in process: async scheduling, not async pipeline steps.
         assert d["async_scheduling"] is True and d["async_pipeline_steps"] is False
-    assert torch is not None
+        # What is reported is what runs: the stage's runner is V2, and two steps are in flight.
+        executor = llm.engine.executor
+        assert executor.worker.runner_facts()["runner"] == "v2"
+        assert executor.async_steps is True and executor.max_in_flight == 2

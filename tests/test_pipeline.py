@@ -431,24 +431,36 @@ def test_stage_parameters_add_up_to_the_model(tiny_llama_dir, ray_cluster):
     assert all(0 < s < full for s in split)
 
 
-def test_batches_overlap_across_stages(tiny_llama_dir):
-    """pp=2, each stage sleeps d per step: with two batches in flight, N steps take ~N*d."""
-    d = 0.15
+def test_batches_overlap_across_stages(tiny_llama_dir, tmp_path, monkeypatch, inject_faults):
+    """pp=2 with two batches in flight: stage 0 starts a step while stage 1 still runs the one
+    before, read from what the stages record (their step traces: each step's start and host time,
+    on the host's monotonic clock, shared by processes), not from the wall clock of the run.
+
+    Each stage sleeps ``d`` per step (an injected delay, counted in its step), so a step spans at
+    least ``d`` whatever the machine's load.  Steps run in turn (one batch in flight) would
+    give stage 0's step k+1 a start after stage 1's step k ends, every time."""
+    d = 0.1
     n_req, max_tokens = 8, 8
     prompts = [{"prompt_token_ids": [10 + i, 20 + i, 30]} for i in range(n_req)]
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    with LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2, runner="v1",
-             _fault_injection={0: {"delay_s": d}, 1: {"delay_s": d}}) as llm:
-        t0 = time.perf_counter()
+    prefix = tmp_path / "trace"
+    monkeypatch.setenv("PPRUN_STEP_TRACE", str(prefix))
+    with inject_faults({0: {"delay_s": d}, 1: {"delay_s": d}}):
+        llm = LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2, runner="v1")
+    with llm:
+        assert llm.engine.executor.max_in_flight == 2
         outs = llm.generate(prompts, sp)
-        elapsed = time.perf_counter() - t0
-        num_steps = llm.engine.num_steps
     assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
-    serial = num_steps * 2 * d  # every step waiting for both stages in turn
-    overlapped = num_steps * d
-    # Generous slack, but far below the serial time: the two batches really run at once.
-    assert elapsed < 0.5 * (serial + overlapped) + 1.0, (elapsed, num_steps)
-    assert elapsed > 0.9 * overlapped
+    steps = []
+    for rank in (0, 1):
+        rows = json.loads((tmp_path / f"trace.stage{rank}.json").read_text())["steps"]
+        steps.append([(r["t0"], r["t0"] + r["host_us"] * 1e-6) for r in rows if r["num_tokens"] > 0])
+    first, last = steps
+    assert len(first) == len(last) >= max_tokens  # both stages ran every step
+    assert all(end - start >= d for start, end in first + last)
+    # Stage 0 began step k+1 before stage 1 ended step k: the two stages worked at once.
+    overlapped = sum(first[k + 1][0] < last[k][1] for k in range(len(first) - 1))
+    assert overlapped >= (len(first) - 1) // 2, (overlapped, len(first))
 
 
 def pipeline_llm(model_dir, executor: str, request, **kwargs) -> LLM:
@@ -472,8 +484,9 @@ def assert_failed_cleanly(info, pids: list[int], t0: float, model_dir, executor:
 
 
 @pytest.mark.parametrize("executor", ["mp", "ray"])
-def test_stage_that_raises_becomes_an_error(tiny_llama_dir, executor, request):
-    llm = pipeline_llm(tiny_llama_dir, executor, request, _fault_injection={1: {"raise_at_step": 3}})
+def test_stage_that_raises_becomes_an_error(tiny_llama_dir, executor, request, inject_faults):
+    with inject_faults({1: {"raise_at_step": 3}}):
+        llm = pipeline_llm(tiny_llama_dir, executor, request)
     pids = list(llm.engine.executor.stage_pids)
     t0 = time.perf_counter()
     with pytest.raises(StageFailedError, match="injected failure in stage 1") as info:
@@ -483,8 +496,9 @@ def test_stage_that_raises_becomes_an_error(tiny_llama_dir, executor, request):
 
 
 @pytest.mark.parametrize("executor", ["mp", "ray"])
-def test_killed_stage_becomes_an_error(tiny_llama_dir, executor, request):
-    llm = pipeline_llm(tiny_llama_dir, executor, request, _fault_injection={0: {"delay_s": 0.05}})
+def test_killed_stage_becomes_an_error(tiny_llama_dir, executor, request, inject_faults):
+    with inject_faults({0: {"delay_s": 0.05}}):
+        llm = pipeline_llm(tiny_llama_dir, executor, request)
     pids = list(llm.engine.executor.stage_pids)
     killer = threading.Timer(1.5, lambda: os.kill(pids[1], signal.SIGKILL))
     killer.start()
@@ -496,12 +510,12 @@ def test_killed_stage_becomes_an_error(tiny_llama_dir, executor, request):
 
 
 @pytest.mark.parametrize("victim", [0, 1])
-def test_killed_stage_with_async_pipeline_steps_becomes_an_error(tiny_llama_dir, victim, request):
+def test_killed_stage_with_async_pipeline_steps_becomes_an_error(tiny_llama_dir, victim, request, inject_faults):
     """Async pipeline steps: the first stage may be waiting for sampled ids the last stage will
     never send (or the last stage for a step that never comes); the driver still notices the
     dead stage, fails every request and stops the survivor."""
-    llm = pipeline_llm(tiny_llama_dir, "mp", request, runner="v2", async_pipeline=True,
-                       _fault_injection={0: {"delay_s": 0.02}})
+    with inject_faults({0: {"delay_s": 0.02}}):
+        llm = pipeline_llm(tiny_llama_dir, "mp", request, runner="v2", async_pipeline=True)
     assert llm.engine.executor.async_steps
     pids = list(llm.engine.executor.stage_pids)
     killer = threading.Timer(1.5, lambda: os.kill(pids[victim], signal.SIGKILL))
@@ -513,9 +527,10 @@ def test_killed_stage_with_async_pipeline_steps_becomes_an_error(tiny_llama_dir,
     assert_failed_cleanly(info, pids, t0, tiny_llama_dir, "mp", request)
 
 
-def test_mismatched_intermediate_keys_are_a_clear_error(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2, runner="v1",
-              stage_timeout_s=20, _fault_injection={0: {"rename_sent_keys": True}})
+def test_mismatched_intermediate_keys_are_a_clear_error(tiny_llama_dir, inject_faults):
+    with inject_faults({0: {"rename_sent_keys": True}}):
+        llm = LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2, runner="v1",
+                  stage_timeout_s=20)
     t0 = time.perf_counter()
     with pytest.raises(StageFailedError, match=r"keys differ.*hidden_states_renamed.*expects \['hidden_states'\]"):
         llm.generate(TOKEN_PROMPTS[:1], GREEDY)

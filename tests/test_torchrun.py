@@ -164,8 +164,9 @@ from pprun.engine.llm import GenerationFailedError
 
 model_dir, out_dir = sys.argv[1], sys.argv[2]
 rank = int(os.environ["RANK"])
+os.environ["PPRUN_TEST_FAULTS"] = json.dumps({"1": {"raise_at_step": 3}})  # every rank reads it (pprun.worker.faults)
 llm = LLM(model_dir, dtype="float32", device="cpu", pipeline_parallel_size=2, cpu_kv_cache_bytes=1 << 20, max_model_len=128,
-          stage_timeout_s=30, _fault_injection={1: {"raise_at_step": 3}})
+          stage_timeout_s=30)
 try:
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8, ignore_eos=True))
     result = {"error": None}

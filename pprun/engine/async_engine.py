@@ -129,11 +129,10 @@ class AsyncEngine:
         cfg: PprunConfig,
         *,
         max_queued_requests: int = 1024,
-        fault_injection: dict[int, dict] | None = None,
     ) -> None:
         if not isinstance(max_queued_requests, int) or max_queued_requests < 0:
             raise ValueError(f"max_queued_requests={max_queued_requests!r} is invalid: must be an integer >= 0")
-        self.engine = LLMEngine(cfg, fault_injection=fault_injection)
+        self.engine = LLMEngine(cfg)
         self.cfg = cfg
         self.max_unfinished = cfg.scheduler.max_num_seqs + max_queued_requests
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
@@ -439,6 +438,7 @@ class AsyncEngine:
         """A stage failed: every stream ends with an error delta; new requests are refused."""
         logger.error("engine failed: %s", why)
         self.dead = why
+        self._health_changed()  # before the streams end: a client that sees its error then asks sees it too
         outputs = {out.request_id: out for out in self.engine.drain_failed()}
         deliveries = []
         for req_id, active in list(self._active.items()):
@@ -447,7 +447,6 @@ class AsyncEngine:
             delta.finish_reason, delta.error = "error", why
             deliveries.append((active, delta))
         self._deliver(deliveries)
-        self._health_changed()
 
 
 def _put_all(items: list[tuple[RequestStream, Any]]) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pprun.config.config import PprunConfig
 from pprun.engine.llm_engine import LLMEngine
 from pprun.engine.outputs import RequestOutput
+from pprun.engine.speech import TranscriptionOutput
 from pprun.executor.base import StageFailedError
 from pprun.sampling.params import SamplingParams
 
@@ -37,7 +38,6 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, config: PprunConfig | None = None, **kwargs) -> None:
-        fault_injection = kwargs.pop("_fault_injection", None)
         if config is None:
             if model is not None:
                 kwargs["model"] = str(model)
@@ -45,7 +45,7 @@ class LLM:
         elif model is not None or kwargs:
             raise ValueError("pass either config=PprunConfig(...) or keyword arguments, not both")
         self.config = config
-        self.engine = LLMEngine(config, fault_injection=fault_injection)
+        self.engine = LLMEngine(config)
 
     # --- generation ------------------------------------------------------------------------------
 
@@ -58,7 +58,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
-        A prompt is a string or ``{"prompt_token_ids": [...]}``; ``sampling_params`` is one
+        A prompt is a string, or a dict with ``prompt`` (text) or ``prompt_token_ids`` and
+        optionally ``multi_modal_data`` (``{"image": [...]}``: PIL images, NumPy arrays or file
+        paths, one per image token of the prompt); ``sampling_params`` is one
         ``SamplingParams`` for all or a list with one per prompt.
         """
         if isinstance(prompts, (str, dict)):
@@ -70,12 +72,58 @@ class LLM:
         checked = []
         for i, (p, sp) in enumerate(zip(prompts, params_list)):
             self.engine.check_params(sp, f"sampling_params[{i}]")
-            checked.append(self.engine.check_prompt(p, f"prompts[{i}]"))
+            checked.append(self.engine.process_prompt(p, f"prompts[{i}]"))
+            params_list[i] = self.engine.check_request(checked[-1], sp, f"prompts[{i}]")
         ids = [
-            self.engine.add_request(tok_ids, sp, prompt=text)
-            for (text, tok_ids), sp in zip(checked, params_list)
+            self.engine.add_request(c.token_ids, sp, prompt=c.text, mm_items=c.mm_items)
+            for c, sp in zip(checked, params_list)
         ]
         return self._run(ids, use_tqdm)
+
+    def transcribe(
+        self,
+        audio: object,
+        sampling_params: SamplingParams | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[TranscriptionOutput]:
+        """Transcribe audio files or ``(samples, sample_rate)`` arrays with a speech model (Whisper).
+
+        ``audio`` is one path or pair, or a list of them.  Each clip is resampled to 16 kHz mono
+        and cut into consecutive 30 s windows, one request each (all queued together); a clip's
+        text is its windows' texts joined in order (``pprun.audio``).  Decoding is greedy up to the
+        model's ``max_target_positions`` unless ``sampling_params`` says otherwise; the checkpoint's
+        suppress lists apply either way.  Every clip is read and checked before any is queued.
+        """
+        speech = self.engine.speech
+        if speech is None:
+            raise ValueError(
+                f"LLM.transcribe needs a speech model; model {self.config.model.model!r} is text-only"
+            )
+        single = isinstance(audio, (str, bytes)) or hasattr(audio, "__fspath__") or (
+            isinstance(audio, tuple) and len(audio) == 2 and not isinstance(audio[0], (str, tuple))
+        )
+        clips_in = [audio] if single else list(audio)
+        if not clips_in:
+            raise ValueError("audio is empty: pass a path, a (samples, sample_rate) pair, or a list of them")
+        params = speech.default_params() if sampling_params is None else sampling_params
+        self.engine.check_params(params, "sampling_params")
+        params = speech.with_suppression(params)
+        speech.check_length(len(speech.decoder_prompt), params, "sampling_params")
+        clips = [speech.prepare_clip(a, f"audio[{i}]") for i, a in enumerate(clips_in)]
+        prompts = []
+        for clip in clips:
+            for samples in speech.windows(clip):
+                prompts.append(speech.audio_item(samples, clip.source, len(speech.decoder_prompt)))
+        ids = [
+            self.engine.add_request(list(speech.decoder_prompt), params, mm_items=[item]) for item in prompts
+        ]
+        outputs = iter(self._run(ids, use_tqdm))
+        results = []
+        for clip in clips:
+            windows = [next(outputs) for _ in speech.windows(clip)]
+            results.append(TranscriptionOutput(clip.source, speech.join(windows), clip.seconds, windows))
+        return results
 
     def chat(
         self,

@@ -42,32 +42,32 @@ class _Tracked:
     error: str | None = None
 
 
-def make_executor(resolved, runner: str, fault_injection: dict[int, dict] | None = None):
+def make_executor(resolved, runner: str):
     """Start the stages with the resolved executor."""
     name = resolved.executor
     if name == "uni":
         from pprun.executor.uni import UniExecutor
 
-        return UniExecutor(resolved, runner, (fault_injection or {}).get(0))
+        return UniExecutor(resolved, runner)
     if name == "mp":
         from pprun.executor.mp import MpExecutor
 
-        return MpExecutor(resolved, runner, fault_injection)
+        return MpExecutor(resolved, runner)
     if name == "ray":
         from pprun.executor.ray_executor import RayExecutor
 
-        return RayExecutor(resolved, runner, fault_injection)
+        return RayExecutor(resolved, runner)
     if name == "external_launcher":
         from pprun.executor.external import ExternalLauncherExecutor
 
-        return ExternalLauncherExecutor(resolved, runner, fault_injection)
+        return ExternalLauncherExecutor(resolved, runner)
     raise ValueError(f"parallel.executor={name!r} is unknown")
 
 
 class LLMEngine:
     """Owns the scheduler, the tokenizer and the executor of one model."""
 
-    def __init__(self, cfg: PprunConfig, *, fault_injection: dict[int, dict] | None = None) -> None:
+    def __init__(self, cfg: PprunConfig) -> None:
         from pprun.config.runner_choice import unsupported_v2_features
         from pprun.config.validate import validate_config
 
@@ -100,7 +100,7 @@ class LLMEngine:
             rc.device,
             str(rc.dtype).removeprefix("torch."),
         )
-        self.executor = make_executor(rc, self.runner_name, fault_injection)
+        self.executor = make_executor(rc, self.runner_name)
         prefix = trace_prefix()
         self.trace = EngineTrace(f"{prefix}.engine.json") if prefix else None
         """Per-step timings (``PPRUN_STEP_TRACE``; ``pprun bench`` sets one for its timed run)."""

@@ -7,7 +7,7 @@ their schedulers to reach the same decisions, every rank must see the same input
   its own free memory). The ranks agree on the minimum with one ``all_reduce(MIN)`` on the CPU
   group before the cache is allocated, so every scheduler manages the same pool.
 * **Sampled tokens.** Only the last stage samples. With pp > 1 it broadcasts each step's
-  ``ModelRunnerOutput`` (a few ints per request, pickled, on the CPU group) to every rank, so
+  ``ModelRunnerOutput`` (a few ints per request, as JSON, never pickled, on the CPU group) to every rank, so
   ``get_output()`` returns the same object everywhere and the schedulers stay in lockstep.
 
 A step runs synchronously inside ``submit`` (receive from the previous rank, compute, send to the
@@ -30,6 +30,7 @@ from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pprun.distributed.layout import StageLayout
 from pprun.distributed.transport import PipelineTransport
 from pprun.executor.base import Executor, StageFailedError
+from pprun.worker.faults import stage_faults
 from pprun.worker.worker import Worker, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class ExternalLauncherExecutor(Executor):
     name = "external_launcher"
     max_in_flight = 1
 
-    def __init__(self, resolved, runner: str, fault_injection: dict[int, dict] | None = None) -> None:
+    def __init__(self, resolved, runner: str) -> None:
         self.resolved = resolved
         self.pp_size = len(resolved.layer_partition)
         timeout_s = resolved.cfg.parallel.stage_timeout_s
@@ -75,7 +76,7 @@ class ExternalLauncherExecutor(Executor):
                 layout,
                 runner,
                 device_index=device_index,
-                fault_injection=(fault_injection or {}).get(self.pp_rank),
+                faults=stage_faults(self.pp_rank),
             )
             self.worker = Worker(spec, transport=self.transport)
             num_params = self.worker.load_model()
@@ -101,8 +102,8 @@ class ExternalLauncherExecutor(Executor):
         """Parameter count of every stage, the same list on every rank."""
         if self.pp_size == 1:
             return [num_params]
-        counts: list[int | None] = [None] * self.pp_size
-        dist.all_gather_object(counts, num_params, group=self.transport.cpu_group)
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.pp_size)]
+        dist.all_gather(counts, torch.tensor([num_params], dtype=torch.int64), group=self.transport.cpu_group)
         return [int(c) for c in counts]
 
     def _agree_on_num_blocks(self, num_available: int) -> int:

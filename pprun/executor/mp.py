@@ -14,8 +14,10 @@ import subprocess
 import sys
 import time
 
+from pprun.distributed.auth import loopback_env
 from pprun.distributed.layout import StageLayout
 from pprun.executor.remote import RemoteStagesExecutor
+from pprun.worker.faults import stage_faults
 from pprun.worker.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -33,10 +35,13 @@ class MpExecutor(RemoteStagesExecutor):
 
     name = "mp"
 
-    def __init__(self, resolved, runner: str, fault_injection: dict[int, dict] | None = None) -> None:
+    def __init__(self, resolved, runner: str) -> None:
         super().__init__(resolved, resolved.cfg.parallel.stage_timeout_s, runner)
+        # Every stage is on this host: the control listener and the sampled-ids socket on
+        # loopback, the rendezvous a file in a private directory, gloo/NCCL on the loopback
+        # interface (docs/failures.md, "Sockets").
         listener = self._listen("127.0.0.1")
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        init_method = self._local_rendezvous()
         specs = [
             WorkerSpec(
                 resolved,
@@ -46,7 +51,9 @@ class MpExecutor(RemoteStagesExecutor):
                 device_index=rank if resolved.device == "cuda" else None,
                 sample_feedback_slots=self.sample_feedback_slots,
                 control_spin_s=self.spin_s,
-                fault_injection=(fault_injection or {}).get(rank),
+                feedback_host="127.0.0.1",
+                env=loopback_env(),
+                faults=stage_faults(rank),
             )
             for rank in range(self.pp_size)
         ]

@@ -4,6 +4,11 @@ Ray places and starts the stage processes and reports their deaths; the per-step
 is the same socket path as ``mp`` (see ``pprun.executor.remote``), so a step costs no Ray task
 round trip.  Attaches to a running cluster when ``RAY_ADDRESS`` or ``parallel.ray_address`` names
 one; otherwise starts a light local one (no dashboard, no usage stats, a short temp dir).
+
+Placement (``docs/cluster.md``): one bundle per stage, spread over nodes by
+``parallel.placement_strategy`` and pinned by ``parallel.stage_resources``; a placement the
+cluster can never hold fails at once.  Stages on other nodes than the driver's meet at stage 0's
+node address as Ray reports it, never at a hard-coded loopback.
 """
 
 from __future__ import annotations
@@ -12,8 +17,10 @@ import logging
 import os
 import tempfile
 
+from pprun.distributed.auth import loopback_env
 from pprun.distributed.layout import StageLayout
 from pprun.executor.remote import RemoteStagesExecutor, worker_main
+from pprun.worker.faults import stage_faults
 from pprun.worker.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -43,12 +50,37 @@ def ensure_ray(address: str | None, num_cpus_needed: float) -> bool:
     return True
 
 
+def check_placement_possible(bundles: list[dict[str, float]], strategy: str) -> None:
+    """Fail at once, naming the setting, where the cluster can never hold the placement group
+    (Ray would wait for resources forever): a custom resource no node has, or ``STRICT_SPREAD``
+    over fewer alive nodes than stages."""
+    import ray
+
+    total = ray.cluster_resources()
+    for rank, bundle in enumerate(bundles):
+        for name, amount in bundle.items():
+            if name not in ("CPU", "GPU") and total.get(name, 0) < amount:
+                raise ValueError(
+                    f"parallel.stage_resources[{rank}].{name}={amount} cannot be reserved: the Ray cluster has "
+                    f"{total.get(name, 0)} of it (start a node with `ray start ... --resources "
+                    f"'{{\"{name}\": {amount}}}'`, or change the setting)"
+                )
+    if strategy == "STRICT_SPREAD":
+        alive = sum(1 for node in ray.nodes() if node.get("Alive"))
+        if alive < len(bundles):
+            raise ValueError(
+                f"parallel.placement_strategy=STRICT_SPREAD puts each of the {len(bundles)} stages on a node of its "
+                f"own, but the Ray cluster has {alive} alive node{'s' if alive != 1 else ''}; add nodes or use "
+                "PACK or SPREAD"
+            )
+
+
 class RayExecutor(RemoteStagesExecutor):
     """Stages as Ray actors in a placement group (one GPU each on GPU, a CPU fraction on CPU)."""
 
     name = "ray"
 
-    def __init__(self, resolved, runner: str, fault_injection: dict[int, dict] | None = None) -> None:
+    def __init__(self, resolved, runner: str) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -59,8 +91,13 @@ class RayExecutor(RemoteStagesExecutor):
         cpus = par.ray_num_cpus_per_stage
         # A local cluster started here stays up for the process (a later LLM reuses it).
         ensure_ray(par.ray_address, cpus * self.pp_size)
-        bundle = {"GPU": 1, "CPU": cpus} if on_gpu else {"CPU": cpus}
-        self.pg = placement_group([dict(bundle) for _ in range(self.pp_size)], strategy="PACK")
+        extra = [dict(r) for r in par.stage_resources] if par.stage_resources else [{}] * self.pp_size
+        base = {"GPU": 1, "CPU": cpus} if on_gpu else {"CPU": cpus}
+        bundles = [{**base, **extra[rank]} for rank in range(self.pp_size)]
+        strategy = par.placement_strategy
+        self.placement_strategy = strategy
+        check_placement_possible(bundles, strategy)
+        self.pg = placement_group(bundles, strategy=strategy)
         self._remove_pg = remove_placement_group
         self.actors = []
         try:
@@ -68,10 +105,14 @@ class RayExecutor(RemoteStagesExecutor):
         except ray.exceptions.GetTimeoutError:
             self.shutdown(graceful=False)
             raise ValueError(
-                f"Ray could not place {self.pp_size} stages of {bundle} within "
-                f"{par.stage_timeout_s + 60:.0f}s: the cluster lacks the resources "
-                f"(ray.cluster_resources()={ray.cluster_resources()})"
+                f"Ray could not place {self.pp_size} stages (bundles {bundles}, "
+                f"parallel.placement_strategy={strategy}) within {par.stage_timeout_s + 60:.0f}s: the "
+                f"cluster lacks the resources (ray.cluster_resources()={ray.cluster_resources()})"
             ) from None
+        # Where Ray put each stage (docs/cluster.md): node ids by bundle, i.e. by stage.
+        table = ray.util.placement_group_table(self.pg)
+        self.stage_node_ids: list[str] = [table["bundles_to_node_id"][rank] for rank in range(self.pp_size)]
+        """Ray node id of each stage's actor, first to last."""
 
         @ray.remote
         class StageActor:
@@ -90,6 +131,7 @@ class RayExecutor(RemoteStagesExecutor):
             StageActor.options(
                 num_cpus=cpus,
                 num_gpus=1 if on_gpu else 0,
+                resources=extra[rank],
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=rank
                 ),
@@ -98,20 +140,29 @@ class RayExecutor(RemoteStagesExecutor):
             for rank in range(self.pp_size)
         ]
         try:
-            ip0, port0 = ray.get(self.actors[0].node_ip_and_port.remote(), timeout=par.stage_timeout_s + 60)
+            places = ray.get([a.node_ip_and_port.remote() for a in self.actors], timeout=par.stage_timeout_s + 60)
+            self.stage_ips: list[str] = [ip for ip, _ in places]
+            """Each stage's node address as Ray reports it (the rendezvous host across nodes)."""
+            ip0, port0 = places[0]
             driver_ip = ray.util.get_node_ip_address()
-            listener = self._listen(driver_ip)
+            # Every stage on the driver's node: loopback sockets and a file rendezvous, as mp does
+            # (docs/failures.md, "Sockets"); across nodes the node addresses are needed.
+            local = all(ip == driver_ip for ip, _ in places)
+            listener = self._listen("127.0.0.1" if local else driver_ip)
+            init_method = self._local_rendezvous() if local else f"tcp://{ip0}:{port0}"
             self.run_refs = []
             for rank, actor in enumerate(self.actors):
                 spec = WorkerSpec(
                     resolved,
                     StageLayout.from_partition(resolved.layer_partition, rank),
                     runner,
-                    init_method=f"tcp://{ip0}:{port0}",
+                    init_method=init_method,
                     device_index=0 if on_gpu else None,  # Ray sets CUDA_VISIBLE_DEVICES per actor
                     sample_feedback_slots=self.sample_feedback_slots,
                     control_spin_s=self.spin_s,
-                    fault_injection=(fault_injection or {}).get(rank),
+                    feedback_host="127.0.0.1" if local else None,
+                    env=loopback_env() if local else {},
+                    faults=stage_faults(rank),
                 )
                 self.run_refs.append(actor.run.remote(spec, listener.address, self.authkey))
             self._accept_all(listener)
@@ -122,7 +173,8 @@ class RayExecutor(RemoteStagesExecutor):
 
     def describe(self) -> str:
         """Executor and placement."""
-        return f"ray ({self.pp_size} actors)"
+        nodes = len(set(getattr(self, "stage_node_ids", [])))
+        return f"ray ({self.pp_size} actors, {self.placement_strategy} on {nodes} node{'s' if nodes != 1 else ''})"
 
     def _stage_exits(self) -> list[tuple[int, str]]:
         import ray

@@ -7,6 +7,7 @@ from collections import deque
 from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pprun.distributed.layout import StageLayout
 from pprun.executor.base import Executor, StageFailedError
+from pprun.worker.faults import stage_faults
 from pprun.worker.runner_base import resolve
 from pprun.worker.worker import Worker, WorkerSpec
 
@@ -17,12 +18,12 @@ class UniExecutor(Executor):
     name = "uni"
     max_in_flight = 1
 
-    def __init__(self, resolved, runner: str, fault_injection: dict | None = None) -> None:
+    def __init__(self, resolved, runner: str) -> None:
         layout = StageLayout.single(resolved.arch.num_hidden_layers)
         self.async_steps = runner == "v2" and resolved.cfg.scheduler.async_scheduling
         """Submit returns before the device finishes (V2's pending outputs): two steps in flight."""
         self.max_in_flight = 2 if self.async_steps else 1
-        self.worker = Worker(WorkerSpec(resolved, layout, runner, fault_injection=fault_injection))
+        self.worker = Worker(WorkerSpec(resolved, layout, runner, faults=stage_faults(0)))
         self.stage_params = [self.worker.load_model()]
         self.num_blocks = self.worker.num_available_blocks()
         self.outputs: deque[ModelRunnerOutput] = deque()

@@ -52,9 +52,8 @@ class WorkerSpec:
     authkey: bytes | None = field(default=None, repr=False)
     """The run's secret (set by the stage from its control connection, never sent in the spec):
     the sampled-ids socket authenticates its peer with it."""
-    fault_injection: dict | None = None
-    """Tests only: ``{"raise_at_step": k}``, ``{"delay_s": d}`` (sleep each step) or
-    ``{"rename_sent_keys": True}`` (send intermediate tensors under wrong names)."""
+    faults: dict | None = None
+    """Tests only: the faults injected into this stage (``pprun.worker.faults``; None: none)."""
 
 
 class Worker:
@@ -188,10 +187,10 @@ class Worker:
         whose ``result()`` waits for the sampled ids), so the caller can start the next step
         before this one's output is needed.
         """
-        self._begin_step()
         trace = self.trace
         num_tokens = so.total_num_scheduled_tokens
         trace.begin(num_tokens, so.num_reqs)
+        self._begin_step()  # an injected delay is part of the step (a slow stage), traced as such
         receive = None
         if not self.layout.is_first and num_tokens > 0:
 
@@ -222,7 +221,7 @@ class Worker:
                     "runner returned nothing to send (the next stage would wait for them)"
                 )
             if out is not None and out is not SENT_IN_GRAPH:
-                if self.spec.fault_injection and self.spec.fault_injection.get("rename_sent_keys"):
+                if self.spec.faults and self.spec.faults.get("rename_sent_keys"):
                     out = IntermediateTensors({f"{k}_renamed": v for k, v in out.items()})
                 self.transport.send(out)
             out = None
@@ -266,7 +265,7 @@ class Worker:
     def _begin_step(self) -> None:
         """Count the step; in tests, apply the injected delay or failure."""
         self.step_count += 1
-        fi = self.spec.fault_injection
+        fi = self.spec.faults
         if not fi:
             return
         if fi.get("delay_s"):
