@@ -35,15 +35,24 @@ def _end(rank: int, init_method: str, socket_on: bool, mode: str, spin_s: float,
         from pprun.distributed import feedback as fb
 
         fb.SOCKET_ENABLED = socket_on if rank == 0 else not socket_on  # only the first stage's counts
+        if mode == "strangers":
+            _strangers_first(fb, rank)
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2,
                                 timeout=timedelta(seconds=60))  # fmt: skip
-        timeout_s = 2.0 if mode != "ok" else 60.0
+        timeout_s = 2.0 if mode not in ("ok", "strangers") else 60.0
+        key = b"the last stage's key" if mode == "impostor" and rank == 1 else KEY
         end = fb.SampleFeedback(dist.group.WORLD, 1 - rank, rank == 0, max_num_reqs=4, num_slots=3,
-                                host="127.0.0.1", timeout_s=timeout_s, spin_s=spin_s)  # fmt: skip
-        end.warm_up()
+                                host="127.0.0.1", timeout_s=timeout_s, spin_s=spin_s, authkey=key)  # fmt: skip
+        try:
+            end.warm_up()
+        except RuntimeError as e:
+            if mode != "impostor":
+                raise
+            out.put((rank, {"error": str(e)}))
+            return
         seen: dict[str, object] = {"socket": end.sock is not None, "polls": end._spinner is not None}
         if rank == 1:
-            if mode in ("ok", "lag"):
+            if mode in ("ok", "lag", "strangers"):
                 for _, ids in STEPS:
                     end.send(torch.tensor(ids, dtype=torch.int64))
             elif mode == "closed":
@@ -78,6 +87,41 @@ def _end(rank: int, init_method: str, socket_on: bool, mode: str, spin_s: float,
         out.put((rank, {"exception": traceback.format_exc()}))
 
 
+KEY = b"0123456789abcdef0123456789abcdef"
+"""The run's key both ends share (an ``impostor`` last stage holds another)."""
+
+
+def _strangers_first(fb, rank: int) -> None:
+    """Before the last stage connects, three strangers connect to the first stage's sampled-ids
+    listener: one sends a pickle whose loading would create a file, one sends 64 bytes of junk,
+    one says nothing (the first stage's handshake timeout cut to 1 s)."""
+    import socket
+
+    if rank == 0:
+        fb.auth.HANDSHAKE_TIMEOUT_S = 1.0
+        return
+    real = socket.create_connection
+
+    def create_connection(address, *args, **kwargs):
+        import os
+        import pickle
+
+        class Bomb:
+            def __reduce__(self):
+                return (os.mkdir, (os.environ["PPRUN_TEST_BOMB"],))
+
+        strangers = [real(address) for _ in range(3)]
+        strangers[0].sendall(pickle.dumps(Bomb()).ljust(64, b"."))
+        strangers[1].sendall(b"x" * 64)
+        sock = real(address, *args, **kwargs)
+        for s in strangers[:2]:
+            s.close()
+        fb._silent_stranger = strangers[2]  # kept open until the end
+        return sock
+
+    fb.socket.create_connection = create_connection
+
+
 def _where(end, req_ids: list[str]) -> np.ndarray:
     """Where the first stage's index says the newest expected ids of ``req_ids`` land."""
     return np.array([end.index[r] for r in req_ids])
@@ -110,6 +154,27 @@ def test_ids_arrive_in_step_order_on_either_channel(socket_on, spin_s, mode):
     assert results[0]["polls"] is (socket_on and spin_s > 0) and results[1]["polls"] is False
     want = [ids for _, ids in STEPS[:-1]] if mode == "ok" else [ids for _, ids in STEPS[-3:]]
     assert results[0]["got"] == want
+
+
+def test_socket_channel_refuses_strangers_and_serves_the_last_stage(tmp_path, monkeypatch):
+    """Strangers connecting to the first stage's sampled-ids listener before the last stage (a
+    pickle that would make a directory if loaded, junk, silence) are refused unread, and the
+    last stage's ids still arrive in order."""
+    bomb = tmp_path / "unpickled"
+    monkeypatch.setenv("PPRUN_TEST_BOMB", str(bomb))
+    results = _run(True, "strangers")
+    assert results[0]["socket"] and results[0]["got"] == [ids for _, ids in STEPS[:-1]]
+    assert not bomb.exists()
+
+
+def test_socket_channel_refuses_a_last_stage_with_another_key():
+    """Two ends with different keys: the first stage refuses the connection and times out
+    waiting for one that authenticates, the last stage's handshake fails; both raise an error
+    naming the socket, and no id is read."""
+    results = run_two_ranks(_end, True, "impostor", 0.0)
+    assert "opening the sampled-ids socket failed accepting the last stage" in results[0]["error"]
+    assert "opening the sampled-ids socket failed connecting" in results[1]["error"]
+    assert "handshake" in results[1]["error"] or "key" in results[1]["error"]
 
 
 def test_socket_channel_reports_a_closed_silent_or_out_of_step_last_stage():

@@ -53,7 +53,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pprun.distributed.auth import HANDSHAKE_TIMEOUT_S, PeerAuthError, authenticate
+from pprun.distributed import auth
+from pprun.distributed.auth import PeerAuthError, authenticate
 from pprun.switches import enabled_unless
 from pprun.utils.polling import Spinner
 from pprun.utils.step_trace import MAX_STEPS
@@ -256,7 +257,7 @@ class SampleFeedback:
             listener.settimeout(remaining)
             sock, address = listener.accept()
             try:
-                authenticate(sock, self.authkey, server=True, timeout_s=min(remaining, HANDSHAKE_TIMEOUT_S))
+                authenticate(sock, self.authkey, server=True, timeout_s=min(remaining, auth.HANDSHAKE_TIMEOUT_S))
                 return sock
             except PeerAuthError as e:
                 logger.warning("sampled-ids socket: refused a connection from %s: %s", address, e)
