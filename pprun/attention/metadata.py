@@ -38,8 +38,3 @@ class AttentionMetadata:
     """[num_tokens_padded] int64: cache slot of each token (-1 for padding: not written)."""
     cross: CrossAttentionMetadata | None = None
     """Cross-attention lengths and slots of an encoder-decoder model's step (None otherwise)."""
-
-    @property
-    def is_decode_only(self) -> bool:
-        """True when every request computes exactly one token."""
-        return self.max_query_len == 1

@@ -57,10 +57,6 @@ class BlockManager:
         """Extra blocks a request holding ``num_current_blocks`` needs for ``num_tokens``."""
         return max(0, cdiv(num_tokens, self.block_size) - num_current_blocks)
 
-    def can_allocate(self, req: Request, num_total_tokens: int) -> bool:
-        """True when ``allocate(req, num_total_tokens)`` would succeed."""
-        return self.blocks_needed(num_total_tokens, len(req.block_ids)) <= self.num_free_blocks
-
     def allocate(self, req: Request, num_total_tokens: int) -> list[int] | None:
         """Grow ``req.block_ids`` to cover ``num_total_tokens`` tokens.
 

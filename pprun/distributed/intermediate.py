@@ -28,11 +28,6 @@ class IntermediateTensors(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self.tensors)
 
-    @property
-    def num_tokens(self) -> int:
-        """Rows of the first tensor (all tensors share it)."""
-        return next(iter(self.tensors.values())).shape[0]
-
     def copy_from(self, other: Mapping[str, torch.Tensor], num_tokens: int) -> None:
         """Copy ``other``'s first ``num_tokens`` rows into these (persistent) buffers, in place."""
         if set(other) != set(self.tensors):

@@ -58,12 +58,6 @@ class HostDeviceBuffer:
         """The arena's byte range ``[start, end)`` of the first ``num_rows`` rows."""
         return self.offset, self.offset + num_rows * self.row_bytes
 
-    def to_device(self, num_rows: int) -> torch.Tensor:
-        """Copy the first ``num_rows`` rows host -> device (asynchronously); returns the device view."""
-        if self.device is not self.host:
-            self.device[:num_rows].copy_(self.host[:num_rows], non_blocking=True)
-        return self.device[:num_rows]
-
 
 class _Arena:
     """Fields packed into one host byte buffer (pinned on CUDA) and one device byte buffer at the

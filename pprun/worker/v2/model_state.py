@@ -7,7 +7,7 @@ metadata, graphs and sampling.  A :class:`ModelState` adds what a family needs b
   an encoder-decoder keeps encoder lengths) in persistent per-row buffers, updated by
   :meth:`ModelState.add_request` / :meth:`ModelState.remove_request`;
 - :meth:`ModelState.prepare_inputs_embeds`: first-stage input embeddings when the family merges
-  something into the token embeddings (DESIGN.md contract 3: ``is_mm_embed`` built by OR-ing every
+  something into the token embeddings (docs/design.md contract 3: ``is_mm_embed`` built by OR-ing every
   item's range, scattering only the scheduled window's part under chunked prefill), written into
   a persistent ``[max_num_tokens, hidden]`` buffer so graphs can read it;
 - :meth:`ModelState.extra_model_kwargs`: more forward arguments, each a view of a persistent
@@ -17,8 +17,9 @@ metadata, graphs and sampling.  A :class:`ModelState` adds what a family needs b
 - :meth:`ModelState.attention_layers`: the modules whose ``backend`` the runner may wrap for
   piecewise graphs.
 
-A model class names its plug-in with a ``model_state_cls`` attribute; the Llama family has none
-and gets :class:`TextModelState`.
+A model class names its plug-in with a ``model_state_cls`` attribute (a subclass of
+:class:`ModelState`); a text-only decoder (the Llama family) names none and gets
+:class:`ModelState` itself, whose defaults add nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pprun.core.outputs import NewRequestData
+from pprun.core.outputs import NewRequestData, SchedulerOutput
 from pprun.distributed.layout import StageLayout
 from pprun.worker.v2.inputs import StepBatch
 
@@ -58,9 +59,15 @@ class ModelState:
     def remove_request(self, row: int) -> None:
         """Row ``row`` was freed."""
 
+    def begin_step(self, so: SchedulerOutput) -> None:
+        """The step's deltas are applied (new and running requests in the table): act on what
+        the step asks of the family, e.g. run encoders for ``so.scheduled_encoder_inputs`` and
+        drop ``so.free_encoder_hashes`` from the encoder cache."""
+
     def prepare_inputs_embeds(self, batch: StepBatch, input_ids: torch.Tensor) -> torch.Tensor | None:
         """First stage only: ``[num_tokens_padded, hidden]`` embeddings, or ``None`` to let the
-        model embed ``input_ids`` itself.  Must return a view of a persistent buffer when the
+        model embed ``input_ids`` itself.  ``batch.num_computed_tokens`` and ``batch.query_start``
+        give each request's scheduled window (prompt positions and batch rows).  Must return a view of a persistent buffer when the
         runner may replay a graph over it."""
         return None
 
@@ -88,10 +95,6 @@ class ModelState:
         return None
 
 
-class TextModelState(ModelState):
-    """Text-only decoders (the Llama family): token embeddings inside the model, no extras."""
-
-
 def make_model_state(
     model: nn.Module,
     layout: StageLayout,
@@ -100,6 +103,7 @@ def make_model_state(
     max_num_reqs: int,
     max_num_tokens: int,
 ) -> ModelState:
-    """The model's own plug-in (``model.model_state_cls``) or :class:`TextModelState`."""
-    cls = getattr(model, "model_state_cls", None) or TextModelState
+    """The model's own plug-in (``model.model_state_cls``, an optional hook) or the default
+    :class:`ModelState` (a text-only decoder's: nothing extra)."""
+    cls = getattr(model, "model_state_cls", None) or ModelState
     return cls(model, layout, device, dtype, max_num_reqs, max_num_tokens)
