@@ -26,6 +26,9 @@ import numpy as np
 SAMPLE_RATE = 16_000
 """Whisper's input rate: every clip is resampled to it."""
 
+AUDIO_FEATURES_KEY = "input_features"
+"""Key of an audio item's log-mel features (``[num_mel_bins, frames]`` float32) in its data."""
+
 
 @dataclass(frozen=True)
 class AudioClip:

@@ -139,7 +139,7 @@ def make_tiny_whisper(path: Path | str, *, decoder_layers: int = 3, seed: int = 
     positions, 101 tokens), with a generation config like tiny.en's."""
     import json
 
-    from transformers import WhisperConfig, WhisperForConditionalGeneration
+    from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
     config = WhisperConfig(
         vocab_size=101, num_mel_bins=7, d_model=36, encoder_layers=2, decoder_layers=decoder_layers,
@@ -156,4 +156,6 @@ def make_tiny_whisper(path: Path | str, *, decoder_layers: int = 3, seed: int = 
         "max_length": 40,
     }
     (Path(path) / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    # 3 s windows of 30 frames (hop 1600 samples): what 15 encoder positions take.
+    WhisperFeatureExtractor(feature_size=7, chunk_length=3, hop_length=1600, n_fft=400).save_pretrained(path)
     return path

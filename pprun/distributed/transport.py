@@ -217,6 +217,17 @@ class PipelineTransport:
             dist.recv(view[key], src, group=self.device_group)
         return view
 
+    def send_payload(self, tensor: torch.Tensor) -> None:
+        """Send one tensor whose shape and dtype the next stage derives from the step itself (an
+        encoder-decoder model's encoder output for the requests the step brings in): no
+        metadata; before the step's intermediate tensors, on the device group."""
+        dist.send(tensor.contiguous(), self.global_ranks[self.layout.pp_rank + 1], group=self.device_group)
+
+    def recv_payload(self, buffer: torch.Tensor) -> torch.Tensor:
+        """Receive what the previous stage sent with :meth:`send_payload` into ``buffer``."""
+        dist.recv(buffer, self.global_ranks[self.layout.pp_rank - 1], group=self.device_group)
+        return buffer
+
     # --- hops captured in CUDA graphs ---------------------------------------------------------
 
     def agree(self, mine: object) -> bool:

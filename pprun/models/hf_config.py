@@ -379,6 +379,8 @@ def expected_tensor_shapes(
     """
     if layer_range is None:
         layer_range = range(arch.num_hidden_layers)
+    if arch.audio_encoder is not None:
+        return _whisper_tensor_shapes(arch, arch.audio_encoder, layer_range, first, last)
     hidden = arch.hidden_size
     q_size = arch.num_attention_heads * arch.head_dim
     kv_size = arch.num_key_value_heads * arch.head_dim
@@ -410,4 +412,50 @@ def expected_tensor_shapes(
         shapes["model.norm.weight"] = (hidden,)
         if not arch.tie_word_embeddings:
             shapes["lm_head.weight"] = (arch.vocab_size, hidden)
+    return shapes
+
+
+def _whisper_tensor_shapes(
+    arch: ModelArchConfig, enc: AudioEncoderArch, layer_range: range, first: bool, last: bool
+) -> dict[str, tuple[int, ...]]:
+    """A Whisper stage's checkpoint tensors: the encoder and decoder embeddings on the first
+    stage, its decoder layers, the final norm (and an untied projection) on the last."""
+    hidden = arch.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def block(prefix: str, attns: tuple[str, ...], ffn: int) -> None:
+        for attn in attns:
+            for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+                shapes[f"{prefix}.{attn}.{proj}.weight"] = (hidden, hidden)
+                if proj != "k_proj":  # Whisper's k projections have no bias
+                    shapes[f"{prefix}.{attn}.{proj}.bias"] = (hidden,)
+            shapes[f"{prefix}.{attn}_layer_norm.weight"] = (hidden,)
+            shapes[f"{prefix}.{attn}_layer_norm.bias"] = (hidden,)
+        shapes[f"{prefix}.fc1.weight"] = (ffn, hidden)
+        shapes[f"{prefix}.fc1.bias"] = (ffn,)
+        shapes[f"{prefix}.fc2.weight"] = (hidden, ffn)
+        shapes[f"{prefix}.fc2.bias"] = (hidden,)
+        shapes[f"{prefix}.final_layer_norm.weight"] = (hidden,)
+        shapes[f"{prefix}.final_layer_norm.bias"] = (hidden,)
+
+    if first:
+        shapes["model.encoder.conv1.weight"] = (hidden, enc.num_mel_bins, 3)
+        shapes["model.encoder.conv1.bias"] = (hidden,)
+        shapes["model.encoder.conv2.weight"] = (hidden, hidden, 3)
+        shapes["model.encoder.conv2.bias"] = (hidden,)
+        shapes["model.encoder.embed_positions.weight"] = (enc.max_source_positions, hidden)
+        for i in range(enc.num_layers):
+            block(f"model.encoder.layers.{i}", ("self_attn",), enc.ffn_dim)
+        shapes["model.encoder.layer_norm.weight"] = (hidden,)
+        shapes["model.encoder.layer_norm.bias"] = (hidden,)
+        shapes["model.decoder.embed_positions.weight"] = (arch.max_position_embeddings, hidden)
+    if first or (last and arch.tie_word_embeddings):
+        shapes["model.decoder.embed_tokens.weight"] = (arch.vocab_size, hidden)
+    for i in layer_range:
+        block(f"model.decoder.layers.{i}", ("self_attn", "encoder_attn"), arch.intermediate_size)
+    if last:
+        shapes["model.decoder.layer_norm.weight"] = (hidden,)
+        shapes["model.decoder.layer_norm.bias"] = (hidden,)
+        if not arch.tie_word_embeddings:
+            shapes["proj_out.weight"] = (arch.vocab_size, hidden)
     return shapes

@@ -315,28 +315,10 @@ class WhisperForConditionalGeneration(nn.Module):
 
     def checkpoint_names(self) -> list[str]:
         """The checkpoint tensors this stage reads (and no others)."""
-        names: list[str] = []
-        first, last = self.layout.is_first, self.layout.is_last
-        if first:
-            names += [f"model.encoder.{p}" for p, _ in self._encoder_params()]
-            names += ["model.decoder.embed_positions.weight"]
-        if first or (last and self.arch.tie_word_embeddings):
-            names.append("model.decoder.embed_tokens.weight")
-        for i in self.layout.layer_range:
-            prefix = f"model.decoder.layers.{i}"
-            for attn in ("self_attn", "encoder_attn"):
-                for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
-                    names.append(f"{prefix}.{attn}.{proj}.weight")
-                    if proj != "k_proj":
-                        names.append(f"{prefix}.{attn}.{proj}.bias")
-            for part in ("self_attn_layer_norm", "encoder_attn_layer_norm", "final_layer_norm",
-                         "fc1", "fc2"):
-                names += [f"{prefix}.{part}.weight", f"{prefix}.{part}.bias"]
-        if last:
-            names += ["model.decoder.layer_norm.weight", "model.decoder.layer_norm.bias"]
-            if not self.arch.tie_word_embeddings:
-                names.append("proj_out.weight")
-        return names
+        from pprun.models.hf_config import expected_tensor_shapes
+
+        layout = self.layout
+        return list(expected_tensor_shapes(self.arch, layout.layer_range, layout.is_first, layout.is_last))
 
     def _encoder_params(self) -> list[tuple[str, str]]:
         """(checkpoint name under ``model.encoder.``, module path here) for the encoder."""

@@ -163,6 +163,8 @@ def read_ct2_model(path: Path) -> tuple[str, dict[str, np.ndarray], dict[str, st
 
 
 def _scalar(variables: dict[str, np.ndarray], name: str) -> int:
+    if name not in variables:
+        raise ValueError(f"model.bin has no setting {name!r}: not a Whisper spec this converter knows")
     return int(variables.pop(name))
 
 

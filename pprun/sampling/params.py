@@ -41,6 +41,10 @@ class SamplingParams:
     """Return the sampled token's log-probability and the top ``logprobs`` alternatives."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the decoded text."""
+    suppress_token_ids: list[int] | None = None
+    """Token ids never sampled: their logits are set to -inf before sampling (and logprobs)."""
+    begin_suppress_token_ids: list[int] | None = None
+    """Token ids not sampled as the first output token (a checkpoint's ``begin_suppress_tokens``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +53,10 @@ class SamplingParams:
             self.stop = []
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        if self.suppress_token_ids is None:
+            self.suppress_token_ids = []
+        if self.begin_suppress_token_ids is None:
+            self.begin_suppress_token_ids = []
 
     @property
     def greedy(self) -> bool:
@@ -91,6 +99,10 @@ class SamplingParams:
             is_int(t) and t >= 0 for t in self.stop_token_ids
         ):
             bad("stop_token_ids", "must be a list of non-negative integers")
+        for name in ("suppress_token_ids", "begin_suppress_token_ids"):
+            ids = getattr(self, name)
+            if not isinstance(ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in ids):
+                bad(name, "must be a list of non-negative integers")
         for flag in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
                 bad(flag, "must be True or False")

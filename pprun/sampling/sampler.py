@@ -302,3 +302,30 @@ def to_logprobs(
             )
         result.append(Logprobs(sampled[i], top_ids[i][:n], top_logprobs[i][:n]))
     return result
+
+
+def suppress_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], is_first_output: list[bool]
+) -> torch.Tensor:
+    """``logits [num_reqs, vocab]`` with each row's suppressed ids at -inf (a new tensor when
+    any row suppresses something, else ``logits`` itself).
+
+    Row ``i`` suppresses ``params[i].suppress_token_ids`` always, and
+    ``params[i].begin_suppress_token_ids`` when it samples its first output token
+    (``is_first_output[i]``).  Ids past the vocabulary are ignored.
+    """
+    rows: list[int] = []
+    cols: list[int] = []
+    vocab = logits.shape[-1]
+    for i, (p, first) in enumerate(zip(params, is_first_output, strict=True)):
+        ids = list(p.suppress_token_ids or ())
+        if first:
+            ids += list(p.begin_suppress_token_ids or ())
+        ids = [t for t in ids if t < vocab]
+        rows += [i] * len(ids)
+        cols += ids
+    if not rows:
+        return logits
+    out = logits.clone()
+    out[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+    return out

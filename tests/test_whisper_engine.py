@@ -1,0 +1,150 @@
+"""Whisper through the engine: greedy parity with transformers for pp = 1, 2, 3 (uni, mp, ray),
+windows, preemption, cross-attention metadata padding (contract 4) and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import make_tiny_llama, make_tiny_whisper
+
+from pprun import LLM
+from pprun.sampling.params import SamplingParams
+
+MAX_TOKENS = 10
+
+
+def clip(seconds: float, seed: int) -> tuple[np.ndarray, int]:
+    """A reproducible noisy chirp (so different clips give different features)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * 16000)) / 16000
+    tone = np.sin(2 * np.pi * (200 + 300 * seed) * t * (1 + t))
+    return (0.3 * tone + 0.05 * rng.standard_normal(t.shape)).astype(np.float32), 16000
+
+
+CLIPS = [clip(2.5, 0), clip(1.0, 1), clip(1.7, 2), clip(0.4, 3)]
+
+
+@pytest.fixture(scope="module")
+def whisper_dir(tmp_path_factory):
+    return make_tiny_whisper(tmp_path_factory.mktemp("whisper-engine"))
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(whisper_dir):
+    """transformers' greedy ``generate`` per clip (its generation config: forced ids, suppress lists)."""
+    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    model = WhisperForConditionalGeneration.from_pretrained(whisper_dir, dtype=torch.float32).eval()
+    fe = WhisperFeatureExtractor.from_pretrained(whisper_dir)
+    out = []
+    for samples, rate in CLIPS:
+        feats = fe(samples, sampling_rate=rate, return_tensors="pt").input_features
+        with torch.no_grad():
+            ids = model.generate(feats, max_new_tokens=MAX_TOKENS, do_sample=False)[0].tolist()
+        out.append([t for t in ids if t not in (98, 100)])  # the decoder prompt, if returned
+    return out
+
+
+def ours(o) -> list[int]:
+    ids = o.outputs[0].token_ids
+    return ids[:-1] if ids and ids[-1] == 97 else ids  # transformers drops the final EOS
+
+
+def prompts():
+    return [{"multi_modal_data": {"audio": c}} for c in CLIPS]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+@pytest.mark.parametrize(
+    ("pp", "executor"), [(1, "uni"), (2, "mp"), (3, "mp"), pytest.param(3, "ray", marks=pytest.mark.slow)]
+)
+def test_greedy_matches_transformers_over_stages(whisper_dir, hf_tokens, pp, executor, request):
+    if executor == "ray":
+        request.getfixturevalue("ray_cluster")
+    with LLM(str(whisper_dir), dtype="float32", max_num_seqs=8, pipeline_parallel_size=pp,
+             executor=executor) as llm:
+        assert llm.describe()["runner"] == "v1"
+        outs = llm.generate(prompts(), GREEDY)
+    assert [ours(o) for o in outs] == hf_tokens
+
+
+def test_transcribe_windows_and_preemption(whisper_dir, hf_tokens):
+    """A 7 s clip is three 3 s windows; a KV cache of a few blocks preempts, and the tokens stay."""
+    long = np.concatenate([CLIPS[0][0][:48000 // 16 * 16], CLIPS[1][0], CLIPS[2][0], CLIPS[0][0]])
+    # 7 blocks of 8 tokens (one request of max_model_len=40 needs 5, plus the null block) after
+    # the cross caches of max_num_seqs + 1 slots: four requests growing to 12 tokens preempt.
+    block_bytes = 2 * 3 * 8 * 36 * 4  # K and V, 3 layers, 8 tokens, 36 wide, fp32
+    slot_bytes = 2 * 3 * 15 * 36 * 4  # K and V, 3 layers, 15 encoder positions
+    with LLM(str(whisper_dir), dtype="float32", max_num_seqs=4, block_size=8,
+             kv_cache_memory_bytes=7 * block_bytes + 5 * slot_bytes) as llm:
+        assert llm.engine.num_blocks == 7
+        result = llm.transcribe([(long, 16000), CLIPS[1]], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+        preempted = llm.engine.num_preemptions
+        again = llm.generate(prompts(), GREEDY)
+    assert [len(r.windows) for r in result] == [3, 1]
+    assert result[0].audio_seconds == pytest.approx(long.shape[0] / 16000)
+    assert ours(result[1].windows[0]) == hf_tokens[1]
+    assert [ours(o) for o in again] == hf_tokens
+    assert preempted > 0 or llm.engine.num_preemptions > 0
+
+
+def test_cross_metadata_padding_rows_zeroed():
+    """Contract 4: after a step with num_reqs < num_reqs_padded, real rows are right and padding
+    rows zero, in the persistent buffers that a larger step filled before."""
+    from pprun.worker.encoder_decoder import EncoderDecoderState
+
+    state = EncoderDecoderState.__new__(EncoderDecoderState)
+    state.device, state.source_len = torch.device("cpu"), 15
+    state.slot_of = {"a": 3, "b": 1, "c": 2, "d": 4}
+    lens = torch.zeros(8, dtype=torch.int32)
+    slots = torch.zeros(8, dtype=torch.int32)
+    state.fill(["a", "b", "c", "d"], 8, lens, slots)  # an earlier, larger step
+    lens[4:] = 77  # and whatever else was left there
+    slots[4:] = 5
+    meta = state.fill(["c", "a", "b"], 4, lens, slots)
+    assert meta.encoder_seq_lens.data_ptr() == lens.data_ptr()  # the same persistent buffer
+    assert meta.encoder_seq_lens.tolist() == [15, 15, 15, 0]
+    assert meta.cross_slots.tolist() == [2, 3, 1, 0]
+
+
+def test_bad_input_names_entry_and_field(whisper_dir, tmp_path):
+    text_file = tmp_path / "notes.wav"
+    text_file.write_text("not audio")
+    cases = [
+        ({"multi_modal_data": {"audio": str(text_file)}}, "prompts[0].multi_modal_data.audio"),
+        ({"multi_modal_data": {"audio": (np.zeros(0, np.float32), 16000)}}, "audio is empty"),
+        ({"multi_modal_data": {"audio": (np.array([0.0, np.inf], np.float32), 16000)}}, "NaN or infinity"),
+        ({"multi_modal_data": {"audio": (np.ones(100, np.float32), 0)}}, "sample_rate must be > 0, got 0"),
+        ({"prompt_token_ids": [98, 100]}, "is a speech model and needs audio"),
+        ({"multi_modal_data": {"audio": CLIPS[0], "image": 1}}, "multi_modal_data.image"),
+        ({"multi_modal_data": {"audio": (np.ones(16000 * 4, np.float32), 16000)}}, "LLM.transcribe splits"),
+    ]
+    with LLM(str(whisper_dir), dtype="float32", max_num_seqs=4) as llm:
+        first = llm.generate(prompts()[:1], GREEDY)
+        for bad, message in cases:
+            with pytest.raises(ValueError, match="prompts\\[0\\]") as err:
+                llm.generate([bad, prompts()[1]], GREEDY)
+            assert message in str(err.value)
+        with pytest.raises(ValueError, match=r"prompts\[0\].*max_target_positions=40") as err:
+            llm.generate(prompts()[:1], SamplingParams(temperature=0.0, max_tokens=39))
+        assert "max_tokens may be at most 38" in str(err.value)
+        with pytest.raises(ValueError, match=r"audio\[1\].*does not exist"):
+            llm.transcribe([CLIPS[0], str(tmp_path / "missing.flac")])
+        # Nothing was queued by the failed calls, and the engine still answers the same.
+        assert not llm.engine.has_unfinished_requests()
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts()[:1], GREEDY)] == [
+            first[0].outputs[0].token_ids
+        ]
+
+
+def test_audio_for_a_text_only_model(tmp_path):
+    path = make_tiny_llama(tmp_path / "llama", num_layers=2)
+    with LLM(str(path), dtype="float32") as llm:
+        with pytest.raises(ValueError, match=r"prompts\[0\]\.multi_modal_data.*text-only") as err:
+            llm.generate([{"prompt_token_ids": [1, 2], "multi_modal_data": {"audio": CLIPS[0]}}])
+        assert "LlamaForCausalLM" in str(err.value)
+        with pytest.raises(ValueError, match="LLM.transcribe needs a speech model"):
+            llm.transcribe([CLIPS[0]])
