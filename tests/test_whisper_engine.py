@@ -148,3 +148,35 @@ def test_audio_for_a_text_only_model(tmp_path):
         assert "LlamaForCausalLM" in str(err.value)
         with pytest.raises(ValueError, match="LLM.transcribe needs a speech model"):
             llm.transcribe([CLIPS[0]])
+
+
+def test_transcribe_cli_jsonl_and_summary(whisper_dir, hf_tokens, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    import soundfile as sf
+
+    paths = []
+    for i in (1, 2):
+        path = tmp_path / f"clip{i}.flac"
+        sf.write(path, *CLIPS[i])
+        paths.append(str(path))
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "pprun.cli", "transcribe", f"model.model={whisper_dir}", "model.dtype=float32",
+           f"files=[{','.join(paths)}]", f"output_file={out}", "max_tokens=10", "progress=false",
+           f"hydra.run.dir={tmp_path}", "scheduler.max_num_seqs=4"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["file"] for line in lines] == paths
+    assert [line["windows"] for line in lines] == [1, 1]
+    assert [line["num_output_tokens"] for line in lines] == [
+        len(hf_tokens[i]) + (len(hf_tokens[i]) < 10) for i in (1, 2)
+    ]
+    summary = json.loads(done.stderr.strip().splitlines()[-1])
+    assert summary["files"] == 2 and summary["audio_seconds"] == pytest.approx(2.7, abs=0.01)
+    assert summary["audio_seconds_per_second"] > 0
+    bad = subprocess.run([*cmd[:6], f"files=[{tmp_path / 'none.wav'}]", *cmd[7:]],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "audio[0]" in bad.stderr and "does not exist" in bad.stderr

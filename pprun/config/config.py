@@ -74,6 +74,14 @@ class ParallelConfig:
     stage busy while the engine turns a batch's output into its next step (the round trip
     engine -> first stage ... last stage -> engine is longer than one stage's compute); the
     requests (at most ``scheduler.max_num_seqs``) are spread over the batches."""
+    control_spin_us: int | None = None
+    """Microseconds a control-socket reader (the driver, each stage, and an async pipeline's first
+    stage waiting for sampled ids) polls before it blocks, 0 to 100000 (executors mp and ray).
+    A blocked reader is woken by the kernel when the bytes land, which on hosts whose idle cores
+    sleep deeply costs tens of microseconds per wake, twice per step; polling keeps the reader on
+    its core but occupies it.  None (the default): 1000 with stages on GPUs when the host has at
+    least two cores per pipeline process (driver and stages), else 0 (CPU stages need their
+    cores).  The environment variable ``PPRUN_CONTROL_SPIN_US``, when set, overrides it."""
     async_pipeline: bool | None = None
     """Async pipeline steps (executors mp and ray, V2 runner, pp > 1): the engine submits each
     batch's next step while the current one is still in the pipeline, and the last stage sends
@@ -160,6 +168,11 @@ class PprunConfig:
     """auto|cpu|cuda: auto uses CUDA when available."""
     log_level: str = "INFO"
     """Logging level of pprun's loggers (DEBUG, INFO, WARNING, ERROR)."""
+    attention_backend: str = "auto"
+    """auto|reference|triton: the attention kernels.  reference: plain torch on any device (the
+    parity reference; it reads lengths on the host, so no full CUDA graphs); triton: the paged
+    Triton kernels (CUDA only); auto: triton on CUDA where Triton imports, else reference.  The
+    environment variable ``PPRUN_ATTN_BACKEND``, when set, overrides it."""
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> PprunConfig:
@@ -329,6 +342,24 @@ class GenerateAppConfig(PprunConfig):
 
 
 @dataclass
+class TranscribeAppConfig(PprunConfig):
+    """The ``pprun transcribe`` app: PprunConfig's keys at top level, plus the audio files."""
+
+    files: list[str] = field(default_factory=list)
+    """Audio files to transcribe (WAV, FLAC, OGG...; any rate and channel count)."""
+    output_file: str | None = None
+    """Write results as JSON lines here ({"file", "text", "audio_seconds", "windows"}); None prints them."""
+    progress: bool = True
+    """Show a progress bar over the windows being transcribed."""
+    max_tokens: int | None = None
+    """Most tokens per 30 s window (None: up to the model's max_target_positions)."""
+
+    def pprun_config(self) -> PprunConfig:
+        """Just the engine's configuration."""
+        return PprunConfig.from_omegaconf(self)
+
+
+@dataclass
 class BenchAppConfig(PprunConfig):
     """The ``pprun bench`` app: PprunConfig's keys at top level, plus the synthetic workload."""
 
@@ -459,4 +490,5 @@ def register_configs() -> None:
     store.store(name="pprun_schema", node=PprunConfig)
     store.store(name="generate_schema", node=GenerateAppConfig)
     store.store(name="bench_schema", node=BenchAppConfig)
+    store.store(name="transcribe_schema", node=TranscribeAppConfig)
     store.store(name="serve_schema", node=ServeAppConfig)
