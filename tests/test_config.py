@@ -286,6 +286,10 @@ def test_resolve_executor() -> None:
         ({"async_pipeline": "yes"}, r"parallel\.async_pipeline='yes' is invalid: must be true, false or null"),
         ({"cudagraph_capture_sizes": [1, 0]}, r"compilation\.cudagraph_capture_sizes=\[1, 0\]"),
         ({"log_level": "LOUD"}, r"log_level='LOUD'"),
+        ({"attention_backend": "flash"}, r"attention_backend='flash'.*auto, reference, triton"),
+        ({"attention_backend": "triton"}, r"attention_backend='triton' needs a CUDA device.*device='cpu'"),
+        ({"control_spin_us": -1}, r"parallel\.control_spin_us=-1.*microseconds from 0 to 100000"),
+        ({"control_spin_us": 2.5}, r"parallel\.control_spin_us=2\.5.*whole number"),
         (
             {"enable_chunked_prefill": False, "max_num_batched_tokens": 512},
             r"scheduler\.max_num_batched_tokens=512.*max_model_len=2048.*enable_chunked_prefill=False",
@@ -400,3 +404,20 @@ def test_v2_with_torchrun_pp2_rejected_by_validation(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"runner='v2'.*external_launcher with pipeline_parallel_size=2"):
         _validate(llama_dir, env=TORCHRUN_ENV, pipeline_parallel_size=2, runner="v2")
     assert _validate(llama_dir, env=TORCHRUN_ENV, pipeline_parallel_size=2).runner == "v1"
+
+
+def test_settings_from_the_environment_override_their_config_fields(llama_dir: Path, monkeypatch) -> None:
+    """``PPRUN_ATTN_BACKEND`` and ``PPRUN_CONTROL_SPIN_US`` override ``attention_backend`` and
+    ``parallel.control_spin_us`` when set, and are checked like them."""
+    from pprun.executor.remote import control_spin_s
+
+    cfg = PprunConfig.from_kwargs(model=str(llama_dir), attention_backend="reference")
+    assert validate_config(cfg, cuda_available=False, env={}).attention_backend == "reference"
+    assert validate_config(cfg, cuda_available=False, env={"PPRUN_ATTN_BACKEND": "auto"}).attention_backend == "auto"
+    with pytest.raises(ValueError, match=r"PPRUN_ATTN_BACKEND='fast'.*auto, reference, triton"):
+        validate_config(cfg, cuda_available=False, env={"PPRUN_ATTN_BACKEND": "fast"})
+    monkeypatch.delenv("PPRUN_CONTROL_SPIN_US", raising=False)
+    assert control_spin_s(3, "cuda", configured_us=300) == pytest.approx(3e-4)
+    assert control_spin_s(3, "cuda", configured_us=0) == 0.0
+    monkeypatch.setenv("PPRUN_CONTROL_SPIN_US", "50")
+    assert control_spin_s(3, "cpu", configured_us=300) == pytest.approx(5e-5)

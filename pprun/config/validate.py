@@ -35,6 +35,12 @@ BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128)
 """Allowed values of ``cache.block_size``."""
 LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 """Allowed values of ``log_level``."""
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "reference", "triton")
+"""Allowed values of ``attention_backend`` (and ``PPRUN_ATTN_BACKEND``)."""
+ATTN_BACKEND_ENV = "PPRUN_ATTN_BACKEND"
+"""Environment variable that overrides ``attention_backend`` when set."""
+CONTROL_SPIN_MAX_US = 100_000
+"""Largest ``parallel.control_spin_us`` (and ``PPRUN_CONTROL_SPIN_US``): 0.1 s of polling per wait."""
 PLACEMENT_STRATEGIES: tuple[str, ...] = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 """Allowed ``parallel.placement_strategy`` values: Ray's placement group strategies."""
 RAY_BUILTIN_RESOURCES: tuple[str, ...] = ("CPU", "GPU", "memory", "object_store_memory")
@@ -69,6 +75,9 @@ class ResolvedConfig:
     """``v1`` or ``v2``."""
     cudagraph_capture_sizes: list[int]
     """Padded batch sizes captured as CUDA graphs (empty on CPU or with cudagraph_mode=none)."""
+    attention_backend: str = "auto"
+    """``attention_backend``, or ``PPRUN_ATTN_BACKEND`` where set (``auto`` is resolved by each
+    stage: whether Triton imports is the stage process's fact)."""
 
     def stage_layer_range(self, pp_rank: int) -> range:
         """The decoder layers stage ``pp_rank`` owns."""
@@ -194,6 +203,15 @@ def _check_values(cfg: PprunConfig, env: Mapping[str, str]) -> None:
     _check_choice("compilation.cudagraph_mode", cfg.compilation.cudagraph_mode, CUDAGRAPH_MODES)
     _check_choice("cache.block_size", cfg.cache.block_size, BLOCK_SIZES)
     _check_choice("log_level", str(cfg.log_level).upper(), LOG_LEVELS)
+    _check_choice("attention_backend", cfg.attention_backend, ATTENTION_BACKENDS)
+    if env.get(ATTN_BACKEND_ENV):
+        _check_choice(ATTN_BACKEND_ENV, env[ATTN_BACKEND_ENV], ATTENTION_BACKENDS)
+    spin_us = cfg.parallel.control_spin_us
+    if spin_us is not None and not (is_int(spin_us) and 0 <= spin_us <= CONTROL_SPIN_MAX_US):
+        raise ValueError(
+            f"parallel.control_spin_us={spin_us!r} is not allowed; it must be a whole number of "
+            f"microseconds from 0 to {CONTROL_SPIN_MAX_US}, or null for the default"
+        )
 
     _check_flags(cfg)
     if not is_seed(cfg.model.seed):
@@ -461,6 +479,10 @@ def validate_config(
             f"model.tokenizer={cfg.model.tokenizer!r} does not exist; give a tokenizer directory or None"
         )
 
+    attention_backend = env.get(ATTN_BACKEND_ENV) or cfg.attention_backend
+    if attention_backend == "triton" and device != "cuda":
+        name = ATTN_BACKEND_ENV if env.get(ATTN_BACKEND_ENV) else "attention_backend"
+        raise ValueError(f"{name}='triton' needs a CUDA device, but device={device!r}; use auto or reference")
     if device == "cuda" and cfg.compilation.cudagraph_mode != "none":
         capture_sizes = cfg.compilation.resolved_capture_sizes(cfg.scheduler.max_num_seqs)
     else:
@@ -478,6 +500,7 @@ def validate_config(
         executor=executor,
         runner=runner,
         cudagraph_capture_sizes=capture_sizes,
+        attention_backend=attention_backend,
     )
     logger.info(
         "pprun config: model=%s (%s, %d layers) device=%s dtype=%s pp=%d layer_partition=%s executor=%s runner=%s "

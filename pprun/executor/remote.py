@@ -7,7 +7,7 @@ on the per-step path: Ray only places and starts the stage processes.  A stage t
 its traceback; a stage that dies closes its socket; a stage that hangs trips the stage timeout.
 Each of these becomes a :class:`StageFailedError` at the caller, and the driver then stops
 every stage process.  With stages on GPUs, readers poll their sockets briefly before blocking
-where the host has cores to spare (:func:`control_spin_s`, ``PPRUN_CONTROL_SPIN_US``).
+where the host has cores to spare (:func:`control_spin_s`, ``parallel.control_spin_us``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import traceback
 from collections import deque
 from multiprocessing.connection import Client, Connection, Listener, wait
 
+from pprun.config.validate import CONTROL_SPIN_MAX_US
 from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pprun.distributed.auth import accept_authenticated, new_key
 from pprun.executor.base import Executor, StageFailedError
@@ -54,12 +55,12 @@ EARLY_ANSWER: bool = enabled_unless("PPRUN_DISABLE_EARLY_ANSWER")
 
 
 SPIN_ENV = "PPRUN_CONTROL_SPIN_US"
-"""Microseconds a control-socket reader polls before blocking (see :func:`control_spin_s`)."""
-SPIN_MAX_US = 100_000
-"""Largest ``PPRUN_CONTROL_SPIN_US`` accepted (0.1 s of polling per wait)."""
+"""Overrides ``parallel.control_spin_us`` when set (see :func:`control_spin_s`)."""
+SPIN_MAX_US = CONTROL_SPIN_MAX_US
+"""Largest budget accepted, in microseconds (0.1 s of polling per wait)."""
 
 
-def control_spin_s(num_processes: int, device: str) -> float:
+def control_spin_s(num_processes: int, device: str, configured_us: int | None = None) -> float:
     """How long a control-socket reader polls before it blocks, in seconds (the driver decides;
     the stages get it in their ``WorkerSpec``).
 
@@ -68,8 +69,9 @@ def control_spin_s(num_processes: int, device: str) -> float:
     twice per step (driver -> stage, stage -> driver).  Polling first keeps the reader on its
     core.  By default it polls up to 1 ms with stages on GPUs on a host with at least two cores
     for each of the ``num_processes`` processes of the pipeline (driver and stages); never with
-    stages on CPUs, whose computation needs the cores.  ``PPRUN_CONTROL_SPIN_US`` sets the budget
-    in microseconds (0: never poll; at most :data:`SPIN_MAX_US`).
+    stages on CPUs, whose computation needs the cores.  ``configured_us``
+    (``parallel.control_spin_us``, validated) sets the budget in microseconds (0: never poll), and
+    ``PPRUN_CONTROL_SPIN_US``, when set, overrides it (at most :data:`SPIN_MAX_US`).
     """
     text = os.environ.get(SPIN_ENV)
     if text is not None and text.strip() != "":
@@ -82,6 +84,8 @@ def control_spin_s(num_processes: int, device: str) -> float:
                 f"{SPIN_ENV}={text!r} is invalid: expected a whole number of microseconds from 0 to {SPIN_MAX_US}"
             )
         return us * 1e-6
+    if configured_us is not None:
+        return configured_us * 1e-6
     if device != "cuda":
         return 0.0
     try:
@@ -234,7 +238,7 @@ class RemoteStagesExecutor(Executor):
         self.stage_params: list[int] = []
         self.stage_pids: list[int | None] = [None] * self.pp_size
         """Process id of each stage (reported by the stage itself)."""
-        self.spin_s = control_spin_s(self.pp_size + 1, resolved.device)
+        self.spin_s = control_spin_s(self.pp_size + 1, resolved.device, resolved.cfg.parallel.control_spin_us)
         """How long a wait for a stage's message polls before blocking (:func:`control_spin_s`)."""
         self._spinner: Spinner | None = None
 

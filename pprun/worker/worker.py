@@ -103,7 +103,7 @@ class Worker:
             device=self.device,
             dtype=rc.dtype,
             max_positions=max(rc.max_model_len, 1),
-            attn_backend=get_backend(os.environ.get("PPRUN_ATTN_BACKEND", "auto"), self.device),
+            attn_backend=get_backend(rc.attention_backend, self.device),
         )
         return sum(p.numel() for p in self.model.parameters())
 
@@ -274,6 +274,11 @@ class Worker:
             time.sleep(fi["delay_s"])
         if fi.get("raise_at_step") == self.step_count:
             raise RuntimeError(f"injected failure in stage {self.layout.pp_rank} at step {self.step_count}")
+        for name, sig in (("kill_at_step", "SIGKILL"), ("stop_at_step", "SIGSTOP")):
+            if fi.get(name) == self.step_count:
+                import signal
+
+                os.kill(os.getpid(), getattr(signal, sig))
 
     def memory_stats(self) -> dict[str, int]:
         """This stage process's memory: peak and current resident set, weight and KV-cache bytes.
