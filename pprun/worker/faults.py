@@ -11,7 +11,11 @@ A stage's faults (any combination):
 - ``raise_at_step``: int k, the stage raises at its k-th step (counted from 1);
 - ``delay_s``: float d, the stage sleeps d seconds at the start of every step;
 - ``rename_sent_keys``: true, a non-last stage sends its intermediate tensors under wrong
-  names (the receiver must refuse them with an error, not hang).
+  names (the receiver must refuse them with an error, not hang);
+- ``kill_at_step``: int k, the stage process SIGKILLs itself at the start of its k-th step (its
+  neighbours may be waiting in a hop from or to it; a stage in its own process only);
+- ``stop_at_step``: int k, the stage process SIGSTOPs itself at the start of its k-th step (it
+  stops answering without dying; a stage in its own process only).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import os
 
 ENV = "PPRUN_TEST_FAULTS"
 """The environment variable holding the faults (see the module docstring)."""
-FAULTS = {"raise_at_step": int, "delay_s": (int, float), "rename_sent_keys": bool}
+FAULTS = {"raise_at_step": int, "delay_s": (int, float), "rename_sent_keys": bool, "kill_at_step": int,
+          "stop_at_step": int}
 """Each fault a stage accepts, and the type of its value."""
 
 
