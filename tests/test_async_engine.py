@@ -61,13 +61,13 @@ def test_text_deltas_join_to_offline_text(demo_model_dir):
     """Incremental detokenization: text deltas joined equal the offline text, a stop string
     included (never streamed, even in part)."""
     prompts = ["The capital of France is", "Write a haiku about a graphics card."]
-    params = [SamplingParams(temperature=0.0, max_tokens=24), SamplingParams(temperature=0.0, max_tokens=24)]
+    params = [SamplingParams(temperature=0.0, max_tokens=12), SamplingParams(temperature=0.0, max_tokens=12)]
     with LLM(demo_model_dir, executor="uni") as llm:
         offline = llm.generate(prompts, params)
         # A stop string taken from the middle of the first output: the request must stop there.
         full = offline[0].outputs[0].text
         stop = full[len(full) // 2 : len(full) // 2 + 3]
-        params.append(SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]))
+        params.append(SamplingParams(temperature=0.0, max_tokens=12, stop=[stop]))
         prompts.append(prompts[0])
         offline.append(llm.generate(prompts[0], params[2])[0])
     assert offline[2].outputs[0].finish_reason == "stop"

@@ -140,4 +140,6 @@ class PprunService(pprun_pb2_grpc.PprunServicer):
             vocab_size=self.engine.engine.vocab_size,
             has_tokenizer=tok is not None,
             has_chat_template=bool(tok is not None and getattr(tok, "chat_template", None)),
+            kv_blocks_free=self.engine.num_free_blocks(),
+            num_unfinished_requests=self.engine.num_unfinished,
         )

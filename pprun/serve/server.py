@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import json
 import logging
 import signal
@@ -71,6 +72,56 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
                     response_serializer=handler.response_serializer)
 
 
+class MalformedRequest:
+    """What a request that does not parse as its method's message deserializes to."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Answers INVALID_ARGUMENT to a unary request whose bytes are not its method's message
+    (gRPC itself would answer UNKNOWN: bad input must read as bad input)."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        """Wrap the handler's deserializer and behaviour (unary requests, async handlers)."""
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        method = handler_call_details.method
+        parse = handler.request_deserializer
+
+        def deserialize(data: bytes):
+            try:
+                return parse(data)
+            except Exception as e:  # DecodeError and friends
+                return MalformedRequest(e)
+
+        def refusal(request) -> str:
+            return f"the request to {method} is not a valid message: {request.error}"
+
+        if handler.response_streaming:
+            behavior = handler.unary_stream
+            if not inspect.isasyncgenfunction(behavior):
+                return handler
+
+            async def stream(request, context):
+                if isinstance(request, MalformedRequest):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal(request))
+                async for item in behavior(request, context):
+                    yield item
+
+            return grpc.unary_stream_rpc_method_handler(stream, deserialize, handler.response_serializer)
+        behavior = handler.unary_unary
+
+        async def unary(request, context):
+            if isinstance(request, MalformedRequest):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal(request))
+            return await behavior(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary, deserialize, handler.response_serializer)
+
+
 def served_model_name(cfg: ServeAppConfig) -> str:
     """The name clients use for the model: ``serve.model_name`` or the model path's last part."""
     return cfg.serve.model_name or Path(str(cfg.model.model)).name
@@ -103,7 +154,9 @@ async def serve_engine(engine: AsyncEngine, cfg: ServeAppConfig, stop: asyncio.E
         ("grpc.max_send_message_length", sc.max_message_bytes),
         ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
     ]
-    server = grpc.aio.server(interceptors=[BearerTokenInterceptor(token)] if token else [], options=options)
+    interceptors = [BearerTokenInterceptor(token)] if token else []
+    interceptors.append(MalformedRequestInterceptor())
+    server = grpc.aio.server(interceptors=interceptors, options=options)
     name = served_model_name(cfg)
     pprun_pb2_grpc.add_PprunServicer_to_server(PprunService(engine, name), server)
     grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeService(engine, name), server)

@@ -152,7 +152,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "pipeline_parallel_size", "layer_partition", "runner", "executor", "device", "dtype", "kv_blocks_per_stage", "block_size", "vocab_size", "has_tokenizer", "has_chat_template")
+    __slots__ = ("model", "max_model_len", "pipeline_parallel_size", "layer_partition", "runner", "executor", "device", "dtype", "kv_blocks_per_stage", "block_size", "vocab_size", "has_tokenizer", "has_chat_template", "kv_blocks_free", "num_unfinished_requests")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,8 @@ class ModelInfo(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    NUM_UNFINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     pipeline_parallel_size: int
@@ -179,4 +181,6 @@ class ModelInfo(_message.Message):
     vocab_size: int
     has_tokenizer: bool
     has_chat_template: bool
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., layer_partition: _Optional[_Iterable[int]] = ..., runner: _Optional[str] = ..., executor: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_blocks_per_stage: _Optional[int] = ..., block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
+    kv_blocks_free: int
+    num_unfinished_requests: int
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., layer_partition: _Optional[_Iterable[int]] = ..., runner: _Optional[str] = ..., executor: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_blocks_per_stage: _Optional[int] = ..., block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., kv_blocks_free: _Optional[int] = ..., num_unfinished_requests: _Optional[int] = ...) -> None: ...
