@@ -264,3 +264,23 @@ def test_submit_runtime_env_parts(tmp_path, monkeypatch):
         submit.job_server_address(None)
     with pytest.raises(SystemExit):
         submit.parse_args(["nonsense-app"])
+
+
+def test_stage_resources_checked_before_start():
+    """``parallel.stage_resources``: one mapping per stage, custom names only, amounts Ray can
+    reserve, ray only; each error names the field and what is allowed."""
+    from pprun.config.config import PprunConfig
+    from pprun.config.validate import _check_values
+
+    def check(**kw) -> None:
+        _check_values(PprunConfig.from_kwargs(pipeline_parallel_size=2, **kw), {})
+
+    check(executor="ray", stage_resources=[{}, {"big_mem": 1}], placement_strategy="SPREAD")
+    with pytest.raises(ValueError, match=r"must be a list of 2 mappings"):
+        check(executor="ray", stage_resources=[{"big_mem": 1}])
+    with pytest.raises(ValueError, match=r"stage_resources\[1\]\.CPU is not allowed"):
+        check(executor="ray", stage_resources=[{}, {"CPU": 1}])
+    with pytest.raises(ValueError, match=r"stage_resources\[0\]\.a=1\.5 is invalid"):
+        check(executor="ray", stage_resources=[{"a": 1.5}, {}])
+    with pytest.raises(ValueError, match=r"not allowed with executor 'mp'"):
+        check(executor="mp", stage_resources=[{}, {}])
