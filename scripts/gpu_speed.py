@@ -217,7 +217,6 @@ def switches() -> list[tuple]:
             (pprun.layers.skinny, "WEIGHTS_AHEAD_ENABLED", False, True),
             (pprun.layers.skinny, "HOLD_LAST_ENABLED", False, False),
             (pprun.layers.skinny, "SWAPPED_NUM_STAGES", 3, False),
-            (pprun.worker.v2.runner, "GREEDY_KERNEL_ENABLED", False, True),
             (pprun.attention.triton_ops, "DECODE_MIN_TOKENS_PER_SPLIT", 256, True),
             (pprun.attention.triton_ops, "_DECODE_BLOCK_N", 32, True),
             (pprun.attention.triton_ops, "_DECODE_NUM_WARPS", 4, True),
@@ -230,8 +229,7 @@ def switches() -> list[tuple]:
             (pprun.layers.skinny, "DEFERRED_TARGET_PROGRAMS", 128, False),
             (pprun.layers.fused, "NORM_PARTS_NUM_WARPS", 4, False),
             (pprun.attention.triton_ops, "DECODE_PRELOAD_SECOND", False, False),
-            (pprun.worker.v2.inputs, "STAGING_KERNEL_ENABLED", False, True),
-            (pprun.worker.v2.runner, "GRAPH_IDS_TO_HOST_ENABLED", False, True)]
+            (pprun.worker.v2.inputs, "STAGING_KERNEL_ENABLED", False, True)]
 
 
 def parse_settings(text: str) -> list[tuple]:
@@ -266,8 +264,7 @@ def main() -> None:
                          "greedy argmax inside the decode graphs (PPRUN_DISABLE_GRAPH_LOGITS), the split-K "
                          "kernels above one row (DISPATCH_MAX_M set to 1: cuBLAS from two rows on), the decode "
                          "attention's first K/V tile loaded before its PDL wait (DECODE_PRELOAD_KV), o_proj's weights "
-                         "loaded before its wait at one row (WEIGHTS_AHEAD_ENABLED), the logits copy and argmax as one "
-                         "Triton launch (GREEDY_KERNEL_ENABLED), decode splits of at least 256 tokens of the longest "
+                         "loaded before its wait at one row (WEIGHTS_AHEAD_ENABLED), decode splits of at least 256 tokens of the longest "
                          "context instead of 64 (DECODE_MIN_TOKENS_PER_SPLIT), 32-token decode K/V tiles instead of 64 "
                          "(_DECODE_BLOCK_N), 4 warps per decode program instead of 2 (_DECODE_NUM_WARPS), 3 pipeline stages for the "
                          "decode K/V tiles instead of 2 (_DECODE_NUM_STAGES), decode splits aiming "
@@ -280,8 +277,7 @@ def main() -> None:
                          "that merges partials (NORM_PARTS_NUM_WARPS), the decode attention's second K/V tile "
                          "loaded in its loop instead of before its PDL wait (DECODE_PRELOAD_SECOND; batch 32 only), a step's "
                          "inputs sent by cudaMemcpy plus indexed writes instead of the staging kernel "
-                         "(STAGING_KERNEL_ENABLED), the greedy ids copied to the host after the graph instead of stored "
-                         "there by its argmax (GRAPH_IDS_TO_HOST_ENABLED)")
+                         "(STAGING_KERNEL_ENABLED)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
                          "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")

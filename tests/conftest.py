@@ -97,3 +97,20 @@ def inject_faults(monkeypatch):
             monkeypatch.delenv(ENV)
 
     return inject
+
+
+@pytest.fixture
+def switch(monkeypatch):
+    """Flip a debugging switch for one test: ``switch("PPRUN_DISABLE_NORM_FOLD", enabled=False)``
+    sets the bool the variable controls in this process (``pprun.switches.SWITCHES``), as the
+    variable would at import; undone after the test.  Processes started later (mp stages) read the
+    environment instead: set the variable with ``monkeypatch.setenv`` for those."""
+    import importlib
+
+    from pprun.switches import SWITCHES
+
+    def flip(name: str, enabled: bool) -> None:
+        module, _, attr = SWITCHES[name].rpartition(".")
+        monkeypatch.setattr(importlib.import_module(module), attr, enabled)
+
+    return flip

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from triton_env import DEVICE, HAS_CUDA, count_calls_by_form, triton_only  # noqa: E402  (sets TRITON_INTERPRET)
 
-import pprun.layers
 from pprun.models.hf_config import load_arch_config
 from pprun.models.llama import RMSNorm, RotaryEmbedding
 
@@ -30,9 +29,9 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2 if HAS_CUDA else 3e-2}
 
 
 @pytest.fixture
-def torch_path(monkeypatch):
+def torch_path(switch):
     """Force llama.py's plain torch code even for CUDA tensors (the reference)."""
-    monkeypatch.setattr(pprun.layers, "FUSED_ENABLED", False)
+    switch("PPRUN_DISABLE_FUSED", False)
 
 
 def assert_matches(actual: torch.Tensor, expected: torch.Tensor, *, bit_exact_on_cuda: bool) -> None:
@@ -197,13 +196,13 @@ def _tiny_llama_on_cuda(tiny_llama_dir, dtype: torch.dtype, prompts: list[list[i
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tiny_llama_fused_matches_torch_path(monkeypatch, tiny_llama_dir, dtype):
+def test_tiny_llama_fused_matches_torch_path(monkeypatch, switch, tiny_llama_dir, dtype):
     """A whole model on CUDA: fused ops on vs off (reference attention both times)."""
     from pprun.layers import fused
 
     arch, model_logits = _tiny_llama_on_cuda(tiny_llama_dir, dtype, [[5, 9, 3, 200, 17, 42, 8], [1, 2, 3]])
     # The elementwise kernels only: decode-sized matmuls keep cuBLAS (and silu_and_mul) here.
-    monkeypatch.setattr(pprun.layers, "SKINNY_ENABLED", False)
+    switch("PPRUN_DISABLE_SKINNY_GEMM", False)
     calls = {"norm": 0, "rotary": 0, "silu": 0}
 
     def counted(name, fn):
@@ -218,7 +217,7 @@ def test_tiny_llama_fused_matches_torch_path(monkeypatch, tiny_llama_dir, dtype)
     monkeypatch.setattr(fused, "silu_and_mul", counted("silu", fused.silu_and_mul))
 
     def logits(enabled: bool) -> torch.Tensor:
-        monkeypatch.setattr(pprun.layers, "FUSED_ENABLED", enabled)
+        switch("PPRUN_DISABLE_FUSED", enabled)
         return model_logits()
 
     want = logits(False)
@@ -232,7 +231,7 @@ def test_tiny_llama_fused_matches_torch_path(monkeypatch, tiny_llama_dir, dtype)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("prompts", [[[42]], [[42, 7, 9], [13, 5], [8]]], ids=["one_row", "six_rows"])
-def test_tiny_llama_skinny_matmuls_match_cublas(monkeypatch, tiny_llama_dir, prompts):
+def test_tiny_llama_skinny_matmuls_match_cublas(monkeypatch, switch, tiny_llama_dir, prompts):
     """A whole bf16 model on CUDA with a batch of a few tokens: split-K matmuls (SwiGLU folded
     into gate_up; the swapped form above one row) vs cuBLAS + silu_and_mul."""
     from pprun.layers import skinny
@@ -242,10 +241,10 @@ def test_tiny_llama_skinny_matmuls_match_cublas(monkeypatch, tiny_llama_dir, pro
     calls = count_calls_by_form(monkeypatch, skinny, "skinny_linear")
     # Every matmul through skinny_linear (the norm fold's kernel is tested in test_norm_linear.py,
     # and with it on below).
-    monkeypatch.setattr(pprun.layers, "NORM_FOLD_ENABLED", False)
+    switch("PPRUN_DISABLE_NORM_FOLD", False)
 
     def logits(enabled: bool) -> torch.Tensor:
-        monkeypatch.setattr(pprun.layers, "SKINNY_ENABLED", enabled)
+        switch("PPRUN_DISABLE_SKINNY_GEMM", enabled)
         return model_logits()
 
     want = logits(False)
@@ -258,13 +257,13 @@ def test_tiny_llama_skinny_matmuls_match_cublas(monkeypatch, tiny_llama_dir, pro
 
 
 @pytest.mark.gpu
-def test_tiny_llama_norm_fold_matches_separate_norms(monkeypatch, tiny_llama_dir):
+def test_tiny_llama_norm_fold_matches_separate_norms(monkeypatch, switch, tiny_llama_dir):
     """A whole bf16 model on CUDA with a one-token batch: add + RMSNorm folded into the qkv and
     gate_up split-K matmuls vs the norms as their own launches."""
     arch, model_logits = _tiny_llama_on_cuda(tiny_llama_dir, torch.bfloat16, [[42]])
 
     def logits(enabled: bool) -> torch.Tensor:
-        monkeypatch.setattr(pprun.layers, "NORM_FOLD_ENABLED", enabled)
+        switch("PPRUN_DISABLE_NORM_FOLD", enabled)
         return model_logits()
 
     want = logits(False)
@@ -274,7 +273,7 @@ def test_tiny_llama_norm_fold_matches_separate_norms(monkeypatch, tiny_llama_dir
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_tiny_llama_deferred_merges_match_in_kernel_merges(monkeypatch, tmp_path, backend):
+def test_tiny_llama_deferred_merges_match_in_kernel_merges(monkeypatch, switch, tmp_path, backend):
     """A whole bf16 model on CUDA, three one-token requests: o_proj's and down's split-K
     partials merged by the next norm's kernel (and with the Triton backend's one-kernel decode,
     qkv's by the attention kernel) give the logits of the matmuls merging them, bit for bit (a
@@ -308,12 +307,12 @@ def test_tiny_llama_deferred_merges_match_in_kernel_merges(monkeypatch, tmp_path
         return real_decode(*args, **kwargs)
 
     monkeypatch.setattr(triton_ops, "paged_decode_attention_rope", spy_decode)
-    monkeypatch.setattr(pprun.layers, "DEFER_MERGE_ENABLED", False)
+    switch("PPRUN_DISABLE_DEFER_MERGE", False)
     want = model_logits()
     assert not any(seen) and not any(qkv_parts)
     seen.clear()
     qkv_parts.clear()
-    monkeypatch.setattr(pprun.layers, "DEFER_MERGE_ENABLED", True)
+    switch("PPRUN_DISABLE_DEFER_MERGE", True)
     got = model_logits()
     # Every norm after the first layer's input norm takes partials: 2 per layer - 1, plus the final one.
     assert sum(seen) == 2 * arch.num_hidden_layers

@@ -155,7 +155,7 @@ def _decode_meta() -> AttentionMetadata:
 @triton_only
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_decoder_layer_norm_fold_matches_unfolded(
-    monkeypatch, fused_on_this_device, fold_calls, tiny_llama_dir, with_residual
+    monkeypatch, switch, fused_on_this_device, fold_calls, tiny_llama_dir, with_residual
 ):
     """A bf16 one-row DecoderLayer with the fold on (qkv and gate_up take their norms) and off
     (each norm its own launch, then the split-K matmuls)."""
@@ -174,7 +174,7 @@ def test_decoder_layer_norm_fold_matches_unfolded(
     meta = _decode_meta()
 
     def run(fold: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        monkeypatch.setattr(pprun.layers, "NORM_FOLD_ENABLED", fold)
+        switch("PPRUN_DISABLE_NORM_FOLD", fold)
         with torch.inference_mode():
             return layer(positions, hidden, residual, meta)
 
@@ -217,7 +217,7 @@ def test_norm_linear_falls_back_for_what_the_fold_cannot_take(fused_on_this_devi
     assert fold_calls == {"plain": 1, "swiglu": 0}
 
 
-def test_norm_linear_switch_and_cpu_decline(monkeypatch):
+def test_norm_linear_switch_and_cpu_decline(monkeypatch, switch):
     """Off by ``NORM_FOLD_ENABLED``; and without the Triton path (CPU tensors) it declines, so
     llama.py runs its plain torch reference."""
     norm = RMSNorm(16, eps=1e-5).to(torch.bfloat16).requires_grad_(False)
@@ -225,5 +225,5 @@ def test_norm_linear_switch_and_cpu_decline(monkeypatch):
     x = torch.randn(1, 16).to(torch.bfloat16)
     monkeypatch.setattr(pprun.layers, "fused_ops_for", lambda t: None)
     assert pprun.layers.norm_linear(norm, proj, x, None) is None
-    monkeypatch.setattr(pprun.layers, "NORM_FOLD_ENABLED", False)
+    switch("PPRUN_DISABLE_NORM_FOLD", False)
     assert pprun.layers.norm_linear(norm, proj, x, None) is None

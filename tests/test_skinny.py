@@ -154,7 +154,7 @@ def test_default_config_holds_last_except_swiglu_qkv_and_one_row(swiglu, monkeyp
 
 
 @triton_only
-def test_linear_passes_hold_last_whatever_the_deferral_switch(monkeypatch):
+def test_linear_passes_hold_last_whatever_the_deferral_switch(monkeypatch, switch):
     """``linear(..., hold_last=False)`` (qkv ahead of the decode attention) reaches the launch
     settings with the deferred merge switched off too: the caller's word, not ``defer_merge``."""
     from pprun import layers
@@ -164,7 +164,7 @@ def test_linear_passes_hold_last_whatever_the_deferral_switch(monkeypatch):
     default_config = skinny.default_config
     monkeypatch.setattr(skinny, "default_config",
                         lambda *a, **kw: configs.append(default_config(*a, **kw)) or configs[-1])
-    monkeypatch.setattr(layers, "DEFER_MERGE_ENABLED", False)
+    switch("PPRUN_DISABLE_DEFER_MERGE", False)
     monkeypatch.setattr(skinny, "HOLD_LAST_ENABLED", True)
     monkeypatch.setattr(layers, "_skinny_for", lambda layer, x: skinny)  # the dispatch itself needs CUDA
     layer = torch.nn.Linear(256, 96, bias=False).to(DEVICE, DTYPES[-1]).requires_grad_(False)

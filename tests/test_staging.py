@@ -7,7 +7,6 @@ import pytest
 import torch
 from triton_env import DEVICE, HAS_CUDA, triton_only  # noqa: E402  (sets TRITON_INTERPRET)
 
-from pprun.worker.v2 import inputs as inputs_mod
 from pprun.worker.v2.inputs import MAX_RANGES, InputBuffers, fit_ranges
 
 try:
@@ -109,7 +108,7 @@ def test_direct_launch_steps_aside_for_launch_hooks(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="the direct launch is for CUDA only")
-def test_direct_launch_writes_what_the_jit_launch_writes(monkeypatch):
+def test_direct_launch_writes_what_the_jit_launch_writes(monkeypatch, switch):
     """Steps of changing ranges, token counts and pending ids through Triton's launch and through
     the kernels it compiled, launched directly: after every step the device holds exactly the
     step's ranges and ids, whichever way it was launched.  Also a misaligned ``prev_sampled`` (a
@@ -133,7 +132,7 @@ def test_direct_launch_writes_what_the_jit_launch_writes(monkeypatch):
         ([(0, 8192 - 4)], 4096, None),
     ]
     for fast in (False, True):
-        monkeypatch.setattr(staging, "FAST_LAUNCH_ENABLED", fast)
+        switch("PPRUN_DISABLE_FAST_LAUNCH", fast)
         monkeypatch.setattr(staging, "_compiled", {})
         device = torch.empty(8192, dtype=torch.uint8, device="cuda")
         ids_device = torch.empty(4096, dtype=torch.int64, device="cuda")
@@ -170,14 +169,14 @@ def _fill(bufs: InputBuffers, g: torch.Generator, num_reqs: int, num_tokens: int
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="the staging kernel runs on CUDA only")
 @pytest.mark.parametrize("num_pending", [0, 24])
-def test_staging_kernel_sends_what_the_copies_send(monkeypatch, num_pending):
+def test_staging_kernel_sends_what_the_copies_send(monkeypatch, switch, num_pending):
     """The same host buffers through the kernel and through cudaMemcpy + indexed write: every field
     a step reads holds the same rows on the device."""
     num_reqs, num_tokens, device = 32, 40, torch.device("cuda")
     prev = torch.randint(0, 32000, (num_reqs,), dtype=torch.int64, device=device)
     got = []
     for enabled in (True, False):
-        monkeypatch.setattr(inputs_mod, "STAGING_KERNEL_ENABLED", enabled)
+        switch("PPRUN_DISABLE_STAGING_KERNEL", enabled)
         bufs = InputBuffers(64, 48, 16, 16, device)
         _fill(bufs, torch.Generator().manual_seed(1), num_reqs, num_tokens, num_pending)
         bufs.wait_for_previous_reads()

@@ -581,10 +581,9 @@ def test_graphs_match_eager_and_v1_gpu(model_dir, mode):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_fused_decode_matches_separate_kernels_gpu(model_dir, monkeypatch):
+def test_fused_decode_matches_separate_kernels_gpu(model_dir, monkeypatch, switch):
     """Decode with rotary + cache write + split merge in one kernel (replayed from full graphs)
     against rotary, cache write and attention as separate kernels (eager)."""
-    import pprun.layers
     from pprun.attention import triton_ops
 
     calls = [0]
@@ -600,11 +599,11 @@ def test_fused_decode_matches_separate_kernels_gpu(model_dir, monkeypatch):
     kw = dict(max_model_len=1024)
     separate_rc = resolved_for(model_dir, "cuda", "float32", cudagraph_mode="none", **kw)
     fused_rc = resolved_for(model_dir, "cuda", "float32", cudagraph_mode="full", cudagraph_capture_sizes=[4], **kw)
-    monkeypatch.setattr(pprun.layers, "FUSED_DECODE_ENABLED", False)
+    switch("PPRUN_DISABLE_FUSED_DECODE", False)
     separate, separate_caches = build_runner("v2", separate_rc, backend="triton", num_blocks=160)
     want, _ = drive(separate, prompts, 8)
     assert calls[0] == 0
-    monkeypatch.setattr(pprun.layers, "FUSED_DECODE_ENABLED", True)
+    switch("PPRUN_DISABLE_FUSED_DECODE", True)
     fused, fused_caches = build_runner("v2", fused_rc, backend="triton", num_blocks=160)
     assert triton_ops.num_decode_splits(4, fused.model.arch.num_key_value_heads, 1024, torch.device("cuda")) > 1
     got, _ = drive(fused, prompts, 8)
@@ -617,16 +616,15 @@ def test_fused_decode_matches_separate_kernels_gpu(model_dir, monkeypatch):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("lengths", [[9], [6, 11, 4]])  # one row: split-K matmuls; three: cuBLAS
-def test_pdl_graphs_match_plain_launches_gpu(model_dir, monkeypatch, lengths):
+def test_pdl_graphs_match_plain_launches_gpu(model_dir, monkeypatch, switch, lengths):
     """Full graphs whose Triton kernels overlap through programmatic dependent launch give the
     same tokens and KV cache, bit for bit, as the same kernels launched one after another."""
-    from pprun.layers import triton_utils
 
     prompts = prompts_of(lengths)
     rc = resolved_for(model_dir, "cuda", "bfloat16", cudagraph_mode="full", cudagraph_capture_sizes=[1, 4])
     results = {}
     for pdl in (False, True):
-        monkeypatch.setattr(triton_utils, "PDL_ENABLED", pdl)
+        switch("PPRUN_DISABLE_PDL", pdl)
         runner, caches = build_runner("v2", rc, backend="triton")
         tokens, _ = drive(runner, prompts, 12)
         results[pdl] = (tokens, [c.clone() for c in caches])

@@ -50,17 +50,6 @@ GRAPH_LOGITS_ENABLED: bool = enabled_unless("PPRUN_DISABLE_GRAPH_LOGITS")
 all-greedy decode step then launches nothing but the graph and the ids' copy to the host).
 ``PPRUN_DISABLE_GRAPH_LOGITS=1`` computes the logits after the replay (the A/B switch)."""
 
-GREEDY_KERNEL_ENABLED: bool = enabled_unless("PPRUN_DISABLE_GREEDY_KERNEL")
-"""Whether the graphs' logits copy and argmax are one Triton launch
-(``pprun.sampling.greedy_kernel``) rather than ``copy_`` and ``torch.argmax``; like every Triton
-op, only where ``pprun.layers.fused_ops_for`` allows (CUDA, ``PPRUN_DISABLE_FUSED`` unset)."""
-
-GRAPH_IDS_TO_HOST_ENABLED: bool = enabled_unless("PPRUN_DISABLE_GRAPH_IDS_TO_HOST")
-"""Whether the full decode graphs' greedy argmax (the Triton launch of
-:data:`GREEDY_KERNEL_ENABLED`) also stores the ids in the pinned ring row the step names
-(``bufs.host_slot``), so that an all-greedy decode step launches no device-to-host copy after
-its graph: with the staging kernel (``pprun.worker.v2.inputs.STAGING_KERNEL_ENABLED``) nothing
-of such a step runs on a copy engine.  ``PPRUN_DISABLE_GRAPH_IDS_TO_HOST=1`` copies instead."""
 
 
 
@@ -174,7 +163,7 @@ class V2ModelRunner(ModelRunner):
         """Pinned landing rows of the sampled ids, one per step in turn (a ring: with async
         scheduling, or a pipeline's last stage launching ahead, two steps' ids are outstanding at
         once; a third would need a longer ring).  A full decode graph's argmax writes its row
-        itself (:data:`GRAPH_IDS_TO_HOST_ENABLED`); other steps copy into it."""
+        itself (see :meth:`_logits_in_graph`); other steps copy into it."""
         self._host_slot = 0
         """The current step's row of :attr:`sampled_ring` (also in ``bufs.host_slot`` on the device)."""
         self._graph_ids_to_host = False
@@ -297,16 +286,18 @@ class V2ModelRunner(ModelRunner):
                 (self.graphs.max_size, logits.shape[-1]), dtype=logits.dtype, device=self.device
             )
             self.graph_greedy = torch.empty(self.graphs.max_size, dtype=torch.int64, device=self.device)
-        if GREEDY_KERNEL_ENABLED and fused_ops_for(logits) is not None and logits.stride(-1) == 1:
+        if fused_ops_for(logits) is not None and logits.stride(-1) == 1:
+            # One Triton launch copies the logits, takes the argmax and stores the ids in the
+            # pinned ring row the step names (``bufs.host_slot``): an all-greedy decode step then
+            # launches no device-to-host copy after its graph, so with the staging kernel
+            # nothing of it runs on a copy engine (a launch and a copy-engine round trip less).
             from pprun.sampling.greedy_kernel import copy_and_argmax
 
-            to_host = self.device.type == "cuda" and GRAPH_IDS_TO_HOST_ENABLED
             copy_and_argmax(
                 logits, self.graph_logits[:num_tokens_padded], self.graph_greedy[:num_tokens_padded],
-                host_out=self.sampled_ring if to_host else None,
-                host_slot=self.bufs.host_slot.device if to_host else None,
+                host_out=self.sampled_ring, host_slot=self.bufs.host_slot.device,
             )
-            self._graph_ids_to_host = to_host
+            self._graph_ids_to_host = True
         else:
             self._graph_ids_to_host = False
             self.graph_logits[:num_tokens_padded].copy_(logits)
