@@ -52,6 +52,29 @@ def wait_idle(stub: pb_grpc.PprunStub, free_at_start: int, metadata=()) -> pb.Mo
         time.sleep(0.05)
 
 
+def test_serve_config_composes_and_validates(tmp_path) -> None:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from pprun.config.config import ServeConfig, default_conf_dir, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(default_conf_dir()), version_base="1.3"):
+        cfg = OmegaConf.to_object(compose("serve", ["parallel=single", "serve.port=0", "scheduler.max_num_seqs=8"]))
+    assert (cfg.serve.host, cfg.serve.port, cfg.serve.auth_token) == ("127.0.0.1", 0, None)
+    assert cfg.pprun_config().scheduler.max_num_seqs == 8
+    cfg.serve.validate()
+    for kwargs, message in [
+        ({"port": 70000}, r"serve.port=70000 is invalid"),
+        ({"tls_cert_file": str(tmp_path)}, r"TLS needs both"),
+        ({"auth_token": "a", "auth_token_file": "b"}, r"both set"),
+        ({"auth_token_file": str(tmp_path / "missing")}, r"serve.auth_token_file=.* is not a file"),
+        ({"max_queued_requests": -1}, r"serve.max_queued_requests=-1 is invalid"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ServeConfig(**kwargs).validate()
+
+
 # --- the tiny model in process ---------------------------------------------------------------------
 
 
