@@ -353,15 +353,17 @@ def test_last_stage_launches_a_decode_step_before_answering_the_previous_one():
     def step(i: int, tokens: int) -> SchedulerOutput:
         return SchedulerOutput(i, [], CachedRequestData(), {"r": tokens}, tokens)
 
-    class Pending:
-        def __init__(self, i):
-            self.i, self.ready = i, False
+    from pprun.worker.runner_base import PendingOutput
 
-        def done(self):
+    class DeviceEvent:  # stands in for the CUDA event recorded after the step's copies
+        def __init__(self, i):
+            self.i = i
+
+        def query(self):
             return self.i == 4  # the device finished step 4 before step 5's message was read
 
-        def result(self):
-            return ModelRunnerOutput(self.i, ["r"], [[self.i]])
+    def Pending(i):  # noqa: N802  (stands in for a class)
+        return PendingOutput(lambda: ModelRunnerOutput(i, ["r"], [[i]]), DeviceEvent(i))
 
     class FakeWorker:
         def execute_model(self, so, wait=True):

@@ -155,8 +155,9 @@ def test_default_config_holds_last_except_swiglu_qkv_and_one_row(swiglu, monkeyp
 
 @triton_only
 def test_linear_passes_hold_last_whatever_the_deferral_switch(monkeypatch, switch):
-    """``linear(..., hold_last=False)`` (qkv ahead of the decode attention) reaches the launch
-    settings with the deferred merge switched off too: the caller's word, not ``defer_merge``."""
+    """``linear(..., then="attention")`` (qkv ahead of the decode attention, which loads its own
+    K/V before its wait) holds no weight tile, with the deferred merge switched off too: what
+    follows the matmul decides, not whether its partials are deferred."""
     from pprun import layers
     from pprun.layers import skinny
 
@@ -169,8 +170,8 @@ def test_linear_passes_hold_last_whatever_the_deferral_switch(monkeypatch, switc
     monkeypatch.setattr(layers, "_skinny_for", lambda layer, x: skinny)  # the dispatch itself needs CUDA
     layer = torch.nn.Linear(256, 96, bias=False).to(DEVICE, DTYPES[-1]).requires_grad_(False)
     x = torch.randn(4, 256).to(DEVICE, DTYPES[-1])
-    layers.linear(layer, x, defer_merge="attention", hold_last=False)
-    layers.linear(layer, x, defer_merge="norm")
+    layers.linear(layer, x, then="attention")
+    layers.linear(layer, x, then="norm")
     assert [c.hold_last for c in configs] == [False, True]
 
 

@@ -90,8 +90,9 @@ class ParallelConfig:
     flight; a request that stops has computed one extra token, which is dropped.  None (the
     default): on wherever it applies on GPUs (V2, pp >= 2, mp or ray), off elsewhere (on CPU
     the stages compute on their own hosts and it gained nothing); True: required (an error
-    where it cannot apply); False: off.  On two H200s, pp=2 at batch 64: 1.64x of one
-    GPU with 2 batches (1.09x without), 1.84x with 3 (1.60x without) — docs/performance.md."""
+    where it cannot apply); False: off.  It pays where a batch's round trip through the engine
+    is longer than the other batches in flight can cover (GPU stages, short decode steps);
+    ``docs/performance.md`` has the figures."""
 
 
 @dataclass
@@ -377,10 +378,9 @@ class BenchAppConfig(PprunConfig):
     num_warmup_prompts: int | None = None
     """Requests run once (at most 16 tokens each) before timing, by pprun and by the peer alike.
     None: one full batch, ``min(num_prompts, scheduler.max_num_seqs)``, so that the timed run
-    meets no batch shape for the first time.  H200, 1.1B model, 32 prompts of 512 tokens, one
-    machine: after a 4-prompt warm-up 15,526 and 15,967 output tok/s (TPOT p50 1.60 and 1.52 ms),
-    after 32 prompts 17,809 (1.29 ms), the same kernels compiled either way; on another machine,
-    after 32 prompts, 15,967 (1.27 ms).  Prefill dominates these short runs, and varies."""
+    meets no batch shape for the first time: a shape first met inside the timed run costs it
+    allocations and caches warmed (the kernels are compiled either way), which a smaller warm-up
+    leaves in the measurement."""
     workload_seed: int = 0
     """Seed for the random prompts."""
     peer: str = "hf"

@@ -39,8 +39,8 @@ def set_nodelay(conn: Connection) -> None:
 
     The driver writes a small step message to every stage each step, and only the last stage
     writes back: a first stage's socket carries no replies for ACKs to ride on, so the kernel
-    delays them (40 ms on Linux) and Nagle holds the driver's next message until one comes —
-    measured on two GPUs as 40 ms stalls every 5-80 steps.
+    delays them (40 ms on Linux) and Nagle holds the driver's next message until one comes: a
+    40 ms stall of the whole pipeline every few dozen steps.
     """
     try:
         with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:  # a dup of the fd
@@ -216,7 +216,7 @@ class RemoteStagesExecutor(Executor):
         wanted = resolved.cfg.parallel.async_pipeline
         # By default only on GPUs: there the stages' hosts only launch work and a batch's round
         # trip through the engine leaves the devices idle; on CPU the stages compute on their
-        # hosts, and the extra channel measured 0.97x (demo model) of synchronous steps.
+        # hosts, which the extra channel's work competes with, and nothing idles to hide.
         self.async_steps = (
             runner == "v2" and self.pp_size > 1 and (wanted is True or (wanted is None and resolved.device == "cuda"))
         )

@@ -35,9 +35,9 @@ DEFER_MERGE_ENABLED: bool = enabled_unless("PPRUN_DISABLE_DEFER_MERGE")
 """False when ``PPRUN_DISABLE_DEFER_MERGE`` is set: a split-K decode matmul followed by a norm
 (``o_proj``, ``down``) then merges its partials itself instead of leaving them to the norm's
 kernel, and a split-K qkv its own merge instead of leaving it to the decode attention (the A/B
-switch of ``scripts/gpu_speed.py``).  H200, 1.1B model, batch 32: graph 1.057 ms with it, 1.106
-without (per layer o_proj 8.0 -> 4.8 us, qkv 8.9 -> 7.1, down ~14 -> 11, the norms 1.3 -> 2.1).
-The merges are exact; the switch also changes the launch settings that come with deferral (the
+switch of ``scripts/gpu_speed.py``).  Deferring pays because a split-K matmul's own merge is a
+second pass over its output that ends its launch late, while the next kernel reads the partials
+anyway; ``docs/performance.md`` has the figures.  The merges are exact; the switch also changes the launch settings that come with deferral (the
 norm-merged matmuls' split count, the merging norm's warps), hence fp32 sum orders, so its two
 sides may differ in a last bit as two launch settings may."""
 
@@ -115,29 +115,38 @@ def _skinny_for(layer: nn.Linear, x: torch.Tensor):
     return skinny
 
 
+LIGHT_PRODUCERS = ("norm", "attention")
+"""Kernels that leave the memory bandwidth idle while they run (a norm on its own, the decode
+attention reading little K/V): a one-row decode matmul after one loads its weights first."""
+
+
 def linear(
-    layer: nn.Linear, x: torch.Tensor, weights_ahead: bool = False, defer_merge: str | None = None,
-    hold_last: bool = True,
+    layer: nn.Linear, x: torch.Tensor, *, after: str | None = None, then: str | None = None
 ) -> torch.Tensor | SplitPartials:
     """``layer(x)``; decode-sized CUDA batches take the split-K kernels of ``skinny``.
 
-    ``weights_ahead``: the caller knows that the kernel just before leaves the memory bandwidth
-    idle (decode attention before ``o_proj``, a norm on its own before ``qkv``), so a decode
-    matmul may load its weights first (``skinny.default_config`` decides for which rows).
-    ``defer_merge``: the caller takes :class:`SplitPartials` and names the kernel that merges
-    them, ``"norm"`` (``fused.fused_add_rms_norm``) or ``"attention"`` (the one-kernel decode);
-    a split-K decode matmul of two rows or more then returns its partials unmerged.  Not at
-    one row: there the next norm folds into the matmul after it (:func:`norm_linear`), whose
-    prologue reads a merged row.  ``hold_last=False``: the kernel after loads its own data
-    before its wait, so this one must not hold a weight tile across its own
-    (``skinny.HOLD_LAST_ENABLED``)."""
-    check_defer_merge(defer_merge)
+    The caller says where the matmul sits in its model, and this dispatch decides the kernel's
+    launch from it (so a model reads as what it computes):
+
+    ``after``: the kernel that produced ``x``.  After one of :data:`LIGHT_PRODUCERS` a decode
+    matmul may load its weights before its wait on that kernel (``skinny.default_config``
+    decides for which rows).
+
+    ``then``: the kernel that consumes the output.  ``"norm"`` (a fused add + RMSNorm,
+    ``fused.fused_add_rms_norm``) or ``"attention"`` (the one-kernel decode attention, see
+    :func:`pprun.layers.attention.decode_kernel`) take a split-K matmul's partials and merge them
+    as they read them, so from two rows on it returns :class:`SplitPartials` unmerged (not at one
+    row: there the next norm folds into the matmul after it, :func:`norm_linear`, whose prologue
+    reads a merged row).  Before the attention, which loads its own K/V ahead of its wait, the
+    matmul holds no weight tile across its own wait.  None: anything else (a merged tensor).
+    """
+    check_defer_merge(then)
     skinny = _skinny_for(layer, x)
     if skinny is None:
         return layer(x)
-    defer = defer_merge if DEFER_MERGE_ENABLED and x.shape[0] > 1 else None
-    return skinny.skinny_linear(x, layer.weight, layer.bias, weights_ahead=weights_ahead, defer_merge=defer,
-                                hold_last=hold_last)
+    defer = then if DEFER_MERGE_ENABLED and x.shape[0] > 1 else None
+    return skinny.skinny_linear(x, layer.weight, layer.bias, weights_ahead=after in LIGHT_PRODUCERS,
+                                defer_merge=defer, hold_last=then != "attention")
 
 
 def linear_swiglu(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:

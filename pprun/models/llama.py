@@ -1,7 +1,11 @@
 """The Llama family (Llama, Mistral, Qwen2) as Hugging Face checkpoints describe it, built per stage.
 
-One plain module tree, read top to bottom: ``RMSNorm``, rotary helpers, ``Attention``, ``MLP``,
-``DecoderLayer``, ``LlamaForCausalLM``.  A model is built for one pipeline stage: the first
+One plain module tree, read top to bottom: rotary helpers, ``Attention``, ``MLP``,
+``DecoderLayer``, ``LlamaForCausalLM`` (``RMSNorm`` comes from ``pprun.layers.norm``).  The model
+says what it computes and where each matmul sits (``linear(..., after=..., then=...)``: the
+kernel before and after it); ``pprun.layers`` decides how each op launches on CUDA (split-K
+matmuls, partials merged by the next kernel, the one-kernel decode attention) and runs plain
+torch elsewhere.  A model is built for one pipeline stage: the first
 stage owns the embedding, the last the final norm and LM head (a tied head reads the embedding
 weights), and only the stage's own layers are ever allocated.  Checkpoint quirks (separate
 q/k/v and gate/up tensors fused into one matmul each) are handled in ``load_weights``.
@@ -27,43 +31,11 @@ from torch import nn
 from pprun.attention.metadata import AttentionMetadata
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
-from pprun.layers import (
-    SplitPartials,
-    fused_decode_enabled,
-    fused_ops_for,
-    linear,
-    linear_swiglu,
-    merged,
-    norm_linear,
-)
+from pprun.layers import fused_ops_for, linear, linear_swiglu, merged, norm_linear
+from pprun.layers.attend import attend, attention_input
+from pprun.layers.norm import RMSNorm
+from pprun.layers.partials import SplitPartials
 from pprun.models.hf_config import ModelArchConfig
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm with the residual add fused in, computed in float32 like the HF reference."""
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(
-        self, x: torch.Tensor | SplitPartials, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``(norm(x + residual), x + residual)``; with no residual, ``x`` is it.
-
-        ``x`` may be a decode matmul's unmerged partials (``o_proj``, ``down``): the fused
-        kernel merges them as it reads them."""
-        fused = fused_ops_for(x.parts if isinstance(x, SplitPartials) else x)
-        if fused is not None:  # CUDA: one Triton launch with the same rounding steps
-            return fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
-        x = merged(x)
-        if residual is not None:
-            x = x + residual
-        residual = x
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype), residual
 
 
 def rope_inv_freq(arch: ModelArchConfig) -> torch.Tensor:
@@ -150,51 +122,19 @@ class Attention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor | SplitPartials:
-        """Attend ``x [T, hidden]`` over the request contexts described by ``meta``; returns
-        ``o_proj``'s output, or on the decode path its unmerged partials (for the next norm)."""
-        # The kernel before is the input norm on its own, which leaves the bandwidth idle.  A
-        # decode step's attention kernel merges a split qkv's partials as it reads q, k and v,
-        # and loads its first K/V tiles before waiting for qkv: qkv holds no weight tile.
-        fused_decode = self._rope_decode(meta, x) is not None
-        qkv = linear(self.qkv_proj, x, weights_ahead=True, defer_merge="attention" if fused_decode else None,
-                     hold_last=not fused_decode)
+        """Attend ``x [T, hidden]`` (the input norm's output) over the request contexts described
+        by ``meta``; returns ``o_proj``'s output (maybe as partials for the next norm)."""
+        qkv = linear(self.qkv_proj, x, after="norm", then=attention_input(self.backend, meta, x))
         return self.attend(positions, qkv, meta)
-
-    def _rope_decode(self, meta: AttentionMetadata, x: torch.Tensor) -> Callable | None:
-        """The backend's one-kernel decode step, if this step takes it."""
-        rope_decode = getattr(self.backend, "rope_decode", None)
-        if rope_decode is not None and meta.max_query_len == 1 and fused_decode_enabled(x):
-            return rope_decode
-        return None
 
     def attend(
         self, positions: torch.Tensor, qkv: torch.Tensor | SplitPartials, meta: AttentionMetadata
     ) -> torch.Tensor | SplitPartials:
-        """The rest of :meth:`forward` from ``qkv = qkv_proj(x)`` on (``DecoderLayer`` projects
-        with the input norm folded in); ``qkv`` may be the projection's unmerged partials on a
-        decode step that :meth:`_rope_decode` takes."""
-        parts = qkv if isinstance(qkv, SplitPartials) else None
-        src = parts.parts[0] if parts is not None else qkv
-        num_tokens = src.shape[0]
-        rope_decode = self._rope_decode(meta, src)
-        if parts is not None and rope_decode is None:
-            src, parts = parts.merge(), None
-        q, k, v = src.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if rope_decode is not None:
-            # One kernel: rotary, cache write, attention (see pprun.attention.backend).
-            extra = {"qkv_parts": parts} if parts is not None else {}
-            out = rope_decode(
-                q, k, v, self.rotary.cos, self.rotary.sin, positions, self.kv_cache, meta, self.scale, **extra
-            )
-        else:
-            q, k = self.rotary(positions, q, k)
-            out = self.backend(q, k, v, self.kv_cache, meta, self.scale)
-        # Attention reads little and leaves most SMs idle: o_proj may load its weights meanwhile.
-        # Its split partials are merged by the post-attention norm's kernel.
-        return linear(self.o_proj, out.reshape(num_tokens, self.q_size), weights_ahead=True, defer_merge="norm")
+        """The rest of :meth:`forward` from ``qkv = qkv_proj(x)`` on (``DecoderLayer`` may project
+        with the input norm folded in)."""
+        out = attend(self.backend, self.rotary, positions, qkv, self.kv_cache, meta, self.scale,
+                     self.num_heads, self.num_kv_heads, self.head_dim)
+        return linear(self.o_proj, out, after="attention", then="norm")
 
 
 class MLP(nn.Module):
@@ -202,9 +142,10 @@ class MLP(nn.Module):
 
     def __init__(self, arch: ModelArchConfig) -> None:
         super().__init__()
-        self.defer_merge = True
-        """Whether a split-K decode ``down`` may leave its partials to the next norm (not in a
-        stage's last layer when another stage follows: the hop sends a merged tensor)."""
+        self.feeds_norm = True
+        """Whether the output goes into a norm (the next layer's, or the final one); not in a
+        stage's last layer when another stage follows: that output is added to the residual
+        and sent."""
         self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
@@ -223,8 +164,8 @@ class MLP(nn.Module):
 
     def down(self, act: torch.Tensor) -> torch.Tensor | SplitPartials:
         """``down_proj`` of the activation ``silu(gate) * up`` (the path after a fused
-        gate_up + SwiGLU); a split-K decode matmul leaves its partials to the next norm."""
-        return linear(self.down_proj, act, defer_merge="norm" if self.defer_merge else None)
+        gate_up + SwiGLU)."""
+        return linear(self.down_proj, act, then="norm" if self.feeds_norm else None)
 
 
 class DecoderLayer(nn.Module):
@@ -303,7 +244,7 @@ class LlamaForCausalLM(nn.Module):
                 self.norm = None
                 self.lm_head = None
         if not layout.is_last and len(self.layers):
-            self.layers[-1].mlp.defer_merge = False
+            self.layers[-1].mlp.feeds_norm = False
         self.to_empty(device=device)
         self.to(dtype)
         if layout.is_first and layout.is_last and arch.tie_word_embeddings:

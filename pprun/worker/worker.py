@@ -73,7 +73,7 @@ class Worker:
         torch.manual_seed(rc.cfg.model.seed)
         if self.device.type == "cpu" and self.layout.pp_size > 1 and "OMP_NUM_THREADS" not in os.environ:
             # Stages share the host's cores: one thread pool per core each would oversubscribe
-            # them (measured: 4x slower decode with 2 stages on 2 cores).
+            # them, and oversubscribed pools spin against each other.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.layout.pp_size))
         self.transport = transport
         if transport is None and self.layout.pp_size > 1:
@@ -244,8 +244,7 @@ class Worker:
         # stage with its answer, after this launch: the first stage reads them only a whole
         # round of batches later (``Scheduler.schedule``), and a full-graph launch blocks on
         # nothing from the first stage (the hop is a device-side receive), so it cannot wait on
-        # them.  (Not A/B-measured alone: on two H200s the async steps ran at 1.84x pp=1 with
-        # it, 3 batches; the 0.42x before was the scheduler's, with either order.)
+        # them.
         return self.runner.launches_quickly(so)
 
     def execute_model_async(self, so: SchedulerOutput):

@@ -1,0 +1,80 @@
+"""Paged attention over a fused q/k/v projection: which kernels a step's attention takes.
+
+A model computes ``qkv = linear(qkv_proj, x, after=..., then=attention_input(...))`` and then
+``attend(...)``; this module decides whether the step takes the one-kernel decode (rotary,
+cache write, attention and split merge in one launch, which also merges the projection's
+split-K partials as it reads q, k and v) or rotary followed by the backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from pprun.attention.metadata import AttentionMetadata
+from pprun.layers import fused_decode_enabled
+from pprun.layers.partials import SplitPartials
+
+
+class Rotary(Protocol):
+    """Rotary embedding tables and their plain application (a model's own)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __call__(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def decode_kernel(backend: Callable, meta: AttentionMetadata, x: torch.Tensor) -> Callable | None:
+    """The backend's one-kernel decode step (``backend.rope_decode``, an optional hook of a
+    backend) when this step takes it: a pure decode step on the fused path; else None."""
+    rope_decode = getattr(backend, "rope_decode", None)
+    if rope_decode is not None and meta.max_query_len == 1 and fused_decode_enabled(x):
+        return rope_decode
+    return None
+
+
+def attention_input(backend: Callable, meta: AttentionMetadata, x: torch.Tensor) -> str | None:
+    """What consumes the q/k/v projection of ``x``: ``"attention"`` when the step's attention is
+    the one-kernel decode (it takes split partials, ``linear(..., then=...)``), else None."""
+    return "attention" if decode_kernel(backend, meta, x) is not None else None
+
+
+def attend(
+    backend: Callable,
+    rotary: Rotary,
+    positions: torch.Tensor,
+    qkv: torch.Tensor | SplitPartials,
+    kv_cache: torch.Tensor | None,
+    meta: AttentionMetadata,
+    scale: float,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """Attention of the ``[T, (num_heads + 2 * num_kv_heads) * head_dim]`` projection ``qkv``
+    (or its unmerged partials) over the paged cache: rotary on q and k, the new k/v written to
+    ``kv_cache``, and the ``[T, num_heads * head_dim]`` output."""
+    parts = qkv if isinstance(qkv, SplitPartials) else None
+    src = parts.parts[0] if parts is not None else qkv
+    num_tokens = src.shape[0]
+    rope_decode = decode_kernel(backend, meta, src)
+    if parts is not None and rope_decode is None:
+        src, parts = parts.merge(), None
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = src.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(num_tokens, num_heads, head_dim)
+    k = k.view(num_tokens, num_kv_heads, head_dim)
+    v = v.view(num_tokens, num_kv_heads, head_dim)
+    if rope_decode is not None:
+        # One kernel: rotary, cache write, attention (see pprun.attention.backend).
+        extra = {"qkv_parts": parts} if parts is not None else {}
+        out = rope_decode(q, k, v, rotary.cos, rotary.sin, positions, kv_cache, meta, scale, **extra)
+    else:
+        q, k = rotary(positions, q, k)
+        out = backend(q, k, v, kv_cache, meta, scale)
+    return out.reshape(num_tokens, q_size)
