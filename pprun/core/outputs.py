@@ -7,8 +7,9 @@ picklable, printable and small: only what changed since the previous step crosse
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from pprun.multimodal.items import MultiModalItem
 from pprun.sampling.params import SamplingParams
 
 
@@ -28,6 +29,13 @@ class NewRequestData:
     """KV-cache blocks owned by this request, in order (the same ids on every stage)."""
     num_computed_tokens: int
     """Tokens whose KV is already in the cache before this step (0 for a fresh request)."""
+    mm_items: list[MultiModalItem] = field(default_factory=list)
+    """The request's multimodal items; their tensors only in the first stage's copy of the step
+    (:meth:`SchedulerOutput.without_payload`)."""
+    num_prompt_tokens: int | None = None
+    """Tokens of the original prompt (None: all of ``prompt_token_ids``); a resumed request's
+    ``prompt_token_ids`` also hold its outputs, and the runner needs to know which was its
+    first output (``SamplingParams.begin_suppress_token_ids``)."""
 
 
 @dataclass
@@ -68,9 +76,31 @@ class SchedulerOutput:
         """Number of requests scheduled this step (real, not padded)."""
         return len(self.num_scheduled_tokens)
 
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    """Request id -> indices of its ``mm_items`` the first stage encodes this step (before the
+    step's embeddings are built); items already in the encoder cache are not listed."""
+    free_encoder_hashes: list[str] = field(default_factory=list)
+    """Content hashes whose encoder outputs no request needs any more: the first stage drops them
+    before this step's encoding."""
+
     def is_empty(self) -> bool:
         """True when the step computes nothing (it may still carry finished ids)."""
         return self.total_num_scheduled_tokens == 0
+
+    def has_payload(self) -> bool:
+        """True when some new request carries multimodal tensors (pixels, audio features)."""
+        return any(item.data is not None for new in self.scheduled_new_reqs for item in new.mm_items)
+
+    def without_payload(self) -> SchedulerOutput:
+        """A copy for the stages after the first: multimodal items keep their ranges and hashes,
+        not their tensors (only the first stage runs encoders)."""
+        if not self.has_payload():
+            return self
+        new_reqs = [
+            replace(new, mm_items=[item.without_payload() for item in new.mm_items]) if new.mm_items else new
+            for new in self.scheduled_new_reqs
+        ]
+        return replace(self, scheduled_new_reqs=new_reqs)
 
 
 @dataclass

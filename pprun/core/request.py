@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pprun.multimodal.items import MultiModalItem
 from pprun.sampling.params import SamplingParams
 
 
@@ -83,6 +84,8 @@ class Request:
     """Output tokens the runners already hold (sent in a prompt on resume or as new tokens)."""
     arrival_index: int = -1
     """Position in the scheduler's arrival order (set by ``Scheduler.add_request``)."""
+    mm_items: list[MultiModalItem] = field(default_factory=list)
+    """Multimodal items (images, audio) whose placeholder ranges sit in the prompt, in prompt order."""
 
     @property
     def in_flight(self) -> bool:

@@ -23,6 +23,7 @@ from pprun.core.outputs import (
     SchedulerOutput,
 )
 from pprun.core.request import FINISH_REASON_TO_STATUS, Request, RequestStatus
+from pprun.multimodal.encoder_budget import EncoderCacheManager, plan_encoder_inputs
 
 __all__ = ["Scheduler", "min_blocks_for_one_request"]
 
@@ -56,6 +57,7 @@ class Scheduler:
         max_in_flight: int = 1,
         spread_over_in_flight: bool = False,
         async_scheduling: bool = False,
+        max_num_encoder_tokens: int | None = None,
     ) -> None:
         _positive_int("max_num_seqs", max_num_seqs)
         _positive_int("max_num_batched_tokens", max_num_batched_tokens)
@@ -69,6 +71,14 @@ class Scheduler:
                 f"max_num_batched_tokens={max_num_batched_tokens} is invalid with "
                 f"enable_chunked_prefill=False: must be >= max_model_len={max_model_len}"
             )
+        if max_num_encoder_tokens is None:
+            # Every item of any prompt fits in one step (its rows are at most the prompt's length).
+            max_num_encoder_tokens = max(max_num_batched_tokens, max_model_len)
+        _positive_int("max_num_encoder_tokens", max_num_encoder_tokens)
+        self.max_num_encoder_tokens = max_num_encoder_tokens
+        """Encoder output rows (image/audio embeddings) a step may compute: the encoder budget."""
+        self.encoder_cache = EncoderCacheManager()
+        """Which multimodal items' encoder outputs the first stage holds, and who needs them."""
         self.block_manager = BlockManager(num_blocks, block_size)
         min_blocks = min_blocks_for_one_request(max_model_len, block_size)
         if self.block_manager.num_usable_blocks < min_blocks:
@@ -177,6 +187,14 @@ class Scheduler:
                 f"prompt_token_ids has {num_prompt_tokens} tokens for request {req.req_id!r}: "
                 f"must be between 1 and max_model_len={self.max_model_len}"
             )
+        if req.mm_items:
+            biggest = max(item.num_embeds for item in req.mm_items)
+            if biggest > self.max_num_encoder_tokens:
+                raise ValueError(
+                    f"request {req.req_id!r} has a multimodal item of {biggest} embedding rows: "
+                    f"must be at most scheduler.max_num_encoder_tokens={self.max_num_encoder_tokens}"
+                )
+            self.encoder_cache.add_request(req.req_id, req.mm_items)
         req.status = RequestStatus.WAITING
         req.arrival_index = self._num_arrived
         self._num_arrived += 1
@@ -236,6 +254,8 @@ class Scheduler:
                 f"max_in_flight={self.max_in_flight}; call update_from_output first"
             )
         token_budget = self.max_num_batched_tokens
+        encoder_budget = self.max_num_encoder_tokens
+        encoder_inputs: dict[str, list[int]] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs = CachedRequestData()
         num_scheduled_tokens: dict[str, int] = {}
@@ -267,6 +287,21 @@ class Scheduler:
                 key=lambda r: r.last_step_pos,
             )
 
+        def plan_encoder(req: Request, num_new_tokens: int) -> int:
+            """Cut the window where the step's encoder budget ends; note the items to encode."""
+            nonlocal encoder_budget
+            if not req.mm_items or req.num_computed_tokens >= len(req.prompt_token_ids):
+                return num_new_tokens  # decoding, or no items: the hot path costs one check
+            num_new_tokens, to_encode, cost = plan_encoder_inputs(
+                req.mm_items, req.num_computed_tokens, num_new_tokens, encoder_budget, self.encoder_cache
+            )
+            if num_new_tokens and to_encode:
+                encoder_inputs[req.req_id] = to_encode
+                encoder_budget -= cost
+                for i in to_encode:
+                    self.encoder_cache.mark_encoded(req.mm_items[i].content_hash)
+            return num_new_tokens
+
         def take_running(reqs: list[Request]) -> None:
             nonlocal token_budget, preempted_this_step
             for req in list(reqs):
@@ -283,6 +318,10 @@ class Scheduler:
                 )
                 if num_new_tokens <= 0:
                     continue
+                if req.mm_items:
+                    num_new_tokens = plan_encoder(req, num_new_tokens)
+                    if num_new_tokens <= 0:
+                        continue
                 if num_computed + num_new_tokens <= len(req.block_ids) * block_size:
                     new_block_ids = []  # the request's blocks already cover this step
                 else:
@@ -318,8 +357,20 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 num_new_tokens = token_budget
+            if req.mm_items:
+                num_whole = num_new_tokens
+                num_new_tokens, to_encode, cost = plan_encoder_inputs(
+                    req.mm_items, req.num_computed_tokens, num_new_tokens, encoder_budget, self.encoder_cache
+                )
+                if num_new_tokens == 0 or (num_new_tokens < num_whole and not self.enable_chunked_prefill):
+                    break  # the step's encoder budget is spent: FCFS, so the rest wait too
             if self.block_manager.allocate(req, req.num_computed_tokens + num_new_tokens) is None:
                 break
+            if req.mm_items and to_encode:
+                encoder_inputs[req.req_id] = to_encode
+                encoder_budget -= cost
+                for i in to_encode:
+                    self.encoder_cache.mark_encoded(req.mm_items[i].content_hash)
             self._waiting.pop(0)
             req.status = RequestStatus.RUNNING
             self._insert_by_arrival(self._running, req)
@@ -330,6 +381,8 @@ class Scheduler:
                     sampling_params=req.sampling_params,
                     block_ids=list(req.block_ids),
                     num_computed_tokens=req.num_computed_tokens,
+                    mm_items=req.mm_items,
+                    num_prompt_tokens=len(req.prompt_token_ids),
                 )
             )
             req.num_output_tokens_sent = req.num_output_tokens
@@ -346,6 +399,8 @@ class Scheduler:
             self._step_samples[step_id] = self._samples_this_step
         finished_req_ids = set(self._pending_finished_req_ids)
         self._pending_finished_req_ids = {}
+        # Frees ride on a step that runs (an empty one never reaches the runners).
+        free_encoder_hashes = self.encoder_cache.take_freed() if scheduled else []
         return SchedulerOutput(
             step_id=step_id,
             scheduled_new_reqs=new_reqs,
@@ -353,6 +408,8 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
             finished_req_ids=finished_req_ids,
+            scheduled_encoder_inputs=encoder_inputs,
+            free_encoder_hashes=free_encoder_hashes,
         )
 
     def _step_request_cap(self, num_unfinished: int) -> int:
@@ -508,6 +565,8 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus, finish_reason: str) -> None:
         self.block_manager.free(req)
+        if req.mm_items:
+            self.encoder_cache.release_request(req.req_id, req.mm_items)
         if req in self._running:
             self._running.remove(req)
         elif req in self._waiting:

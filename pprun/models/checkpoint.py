@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,14 +45,37 @@ class CheckpointIndex:
     weight_map: dict[str, str]
     """Tensor name -> file name (relative to ``model_dir``)."""
     _headers: dict[str, dict[str, tuple[tuple[int, ...], str]]] = field(default_factory=dict, repr=False)
+    stored_names: dict[str, str] = field(default_factory=dict, repr=False)
+    """The model's name -> the name stored in the file, where they differ (see :meth:`open`)."""
 
     @classmethod
-    def open(cls, model_dir: Path | str) -> CheckpointIndex:
+    def open(cls, model_dir: Path | str, arch: ModelArchConfig | None = None) -> CheckpointIndex:
         """Index ``model_dir``: ``model.safetensors.index.json`` if present, else ``model.safetensors``.
 
-        Raises ValueError when neither exists (``*.bin`` PyTorch checkpoints are not read).
+        With ``arch``, tensors are indexed under the model's own names (:func:`name_mapper`), and a
+        tied checkpoint that stores only ``lm_head.weight`` (as ``safetensors.torch.save_model``
+        keeps one name of a shared tensor) serves ``model.embed_tokens.weight`` from it, as
+        ``transformers`` loads it.  Raises ValueError when neither file exists (``*.bin`` PyTorch
+        checkpoints are not read).
         """
-        model_dir = Path(model_dir)
+        index = cls._open_files(Path(model_dir))
+        if arch is None:
+            return index
+        rename = name_mapper(arch)
+        if rename is not None:
+            for stored in list(index.weight_map):
+                name = rename(stored)
+                if name != stored:
+                    index.weight_map[name] = index.weight_map.pop(stored)
+                    index.stored_names[name] = stored
+        embed = "model.embed_tokens.weight"
+        if arch.tie_word_embeddings and embed not in index.weight_map and "lm_head.weight" in index.weight_map:
+            index.weight_map[embed] = index.weight_map["lm_head.weight"]
+            index.stored_names[embed] = index.stored_names.get("lm_head.weight", "lm_head.weight")
+        return index
+
+    @classmethod
+    def _open_files(cls, model_dir: Path) -> CheckpointIndex:
         index_path = model_dir / INDEX_FILE
         if index_path.is_file():
             weight_map = json.loads(index_path.read_text()).get("weight_map")
@@ -103,14 +126,14 @@ class CheckpointIndex:
         """Shape of ``name`` from its file's header (no data read)."""
         file_name = self.file_of(name)
         try:
-            return self._header(file_name)[name][0]
+            return self._header(file_name)[self.stored_names.get(name, name)][0]
         except KeyError:
             raise ValueError(f"{INDEX_FILE} maps {name!r} to {file_name}, which does not hold it") from None
 
     def dtype(self, name: str) -> torch.dtype:
         """Stored dtype of ``name`` from its file's header (no data read)."""
         file_name = self.file_of(name)
-        code = self._header(file_name)[name][1]
+        code = self._header(file_name)[self.stored_names.get(name, name)][1]
         if code not in _SAFETENSORS_DTYPES:
             raise ValueError(f"tensor {name!r} in {file_name} has unsupported dtype {code}")
         return _SAFETENSORS_DTYPES[code]
@@ -129,7 +152,7 @@ class CheckpointIndex:
         for file_name, file_names in names_by_file.items():
             with safe_open(str(self.model_dir / file_name), framework="pt", device="cpu") as f:
                 for name in file_names:
-                    tensor = f.get_tensor(name)
+                    tensor = f.get_tensor(self.stored_names.get(name, name))
                     if dtype is not None and tensor.is_floating_point():
                         tensor = tensor.to(dtype)
                     yield name, tensor.to(device)
@@ -144,6 +167,16 @@ class CheckpointIndex:
         return dict(self.iter_tensors(names, device, dtype))
 
 
+def name_mapper(arch: ModelArchConfig) -> Callable[[str], str] | None:
+    """The function mapping a checkpoint's stored tensor names onto the model's, where a family
+    needs one (each family keeps its mapping in its own module); None: names are used as stored."""
+    if arch.multimodal is not None:
+        from pprun.models.llava import canonical_name
+
+        return canonical_name
+    return None
+
+
 def validate_checkpoint(
     model_dir: Path | str,
     arch: ModelArchConfig,
@@ -156,7 +189,7 @@ def validate_checkpoint(
     Raises one ValueError listing every missing tensor and every shape mismatch (expected vs found,
     and the file), so a broken checkpoint is reported before any process starts. Returns the index.
     """
-    index = CheckpointIndex.open(model_dir)
+    index = CheckpointIndex.open(model_dir, arch)
     expected = expected_tensor_shapes(arch, layer_range, first, last)
     missing = [name for name in expected if name not in index]
     mismatched = []

@@ -11,6 +11,7 @@ import torch
 from pprun.distributed.layout import StageLayout
 from pprun.models.hf_config import ModelArchConfig
 from pprun.models.llama import LlamaForCausalLM
+from pprun.models.llava import LlavaForConditionalGeneration
 from pprun.models.whisper import WhisperForConditionalGeneration
 
 logger = logging.getLogger(__name__)
@@ -21,6 +22,7 @@ MODEL_CLASSES = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "WhisperForConditionalGeneration": WhisperForConditionalGeneration,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
 
 
@@ -48,7 +50,7 @@ def load_stage_model(
         attn_backend=attn_backend,
     )
     names = model.checkpoint_names()
-    index = CheckpointIndex.open(model_dir)
+    index = CheckpointIndex.open(model_dir, arch)
     loaded = model.load_weights(index.iter_tensors(names, device=device, dtype=dtype))
     missing = sorted(set(names) - loaded)
     if missing:
