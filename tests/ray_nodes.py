@@ -75,13 +75,15 @@ class LocalRayCluster:
             raise RuntimeError("this cluster was started without a dashboard")
         return f"http://{HOST}:{self.dashboard_port}"
 
-    def _start_node(self, args: list[str], num_cpus: float, resources: dict[str, float] | None) -> None:
+    def _start_node(
+        self, args: list[str], num_cpus: float, resources: dict[str, float] | None, node_ip: str = HOST
+    ) -> None:
         log = Path(self.temp_dir) / f"node{len(self.procs)}.log"
         cmd = [
             *_ray_cli(),
             "start",
             "--block",
-            f"--node-ip-address={HOST}",
+            f"--node-ip-address={node_ip}",
             f"--num-cpus={num_cpus}",
             f"--node-manager-port={free_port()}",
             f"--object-manager-port={free_port()}",
@@ -102,9 +104,10 @@ class LocalRayCluster:
         self.procs.append(proc)
         self.logs.append(log)
 
-    def add_node(self, num_cpus: float, resources: dict[str, float] | None = None) -> None:
-        """Start one more node joining the head."""
-        self._start_node([f"--address={self.address}"], num_cpus, resources)
+    def add_node(self, num_cpus: float, resources: dict[str, float] | None = None, node_ip: str = HOST) -> None:
+        """Start one more node joining the head; ``node_ip`` another loopback address (127.0.0.2)
+        gives it an address of its own, as a second host would have."""
+        self._start_node([f"--address={self.address}"], num_cpus, resources, node_ip)
 
     def wait_ready(self, num_nodes: int, timeout_s: float = START_TIMEOUT_S) -> list[dict]:
         """Wait until ``num_nodes`` nodes are alive (and the job server answers); returns the nodes

@@ -22,6 +22,9 @@ from tiny_models import make_tiny_llama
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NODE2_RESOURCE = "pprun_test_node2"
+NODE2_IP = "127.0.0.2"
+"""The second node's address: loopback too, but not the head's, so stages on it meet the others
+at node addresses as between hosts (no shortcut for stages on the driver's node)."""
 PROMPTS = [{"prompt_token_ids": [5, 17, 42]}, {"prompt_token_ids": list(range(10, 31))}]
 MAX_TOKENS = 6
 KV_BYTES = 4 * 1024 * 1024
@@ -58,7 +61,7 @@ def cluster():
     ``{NODE2_RESOURCE: 1}``; yields (cluster, node id of the second node)."""
     c = LocalRayCluster(head_cpus=1)
     try:
-        c.add_node(1, {NODE2_RESOURCE: 1})
+        c.add_node(1, {NODE2_RESOURCE: 1}, node_ip=NODE2_IP)
         nodes = c.wait_ready(2)
         node2 = [n["node_id"] for n in nodes if NODE2_RESOURCE in (n.get("resources_total") or {})]
         assert len(node2) == 1, nodes
@@ -99,7 +102,9 @@ def test_strict_spread_puts_stages_on_different_nodes(cluster, tiny_llama, refer
     assert result["nodes"][1] == node2
     assert result["nodes"][0] != node2
     assert "STRICT_SPREAD on 2 nodes" in result["describe"]
-    assert all(ip for ip in result["ips"])  # each stage's address as Ray reports it
+    # Each stage's address as Ray reports it: the two differ, so the stages met at node addresses
+    # (stage 0's for the rendezvous), not on the single-node loopback path.
+    assert result["ips"][1] == NODE2_IP and result["ips"][0] != NODE2_IP
     assert result["tokens"] == reference_tokens
 
 
