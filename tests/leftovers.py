@@ -27,12 +27,19 @@ def _ray_listen_ports() -> set[int]:
     return ports
 
 
-def _connections() -> set[tuple]:
-    """This process's TCP sockets other than its connections to Ray (listening ones included)."""
+def _connections(listeners_before: frozenset[int] = frozenset()) -> set[tuple]:
+    """This process's TCP sockets other than its connections to Ray (listening ones included).
+
+    ``listeners_before``: ports this process listened on before the run.  A connection accepted
+    on one of them belongs to that listener's owner, which predates the run (Ray's core-worker
+    server in a Ray driver, which Ray's own processes connect to and keep): pprun's listeners
+    are made by the run itself, so connections to them still count."""
     ray_ports = _ray_listen_ports()
     out = set()
     for c in psutil.Process().net_connections("tcp"):
         if c.raddr and c.raddr.port in ray_ports:
+            continue
+        if c.raddr and c.laddr.port in listeners_before:
             continue
         if c.status in (psutil.CONN_TIME_WAIT, psutil.CONN_CLOSE):
             continue  # closed by us; the kernel keeps the tuple a while
@@ -63,9 +70,14 @@ class Snapshot:
     children: set[int] = field(default_factory=_children)
     connections: set[tuple] = field(default_factory=_connections)
 
+    @property
+    def listeners(self) -> frozenset[int]:
+        """Ports this process listened on at the snapshot."""
+        return frozenset(c[1][1] for c in self.connections if c[0] == psutil.CONN_LISTEN)
+
     def new_sockets(self) -> list[tuple]:
         """This process's TCP sockets made since the snapshot (Ray's left out)."""
-        return sorted(_connections() - self.connections)
+        return sorted(_connections(self.listeners) - self.connections)
 
     def left_behind(
         self, stage_pids: list[int | None] = (), temp_dirs: list[str | None] = (), within_s: float = 15.0
@@ -90,7 +102,7 @@ class Snapshot:
                         found.append(f"stage process {pid}")
                 except psutil.NoSuchProcess:
                     pass
-        found += [f"socket {c}" for c in sorted(_connections() - self.connections)]
+        found += [f"socket {c}" for c in self.new_sockets()]
         pids = {str(os.getpid())} | {str(p) for p in stage_pids if p is not None}
         try:
             shm = os.listdir("/dev/shm")

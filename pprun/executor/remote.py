@@ -167,6 +167,7 @@ def worker_main(address: tuple[str, int], authkey: bytes, rank: int, spec=None) 
     spec = dataclasses.replace(spec, authkey=authkey)  # the sampled-ids socket authenticates with it
     logging.basicConfig(level=spec.resolved.cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     worker = None
+    driver_gone = False
     profile_path = os.environ.get("PPRUN_STAGE_PROFILE")  # cProfile of the whole stage process
     profiler = None
     if profile_path:
@@ -180,7 +181,7 @@ def worker_main(address: tuple[str, int], authkey: bytes, rank: int, spec=None) 
         conn.send(("loaded", n_params, worker.num_available_blocks()))
         serve_steps(conn, worker, spec.control_spin_s)
     except (EOFError, OSError):
-        return  # the driver went away: nothing to report to
+        driver_gone = True  # nothing to report to
     except BaseException:
         try:
             conn.send(("error", rank, traceback.format_exc()))
@@ -198,6 +199,25 @@ def worker_main(address: tuple[str, int], authkey: bytes, rank: int, spec=None) 
                 worker.shutdown()
             except Exception:
                 pass
+        if driver_gone:
+            remove_local_rendezvous(spec.init_method)
+
+
+RENDEZVOUS_PREFIX = "pprun-rdzv-"
+"""Name prefix of the private directory holding a ``file://`` rendezvous (:meth:`RemoteStagesExecutor._local_rendezvous`)."""
+
+
+def remove_local_rendezvous(init_method: str | None) -> None:
+    """Remove the private rendezvous directory of a ``file://`` ``init_method``.
+
+    The driver removes it at shutdown; a driver that was killed cannot, so each stage that sees
+    its driver gone removes it on the way out (the other stage, if still inside the store,
+    fails its next store operation: it is going down too)."""
+    if not init_method or not init_method.startswith("file://"):
+        return
+    directory = os.path.dirname(init_method[len("file://") :])
+    if os.path.basename(directory).startswith(RENDEZVOUS_PREFIX):
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 class RemoteStagesExecutor(Executor):
@@ -424,7 +444,7 @@ class RemoteStagesExecutor(Executor):
         this host: no TCP store, which would listen on every interface."""
         import tempfile
 
-        self.rendezvous_dir = tempfile.mkdtemp(prefix="pprun-rdzv-")  # mode 0700
+        self.rendezvous_dir = tempfile.mkdtemp(prefix=RENDEZVOUS_PREFIX)  # mode 0700
         return f"file://{os.path.join(self.rendezvous_dir, 'store')}"
 
     def _stop_processes(self, grace_s: float) -> None:
