@@ -308,8 +308,9 @@ def bench_hop(iters: int, device: str = "cpu", hidden: int = HIDDEN_SIZE, num_te
 
 
 STREAMED_HOPS = 200
-"""64 MiB hops in the one-way stream (~45 ms on two H200s): enough that the barriers around it
-weigh little (30 before: the wall-clock figure moved by up to a factor of two between runs)."""
+"""64 MiB hops in the one-way stream: tens of milliseconds over NVLink, enough that the barriers
+around it weigh little (with 30 hops the wall-clock figure moves by up to a factor of two between
+runs)."""
 GRAPH_HOP_MAX_TOKENS = 512
 """Largest hop timed inside CUDA graphs (the largest decode graph the runner captures by default)."""
 

@@ -30,25 +30,26 @@ DECODE_MIN_TOKENS_PER_SPLIT = 64
 """Fewest tokens of the longest possible context (the block table's width) per decode split:
 one K/V tile.  The split count is fixed at capture while contexts vary; a context shorter than
 the graph's longest leaves the last splits empty, and those return at once (the merge reads only
-the splits that hold tokens).  H200, batch 1, context 512, engine step
-(``scripts/gpu_speed.py --ab --ab-only DECODE_MIN_TOKENS_PER_SPLIT``, 256 before): room for 976
-tokens, 15 splits 0.787 ms against 3 splits 0.850."""
+the splits that hold tokens).  More, shorter splits keep more SMs busy on a short batch, and an
+empty split costs next to nothing; longer splits (fewer of them) are slower at batch 1
+(docs/performance.md, "Launch settings")."""
 DECODE_PROGRAMS_PER_SM = 2
 """Programs per SM the decode splits aim for: (request, KV head) pairs fewer than this many per
 SM get their context split.  Batch 32 of the 1.1B model (256 pairs) gets 2 splits; its programs
-each walk 4-5 dependent 64-token tiles at context ~512.  Shorter chains did not pay: batch 32
-graph 1.107 ms at 2 per SM, 1.108 at 4, 1.190 at 8 (``scripts/gpu_speed.py --ab --ab-only
-DECODE_PROGRAMS_PER_SM=4,DECODE_PROGRAMS_PER_SM=8``, H200).  Nor did one split (no merge, 8-10
-tiles per program; ``DECODE_PROGRAMS_PER_SM=1``): 1.065 against 1.002 ms,
-attention 13.8 -> 19.6 us per layer."""
+each walk 4-5 dependent 64-token tiles at context ~512.  Two is the balance between a program's
+chain of dependent tiles and the merge that every extra split adds: more per SM (shorter
+chains) and one (no merge, twice the chain) are both slower (docs/performance.md, "Launch
+settings")."""
 _MAX_SPLITS = 16
-"""At most this many splits: with room for 4,096 tokens 16 splits took 0.788 ms and 32 splits
-0.812 (batch 1, context 512: eight splits hold tokens either way)."""
-# Decode launch settings, swept on an H200 alone and behind qkv (docs/performance.md, "Probes").
+"""At most this many splits: a wider block table gets longer splits rather than more of them,
+since more measured slower at batch 1 even where only eight hold tokens (docs/performance.md,
+"Launch settings")."""
+# Decode launch settings: the sweep alone and behind qkv found no setting that gains more than
+# ~1 us (docs/performance.md, "Launch settings do not move it"); these are the ones that measured
+# best in the whole step ("Launch settings and the comparisons behind them").
 _DECODE_BLOCK_N = 64
-_DECODE_NUM_WARPS = 2  # 4 before: batch 1 0.803 vs 0.817 ms, batch 32 1.126 vs 1.135 (H200, same process)
-_DECODE_NUM_STAGES = 2  # 3: batch 32 graph 1.101 and 1.056 vs 1.107 and 1.059 ms, batch 1 slower (H200): no gain;
-# again with the second tile preloaded: 1.006 vs 1.002 / 1.005, batch 1 0.762 vs 0.757 / 0.761
+_DECODE_NUM_WARPS = 2  # 4 warps are slower at batch 1 and at batch 32
+_DECODE_NUM_STAGES = 2  # a third stage gains nothing at batch 32 and is slower at batch 1
 DECODE_PRELOAD_KV = True
 """Decode with a new token: each program loads its first K/V tile (and the step's metadata)
 before waiting for the qkv kernel (PDL), overlapping that kernel's tail; ``scripts/gpu_speed.py
@@ -57,11 +58,9 @@ DECODE_PRELOAD_SECOND = True
 """With :data:`DECODE_PRELOAD_KV`, each split's second K/V tile too, where the context is cut
 into at most :data:`DECODE_PRELOAD_SECOND_MAX_SPLITS` splits (long splits: a batch that fills
 the GPU with (request, KV head) pairs alone).  The qkv matmul before leaves the bandwidth half
-idle.  H200, 1.1B model, context ~512 (``scripts/gpu_speed.py --ab --ab-only
-DECODE_PRELOAD_SECOND``, two processes): batch 32 (2 splits of 4-5 tiles) graph 0.997 / 1.000 ms
-against 1.003-1.006 (attention 15.1 -> 13.7 us per layer, qkv 7.2 -> 8.1: the tiles compete
-with its weights); batch 1 (8 splits of one tile, where the second is all masked) 0.768 /
-0.771 against 0.758-0.760, hence the split limit."""
+idle, so the second tile shortens the attention by more than its competition with qkv's weights
+lengthens qkv.  With many short splits (batch 1: one tile each, the second all masked) the
+extra loads only delay qkv, hence the split limit (docs/performance.md, "Launch settings")."""
 DECODE_PRELOAD_SECOND_MAX_SPLITS = 4
 """Most splits of the context that take :data:`DECODE_PRELOAD_SECOND` (more splits are shorter:
 at batch 1 they hold one tile each)."""
@@ -174,7 +173,7 @@ def reshape_and_cache(
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # interpreter on CPU: pretend to be an H200 so splits get exercised
+    return 132  # interpreter on CPU: a Hopper GPU's SM count, so the CPU tests exercise splits
 
 
 def num_decode_splits(
@@ -526,8 +525,8 @@ def _decode_kernel(
             total = tl.zeros([BLOCK_G], tl.float32)
             merged = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
             base = (req * NUM_HEADS + heads) * NUM_SPLITS
-            # Unrolled: the partials' loads are all issued before the first is used (against a
-            # loop: 0.876 vs 0.878 ms at batch 1, 1.129 vs 1.139 at 32, about the noise).
+            # Unrolled: the partials' loads are all issued before the first is used (a loop
+            # measures the same within noise; docs/performance.md, "Launch settings").
             for s in tl.static_range(NUM_SPLITS):
                 # An empty split's masked loads stand for the empty partial it would have written
                 # (max -big, sum 0): the same result, bit for bit.
@@ -837,7 +836,7 @@ def _prefill_kernel(
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         p, alpha, m_i, l_i = _softmax_tile(q, k, visible, m_i, l_i, scale_log2, DOT_F32)
-        # V loaded after the softmax: the order the prefill rate was measured with.
+        # V loaded after the softmax, the order docs/performance.md's prefill rate is measured in.
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = _accumulate_tile(acc, alpha, p, v, DOT_F32)
 

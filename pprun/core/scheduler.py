@@ -276,9 +276,10 @@ class Scheduler:
             # round of batches back (counted in steps that run), oldest first.  The first stage
             # computes a joiner's next token from the ids the last stage sends it once that
             # step is through the whole pipeline: a join straight behind its own step (what
-            # taking joiners in arrival order drifted into) made every step wait for the one
-            # before it, 0.42x of the synchronous pipeline on two H200s.  The round is the
-            # batches the unfinished requests fill: a lone request joins right behind itself.
+            # taking joiners in arrival order drifts into) makes every step wait for the one
+            # before it, slower than the synchronous pipeline (docs/performance.md, "Pipeline
+            # settings").  The round is the batches the unfinished requests fill: a lone
+            # request joins right behind itself.
             candidates = [r for r in self._running if not r.num_steps_in_flight]
             batches_in_use = min(self._num_batches, -(-num_unfinished // step_cap))
             newest_allowed = self._num_steps_built - batches_in_use

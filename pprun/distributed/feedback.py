@@ -3,8 +3,9 @@
 
 Without it, a batch's next step can only start once its sampled ids have gone from the last
 stage to the engine and the next step's message from the engine to the first stage: a round
-trip through the engine per step that the other batches in flight must cover (measured on two
-H200s: ~0.9 ms, more than three decode steps of the 1.1B model).  With it, the engine schedules
+trip through the engine per step that the other batches in flight must cover (on two GPUs
+longer than several decode steps of the 1.1B model; docs/performance.md, "Pipeline settings").
+With it, the engine schedules
 a batch's next step while the current one is still in the pipeline (async scheduling, each
 request in at most two steps), the first stage takes that step's input ids for the pending
 tokens from the last stage's message, and the engine's work on the output is off that loop.
@@ -17,10 +18,10 @@ which serialised the stages (docs/performance.md, "Probes": the NCCL ordering pr
 **They travel on a plain TCP socket between the two stages** where the stages know a host the
 first one can listen on (pprun's own executors: the process group's rendezvous host, which is
 the first stage's own), else on a gloo group of the two ranks.  That group exists either way;
-with the socket it only carries the socket's port, once, at warm-up.  Per message a gloo
-point-to-point operation cost 14-90 us of host time on each end of the development machine,
-the socket 1-8 (docs/performance.md, "Probes"); on the H200 hosts posting the gloo receive alone
-took 63-89 us of the first stage's step (``docs/performance.md``).
+with the socket it only carries the socket's port, once, at warm-up.  A gloo point-to-point
+operation costs several times the socket's host time per message on each end, and on the first
+stage posting its receive sits on the step's critical path (docs/performance.md, "Probes":
+``bench_feedback.py``, and "pp=2 at small batches").
 ``PPRUN_DISABLE_FEEDBACK_SOCKET=1`` on the first stage keeps every message on gloo; the first
 stage decides and tells the last one, so the two ends cannot disagree.  A socket that cannot be
 opened is an error that names that switch, not a silent change of channel.  Each socket message
@@ -105,10 +106,10 @@ class SampleFeedback:
         self._spinner: Spinner | None = None
         """First stage, socket channel with ``spin_s``: polls the socket before a read.  A thread that blocks
         in a read sleeps until the ids land, and the step's input copy and launch come right
-        after: the pipeline's critical path at small batches.  The runner's host work ran 1.5x
-        slower after a blocking wait than after polling on the development machine, 6% on an
-        H200 host (docs/performance.md, "Probes"); the pipeline's throughput showed no
-        measurable difference either way (``docs/performance.md``)."""
+        after: the pipeline's critical path at small batches.  The runner's host work runs
+        slower after a blocking wait than after polling, by a share that depends on the host,
+        while the pipeline's throughput shows no measurable difference either way
+        (docs/performance.md, "pp=2 at small batches")."""
         self.ring = torch.zeros(num_slots, max_num_reqs, dtype=torch.int64)
         self._flat = self.ring.numpy().reshape(-1)
         self._works: list[dist.Work | None] = [None] * num_slots

@@ -8,8 +8,8 @@ never fit.  After that a hop is the tensors alone (stacked into one message when
 shape and dtype) — both sides take the step's token count from
 the same ``SchedulerOutput``, and what a stage's model sends (keys, dtypes, row widths) does not
 change — and the sender checks each send against what it announced, so a change is an error on
-the sending side rather than a hang on the receiving one.  A metadata message per hop cost more
-than the tensors of a decode step (gloo on this CPU: ~130 us of a 265 us hop).  Every eager
+the sending side rather than a hang on the receiving one.  A metadata message per hop would cost
+about as much as a decode step's tensors (docs/performance.md, "Pipeline settings").  Every eager
 wait is bounded by the process groups' timeout.
 
 Decode steps replayed from CUDA graphs may carry the hop inside the graphs
@@ -36,8 +36,8 @@ META_BYTES = 1024
 """Size of the fixed metadata message that precedes the first send (keys, shapes, dtypes)."""
 PACK_MAX_BYTES = 4 * 2**20
 """Largest hop sent stacked as one message (decode steps); larger ones (prefill) go tensor by
-tensor: there the stack and unstack copies cost more than the saved operation (a 64 MiB hop
-between two H200s: 302 us stacked, 235 us as two messages)."""
+tensor: there the stack and unstack copies cost more than the saved operation
+(docs/performance.md, "Pipeline settings")."""
 
 SENT_IN_GRAPH = object()
 """What a non-last stage's step returns instead of tensors when its CUDA graph sent them itself
@@ -175,8 +175,8 @@ class PipelineTransport:
             )
         values = list(tensors.values())
         if self._stack_out and len(values) * values[0].numel() * values[0].element_size() <= PACK_MAX_BYTES:
-            # One message instead of one per tensor: each point-to-point op costs ~0.1 ms of
-            # host time in torch.distributed (measured with NCCL on H200s), the stack a few us.
+            # One message instead of one per tensor: a point-to-point op costs far more host time
+            # in torch.distributed than the stack of a decode step's rows.
             dist.send(torch.stack(values), dst, group=self.device_group)
             return
         for v in values:

@@ -45,9 +45,8 @@ def _check_rows(name: str, t: torch.Tensor, ndim: int) -> None:
 NORM_PARTS_NUM_WARPS = 16
 """Warps per row (hidden up to 4096; twice as many above) of the add + RMSNorm launch that
 merges a matmul's split-K partials: each thread has ``splits`` times the loads of a plain row,
-so more threads shorten the row's latency.  H200, 1.1B model, batch 32, graph replay
-(``scripts/gpu_speed.py --ab --ab-only NORM_PARTS_NUM_WARPS=8``): 4 warps 1.059 ms, 8 warps
-1.062, 16 warps 1.029 (the norm after o_proj 2.1 -> 1.4 us)."""
+so more threads shorten the row's latency: 16 warps are faster than 8 or 4 at batch 32
+(docs/performance.md, "Launch settings")."""
 
 
 @triton.jit

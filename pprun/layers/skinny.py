@@ -1,15 +1,13 @@
 """Matmuls for decode-sized batches (a few rows of activations against a large weight).
 
 At decode a linear layer reads its whole weight to produce a handful of rows: the work is a
-matrix-vector product bound by memory bandwidth.  At one row cuBLAS reaches 1.4-2.0 TB/s on
-the small q/k/v and o_proj weights of a 1B model and 2.7-3.9 TB/s on the large ones
-(on an H200, weights from HBM; docs/performance.md, "Probes"); these kernels use narrow column
-tiles (and split K when it is long) so that every SM streams: 8-14% faster on each shape.
-From two rows on the tile product is a tensor-core dot in the swapped form: 64 weight rows as
-the MMA's M side and the activation rows (padded to 16-64) as its N side, which Hopper's wgmma
-accepts (with the activations as the M side, 32 rows are too few for it): at 32 rows 4-13%
-faster than cuBLAS on four of the 1.1B model's five shapes and even on qkv, at 16 rows 4-18%
-faster on all five (see :data:`DISPATCH_MAX_M`).
+matrix-vector product bound by memory bandwidth, and a library GEMM tiled for large M leaves
+SMs idle on the small weights.  At one row these kernels use narrow column tiles (and split K
+when it is long) so that every SM streams.  From two rows on the tile product is a tensor-core
+dot in the swapped form: 64 weight rows as the MMA's M side and the activation rows (padded to
+16-64) as its N side, which Hopper's wgmma accepts (with the activations as the M side, 32 rows
+are too few for it).  Up to :data:`DISPATCH_MAX_M` rows both forms are faster than cuBLAS on
+the model shapes measured, or equal (docs/performance.md, "Launch settings").
 
 - ``out = x @ weight.T (+ bias)`` for ``x [M, K]`` with ``M <= MAX_M``;
 - optional SwiGLU epilogue: with ``weight = [gate; up]`` (``2 * inter`` rows) the kernel
@@ -46,12 +44,10 @@ MAX_M = 64
 """Largest row count these kernels accept."""
 
 DISPATCH_MAX_M = 32
-"""Largest row count ``pprun.layers.linear`` sends here (more go to cuBLAS).  Measured on an
-H200 with weights read from HBM (docs/performance.md, "Probes"), 1.1B shapes,
-these kernels against cuBLAS in us: one row qkv 5.7 vs 6.0, o_proj 5.2 vs 6.0, gate_up + SwiGLU
-17.0 vs 19.6, down 11.1 vs 12.5, LM head 30.6 vs 33.2; 32 rows (swapped form) qkv 6.5 vs 6.5,
-o_proj 5.7 vs 6.1, gate_up 18.2 vs 20.3, down 11.5 vs 13.3, LM head 33.5 vs 34.8; at 64 rows
-cuBLAS wins on qkv and o_proj and the rest is within a few percent, so it takes them."""
+"""Largest row count ``pprun.layers.linear`` sends here (more go to cuBLAS): up to 32 rows these
+kernels are faster than cuBLAS on every 1.1B shape, or equal; at 64 rows cuBLAS is faster on qkv
+and o_proj and within a few percent on the rest, so it takes them (docs/performance.md, "Launch
+settings")."""
 
 
 WEIGHTS_AHEAD_ENABLED = True
@@ -69,37 +65,32 @@ wait (``SkinnyConfig.hold_last``), so that those bytes stream while the kernel b
 The held tile takes one pipeline stage's shared memory (24 KiB at 32 rows), so the loop gets
 one stage fewer and the kernel the same 96 KiB.  Used by o_proj, down and the LM head; not by
 gate_up (SwiGLU: no gain) nor by a caller that passes ``hold_last=False`` (qkv, whose decode
-attention after it preloads its own K/V, which a held tile competes with: qkv + attention
-21.8 -> 23.3 us per layer).  H200, batch 32, two processes
-(``scripts/gpu_speed.py --ab --ab-only HOLD_LAST_ENABLED``): graph 0.991 / 0.995 ms against
-0.997-1.002 without (o_proj 4.1 -> 3.7 us, down 10.2 -> 9.6, the norms after them +0.2 each).
-``scripts/gpu_speed.py --ab`` flips it."""
+attention after it preloads its own K/V, which a held tile competes with: qkv and attention
+together are slower with it).  It shortens o_proj and down by more than it lengthens the norms
+after them (docs/performance.md, "Launch settings"); ``scripts/gpu_speed.py --ab`` flips it."""
 WEIGHTS_AHEAD_MAX_K = 4096
 """Longest K a program of the one-row weights-ahead form holds in registers (8 rows x K)."""
 
 WEIGHTS_AHEAD_MAX_ROWS = 1
 """Most rows that take the weights-ahead form; from two rows it is the swapped form with each
-program's 64 x 256 weight slice held across the wait.  At batch 32 it lost: graph 1.178 ms
-against 1.107 (attention 15 -> 18 us per layer; ``scripts/gpu_speed.py --ab --ab-only
-WEIGHTS_AHEAD_MAX_ROWS=32``, H200), so one row only."""
+program's 64 x 256 weight slice held across the wait.  At batch 32 the attention before it is
+long enough to use the bandwidth itself, and the preloads slow it by more than o_proj gains
+(docs/performance.md, "Launch settings"), so one row only."""
 
 SWAPPED_TARGET_PROGRAMS = 128
-"""Above one row, K is split until about this many programs run (the launch-settings sweep:
-the fastest setting or within 2% of it at 16 and 32 rows, each matmul timed alone); inside the
-step 256 lost (batch 32 graph 1.178 against 1.107 ms, gate_up 19 -> 24 us: its merge;
-``scripts/gpu_speed.py --ab --ab-only SWAPPED_TARGET_PROGRAMS=256``)."""
+"""Above one row, K is split until about this many programs run: the fastest setting, or
+within 2% of it, for each matmul timed alone at 16 and 32 rows.  More splits lengthen the
+in-launch merge by more than they shorten the streaming (gate_up most; docs/performance.md,
+"Launch settings")."""
 
 DEFERRED_TARGET_PROGRAMS = 256
 """The same for a matmul whose partials a norm merges (``defer_merge="norm"``), where more
 splits cost that kernel a few more loads per row instead of this one a longer merge: o_proj
-and down at batch 32 split 8 ways instead of 4.  H200, 1.1B model, graph replay
-(``scripts/gpu_speed.py --ab --ab-only DEFERRED_TARGET_PROGRAMS=128``): 256 programs 1.012 ms,
-192 1.033, 128 1.034 (again 1.031).  Partials that the decode
-attention merges (``"attention"``, qkv) keep :data:`SWAPPED_TARGET_PROGRAMS` (2 splits at batch
-32): every program of a (request, KV head) merges its q/k/v rows again, so more splits cost it
-more (256 programs for both: qkv 7.1 -> 5.9 us, attention 15.3 -> 17.3 us per layer at batch 32;
-4 splits for qkv alone, 192 programs: 1.018 against 1.009 ms, and again 1.042 against 0.996 in
-attention 13.7 -> 18.9 us; 3 splits: 1.016)."""
+and down at batch 32 split 8 ways instead of 4, faster than 192 or 128 programs.  Partials that
+the decode attention merges (``"attention"``, qkv) keep :data:`SWAPPED_TARGET_PROGRAMS` (2 splits
+at batch 32): every program of a (request, KV head) merges its q/k/v rows again, so more splits
+lengthen the attention by more than they shorten qkv (docs/performance.md, "Launch
+settings")."""
 
 
 @triton.jit
@@ -263,7 +254,7 @@ def _skinny_kernel(
     # HOLD_LAST: the split's last K tile of weights is loaded before the wait and held across
     # the loop over the others (the compiler stages it in shared memory for the MMA: one
     # pipeline stage's worth), then multiplied last: the same order of accumulation as without
-    # it, and the loop's own pipeline starts right after the wait as before.
+    # it, and the loop's own pipeline starts right after the wait, as it does without it.
     loop_end = k_end
     if HOLD_LAST:
         loop_end = k_begin + (tl.cdiv(k_end - k_begin, BLOCK_K) - 1) * BLOCK_K
@@ -342,8 +333,8 @@ def _skinny_kernel(
             if done == SPLIT_K - 1:
                 total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                 total_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                # Unrolled: every partial's load issued before the first is added (against a
-                # loop: 0.837 vs 0.838 ms at batch 1, 1.131 vs 1.133 at 32, within noise).
+                # Unrolled: every partial's load issued before the first is added (a loop
+                # measures the same within noise; docs/performance.md, "Launch settings").
                 for s in tl.static_range(SPLIT_K):
                     total, total_up = _add_partial(part_rows + s * split_stride, out_mask, N_OUT, total, total_up,
                                                    SWIGLU)
@@ -376,15 +367,15 @@ class SkinnyConfig:
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
+    return 132  # interpreter on CPU: a Hopper GPU's SM count, so the CPU tests exercise splits
 
 
 def default_config(
     m: int, n_out: int, k: int, swiglu: bool, device: torch.device, weights_ahead: bool = False,
     defer_merge: str | None = None, hold_last: bool = True,
 ) -> SkinnyConfig:
-    """Launch settings from the launch-settings sweeps on an H200
-    (the 1.1B model's shapes).
+    """Launch settings for these shapes: the best of the launch-settings sweep over the 1.1B
+    model's matmuls (docs/performance.md, "Probes": ``sweep_skinny.py``).
 
     One row: 8-row column tiles over 512-wide K tiles, one program per column tile (enough
     programs to fill the GPU, no merge), except for long K (``down``, K = 8192), which splits K

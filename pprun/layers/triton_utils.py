@@ -117,9 +117,9 @@ def pdl_options(device: torch.device) -> dict[str, bool]:
     graph is being captured (or under :func:`force_pdl`) on a GPU that supports it (compute
     capability 9.0+), off otherwise.
 
-    Only under capture: there the overlap is baked into the graph once, while eager PDL
-    launches measured slower on the host (the engine step at batch 1 rose from ~0.92 to
-    ~1.3 ms with the LM head launched eagerly with PDL after each replay)."""
+    Only under capture: there the overlap is baked into the graph once, while an eager PDL
+    launch costs more host time than its overlap saves (docs/performance.md, "Launch
+    settings")."""
     on = (
         PDL_ENABLED
         and _HAS_GDC

@@ -2,8 +2,8 @@
 
 The last stage's full decode graphs end with the LM head, a copy of its logits into a buffer
 shared by every graph size, and each row's argmax.  As two torch ops those cost two launches,
-and torch's argmax reduces a 32,000-wide row with one block: 10 us of a 0.83 ms batch-1 step
-on an H200 (``scripts/gpu_speed.py --graph-trace``).  Here every row is cut into chunks, one
+and torch's argmax reduces a 32,000-wide row with one block, one SM for the whole row
+(docs/performance.md lists what this kernel saves).  Here every row is cut into chunks, one
 program each: it copies its chunk, finds the chunk's largest value and its first index, and
 the last program of the row to finish (an arrival counter, as in ``pprun.layers.skinny``)
 merges the chunks' winners in chunk order.

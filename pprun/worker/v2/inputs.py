@@ -192,8 +192,8 @@ class InputBuffers:
         self._read_event = torch.cuda.Event() if device.type == "cuda" else None
         self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         """The stream the steps run on (the one current when the buffers were made), kept for the
-        runner's events too: ``Event.record()`` without a stream builds a stream object per call
-        (~8 us of host time)."""
+        runner's events too: ``Event.record()`` without a stream builds a stream object per call,
+        host time on every step."""
         self.make_inert(0, 0, max_num_reqs, max_num_tokens)
         self.to_device(max_num_reqs, max_num_tokens, 0)
 

@@ -4,9 +4,9 @@ The V2 runner packs a step's inputs into one pinned host arena (``inputs._Arena`
 ``cudaMemcpyAsync`` that is one host-to-device copy, and with async scheduling three small
 kernels more put the previous step's sampled ids (still on the device) into ``input_ids``.  The
 copy runs on a copy engine: the stream passes from compute to the copy engine and back around
-it, and each pass costs a few microseconds; the three kernels cost a launch each.  On an H200
-those ops and the sampled ids' copy back took ~20 us of each decode step outside its graph, 2% of
-a batch-32 step; this kernel saved 4-5 us of it (``docs/performance.md``).
+it, and each pass costs a few microseconds; the three kernels cost a launch each.  Those ops run
+outside the step's CUDA graph, where nothing hides them (docs/performance.md lists what this
+kernel saves).
 
 Here one kernel does all of it.  Pinned host memory is mapped into the GPU's address space, so
 the kernel loads the used byte ranges straight from it over PCIe and stores them into the device
@@ -36,8 +36,8 @@ from pprun.worker.v2.ranges import MAX_RANGES
 FAST_LAUNCH_ENABLED: bool = enabled_unless("PPRUN_DISABLE_FAST_LAUNCH")
 """Launch the compiled kernel through its launcher directly, once Triton's ``kernel[grid](...)``
 has compiled and launched it for the same specialisation.  Triton's own path binds and
-specialises every argument in Python on each launch: ~43 us of host time per step on an H200
-host, against ~10 us direct (``docs/performance.md``).  What Triton
+specialises every argument in Python on each launch, several times the direct launch's host
+time (docs/performance.md lists what it saves).  What Triton
 specialises on here is known: ``HAS_PENDING``, the device, whether each pointer is 16-byte
 aligned, and whether an integer needs 64 bits (the integers are ``do_not_specialize``, which
 Triton still types by value); those make the cache key.  Off while a Triton
