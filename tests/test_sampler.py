@@ -284,3 +284,37 @@ def test_bad_inputs_raise_value_error(logits: torch.Tensor) -> None:
     out = sample(logits[:1], [SamplingParams(temperature=0.0)])
     with pytest.raises(ValueError, match="asks for logprobs"):
         to_logprobs(out, [2])
+
+
+def test_suppressed_ids_never_sampled_and_begin_ids_only_first(logits: torch.Tensor) -> None:
+    """Suppression puts a row's ids at -inf in a copy (the input stays), before greedy, seeded
+    sampling and logprobs alike; begin ids only for a first output; ids past the vocabulary and
+    empty lists change nothing."""
+    from pprun.sampling.sampler import mask_token_ids, suppress_tokens
+
+    top = logits.argmax(dim=-1).tolist()
+    params = [
+        SamplingParams(temperature=0.0, suppress_token_ids=[top[0], VOCAB_SIZE + 5]),
+        SamplingParams(temperature=0.0, begin_suppress_token_ids=[top[1]]),
+        SamplingParams(temperature=0.0, begin_suppress_token_ids=[top[2]]),
+        SamplingParams(temperature=0.0, suppress_token_ids=[VOCAB_SIZE]),
+        SamplingParams(temperature=1.0, seed=3, suppress_token_ids=list(range(VOCAB_SIZE - 1)), logprobs=2),
+        SamplingParams(temperature=0.0),
+    ]
+    before = logits.clone()
+    first = [False, True, False, True, False, False]
+    masked = suppress_tokens(logits, params, first)
+    assert torch.equal(logits, before)
+    out = sample(masked, params)
+    got = out.sampled_token_ids.tolist()
+    assert got[0] != top[0] and got[0] == masked[0].argmax().item()
+    assert got[1] != top[1]
+    assert got[2] == top[2] and got[3] == top[3] and got[5] == top[5]  # not first / past vocab / none
+    assert got[4] == VOCAB_SIZE - 1  # the only id left
+    assert out.topk_ids[4, 0].item() == VOCAB_SIZE - 1 and out.topk_logprobs[4, 1].item() == float("-inf")
+    assert masked[4, : VOCAB_SIZE - 1].eq(float("-inf")).all()
+    # Nothing in the vocabulary to drop: the very same tensor, no copy.
+    assert mask_token_ids(logits, [[VOCAB_SIZE + 1], [], [], [], [], []]) is logits
+    assert suppress_tokens(logits, [SamplingParams(begin_suppress_token_ids=[1])] * 6, [False] * 6) is logits
+    with pytest.raises(ValueError, match="ids_per_row has 2 rows"):
+        mask_token_ids(logits, [[1], [2]])

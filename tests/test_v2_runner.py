@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -515,6 +516,73 @@ def test_sampling_from_graph_logits_matches_sampling_from_hidden_cpu(model_dir, 
         for a, b in zip(got["m"][r][1] or [], logprobs or []):
             assert a.top_token_ids == b.top_token_ids
             assert a.sampled_logprob == pytest.approx(b.sampled_logprob, abs=1e-5)
+
+
+def test_request_table_suppressed_ids_first_output_and_row_reuse():
+    """A row's begin ids apply at the sample that ends its original prompt (a resumed request's
+    row holds its outputs too: later samples are not first); a freed row suppresses nothing."""
+    table = RequestTable(4, 16, 2, torch.device("cpu"), make_generators=False)
+    assert table.suppressed_ids(np.array([0]), np.array([3])) is None
+    ra = table.add("a", [1, 2, 3], [1], 0, SamplingParams(suppress_token_ids=[7], begin_suppress_token_ids=[8, 9]))
+    rb = table.add("b", [1, 2, 3, 4, 5], [2], 0, SamplingParams(begin_suppress_token_ids=[6]), num_prompt_tokens=3)
+    rc = table.add("c", [1], [3], 0, GREEDY)
+    assert table.num_suppressing == 2
+    got = table.suppressed_ids(np.array([ra, rb, rc]), np.array([3, 5, 1]))
+    assert [g.tolist() for g in got] == [[7, 8, 9], [], []]
+    got = table.suppressed_ids(np.array([rb, ra]), np.array([3, 4]))
+    assert [g.tolist() for g in got] == [[6], [7]]
+    assert table.suppressed_ids(np.array([rb, rc]), np.array([6, 2])) is None
+    table.remove("a")
+    assert table.num_suppressing == 1
+    assert table.add("d", [1, 2], [1], 0, GREEDY) == ra
+    assert table.suppressed_ids(np.array([ra]), np.array([2])) is None
+    table.add("b", [1, 2, 3], [2], 0, GREEDY)  # resumed: same row, parameters replaced
+    assert table.num_suppressing == 0
+
+
+SUPPRESS_PROMPTS = prompts_of([3, 17, 9, 30, 5, 22])
+
+
+def suppress_params(i: int, **extra) -> SamplingParams:
+    seeded = i % 3 == 2
+    return SamplingParams(temperature=0.9 if seeded else 0.0, seed=50 + i if seeded else None,
+                          max_tokens=10, ignore_eos=True, **extra)
+
+
+@pytest.fixture(scope="module")
+def unsuppressed(model_dir):
+    """Each request's tokens without suppression (V2, one stage)."""
+    requests = [(f"q{i}", p, suppress_params(i)) for i, p in enumerate(SUPPRESS_PROMPTS)]
+    kw = dict(executor="uni", max_num_batched_tokens=16, max_num_seqs=8, block_size=BLOCK, max_model_len=64)
+    return run_engine(model_dir, "v2", requests, stagger=True, **kw)[0]
+
+
+@pytest.mark.parametrize(("pp", "executor"), [(1, "uni"), pytest.param(2, "mp", marks=pytest.mark.slow)])
+def test_engine_suppression_parity_v1_v2(model_dir, unsuppressed, pp, executor):
+    """``suppress_token_ids`` / ``begin_suppress_token_ids`` give identical tokens on V1 and V2
+    (greedy and seeded, chunked prefill; at pp = 1 preemption too: a resumed request's first
+    sample after recompute is not its first output).  The ids suppressed are ones each request
+    samples without suppression, so a runner that ignored them would differ."""
+    kw = dict(executor=executor, pipeline_parallel_size=pp, max_num_batched_tokens=16, max_num_seqs=8,
+              block_size=BLOCK, max_model_len=64)
+    if pp == 1:
+        kw["kv_cache_memory_bytes"] = 14 * 2 * 4 * BLOCK * 2 * 16 * 4  # 14 blocks: preemption
+    requests = []
+    for i, p in enumerate(SUPPRESS_PROMPTS):
+        tokens = unsuppressed[f"q{i}"][0]
+        suppress = sorted(set(tokens[1:4]) - {tokens[0]})
+        requests.append((f"q{i}", p, suppress_params(i, suppress_token_ids=suppress,
+                                                     begin_suppress_token_ids=[tokens[0]])))
+    v1, pre1 = run_engine(model_dir, "v1", requests, stagger=True, **kw)
+    v2, pre2 = run_engine(model_dir, "v2", requests, stagger=True, **kw)
+    if pp == 1:
+        assert pre1 > 0 and pre2 > 0, (pre1, pre2)
+    assert v2 == v1
+    for rid, _, sp in requests:
+        tokens = v2[rid][0]
+        assert tokens[0] not in sp.begin_suppress_token_ids, rid
+        assert not set(tokens) & set(sp.suppress_token_ids), rid
+        assert tokens != unsuppressed[rid][0], rid
 
 
 @pytest.mark.slow

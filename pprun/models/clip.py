@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pprun.layers.embedding import Embedding
+
 ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
     "gelu": F.gelu,
@@ -98,7 +100,7 @@ class VisionEmbeddings(nn.Module):
         self.class_embedding = nn.Parameter(torch.zeros(hidden)) if class_token else None
         # CLIP's convolution has no bias, SigLIP's has one.
         self.patch_embedding = nn.Conv2d(cfg.get("num_channels", 3), hidden, patch, stride=patch, bias=not class_token)
-        self.position_embedding = nn.Embedding(self.num_patches + int(class_token), hidden)
+        self.position_embedding = Embedding(self.num_patches + int(class_token), hidden)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``[batch, 3, H, W]`` -> ``[batch, patches (+1), hidden]``."""

@@ -33,6 +33,7 @@ from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
 from pprun.layers import fused_ops_for, linear, linear_swiglu, merged, norm_linear
 from pprun.layers.attend import attend, attention_input
+from pprun.layers.embedding import Embedding
 from pprun.layers.norm import RMSNorm
 from pprun.layers.partials import SplitPartials
 from pprun.models.hf_config import ModelArchConfig
@@ -232,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
         # only this stage's modules exist at all.
         with torch.device("meta"):
             self.embed_tokens = (
-                nn.Embedding(arch.vocab_size, arch.hidden_size) if layout.is_first else None
+                Embedding(arch.vocab_size, arch.hidden_size) if layout.is_first else None
             )
             self.layers = nn.ModuleList(
                 DecoderLayer(arch, rotary, attn_backend) for _ in layout.layer_range

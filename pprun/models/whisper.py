@@ -32,6 +32,7 @@ from pprun.attention.cross import cross_attention, write_cross_kv
 from pprun.attention.metadata import AttentionMetadata
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
+from pprun.layers.embedding import Embedding
 from pprun.models.hf_config import AudioEncoderArch, ModelArchConfig
 
 LAYER_NORM_EPS = 1e-5
@@ -189,14 +190,14 @@ class WhisperForConditionalGeneration(nn.Module):
             if layout.is_first:
                 self.conv1 = nn.Conv1d(enc.num_mel_bins, hidden, kernel_size=3, padding=1)
                 self.conv2 = nn.Conv1d(hidden, hidden, kernel_size=3, stride=2, padding=1)
-                self.encoder_positions = nn.Embedding(enc.max_source_positions, hidden)
+                self.encoder_positions = Embedding(enc.max_source_positions, hidden)
                 self.encoder_layers = nn.ModuleList(
                     EncoderLayer(hidden, enc.num_attention_heads, enc.ffn_dim)
                     for _ in range(enc.num_layers)
                 )
                 self.encoder_layer_norm = nn.LayerNorm(hidden, eps=LAYER_NORM_EPS)
-                self.embed_tokens = nn.Embedding(arch.vocab_size, hidden)
-                self.embed_positions = nn.Embedding(arch.max_position_embeddings, hidden)
+                self.embed_tokens = Embedding(arch.vocab_size, hidden)
+                self.embed_positions = Embedding(arch.max_position_embeddings, hidden)
             self.layers = nn.ModuleList(
                 DecoderLayer(hidden, heads, arch.intermediate_size, attn_backend)
                 for _ in layout.layer_range

@@ -12,8 +12,10 @@ before temperature, top-k, top-p and min-p), which is what vLLM returns by defau
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pprun.core.outputs import Logprobs
@@ -314,18 +316,38 @@ def suppress_tokens(
     ``params[i].begin_suppress_token_ids`` when it samples its first output token
     (``is_first_output[i]``).  Ids past the vocabulary are ignored.
     """
-    rows: list[int] = []
-    cols: list[int] = []
-    vocab = logits.shape[-1]
-    for i, (p, first) in enumerate(zip(params, is_first_output, strict=True)):
+    ids_per_row: list[list[int]] = []
+    for p, first in zip(params, is_first_output, strict=True):
         ids = list(p.suppress_token_ids or ())
         if first:
             ids += list(p.begin_suppress_token_ids or ())
-        ids = [t for t in ids if t < vocab]
-        rows += [i] * len(ids)
-        cols += ids
-    if not rows:
+        ids_per_row.append(ids)
+    return mask_token_ids(logits, ids_per_row)
+
+
+def mask_token_ids(logits: torch.Tensor, ids_per_row: Sequence[Sequence[int] | np.ndarray]) -> torch.Tensor:
+    """``logits [num_rows, vocab]`` with row ``i``'s ``ids_per_row[i]`` at -inf: a new tensor when
+    some id falls in the vocabulary, else ``logits`` itself (a graph's logits buffer is never
+    written).  Both runners suppress through this, so they drop the same entries.
+
+    On CUDA the indices travel through pinned memory without blocking the host (the caching
+    host allocator keeps that memory until the copy has read it).
+    """
+    if len(ids_per_row) != logits.shape[0]:
+        raise ValueError(f"ids_per_row has {len(ids_per_row)} rows for logits of shape {tuple(logits.shape)}")
+    lengths = [len(ids) for ids in ids_per_row]
+    if not any(lengths):
         return logits
+    cols = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in ids_per_row])
+    rows = np.repeat(np.arange(len(ids_per_row), dtype=np.int64), lengths)
+    keep = cols < logits.shape[-1]
+    if not keep.all():
+        rows, cols = rows[keep], cols[keep]
+    if not rows.size:
+        return logits
+    index = torch.from_numpy(np.stack([rows, cols]))
+    if logits.is_cuda:
+        index = index.pin_memory().to(logits.device, non_blocking=True)
     out = logits.clone()
-    out[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+    out[index[0], index[1]] = float("-inf")
     return out

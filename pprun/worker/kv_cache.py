@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from pprun.models.hf_config import ModelArchConfig
@@ -13,6 +16,19 @@ num_kv_heads, head_dim]`` shape: one KV head's rows of a block are then contiguo
 ``num_kv_heads * head_dim`` elements apart.  Every kernel and the reference take the cache by its
 strides, so only the bytes' order changes; ``scripts/gpu_speed.py --ab --ab-only HEAD_MAJOR``
 measures it."""
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled cache tensor.  On CPU it lives in an anonymous memory mapping, which the
+    kernel hands out zeroed page by page on first touch: a stage's start-up does not write its
+    whole cache budget (1 GiB by default), and pages of blocks never used cost nothing."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=numel).view(shape)
 
 
 def bytes_per_block(arch: ModelArchConfig, num_layers: int, block_size: int, dtype: torch.dtype) -> int:
@@ -37,9 +53,9 @@ def allocate_kv_caches(
     heads, dim = arch.num_key_value_heads, arch.head_dim
     if HEAD_MAJOR:
         shape = (2, num_blocks, heads, block_size, dim)
-        return [torch.zeros(shape, dtype=dtype, device=device).transpose(2, 3) for _ in range(num_layers)]
+        return [zeros(shape, dtype, device).transpose(2, 3) for _ in range(num_layers)]
     shape = (2, num_blocks, block_size, heads, dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    return [zeros(shape, dtype, device) for _ in range(num_layers)]
 
 
 def allocate_cross_caches(
@@ -49,7 +65,7 @@ def allocate_cross_caches(
     (``model.cross_cache_shape``, see ``pprun.attention.cross``), zero-filled so the reserved
     slot 0 that padding rows point at holds finite values."""
     shape = model.cross_cache_shape(num_cross_slots)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(len(model.layers))]
+    return [zeros(tuple(shape), dtype, device) for _ in range(len(model.layers))]
 
 
 def bytes_per_cross_slot(model: torch.nn.Module, dtype: torch.dtype) -> int:

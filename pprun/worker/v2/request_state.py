@@ -36,6 +36,7 @@ _MIN_P = 8
 # Rows of the packed per-row sampling-parameter table (float32; top-k is exact below 2**24, and
 # any larger value exceeds every vocabulary, i.e. keeps all either way).
 _TEMPERATURE, _TOP_P_ROW, _MIN_P_ROW, _TOP_K_ROW = range(4)
+_NO_IDS = np.zeros(0, dtype=np.int64)
 
 
 class RequestTable:
@@ -99,6 +100,15 @@ class RequestTable:
         self.generators: list[torch.Generator | None] = [None] * max_num_reqs
         self.num_seeded = 0
         """Live rows holding a generator (0: skip building the per-row generator list)."""
+        self.num_prompt_tokens_np = np.zeros(max_num_reqs, dtype=np.int64)
+        """Tokens of each row's original prompt: the sample that ends a window of that length is
+        the request's first output (a resumed request's row holds its outputs too)."""
+        self.suppress_ids: list[np.ndarray | None] = [None] * max_num_reqs
+        """Per row, ``SamplingParams.suppress_token_ids`` (never sampled), None when empty."""
+        self.begin_suppress_ids: list[np.ndarray | None] = [None] * max_num_reqs
+        """Per row, ``SamplingParams.begin_suppress_token_ids`` (not sampled as the first output)."""
+        self.num_suppressing = 0
+        """Live rows that suppress some id (0: a step checks nothing more)."""
 
     @property
     def num_live_reqs(self) -> int:
@@ -194,11 +204,14 @@ class RequestTable:
         block_ids: list[int],
         num_computed_tokens: int,
         params: SamplingParams,
+        num_prompt_tokens: int | None = None,
     ) -> int:
         """Give ``req_id`` a row and write its prompt, blocks and sampling parameters.
 
-        An id still held (resumed after preemption before its finished id arrived) keeps its
-        row, whose contents are replaced.  The parameters reach the device with the next
+        ``num_prompt_tokens``: the original prompt's length when ``token_ids`` also hold outputs
+        (a request resumed after preemption); None: all of ``token_ids``.  An id still held
+        (resumed after preemption before its finished id arrived) keeps its row, whose contents
+        are replaced.  The parameters reach the device with the next
         :meth:`flush_sampling_params`.
         """
         row = self.row_of.get(req_id)
@@ -226,6 +239,7 @@ class RequestTable:
         self.block_table_np[row, : len(block_ids)] = block_ids
         self.num_blocks_np[row] = len(block_ids)
         self.num_computed_tokens_np[row] = num_computed_tokens
+        self.num_prompt_tokens_np[row] = len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
         self._set_sampling_params(row, params)
         return row
 
@@ -251,6 +265,13 @@ class RequestTable:
         self._set_generator(
             row, make_generator(params.seed, self.device) if self.make_generators else None
         )
+        self._set_suppression(row, params.suppress_token_ids, params.begin_suppress_token_ids)
+
+    def _set_suppression(self, row: int, always: list[int] | None, first: list[int] | None) -> None:
+        was = self.suppress_ids[row] is not None or self.begin_suppress_ids[row] is not None
+        self.suppress_ids[row] = np.asarray(always, dtype=np.int64) if always else None
+        self.begin_suppress_ids[row] = np.asarray(first, dtype=np.int64) if first else None
+        self.num_suppressing += bool(always or first) - was
 
     def _set_generator(self, row: int, generator: torch.Generator | None) -> None:
         self.num_seeded += (generator is not None) - (self.generators[row] is not None)
@@ -265,6 +286,7 @@ class RequestTable:
         if row is None:
             return None
         self._set_generator(row, None)
+        self._set_suppression(row, None, None)
         self.free_rows.append(row)
         return row
 
@@ -341,6 +363,30 @@ class RequestTable:
             is_greedy_host=is_greedy_host,
             top_k_max_host=top_k_max_host,
         )
+
+    def suppressed_ids(self, rows: np.ndarray, seq_lens: np.ndarray) -> list[np.ndarray] | None:
+        """The token ids each of ``rows`` may not sample this step, or None when no row
+        suppresses anything (the common case: one check).
+
+        ``seq_lens[i]``: the tokens row ``rows[i]`` holds once the step is computed; the sample
+        at the original prompt's length is the request's first output, which also drops its
+        ``begin_suppress_token_ids`` (V1 decides the same way: ``pprun.sampling.sampler.suppress_tokens``).
+        """
+        if not self.num_suppressing:
+            return None
+        out: list[np.ndarray] = []
+        found = False
+        for row, seq_len in zip(rows.tolist(), seq_lens.tolist()):
+            ids = self.suppress_ids[row]
+            first = self.begin_suppress_ids[row]
+            if first is not None and seq_len == self.num_prompt_tokens_np[row]:
+                ids = first if ids is None else np.concatenate([ids, first])
+            if ids is None:
+                out.append(_NO_IDS)
+            else:
+                out.append(ids)
+                found = True
+        return out if found else None
 
     def num_logprobs_list(self, rows: torch.Tensor) -> list[int | None]:
         """Each row's requested logprob count (``None`` where it asked for none)."""

@@ -33,7 +33,7 @@ from pprun.distributed.layout import StageLayout
 from pprun.distributed.pipeline import agree_on_graph_hops, open_sample_feedback
 from pprun.distributed.transport import SENT_IN_GRAPH, PipelineTransport
 from pprun.layers import fused_ops_for
-from pprun.sampling.sampler import Sampler, SamplerOutput, SamplingTensors, to_logprobs
+from pprun.sampling.sampler import Sampler, SamplerOutput, SamplingTensors, mask_token_ids, to_logprobs
 from pprun.switches import enabled_unless
 from pprun.utils.step_trace import HostClock, trace_prefix
 from pprun.worker.model_inputs import build_model_inputs
@@ -221,7 +221,8 @@ class V2ModelRunner(ModelRunner):
                 feedback.forget(req_id)
         for new in so.scheduled_new_reqs:
             row = self.table.add(
-                new.req_id, new.prompt_token_ids, new.block_ids, new.num_computed_tokens, new.sampling_params
+                new.req_id, new.prompt_token_ids, new.block_ids, new.num_computed_tokens, new.sampling_params,
+                new.num_prompt_tokens,
             )
             self.model_state.add_request(row, new)
         self.table.update_cached(so.scheduled_cached_reqs, so.step_id)
@@ -484,6 +485,14 @@ class V2ModelRunner(ModelRunner):
         rows = batch.rows if num_sampled == batch.num_reqs else batch.rows[batch.sample_batch_idx]
         return self.table.sampling_tensors(rows, self.bufs.sample_rows.device[:num_sampled])
 
+    def _suppressed_ids(self, batch: StepBatch) -> list[Any] | None:
+        """Per sampling request, the ids it may not sample this step (None: no request suppresses)."""
+        if not self.table.num_suppressing:
+            return None
+        idx = batch.sample_batch_idx.numpy()
+        seq_lens = batch.num_computed_tokens[idx] + batch.num_scheduled_tokens.numpy()[idx]
+        return self.table.suppressed_ids(batch.rows.numpy()[idx], seq_lens)
+
     def sample(
         self, so: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor, full_graph: bool = False
     ) -> PendingOutput:
@@ -492,7 +501,9 @@ class V2ModelRunner(ModelRunner):
         Returns at once: the sampled ids are copied to pinned host memory behind an event, and
         the output is built when :meth:`PendingOutput.result` is called.  After a full decode
         graph (``full_graph``) the logits are already computed, and an all-greedy step without
-        logprobs takes the graph's argmax as it is.
+        logprobs or suppressed ids takes the graph's argmax as it is.  Suppressed ids
+        (``SamplingParams.suppress_token_ids``, ``begin_suppress_token_ids``) go to -inf in a copy
+        of the logits before the sampler, as in V1, so such a step samples outside the graph.
         """
         num_sampled = batch.num_sampled
         if not num_sampled:
@@ -508,14 +519,16 @@ class V2ModelRunner(ModelRunner):
         else:  # prefill chunks, some of which do not reach their prompt's end: gather
             rows = self.bufs.logits_indices.device[:num_sampled]
             picked = [t[rows] for t in sources]
+        suppressed = self._suppressed_ids(batch)
         on_host = False  # the graph's argmax wrote the ids to this step's ring row already
-        if not in_graph:
-            res = self.sampler(self.model.compute_logits(picked[0]), tensors)
-        elif tensors.all_greedy and tensors.max_num_logprobs is None:
+        if in_graph and suppressed is None and tensors.all_greedy and tensors.max_num_logprobs is None:
             res = SamplerOutput(picked[1])
             on_host = self._graph_ids_to_host and num_sampled == batch.num_tokens
         else:
-            res = self.sampler(picked[0], tensors)
+            logits = picked[0] if in_graph else self.model.compute_logits(picked[0])
+            if suppressed is not None:
+                logits = mask_token_ids(logits, suppressed)
+            res = self.sampler(logits, tensors)
         self.prev_sampled = res.sampled_token_ids
         sample_idx_list = batch.sample_batch_idx.tolist()
         self.prev_sample_index = _SampleIndex(batch.req_ids, sample_idx_list)
