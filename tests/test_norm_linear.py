@@ -136,6 +136,9 @@ def _stub_backend(q, k, v, kv_cache, meta, scale):
     return q * scale + k.repeat_interleave(group, dim=1) + v.repeat_interleave(group, dim=1)
 
 
+_stub_backend.rope_decode = None  # no one-kernel decode (pprun.attention.backend.AttentionBackend)
+
+
 def _decode_meta() -> AttentionMetadata:
     """One request decoding one token (the stub backend reads none of it)."""
     i32 = {"dtype": torch.int32, "device": DEVICE}

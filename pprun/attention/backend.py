@@ -5,17 +5,16 @@ step's keys and values into the paged cache and attends over it.  Layouts:
 ``q [num_tokens_padded, num_heads, head_dim]``, ``k``/``v`` ``[num_tokens_padded,
 num_kv_heads, head_dim]``, ``kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]``.
 
-A backend may also carry a ``rope_decode`` attribute: a function that does a pure decode step
-(``meta.max_query_len == 1``) with the rotary embedding folded in, from the un-rotated q and k
-(see :func:`triton_rope_decode`).  Attention layers call it when present, and otherwise rotate
-q and k themselves before calling the backend.  It takes ``qkv_parts=``: a decode-sized qkv
-matmul's unmerged split-K partials (``pprun.layers.SplitPartials``), which q, k and v are then
-float32 views of.
+Every backend also carries a ``rope_decode`` attribute (:class:`AttentionBackend`): None, or a
+function that does a pure decode step (``meta.max_query_len == 1``) with the rotary embedding
+folded in, from the un-rotated q and k (see :func:`triton_rope_decode`).  Attention layers call
+it when it is set (``pprun.layers.attend``), and otherwise rotate q and k themselves before
+calling the backend.  It takes ``qkv_parts=``: a decode-sized qkv matmul's unmerged split-K
+partials (``pprun.layers.SplitPartials``), which q, k and v are then float32 views of.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -26,8 +25,31 @@ from pprun.layers.partials import SplitPartials
 BACKENDS = ("reference", "triton")
 
 
+class RopeDecode(Protocol):
+    """A backend's one-kernel decode step: rotary, cache write and attention (see
+    :func:`triton_rope_decode`)."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        qkv_parts: SplitPartials | None = None,
+    ) -> torch.Tensor: ...
+
+
 class AttentionBackend(Protocol):
-    """Signature every backend implements."""
+    """What every backend is: the attention call, and its one-kernel decode step or None."""
+
+    rope_decode: RopeDecode | None
+    """The one-kernel decode step, or None where the backend has none (the layer then rotates q
+    and k itself and calls the backend)."""
 
     def __call__(
         self,
@@ -121,10 +143,11 @@ def triton_rope_decode(
     )
 
 
+reference_backend.rope_decode = None  # type: ignore[attr-defined]
 triton_backend.rope_decode = triton_rope_decode  # type: ignore[attr-defined]
 
 
-def get_backend(name: str, device: torch.device) -> Callable[..., torch.Tensor]:
+def get_backend(name: str, device: torch.device) -> AttentionBackend:
     """Return the backend ``name`` ("auto" picks triton on CUDA when importable)."""
     if name == "auto":
         name = "reference"

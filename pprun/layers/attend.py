@@ -8,11 +8,11 @@ split-K partials as it reads q, k and v) or rotary followed by the backend.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
+from pprun.attention.backend import AttentionBackend, RopeDecode
 from pprun.attention.metadata import AttentionMetadata
 from pprun.layers import fused_decode_enabled
 from pprun.layers.partials import SplitPartials
@@ -29,23 +29,23 @@ class Rotary(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def decode_kernel(backend: Callable, meta: AttentionMetadata, x: torch.Tensor) -> Callable | None:
-    """The backend's one-kernel decode step (``backend.rope_decode``, an optional hook of a
-    backend) when this step takes it: a pure decode step on the fused path; else None."""
-    rope_decode = getattr(backend, "rope_decode", None)
+def decode_kernel(backend: AttentionBackend, meta: AttentionMetadata, x: torch.Tensor) -> RopeDecode | None:
+    """The backend's one-kernel decode step (``backend.rope_decode``; None where it has none)
+    when this step takes it: a pure decode step on the fused path; else None."""
+    rope_decode = backend.rope_decode
     if rope_decode is not None and meta.max_query_len == 1 and fused_decode_enabled(x):
         return rope_decode
     return None
 
 
-def attention_input(backend: Callable, meta: AttentionMetadata, x: torch.Tensor) -> str | None:
+def attention_input(backend: AttentionBackend, meta: AttentionMetadata, x: torch.Tensor) -> str | None:
     """What consumes the q/k/v projection of ``x``: ``"attention"`` when the step's attention is
     the one-kernel decode (it takes split partials, ``linear(..., then=...)``), else None."""
     return "attention" if decode_kernel(backend, meta, x) is not None else None
 
 
 def attend(
-    backend: Callable,
+    backend: AttentionBackend,
     rotary: Rotary,
     positions: torch.Tensor,
     qkv: torch.Tensor | SplitPartials,

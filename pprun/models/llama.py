@@ -36,6 +36,7 @@ from pprun.layers.attend import attend, attention_input
 from pprun.layers.embedding import Embedding
 from pprun.layers.norm import RMSNorm
 from pprun.layers.partials import SplitPartials
+from pprun.models.base import PprunModel
 from pprun.models.hf_config import ModelArchConfig
 
 
@@ -207,11 +208,9 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaForCausalLM(nn.Module):
-    """A Llama-family causal LM holding only the parts one pipeline stage owns."""
-
-    requires_raw_input_tokens = False
-    """Set True in a subclass that needs ``input_ids`` even when ``inputs_embeds`` is given."""
+class LlamaForCausalLM(PprunModel):
+    """A Llama-family causal LM holding only the parts one pipeline stage owns (a text-only
+    decoder: :class:`~pprun.models.base.PprunModel`'s declarations as they are)."""
 
     def __init__(
         self,

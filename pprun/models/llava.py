@@ -24,6 +24,7 @@ from torch import nn
 from pprun.attention.metadata import AttentionMetadata
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
+from pprun.models.base import PprunModel
 from pprun.models.clip import VisionTransformer, activation
 from pprun.models.hf_config import ModelArchConfig
 from pprun.models.llama import LlamaForCausalLM
@@ -79,7 +80,7 @@ class MultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(PprunModel):
     """A Llava-form vision-language model holding only what one pipeline stage owns."""
 
     supports_multimodal = True

@@ -33,6 +33,7 @@ from pprun.attention.metadata import AttentionMetadata
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
 from pprun.layers.embedding import Embedding
+from pprun.models.base import PprunModel
 from pprun.models.hf_config import AudioEncoderArch, ModelArchConfig
 
 LAYER_NORM_EPS = 1e-5
@@ -159,7 +160,7 @@ class DecoderLayer(nn.Module):
         return h + self.fc2(F.gelu(self.fc1(self.final_layer_norm(h))))
 
 
-class WhisperForConditionalGeneration(nn.Module):
+class WhisperForConditionalGeneration(PprunModel):
     """Whisper holding only the parts one pipeline stage owns (see the module docstring)."""
 
     requires_raw_input_tokens = False

@@ -32,12 +32,13 @@ from pprun.attention.cross import CrossAttentionMetadata
 from pprun.audio import AUDIO_FEATURES_KEY
 from pprun.core.outputs import SchedulerOutput
 from pprun.distributed.layout import StageLayout
+from pprun.models.base import PprunModel
 from pprun.worker.kv_cache import allocate_cross_caches
 
 
-def is_encoder_decoder(model: nn.Module) -> bool:
+def is_encoder_decoder(model: PprunModel) -> bool:
     """True for a model with an encoder whose output decoder layers cross-attend to."""
-    return bool(getattr(model, "is_encoder_decoder", False))
+    return model.is_encoder_decoder
 
 
 class EncoderDecoderState:

@@ -8,20 +8,20 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from pprun.attention.metadata import AttentionMetadata
 from pprun.distributed.intermediate import IntermediateTensors
+from pprun.models.base import PprunModel
 
 
-def uses_inputs_embeds(model: nn.Module) -> bool:
+def uses_inputs_embeds(model: PprunModel) -> bool:
     """True when the first stage computes ``inputs_embeds`` itself (multimodal models, where
     item embeddings are merged into the token embeddings before the first layer)."""
-    return bool(getattr(model, "supports_multimodal", False))
+    return model.supports_multimodal
 
 
 def build_model_inputs(
-    model: nn.Module,
+    model: PprunModel,
     *,
     is_first_stage: bool,
     input_ids: torch.Tensor,
@@ -49,7 +49,7 @@ def build_model_inputs(
         }
     if inputs_embeds is None and uses_inputs_embeds(model):
         inputs_embeds = model.embed_input_ids(input_ids)
-    keep_ids = inputs_embeds is None or bool(getattr(model, "requires_raw_input_tokens", False))
+    keep_ids = inputs_embeds is None or model.requires_raw_input_tokens
     return {
         "input_ids": input_ids if keep_ids else None,
         "positions": positions,

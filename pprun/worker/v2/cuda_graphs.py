@@ -95,6 +95,10 @@ class PiecewiseBackend:
     """An attention layer's backend, wrapped: a pass-through, except while a piecewise graph is
     captured, when the call becomes a cut between two graph segments."""
 
+    rope_decode = None
+    """None whatever the inner backend has: the cut is the backend call, so a piecewise layer
+    never takes the one-kernel decode (whose launch would bypass it)."""
+
     def __init__(self, inner: Callable[..., torch.Tensor], manager: CudaGraphManager) -> None:
         self.inner = inner
         self.manager = manager

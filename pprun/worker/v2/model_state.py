@@ -17,9 +17,9 @@ metadata, graphs and sampling.  A :class:`ModelState` adds what a family needs b
 - :meth:`ModelState.attention_layers`: the modules whose ``backend`` the runner may wrap for
   piecewise graphs.
 
-A model class names its plug-in with a ``model_state_cls`` attribute (a subclass of
-:class:`ModelState`); a text-only decoder (the Llama family) names none and gets
-:class:`ModelState` itself, whose defaults add nothing.
+A model class names its plug-in in its ``model_state_cls`` attribute (a subclass of
+:class:`ModelState`; declared by :class:`pprun.models.base.PprunModel`); a text-only decoder (the
+Llama family) names none and gets :class:`ModelState` itself, whose defaults add nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from torch import nn
 
 from pprun.core.outputs import NewRequestData, SchedulerOutput
 from pprun.distributed.layout import StageLayout
+from pprun.models.base import PprunModel
 from pprun.worker.v2.inputs import StepBatch
 
 
@@ -96,14 +97,15 @@ class ModelState:
 
 
 def make_model_state(
-    model: nn.Module,
+    model: PprunModel,
     layout: StageLayout,
     device: torch.device,
     dtype: torch.dtype,
     max_num_reqs: int,
     max_num_tokens: int,
 ) -> ModelState:
-    """The model's own plug-in (``model.model_state_cls``, an optional hook) or the default
-    :class:`ModelState` (a text-only decoder's: nothing extra)."""
-    cls = getattr(model, "model_state_cls", None) or ModelState
+    """The model's own plug-in (``model.model_state_cls``, declared by
+    :class:`~pprun.models.base.PprunModel`) or the default :class:`ModelState` (a text-only
+    decoder's: nothing extra)."""
+    cls = model.model_state_cls or ModelState
     return cls(model, layout, device, dtype, max_num_reqs, max_num_tokens)
