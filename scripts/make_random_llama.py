@@ -1,23 +1,63 @@
-"""Write a Llama-shaped checkpoint with random weights (config.json + model.safetensors).
+"""Write a Llama-shaped checkpoint with random weights, or a Llava-shaped one (``--llava``).
 
 Default shape: the 1.1B model of the GPU benchmarks (hidden 2048, 16 layers, 32 heads / 8 KV
-heads, intermediate 8192, vocab 32000), bf16.  Weights ~ N(0, 0.02), norms 1: speed does not
-depend on the values, and the output stays finite.
+heads, intermediate 8192, vocab 32000), bf16: config.json + model.safetensors, no tokenizer.
+Weights ~ N(0, 0.02), norms 1 (LayerNorm biases 0): speed does not depend on the values, and
+the output stays finite.
+
+``--llava`` wraps that language model into a ``LlavaForConditionalGeneration``: a CLIP
+ViT-L/14-336 shaped vision tower (hidden 1024, 24 layers, 16 heads, intermediate 4096, patch 14,
+image 336; the ``--vision-*`` options change it), a two-layer GELU projector, projector input
+from the tower's second-to-last layer (``vision_feature_layer`` -2) without the class token
+(``vision_feature_select_strategy`` "default"), so each image is 576 embedding rows.  It is
+saved by ``transformers``' own ``save_pretrained`` (so ``LlavaForConditionalGeneration`` and
+pprun both load it), with a ``CLIPImageProcessor`` preprocessor config, a ``LlavaProcessor``
+config and a tokenizer that has an ``<image>`` token:
+
+- the tokenizer is a byte-level BPE built without training data: ids 0-2 are ``<unk>``,
+  ``<s>``, ``</s>``; then the 256 bytes; then byte pairs (printable ASCII pairs first, each with
+  its merge) up to ``--vocab``; ``<image>`` is id ``--vocab``, ``<pad>`` the next, and
+  ``<extra_N>`` tokens fill the language model's vocabulary up to a multiple of 64 (as
+  llava-1.5's 32064), so every id the model can produce decodes;
+- prompts take one ``<image>`` per image (pprun and ``LlavaProcessor`` expand it to the 576
+  rows), and the chat template renders ``USER: ... ASSISTANT:`` turns.
 
     python scripts/make_random_llama.py /tmp/llama-1b [--device cuda] [--layers 16] ...
+    python scripts/make_random_llama.py /tmp/llava-1b --llava [--dtype float32]
+    # a tiny Llava for CPU tests:
+    python scripts/make_random_llama.py /tmp/llava-tiny --llava --dtype float32 --hidden 64 --layers 2 \\
+        --heads 4 --kv-heads 2 --intermediate 128 --vocab 320 --vision-hidden 32 --vision-layers 2 \\
+        --vision-heads 2 --vision-intermediate 64 --image-size 28
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+"""Ids 0, 1, 2 of the Llava tokenizer (``unk``, ``bos``, ``eos``), as in Llama's."""
+
+IMAGE_TOKEN = "<image>"
+PAD_TOKEN = "<pad>"
+
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] | upper }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+"""llava-1.5's turn format after ``<s>`` (a rendered chat is not tokenized with special tokens,
+so the BOS comes from the template); an image in a turn is the text ``<image>``."""
 
 
-def main() -> None:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
     ap.add_argument("--hidden", type=int, default=2048)
@@ -25,17 +65,47 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--intermediate", type=int, default=8192)
-    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--vocab", type=int, default=32000,
+                    help="language model vocabulary (with --llava: the tokenizer's base vocabulary, at least 259)")
     ap.add_argument("--max-pos", type=int, default=4096)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    llava = ap.add_argument_group("Llava (--llava)")
+    llava.add_argument("--llava", action="store_true", help="a LlavaForConditionalGeneration with a CLIP tower")
+    llava.add_argument("--vision-hidden", type=int, default=1024)
+    llava.add_argument("--vision-layers", type=int, default=24)
+    llava.add_argument("--vision-heads", type=int, default=16)
+    llava.add_argument("--vision-intermediate", type=int, default=4096)
+    llava.add_argument("--patch-size", type=int, default=14)
+    llava.add_argument("--image-size", type=int, default=336)
+    llava.add_argument("--vision-feature-layer", type=int, default=-2)
+    llava.add_argument("--vision-feature-select-strategy", default="default", choices=("default", "full"))
+    args = ap.parse_args(argv)
+    if args.llava:
+        if args.vocab < len(SPECIAL_TOKENS) + 256:
+            ap.error(f"--vocab={args.vocab}: a Llava tokenizer needs at least {len(SPECIAL_TOKENS) + 256} "
+                     "base tokens (3 special tokens and the 256 bytes)")
+        if args.image_size % args.patch_size:
+            ap.error(f"--image-size={args.image_size} must be a multiple of --patch-size={args.patch_size}")
+        if not -args.vision_layers <= args.vision_feature_layer <= args.vision_layers:
+            ap.error(f"--vision-feature-layer={args.vision_feature_layer} must index one of the tower's "
+                     f"{args.vision_layers + 1} hidden states")
+    return args
 
-    from pprun.models.hf_config import expected_tensor_shapes, load_arch_config
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    config = {
+def random_tensor(name: str, shape: Sequence[int], dtype: torch.dtype, device: str, gen: torch.Generator) -> torch.Tensor:
+    """A parameter's random value: norm weights 1 and norm biases 0 (the checkpoint's own
+    convention), anything else N(0, 0.02)."""
+    if "norm" in name:  # RMSNorm / LayerNorm, CLIP's pre_layrnorm included
+        fill = 1.0 if name.endswith("weight") else 0.0
+        return torch.full(tuple(shape), fill, dtype=dtype, device=device)
+    return torch.randn(tuple(shape), generator=gen, device=device, dtype=torch.float32).mul_(0.02).to(dtype)
+
+
+def text_config(args: argparse.Namespace, vocab_size: int) -> dict:
+    """The language model's config (a Llama)."""
+    return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": args.hidden,
@@ -43,7 +113,7 @@ def main() -> None:
         "num_hidden_layers": args.layers,
         "num_attention_heads": args.heads,
         "num_key_value_heads": args.kv_heads,
-        "vocab_size": args.vocab,
+        "vocab_size": vocab_size,
         "max_position_embeddings": args.max_pos,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
@@ -53,20 +123,174 @@ def main() -> None:
         "eos_token_id": 2,
         "hidden_act": "silu",
     }
-    (args.out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def write_llama(args: argparse.Namespace) -> dict:
+    """config.json + model.safetensors of a random Llama, tensors named as pprun expects them."""
+    from safetensors.torch import save_file
+
+    from pprun.models.hf_config import expected_tensor_shapes, load_arch_config
+
+    (args.out / "config.json").write_text(json.dumps(text_config(args, args.vocab), indent=2))
     arch = load_arch_config(args.out)
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
-    tensors = {}
-    for name, shape in expected_tensor_shapes(arch).items():
-        if name.endswith("norm.weight"):
-            t = torch.ones(shape, dtype=dtype, device=args.device)
-        else:
-            t = torch.randn(shape, generator=gen, device=args.device, dtype=torch.float32).mul_(0.02).to(dtype)
-        tensors[name] = t.cpu().contiguous()
+    tensors = {
+        name: random_tensor(name, shape, dtype, args.device, gen).cpu().contiguous()
+        for name, shape in expected_tensor_shapes(arch).items()
+    }
     save_file(tensors, str(args.out / "model.safetensors"), metadata={"format": "pt"})
-    n = sum(t.numel() for t in tensors.values())
-    print(json.dumps({"path": str(args.out), "parameters": n, "dtype": args.dtype}))
+    return {"path": str(args.out), "parameters": sum(t.numel() for t in tensors.values()), "dtype": args.dtype}
+
+
+def byte_pair_tokenizer(base_vocab: int, total_vocab: int):
+    """A byte-level BPE ``tokenizers.Tokenizer`` of ``total_vocab`` ids (see the module docstring):
+    specials, bytes and byte pairs up to ``base_vocab``, then ``<image>``, ``<pad>`` and
+    ``<extra_N>`` fillers."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    byte_char = dict(enumerate(_bytes_to_unicode()))
+    if sorted(byte_char.values()) != sorted(ByteLevel.alphabet()):
+        raise RuntimeError("the byte table differs from tokenizers' ByteLevel alphabet")
+    vocab: dict[str, int] = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    for b in range(256):
+        vocab[byte_char[b]] = len(vocab)
+    printable = [byte_char[b] for b in range(32, 127)]
+    # Printable pairs first, so ordinary text takes about two characters per token.
+    pairs = [(a, b) for a in printable for b in printable]
+    pairs += [(byte_char[a], byte_char[b]) for a in range(256) for b in range(256)
+              if not (32 <= a < 127 and 32 <= b < 127)]
+    merges = []
+    for a, b in pairs[: base_vocab - len(vocab)]:
+        vocab[a + b] = len(vocab)
+        merges.append((a, b))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS])
+    extras = [f"<extra_{i}>" for i in range(total_vocab - base_vocab - 2)]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in [IMAGE_TOKEN, PAD_TOKEN, *extras]])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    if tok.get_vocab_size() != total_vocab or tok.token_to_id(IMAGE_TOKEN) != base_vocab:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} ids, <image>={tok.token_to_id(IMAGE_TOKEN)}: "
+                           f"expected {total_vocab} and {base_vocab}")
+    return tok
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte -> printable character table (what ``ByteLevel`` uses), in byte order."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+def llava_config(args: argparse.Namespace):
+    """The ``LlavaConfig`` of ``--llava`` (see the module docstring)."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    image_token_id = args.vocab
+    vocab_size = -(-(args.vocab + 2) // 64) * 64
+    text = text_config(args, vocab_size)
+    for key in ("architectures", "torch_dtype", "model_type"):
+        text.pop(key)
+    text["pad_token_id"] = image_token_id + 1
+    vision = CLIPVisionConfig(
+        hidden_size=args.vision_hidden,
+        intermediate_size=args.vision_intermediate,
+        num_hidden_layers=args.vision_layers,
+        num_attention_heads=args.vision_heads,
+        patch_size=args.patch_size,
+        image_size=args.image_size,
+        projection_dim=768,
+        hidden_act="quick_gelu",
+        layer_norm_eps=1e-5,
+    )
+    grid = args.image_size // args.patch_size
+    config = LlavaConfig(
+        text_config=LlamaConfig(**text),
+        vision_config=vision,
+        image_token_index=image_token_id,
+        vision_feature_layer=args.vision_feature_layer,
+        vision_feature_select_strategy=args.vision_feature_select_strategy,
+        projector_hidden_act="gelu",
+        multimodal_projector_bias=True,
+        tie_word_embeddings=False,
+        image_seq_length=grid * grid + (args.vision_feature_select_strategy == "full"),
+    )
+    config.architectures = ["LlavaForConditionalGeneration"]
+    return config
+
+
+def write_llava(args: argparse.Namespace) -> dict:
+    """A random ``LlavaForConditionalGeneration`` with its tokenizer, image processor and processor."""
+    from transformers import (
+        CLIPImageProcessorPil,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        PreTrainedTokenizerFast,
+    )
+
+    config = llava_config(args)
+    image_token_id = config.image_token_index
+    vocab_size = config.text_config.vocab_size
+    dtype = getattr(torch, args.dtype)
+    config.dtype = dtype
+    with torch.device("meta"):
+        model = LlavaForConditionalGeneration(config)
+    model = model.to(dtype).to_empty(device=args.device)
+    gen = torch.Generator(device=args.device).manual_seed(args.seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(random_tensor(name, param.shape, dtype, args.device, gen))
+    model.generation_config.pad_token_id = image_token_id + 1
+    model.save_pretrained(args.out)
+    num_params = sum(p.numel() for p in model.parameters())
+    del model
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=byte_pair_tokenizer(args.vocab, vocab_size),
+        bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token=PAD_TOKEN,
+        extra_special_tokens={"image_token": IMAGE_TOKEN},
+        chat_template=CHAT_TEMPLATE,
+    )
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": args.image_size},
+        crop_size={"height": args.image_size, "width": args.image_size},
+        image_mean=CLIP_MEAN, image_std=CLIP_STD, resample=3,
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor, tokenizer=fast, patch_size=args.patch_size,
+        vision_feature_select_strategy=args.vision_feature_select_strategy, image_token=IMAGE_TOKEN,
+        num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(args.out)
+    fast.save_pretrained(args.out)
+    # Published Llava checkpoints name the class without the backend suffix; transformers picks
+    # the PIL or torchvision backend from it, and pprun its PIL class.
+    pre = args.out / "preprocessor_config.json"
+    pre_cfg = json.loads(pre.read_text()) if pre.is_file() else image_processor.to_dict()
+    pre_cfg["image_processor_type"] = "CLIPImageProcessor"
+    pre.write_text(json.dumps(pre_cfg, indent=2) + "\n")
+    return {
+        "path": str(args.out), "parameters": num_params, "dtype": args.dtype,
+        "image_token_id": image_token_id, "vocab_size": vocab_size, "image_embeds": config.image_seq_length,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Write the checkpoint; print and return ``{path, parameters, dtype, ...}``."""
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    info = write_llava(args) if args.llava else write_llama(args)
+    print(json.dumps(info))
+    return info
 
 
 if __name__ == "__main__":

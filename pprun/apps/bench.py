@@ -1,6 +1,6 @@
 """``pprun bench``: offline throughput and latency of pprun, and of a peer on the same workload.
 
-The workload is ``num_prompts`` random prompts of ``input_len`` token ids (seeded) generating
+The text workload is ``num_prompts`` random prompts of ``input_len`` token ids (seeded) generating
 ``output_len`` tokens each, greedy and past EOS, or a JSONL file. pprun warms up on its first
 requests (``num_warmup_prompts``: one full batch by default, 16 tokens each), then runs it timed;
 its engine is then shut down and Hugging Face transformers' ``generate()`` (the peer, ``peer=hf``)
@@ -9,6 +9,16 @@ warms up the same way and runs the same token ids on the same device and dtype, 
 pprun's tokens/s, request throughput, TTFT and TPOT percentiles, its steady decode rate
 (``decode_tokens_per_s``: the steps after the last prefill while the batch is full, so prefill and
 the tail do not dilute it), the configuration facts, the peer's tokens/s and the ratio pprun/peer.
+
+``workload=image`` (a Llava-form model) gives every request ``num_images`` seeded random images of
+``image_size`` pixels square, then ``input_len`` random text tokens; the peer is transformers'
+``LlavaForConditionalGeneration.generate`` on the same images (through the checkpoint's image
+processor) and the same expanded prompt.  ``workload=audio`` (Whisper) gives every request one
+clip of ``audio_seconds`` (``audio_source``: the committed speech recordings, or synthetic); the
+peer is ``WhisperForConditionalGeneration.generate`` on the same clips, and both sides report
+audio seconds per second.  Image and audio preprocessing (pixels, log-mel features) is timed on
+both sides.  The JSON has the same shape for every workload; ``greedy_match_fraction`` compares
+each request's tokens up to its first EOS.
 """
 
 from __future__ import annotations
@@ -18,8 +28,9 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pprun.apps import iter_jsonl, job_output_dir, job_output_path
@@ -31,6 +42,21 @@ logger = logging.getLogger(__name__)
 
 PEERS = ("hf", "none")
 """Allowed values of ``peer``."""
+
+WORKLOADS = ("text", "image", "audio")
+"""Allowed values of ``workload``."""
+
+AUDIO_SOURCES = ("speech", "synthetic")
+"""Allowed values of ``audio_source``."""
+
+SPEECH_DIR = Path(__file__).resolve().parents[2] / "tests" / "data" / "speech"
+"""The committed recordings ``audio_source=speech`` tiles (present in a checkout)."""
+
+SAMPLE_RATE = 16000
+"""Sample rate of the audio workload's clips (Whisper's)."""
+
+MAX_NUM_IMAGES = 64
+MAX_IMAGE_SIZE = 4096
 
 STEADY_DECODE_KEYS = ("decode_tokens_per_s", "decode_ms_per_step", "decode_steps", "decode_batch")
 """Keys of ``EngineTrace.steady_decode`` in the result (null when the run has too few such steps)."""
@@ -45,6 +71,24 @@ class BenchRequest:
 
     prompt_token_ids: list[int]
     max_tokens: int
+    multi_modal_data: dict[str, Any] | None = None
+    """workload=image: ``{"image": [HxWx3 uint8 arrays]}``; workload=audio:
+    ``{"audio": (samples, 16000)}``."""
+    expanded_token_ids: list[int] | None = None
+    """workload=image: the prompt with each image token expanded into its placeholder rows (what
+    the model runs, and the peer's ``input_ids``); set once the engine is up."""
+
+    @property
+    def model_token_ids(self) -> list[int]:
+        """The token ids the model runs (images expanded)."""
+        return self.prompt_token_ids if self.expanded_token_ids is None else self.expanded_token_ids
+
+    def prompt(self) -> dict[str, Any]:
+        """The prompt as ``LLM.generate`` takes it."""
+        prompt: dict[str, Any] = {"prompt_token_ids": self.prompt_token_ids}
+        if self.multi_modal_data is not None:
+            prompt["multi_modal_data"] = self.multi_modal_data
+        return prompt
 
 
 FILE_KEYS = ("prompt", "prompt_token_ids", "max_tokens")
@@ -52,11 +96,13 @@ FILE_KEYS = ("prompt", "prompt_token_ids", "max_tokens")
 
 
 def check_bench_config(cfg: BenchAppConfig) -> list[tuple[str, dict, int]] | None:
-    """Reject workload settings no run can use (ValueError naming the field), and an
-    ``input_file`` whose lines are malformed, before the engine starts; returns that file's
-    entries (:func:`read_workload_file`), None without one."""
+    """Reject workload settings no run can use (ValueError naming the field, the value and what is
+    allowed), and an ``input_file`` whose lines are malformed, before the engine starts; returns
+    that file's entries (:func:`read_workload_file`), None without one."""
     if cfg.peer not in PEERS:
         raise ValueError(f"peer={cfg.peer!r} is not allowed: choose one of {', '.join(PEERS)}")
+    if cfg.workload not in WORKLOADS:
+        raise ValueError(f"workload={cfg.workload!r} is not allowed: choose one of {', '.join(WORKLOADS)}")
     for name in ("num_prompts", "input_len", "output_len"):
         value = getattr(cfg, name)
         if not is_int(value) or value < 1:
@@ -64,17 +110,63 @@ def check_bench_config(cfg: BenchAppConfig) -> list[tuple[str, dict, int]] | Non
     warmup = cfg.num_warmup_prompts
     if warmup is not None and (not is_int(warmup) or warmup < 0):
         raise ValueError(f"num_warmup_prompts={warmup!r} must be an integer of at least 0 (or null: one full batch)")
+    if cfg.workload != "text" and cfg.input_file is not None:
+        raise ValueError(
+            f"input_file={cfg.input_file!r} is for workload=text; workload={cfg.workload} makes its own "
+            "requests (drop input_file)"
+        )
+    if cfg.workload == "image":
+        for name, top in (("num_images", MAX_NUM_IMAGES), ("image_size", MAX_IMAGE_SIZE)):
+            value = getattr(cfg, name)
+            if not is_int(value) or not 1 <= value <= top:
+                raise ValueError(f"{name}={value!r} must be an integer in [1, {top}] (workload=image)")
+    if cfg.workload == "audio":
+        seconds = cfg.audio_seconds
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= 30:
+            raise ValueError(
+                f"audio_seconds={seconds!r} must be a number above 0 and at most 30 (one Whisper window; "
+                "workload=audio)"
+            )
+        if cfg.audio_source not in AUDIO_SOURCES:
+            raise ValueError(
+                f"audio_source={cfg.audio_source!r} is not allowed: choose one of {', '.join(AUDIO_SOURCES)}"
+            )
+        if cfg.audio_source == "speech" and not any(SPEECH_DIR.glob("*.*")):
+            raise ValueError(
+                f"audio_source=speech reads the recordings in {SPEECH_DIR} (a pprun checkout), which are not "
+                "there; use audio_source=synthetic"
+            )
     return read_workload_file(cfg.input_file, cfg.output_len) if cfg.input_file is not None else None
 
 
+def check_model_for_workload(cfg: BenchAppConfig) -> None:
+    """The model can run the workload (from its config, before the engine starts): image needs a
+    vision-language model, audio a speech model, text neither of those."""
+    from pprun.config.validate import validate_config
+
+    arch = validate_config(cfg.pprun_config()).arch
+    # The workload the model runs: audio for a speech model, image for a vision-language one
+    # (which runs text prompts as well).
+    kind = "audio" if arch.audio_encoder is not None else "image" if arch.multimodal is not None else "text"
+    if cfg.workload == kind or (cfg.workload == "text" and kind == "image"):
+        return
+    needs = {"text": "a text model", "image": "a vision-language model (Llava)", "audio": "a speech model (Whisper)"}
+    is_a = {"text": "a text-only model", "image": "a vision-language model", "audio": "a speech model"}
+    raise ValueError(
+        f"workload={cfg.workload} needs {needs[cfg.workload]}; model.model={cfg.model.model!r} "
+        f"({arch.architecture}) is {is_a[kind]}: use workload={kind} or another model"
+    )
+
+
 def check_workload_fits(workload: list[BenchRequest], max_model_len: int) -> None:
-    """Every request's prompt and output fit the engine's context: else pprun would stop it short
-    while the peer generates it in full, and the two would time different work."""
+    """Every request's prompt (images expanded) and output fit the engine's context: else pprun
+    would stop it short while the peer generates it in full, and the two would time different work."""
     for i, r in enumerate(workload):
-        if len(r.prompt_token_ids) + r.max_tokens > max_model_len:
+        if len(r.model_token_ids) + r.max_tokens > max_model_len:
             raise ValueError(
-                f"request {i}: {len(r.prompt_token_ids)} prompt tokens + {r.max_tokens} output tokens exceed "
+                f"request {i}: {len(r.model_token_ids)} prompt tokens + {r.max_tokens} output tokens exceed "
                 f"max_model_len={max_model_len}; raise model.max_model_len or shorten input_len / output_len"
+                + (" / num_images" if r.expanded_token_ids is not None else "")
             )
 
 
@@ -94,6 +186,78 @@ def random_workload(
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (num_prompts, input_len), generator=generator)
     return [BenchRequest(row.tolist(), output_len) for row in ids]
+
+
+def image_workload(
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    num_images: int,
+    image_size: int,
+    vocab_size: int,
+    image_token_id: int,
+    seed: int,
+) -> list[BenchRequest]:
+    """``num_prompts`` prompts of ``num_images`` image tokens then ``input_len`` random text token
+    ids (never the image token), each with its own uniformly random RGB images of ``image_size``
+    pixels square, from one seeded generator."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size - 1, (num_prompts, input_len), generator=generator)
+    ids += (ids >= image_token_id).long()  # skip the image token id
+    pixels = torch.randint(
+        0, 256, (num_prompts, num_images, image_size, image_size, 3), dtype=torch.uint8, generator=generator
+    )
+    return [
+        BenchRequest(
+            [image_token_id] * num_images + row.tolist(),
+            output_len,
+            {"image": [img.numpy() for img in images]},
+        )
+        for row, images in zip(ids, pixels)
+    ]
+
+
+def speech_clips(num_clips: int, seconds: float, seed: int, speech_dir: Path = SPEECH_DIR) -> list:
+    """``num_clips`` 16 kHz clips of ``seconds``: the recordings in ``speech_dir`` laid end to end
+    (0.5 s of silence after each) and repeated, each clip starting at its own seeded offset within
+    one round of them, so no two clips are likely equal."""
+    import numpy as np
+
+    from pprun.audio import prepare_audio
+
+    gap = np.zeros(SAMPLE_RATE // 2, dtype=np.float32)
+    pieces = [part for p in sorted(speech_dir.iterdir()) for part in (prepare_audio(p).samples, gap)]
+    one_round = np.concatenate(pieces)
+    length = int(round(seconds * SAMPLE_RATE))
+    stream = np.tile(one_round, -(-(length + one_round.shape[0]) // one_round.shape[0]))
+    offsets = np.random.default_rng(seed).integers(0, one_round.shape[0], num_clips)
+    return [stream[o : o + length].copy() for o in offsets]
+
+
+def synthetic_clips(num_clips: int, seconds: float, seed: int) -> list:
+    """``num_clips`` 16 kHz clips of ``seconds``: three rising tones of seeded pitches and a little
+    noise each (audio no model transcribes as words; decoding length is set by ``output_len``)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(round(seconds * SAMPLE_RATE))) / SAMPLE_RATE
+    clips = []
+    for _ in range(num_clips):
+        pitches = rng.uniform(100.0, 2000.0, 3)
+        tones = sum(np.sin(2 * np.pi * f * t * (1 + 0.1 * t)) for f in pitches) / 3
+        clips.append((0.3 * tones + 0.02 * rng.standard_normal(t.shape)).astype(np.float32))
+    return clips
+
+
+def audio_workload(
+    num_prompts: int, seconds: float, source: str, decoder_prompt: list[int], output_len: int, seed: int
+) -> list[BenchRequest]:
+    """One request per clip (:func:`speech_clips` or :func:`synthetic_clips`), each starting from
+    the checkpoint's decoder prompt."""
+    clips = speech_clips(num_prompts, seconds, seed) if source == "speech" else synthetic_clips(num_prompts, seconds, seed)
+    return [BenchRequest(list(decoder_prompt), output_len, {"audio": (c, SAMPLE_RATE)}) for c in clips]
 
 
 def read_workload_file(path: str, output_len: int) -> list[tuple[str, dict, int]]:
@@ -164,7 +328,7 @@ def run_pprun(
     def params(max_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
 
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
+    prompts = [r.prompt() for r in workload]
     warmup = workload[:num_warmup_prompts]
     if warmup:
         llm.generate(prompts[: len(warmup)], [params(min(r.max_tokens, WARMUP_MAX_TOKENS)) for r in warmup])
@@ -183,7 +347,7 @@ def run_pprun(
     finally:
         if own_trace:
             engine.trace = None
-    num_prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
+    num_prompt_tokens = sum(len(r.model_token_ids) for r in workload)
     num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     ttfts = [o.metrics.time_to_first_token for o in outputs if o.metrics.time_to_first_token is not None]
     tpots = [o.metrics.time_per_output_token for o in outputs if o.metrics.time_per_output_token is not None]
@@ -209,8 +373,107 @@ def peer_batches(workload: list[BenchRequest], batch_size: int) -> list[list[Ben
     batch runs unpadded and every row generates the same number of tokens."""
     groups: dict[tuple[int, int], list[BenchRequest]] = {}
     for r in workload:
-        groups.setdefault((len(r.prompt_token_ids), r.max_tokens), []).append(r)
+        groups.setdefault((len(r.model_token_ids), r.max_tokens), []).append(r)
     return [g[i : i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
+
+
+def until_eos(tokens: Sequence[int], eos_token_ids: set[int]) -> list[int]:
+    """``tokens`` up to and including the first EOS (all of them without one)."""
+    out = []
+    for t in tokens:
+        out.append(int(t))
+        if t in eos_token_ids:
+            break
+    return out
+
+
+def greedy_match_fraction(
+    ours: list[list[int]], theirs: list[list[int]], eos_token_ids: set[int], ignore_eos: bool
+) -> float:
+    """The fraction of requests on which pprun and the peer generated the same tokens.  Without
+    ``ignore_eos`` both stop at EOS and must agree up to it; with it, they must agree before
+    pprun's first EOS, past which they need not: pprun samples on from the EOS while the peer
+    (EOS suppressed by ``min_new_tokens``) never sampled it."""
+    same = 0
+    for a, b in zip(ours, theirs):
+        if not ignore_eos:
+            same += until_eos(a, eos_token_ids) == until_eos(b, eos_token_ids)
+            continue
+        head = until_eos(a, eos_token_ids)
+        if head and head[-1] in eos_token_ids:
+            head = head[:-1]
+        same += list(b[: len(head)]) == head
+    return round(same / len(ours), 3) if ours else 0.0
+
+
+def _sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def time_peer(
+    workload: list[BenchRequest],
+    batch_size: int,
+    num_warmup_prompts: int,
+    device: str,
+    generate: Callable[[list[BenchRequest], int], list[list[int]]],
+) -> tuple[float, list[BenchRequest], list[list[int]], int]:
+    """Warm ``generate(batch, max_new_tokens)`` up on the first batch (at most 16 tokens), then
+    time it over the workload's :func:`peer_batches`; ``(elapsed_s, batches, each request's
+    tokens in workload order, number of batches)``."""
+    batches = peer_batches(workload, batch_size)
+    if num_warmup_prompts > 0:
+        first = batches[0][: max(1, min(num_warmup_prompts, batch_size))]
+        generate(first, min(first[0].max_tokens, WARMUP_MAX_TOKENS))
+        _sync(device)
+    start = time.perf_counter()
+    batch_outputs = [generate(b, b[0].max_tokens) for b in batches]
+    _sync(device)
+    elapsed_s = time.perf_counter() - start
+    tokens_by_request = {id(r): row for b, o in zip(batches, batch_outputs) for r, row in zip(b, o)}
+    return elapsed_s, batches, [tokens_by_request[id(r)] for r in workload], len(batches)
+
+
+def peer_metrics(
+    name: str, elapsed_s: float, num_batches: int, workload: list[BenchRequest], tokens: list[list[int]]
+) -> dict[str, Any]:
+    """The peer's throughput metrics (the same names as pprun's)."""
+    num_output_tokens = sum(len(t) for t in tokens)
+    num_prompt_tokens = sum(len(r.model_token_ids) for r in workload)
+    return {
+        "name": name,
+        "elapsed_s": round(elapsed_s, 4),
+        "num_batches": num_batches,
+        "num_output_tokens": num_output_tokens,
+        "output_tokens_per_s": round(num_output_tokens / elapsed_s, 2),
+        "total_tokens_per_s": round((num_prompt_tokens + num_output_tokens) / elapsed_s, 2),
+        "requests_per_s": round(len(workload) / elapsed_s, 3),
+    }
+
+
+def _generation_kwargs(max_new_tokens: int, ignore_eos: bool) -> dict[str, Any]:
+    # min_new_tokens == max_new_tokens suppresses EOS: every row runs the full length, as
+    # pprun's ignore_eos does.
+    kwargs: dict[str, Any] = {"do_sample": False, "max_new_tokens": max_new_tokens}
+    if ignore_eos:
+        kwargs["min_new_tokens"] = max_new_tokens
+    return kwargs
+
+
+def _rows(new_tokens: Any, eos_token_ids: set[int], ignore_eos: bool) -> list[list[int]]:
+    """Each row of a batch's new tokens as the tokens it generated: all of them with
+    ``ignore_eos``, else up to its EOS (the rest is padding after a row finished)."""
+    rows = [row.tolist() for row in new_tokens]
+    return rows if ignore_eos else [until_eos(row, eos_token_ids) for row in rows]
+
+
+def _pad_id(config: Any, eos_token_ids: set[int]) -> int:
+    pad = getattr(config, "pad_token_id", None)
+    if pad is None:
+        pad = min(eos_token_ids)
+    return pad[0] if isinstance(pad, list) else int(pad)
 
 
 def run_hf_peer(
@@ -220,61 +483,113 @@ def run_hf_peer(
     workload: list[BenchRequest],
     batch_size: int,
     num_warmup_prompts: int,
+    ignore_eos: bool = True,
+    eos_token_ids: set[int] | None = None,
 ) -> tuple[dict[str, Any], list[list[int]]]:
-    """Time transformers' ``generate`` (greedy, exactly ``max_tokens`` new tokens) on ``workload``:
-    throughput metrics, and each request's output token ids (in workload order)."""
+    """Time transformers' ``generate`` (greedy; exactly ``max_tokens`` new tokens with
+    ``ignore_eos``, else up to EOS) on a text workload: throughput metrics, and each request's
+    output token ids (in workload order)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     torch_dtype = getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
     eos = model.config.eos_token_id
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else eos
-    if isinstance(pad, list):
-        pad = pad[0]
+    eos_ids = set(eos_token_ids or ([eos] if isinstance(eos, int) else eos or []))
+    pad = _pad_id(model.config, eos_ids)
 
-    def generate(batch: list[BenchRequest], max_new_tokens: int) -> Any:
+    def generate(batch: list[BenchRequest], max_new_tokens: int) -> list[list[int]]:
         ids = torch.tensor([r.prompt_token_ids for r in batch], device=device)
-        # min_new_tokens == max_new_tokens suppresses EOS: every row runs the full length, as
-        # pprun's ignore_eos does.
         gen_cfg = GenerationConfig(
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            pad_token_id=pad,
-            eos_token_id=eos,
+            **_generation_kwargs(max_new_tokens, ignore_eos), pad_token_id=pad, eos_token_id=sorted(eos_ids) or eos
         )
         with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen_cfg)
+        return _rows(out[:, ids.shape[1] :], eos_ids, ignore_eos)
+
+    elapsed_s, _, tokens, num_batches = time_peer(workload, batch_size, num_warmup_prompts, device, generate)
+    return peer_metrics("transformers.generate", elapsed_s, num_batches, workload, tokens), tokens
+
+
+def run_hf_image_peer(
+    model_dir: str,
+    device: str,
+    dtype: str,
+    workload: list[BenchRequest],
+    batch_size: int,
+    num_warmup_prompts: int,
+    ignore_eos: bool,
+    eos_token_ids: set[int],
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """Time transformers' ``LlavaForConditionalGeneration.generate`` on an image workload: the
+    checkpoint's image processor (timed) on the same images, the prompt expanded as pprun runs it
+    (transformers checks it holds one image token per embedding row)."""
+    import torch
+    from transformers import AutoImageProcessor, LlavaForConditionalGeneration
+
+    torch_dtype = getattr(torch, dtype)
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    pad = _pad_id(model.config.text_config, eos_token_ids)
+
+    def generate(batch: list[BenchRequest], max_new_tokens: int) -> list[list[int]]:
+        images = [img for r in batch for img in r.multi_modal_data["image"]]
+        pixels = processor(images, return_tensors="pt")["pixel_values"].to(device, torch_dtype)
+        ids = torch.tensor([r.expanded_token_ids for r in batch], device=device)
+        with torch.inference_mode():
             out = model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen_cfg
+                input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
+                pad_token_id=pad, eos_token_id=sorted(eos_token_ids), **_generation_kwargs(max_new_tokens, ignore_eos),
             )
-        return out[:, ids.shape[1] :]
+        return _rows(out[:, ids.shape[1] :], eos_token_ids, ignore_eos)
 
-    def sync() -> None:
-        if str(device).startswith("cuda"):
-            torch.cuda.synchronize()
+    elapsed_s, _, tokens, num_batches = time_peer(workload, batch_size, num_warmup_prompts, device, generate)
+    metrics = peer_metrics("transformers.LlavaForConditionalGeneration.generate", elapsed_s, num_batches, workload, tokens)
+    metrics["images_per_s"] = round(sum(len(r.multi_modal_data["image"]) for r in workload) / elapsed_s, 3)
+    return metrics, tokens
 
-    batches = peer_batches(workload, batch_size)
-    if num_warmup_prompts > 0:
-        first = batches[0][: max(1, min(num_warmup_prompts, batch_size))]
-        generate(first, min(first[0].max_tokens, WARMUP_MAX_TOKENS))
-        sync()
-    start = time.perf_counter()
-    batch_outputs = [generate(b, b[0].max_tokens) for b in batches]
-    sync()
-    elapsed_s = time.perf_counter() - start
-    num_output_tokens = sum(o.numel() for o in batch_outputs)
-    tokens_by_request = {id(r): row.tolist() for b, o in zip(batches, batch_outputs) for r, row in zip(b, o)}
-    num_prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
-    return {
-        "name": "transformers.generate",
-        "elapsed_s": round(elapsed_s, 4),
-        "num_batches": len(batches),
-        "num_output_tokens": num_output_tokens,
-        "output_tokens_per_s": round(num_output_tokens / elapsed_s, 2),
-        "total_tokens_per_s": round((num_prompt_tokens + num_output_tokens) / elapsed_s, 2),
-        "requests_per_s": round(len(workload) / elapsed_s, 3),
-    }, [tokens_by_request[id(r)] for r in workload]
+
+def run_hf_audio_peer(
+    model_dir: str,
+    device: str,
+    dtype: str,
+    workload: list[BenchRequest],
+    batch_size: int,
+    num_warmup_prompts: int,
+    ignore_eos: bool,
+    eos_token_ids: set[int],
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """Time transformers' ``WhisperForConditionalGeneration.generate`` (its generation config:
+    decoder prompt, suppress lists) on an audio workload, log-mel features included (timed)."""
+    import torch
+    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    torch_dtype = getattr(torch, dtype)
+    model = WhisperForConditionalGeneration.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
+    features = WhisperFeatureExtractor.from_pretrained(model_dir)
+
+    def generate(batch: list[BenchRequest], max_new_tokens: int) -> list[list[int]]:
+        clips = [r.multi_modal_data["audio"][0] for r in batch]
+        feats = features(clips, sampling_rate=SAMPLE_RATE, return_tensors="pt").input_features
+        with torch.inference_mode():
+            out = model.generate(feats.to(device, torch_dtype), **_generation_kwargs(max_new_tokens, ignore_eos))
+        rows = _rows(out, eos_token_ids, ignore_eos)
+        if not ignore_eos and out.shape[1] < max_new_tokens:
+            # Whisper's generate returns the new tokens only, and drops the EOS that ended the
+            # longest row: every row that stopped short ended with one (pprun counts it).
+            rows = [row if row and row[-1] in eos_token_ids else [*row, min(eos_token_ids)] for row in rows]
+        return rows
+
+    elapsed_s, _, tokens, num_batches = time_peer(workload, batch_size, num_warmup_prompts, device, generate)
+    metrics = peer_metrics("transformers.WhisperForConditionalGeneration.generate", elapsed_s, num_batches, workload,
+                           tokens)
+    metrics["audio_seconds_per_s"] = round(total_audio_seconds(workload) / elapsed_s, 2)
+    return metrics, tokens
+
+
+def total_audio_seconds(workload: list[BenchRequest]) -> float:
+    """Seconds of audio in an audio workload."""
+    return sum(r.multi_modal_data["audio"][0].shape[0] / r.multi_modal_data["audio"][1] for r in workload)
 
 
 def _free_device_memory(device: str) -> None:
@@ -285,26 +600,87 @@ def _free_device_memory(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def build_workload(cfg: BenchAppConfig, engine: Any, entries: list[tuple[str, dict, int]] | None) -> tuple[list[BenchRequest], str]:
+    """The requests of ``cfg``'s workload for the started ``engine`` and where they came from;
+    image prompts are expanded as the engine runs them (:attr:`BenchRequest.expanded_token_ids`)."""
+    if cfg.workload == "image":
+        mm = engine.resolved.arch.multimodal
+        workload = image_workload(
+            cfg.num_prompts, cfg.input_len, cfg.output_len, cfg.num_images, cfg.image_size,
+            engine.vocab_size, int(mm["image_token_index"]), cfg.workload_seed,
+        )
+        for i, r in enumerate(workload):
+            r.expanded_token_ids = engine.process_prompt(r.prompt(), f"request {i}").token_ids
+        return workload, "random"
+    if cfg.workload == "audio":
+        speech = engine.speech
+        if cfg.audio_seconds > speech.window_seconds:
+            raise ValueError(
+                f"audio_seconds={cfg.audio_seconds!r} is longer than one window of model {cfg.model.model!r} "
+                f"({speech.window_seconds:g} s): one request takes at most one window"
+            )
+        room = speech.max_target_positions - len(speech.decoder_prompt)
+        if cfg.output_len > room:
+            raise ValueError(
+                f"output_len={cfg.output_len} is past model {cfg.model.model!r}'s max_target_positions="
+                f"{speech.max_target_positions} after its {len(speech.decoder_prompt)}-token decoder prompt: "
+                f"output_len may be at most {room} (workload=audio)"
+            )
+        workload = audio_workload(
+            cfg.num_prompts, cfg.audio_seconds, cfg.audio_source, speech.decoder_prompt, cfg.output_len,
+            cfg.workload_seed,
+        )
+        return workload, cfg.audio_source
+    if entries is not None:
+        return file_workload(entries, engine.tokenizer, engine.vocab_size), str(cfg.input_file)
+    workload = random_workload(cfg.num_prompts, cfg.input_len, cfg.output_len, engine.vocab_size, cfg.workload_seed)
+    return workload, "random"
+
+
+def workload_facts(cfg: BenchAppConfig, workload: list[BenchRequest], source: str, num_warmup: int) -> dict[str, Any]:
+    """The result's ``"workload"`` object."""
+    generated = cfg.input_file is None
+    facts: dict[str, Any] = {
+        "type": cfg.workload,
+        "source": source,
+        "num_prompts": len(workload),
+        "num_warmup_prompts": num_warmup,
+        "input_len": cfg.input_len if generated and cfg.workload != "audio" else None,
+        "output_len": cfg.output_len if generated else None,
+        "num_prompt_tokens": sum(len(r.model_token_ids) for r in workload),
+        "ignore_eos": cfg.ignore_eos,
+        "seed": cfg.workload_seed if generated else None,
+    }
+    if cfg.workload == "image":
+        facts.update(
+            num_images=cfg.num_images,
+            image_size=cfg.image_size,
+            image_tokens_per_request=len(workload[0].model_token_ids) - cfg.input_len,
+        )
+    if cfg.workload == "audio":
+        facts.update(
+            audio_seconds=cfg.audio_seconds,
+            audio_source=cfg.audio_source,
+            total_audio_seconds=round(total_audio_seconds(workload), 3),
+        )
+    return facts
+
+
 def run(cfg: BenchAppConfig) -> dict[str, Any]:
     """Benchmark pprun (and the peer) on ``cfg``'s workload; print and return the result object."""
     from pprun.engine.llm import LLM
 
     entries = check_bench_config(cfg)
+    check_model_for_workload(cfg)
     llm = LLM(config=cfg.pprun_config())
     try:
         engine = llm.engine
-        if cfg.input_file is not None:
-            workload = file_workload(entries, engine.tokenizer, engine.vocab_size)
-            source = str(cfg.input_file)
-        else:
-            workload = random_workload(
-                cfg.num_prompts, cfg.input_len, cfg.output_len, engine.vocab_size, cfg.workload_seed
-            )
-            source = "random"
+        workload, source = build_workload(cfg, engine, entries)
         check_workload_fits(workload, engine.max_model_len)
         facts = llm.describe()
         model_dir = str(engine.resolved.model_dir)
-        logger.info("bench: %d requests (%s), timing pprun", len(workload), source)
+        eos_token_ids = set(engine.eos_token_ids)
+        logger.info("bench: %d %s requests (%s), timing pprun", len(workload), cfg.workload, source)
         num_warmup = warmup_prompts(cfg, len(workload))
         pprun_result, pprun_tokens = run_pprun(llm, workload, num_warmup, cfg.ignore_eos)
     finally:
@@ -312,17 +688,12 @@ def run(cfg: BenchAppConfig) -> dict[str, Any]:
         llm.shutdown()
         del llm
         _free_device_memory(str(cfg.device))
+    if cfg.workload == "image":
+        pprun_result["images_per_s"] = round(cfg.num_images * len(workload) / pprun_result["elapsed_s"], 3)
+    if cfg.workload == "audio":
+        pprun_result["audio_seconds_per_s"] = round(total_audio_seconds(workload) / pprun_result["elapsed_s"], 2)
     result: dict[str, Any] = {
-        "workload": {
-            "source": source,
-            "num_prompts": len(workload),
-            "num_warmup_prompts": num_warmup,
-            "input_len": cfg.input_len if source == "random" else None,
-            "output_len": cfg.output_len if source == "random" else None,
-            "num_prompt_tokens": sum(len(r.prompt_token_ids) for r in workload),
-            "ignore_eos": cfg.ignore_eos,
-            "seed": cfg.workload_seed if source == "random" else None,
-        },
+        "workload": workload_facts(cfg, workload, source, num_warmup),
         "config": {
             "model": facts.get("model"),
             "runner": facts.get("runner"),
@@ -349,21 +720,22 @@ def run(cfg: BenchAppConfig) -> dict[str, Any]:
         # What the user set for this run: `pprun report` tells the swept settings by them.
         result["overrides"] = overrides
     if cfg.peer == "hf":
-        logger.info("bench: timing the peer (transformers generate, batch %d)", cfg.scheduler.max_num_seqs)
-        peer, peer_tokens = run_hf_peer(
+        peer_fn = {"text": run_hf_peer, "image": run_hf_image_peer, "audio": run_hf_audio_peer}[cfg.workload]
+        logger.info("bench: timing the peer (transformers, batch %d)", cfg.scheduler.max_num_seqs)
+        peer, peer_tokens = peer_fn(
             model_dir,
             facts["device"],
             facts["dtype"],
             workload,
             cfg.scheduler.max_num_seqs,
             num_warmup,
+            cfg.ignore_eos,
+            eos_token_ids,
         )
         _free_device_memory(facts["device"])
-        # Both are greedy on the same ids: a low fraction flags a correctness problem (small
+        # Both are greedy on the same inputs: a low fraction flags a correctness problem (small
         # numeric differences can flip a near-tie, so 1.0 is not guaranteed in half precision).
-        peer["greedy_match_fraction"] = round(
-            sum(a == b for a, b in zip(pprun_tokens, peer_tokens)) / len(workload), 3
-        )
+        peer["greedy_match_fraction"] = greedy_match_fraction(pprun_tokens, peer_tokens, eos_token_ids, cfg.ignore_eos)
         result["peer"] = peer
         result["ratio"] = round(pprun_result["output_tokens_per_s"] / peer["output_tokens_per_s"], 3)
     text = json.dumps(result, indent=2)

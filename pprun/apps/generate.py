@@ -1,8 +1,14 @@
 """``pprun generate``: complete prompts from arguments or a JSONL file with one engine.
 
 Prompts come from ``prompt=...``, ``prompts=[...]`` and ``input_file=requests.jsonl`` (in that
-order); with none of them a few built-in chat prompts are answered. Results go to stdout (readable)
-or ``output_file`` (JSONL, one object per prompt), and a summary closes the run.
+order); with none of them a few built-in chat prompts are answered. A vision-language model
+(Llava) takes images: ``images=[a.png,b.jpg]`` go with ``prompt``, and an input line's
+``"images"`` key with that line. Results go to stdout (readable) or ``output_file`` (JSONL, one
+object per prompt), and a summary closes the run.
+
+Every request is checked before the engine starts: the lines' keys and types, each image file
+(present and readable), and, when there are images, that the model takes them and that a prompt
+has one image token per image (:func:`attach_images`).
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ import logging
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TextIO
 
 from pprun.apps import iter_jsonl, job_output_path
@@ -33,7 +40,7 @@ BUILTIN_CHATS: list[list[dict[str, str]]] = [
 PROGRESS_MIN_PROMPTS = 8
 """More prompts than this show a progress bar even when stderr is not a terminal."""
 
-_LINE_KEYS = ("prompt", "prompt_token_ids", "messages", "sampling", "id")
+_LINE_KEYS = ("prompt", "prompt_token_ids", "messages", "images", "sampling", "id")
 _SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name not in ("n", "extra"))
 
 
@@ -51,6 +58,10 @@ class GenerateRequest:
     """A chat conversation (the model's chat template is applied)."""
     request_id: Any = None
     """The input line's ``id``, echoed in the output."""
+    images: list[str] = field(default_factory=list)
+    """Image files as given (``images=`` or the line's ``"images"``), echoed in the output."""
+    image_paths: list[Path] = field(default_factory=list)
+    """The same files, resolved against the directory pprun was started in, checked readable."""
 
 
 def sampling_params_for(base: dict[str, Any], overrides: dict[str, Any] | None, where: str) -> SamplingParams:
@@ -78,13 +89,58 @@ def sampling_params_for(base: dict[str, Any], overrides: dict[str, Any] | None, 
     return params
 
 
+def launch_dir() -> Path:
+    """The directory pprun was started in: Hydra's original working directory (a job may run
+    elsewhere with ``hydra.job.chdir=true``), else the current one."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.utils import get_original_cwd
+
+        if HydraConfig.initialized():
+            return Path(get_original_cwd())
+    except ImportError:
+        pass
+    return Path.cwd()
+
+
+def resolve_input_path(path: str) -> Path:
+    """A user-named input file: ``~`` expanded, relative paths against :func:`launch_dir`."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else launch_dir() / p
+
+
+def check_image_files(images: object, where: str) -> tuple[list[str], list[Path]]:
+    """A request's ``images`` (a list of file paths) as given and resolved, each one a readable
+    image; raises ValueError naming ``where``, the entry and the path."""
+    if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
+        raise ValueError(
+            f"{where} must be a list of image file paths, e.g. [\"cat.png\", \"dog.jpg\"]; got {images!r}"
+        )
+    from PIL import Image, UnidentifiedImageError
+
+    paths = []
+    for i, image in enumerate(images):
+        path = resolve_input_path(image)
+        if not path.is_file():
+            raise ValueError(f"{where}[{i}]={image!r} is not a file (looked for {path})")
+        try:
+            with Image.open(path) as img:
+                img.verify()  # reads the file through without decoding every pixel
+        except (UnidentifiedImageError, OSError, SyntaxError) as e:
+            raise ValueError(f"{where}[{i}]={image!r} is not a readable image: {e}") from None
+        paths.append(path)
+    return list(images), paths
+
+
 def read_input_file(path: str, base_sampling: dict[str, Any]) -> list[GenerateRequest]:
     """Parse a JSONL request file (see ``GenerateAppConfig.input_file``); blank lines are skipped."""
     requests = []
-    for where, obj in iter_jsonl(path):
+    for where, obj in iter_jsonl(str(resolve_input_path(path))):
         unknown = [k for k in obj if k not in _LINE_KEYS]
         if unknown:
-            raise ValueError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(_LINE_KEYS)})")
+            close = difflib.get_close_matches(str(unknown[0]), _LINE_KEYS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"{where}: unknown key {unknown[0]!r}{hint} (allowed: {', '.join(_LINE_KEYS)})")
         sampling = sampling_params_for(base_sampling, obj.get("sampling"), where)
         if "messages" in obj:
             if "prompt" in obj or "prompt_token_ids" in obj:
@@ -98,20 +154,21 @@ def read_input_file(path: str, base_sampling: dict[str, Any]) -> list[GenerateRe
                 raise ValueError(
                     f"{where}: messages must be a non-empty list of {{role, content}} objects"
                 )
-            requests.append(GenerateRequest(where, sampling, messages=messages, request_id=obj.get("id")))
+            request = GenerateRequest(where, sampling, messages=messages, request_id=obj.get("id"))
         elif "prompt_token_ids" in obj:
             prompt = {"prompt_token_ids": obj["prompt_token_ids"]}
             if "prompt" in obj:
                 prompt["prompt"] = obj["prompt"]
-            requests.append(GenerateRequest(where, sampling, prompt=prompt, request_id=obj.get("id")))
+            request = GenerateRequest(where, sampling, prompt=prompt, request_id=obj.get("id"))
         elif "prompt" in obj:
             if not isinstance(obj["prompt"], str):
                 raise ValueError(f"{where}: prompt must be a string, got {type(obj['prompt']).__name__}")
-            requests.append(
-                GenerateRequest(where, sampling, prompt=obj["prompt"], request_id=obj.get("id"))
-            )
+            request = GenerateRequest(where, sampling, prompt=obj["prompt"], request_id=obj.get("id"))
         else:
             raise ValueError(f"{where}: needs one of 'prompt', 'prompt_token_ids' or 'messages'")
+        if "images" in obj:
+            request.images, request.image_paths = check_image_files(obj["images"], f"{where}: images")
+        requests.append(request)
     if not requests:
         raise ValueError(f"input_file={path!r} holds no requests")
     return requests
@@ -131,6 +188,13 @@ def collect_requests(cfg: GenerateAppConfig) -> list[GenerateRequest]:
             requests.append(GenerateRequest(where, sampling, messages=[{"role": "user", "content": text}]))
         else:
             requests.append(GenerateRequest(where, sampling, prompt=text))
+    if cfg.images:
+        if cfg.prompt is None:
+            raise ValueError(
+                f"images={list(cfg.images)!r} go with prompt=..., which is not set: give prompt, or an "
+                '"images" key on the lines of input_file'
+            )
+        requests[0].images, requests[0].image_paths = check_image_files(list(cfg.images), "images")
     if cfg.input_file is not None:
         requests.extend(read_input_file(cfg.input_file, base))
     if not requests:
@@ -139,6 +203,80 @@ def collect_requests(cfg: GenerateAppConfig) -> list[GenerateRequest]:
             for i, chat in enumerate(BUILTIN_CHATS)
         ]
     return requests
+
+
+def attach_images(requests: list[GenerateRequest], arch: Any, tokenizer: Any, model: str) -> None:
+    """Turn each request's images into the prompt's ``multi_modal_data``, checked against the
+    model (``arch``: its :class:`~pprun.models.hf_config.ModelArchConfig`) before the engine
+    starts; raises ValueError naming the request and ``images``.
+
+    A text prompt takes one image token (``<image>``) per image; one without any gets them at
+    its start, one ``<image>\\n`` each. Token ids must hold the image token id once per image.
+    A chat gets image parts before the text of its first user turn (the chat template renders
+    each as the image token).
+    """
+    with_images = [r for r in requests if r.images]
+    if not with_images:
+        return
+    if arch.multimodal is None:
+        raise ValueError(
+            f"{with_images[0].where}: images given, but model {model!r} ({arch.architecture}) is text-only "
+            "and takes no images"
+        )
+    from pprun.multimodal.processing import image_token_text
+
+    token_id = int(arch.multimodal["image_token_index"])
+    token_text = image_token_text(tokenizer, token_id)
+    for r in with_images:
+        paths = [str(p) for p in r.image_paths]
+        count = len(paths)
+        if r.messages is not None:
+            turn = next((m for m in r.messages if m.get("role") == "user"), None)
+            if turn is None or not isinstance(turn.get("content"), str):
+                raise ValueError(
+                    f"{r.where}: images need a user turn whose content is a string (the images go before it)"
+                )
+            parts = [{"type": "image_url", "image_url": {"url": p}} for p in paths]
+            index = r.messages.index(turn)
+            r.messages = [*r.messages[:index], {**turn, "content": [*parts, {"type": "text", "text": turn["content"]}]},
+                          *r.messages[index + 1:]]
+            continue
+        prompt = dict(r.prompt) if isinstance(r.prompt, dict) else {"prompt": r.prompt}
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            found = sum(t == token_id for t in ids) if isinstance(ids, list) else 0
+            if found != count:
+                raise ValueError(
+                    f"{r.where}: prompt_token_ids hold {found} image token(s) (id {token_id}) for {count} "
+                    f"image(s) in images: give one image token per image"
+                )
+        else:
+            if token_text is None:
+                raise ValueError(f"{r.where}: images with a text prompt need the model's tokenizer to name the image "
+                                 f"token (id {token_id}); model {model!r} has none: give prompt_token_ids")
+            found = prompt["prompt"].count(token_text)
+            if found == 0:
+                prompt["prompt"] = f"{token_text}\n" * count + prompt["prompt"]
+            elif found != count:
+                raise ValueError(
+                    f"{r.where}: the prompt has {found} image token(s) {token_text!r} for {count} image(s) in "
+                    f"images: give one per image (or none: then they go at the start)"
+                )
+        prompt["multi_modal_data"] = {"image": paths}
+        r.prompt = prompt
+
+
+def check_requests_against_model(cfg: GenerateAppConfig, requests: list[GenerateRequest]) -> None:
+    """What needs the model's config and tokenizer but not its engine (only when there are
+    images): :func:`attach_images`."""
+    if not any(r.images for r in requests):
+        return
+    from pprun.config.validate import validate_config
+    from pprun.engine.llm_engine import load_tokenizer
+
+    resolved = validate_config(cfg.pprun_config())
+    tokenizer = load_tokenizer(str(resolved.tokenizer_dir)) if resolved.arch.multimodal is not None else None
+    attach_images(requests, resolved.arch, tokenizer, cfg.model.model)
 
 
 def run_requests(llm: Any, requests: list[GenerateRequest], use_tqdm: bool) -> list[Any]:
@@ -172,6 +310,8 @@ def result_record(index: int, request: GenerateRequest, output: Any) -> dict[str
         record["id"] = request.request_id
     if request.messages is not None:
         record["messages"] = request.messages
+    if request.images:
+        record["images"] = request.images
     record.update(
         prompt=output.prompt,
         text=completion.text,
@@ -194,10 +334,14 @@ def print_record(record: dict[str, Any], request: GenerateRequest, stream: TextI
     """A result as a few readable lines."""
     if request.messages is not None:
         shown = request.messages[-1].get("content", "")
+        if isinstance(shown, list):  # content parts: show the text ones
+            shown = " ".join(str(p.get("text", "")) for p in shown if isinstance(p, dict) and p.get("type") == "text")
     elif record["prompt"] is not None:
         shown = record["prompt"]
     else:
         shown = f"token ids {request.prompt['prompt_token_ids']}"
+    if request.images:
+        shown += f"  [images: {', '.join(request.images)}]"
     print(f"=== [{record['index']}] {shown}", file=stream)
     # A model without a tokenizer returns no text; show the ids instead.
     print(record["text"] if record["text"] else f"token ids {record['token_ids']}", file=stream)
@@ -255,7 +399,9 @@ def run(cfg: GenerateAppConfig, stream: TextIO | None = None) -> dict[str, Any]:
     from pprun.engine.llm import LLM
 
     stream = sys.stdout if stream is None else stream
-    requests = collect_requests(cfg)  # before the engine starts: bad input fails fast
+    # Before the engine starts: bad input fails fast.
+    requests = collect_requests(cfg)
+    check_requests_against_model(cfg, requests)
     output_file = job_output_path(cfg.output_file)
     use_tqdm = cfg.progress and (len(requests) > PROGRESS_MIN_PROMPTS or sys.stderr.isatty())
     with LLM(config=cfg.pprun_config()) as llm:

@@ -322,12 +322,20 @@ class GenerateAppConfig(PprunConfig):
 
     prompt: str | None = None
     """One prompt to complete (placed before ``prompts``)."""
+    images: list[str] = field(default_factory=list)
+    """Image files for ``prompt`` (a vision-language model such as Llava), in order, e.g.
+    ``images=[a.png,b.jpg]``: one per image token (``<image>``) of the prompt; a prompt with none
+    gets them at its start, one ``<image>\\n`` each (with ``chat``: image parts before the text).
+    Relative paths are read from the directory pprun was started in."""
     prompts: list[str] = field(default_factory=list)
     """Prompts to complete (in addition to input_file's)."""
     input_file: str | None = None
     """JSONL file, one request per line: {"prompt": str} or {"prompt_token_ids": [int]} or
-    {"messages": [chat turns]}, each optionally with "sampling": {field: value} overriding
-    ``sampling`` for that line."""
+    {"messages": [chat turns]}, each optionally with "images": [file paths] (as ``images`` for
+    ``prompt``; token ids hold the image token id once per image, a chat gets the images before
+    the text of its first user turn), "sampling": {field: value} overriding ``sampling`` for that
+    line, and "id" (echoed in the output).  Any other key is an error naming the line.  Relative
+    paths (the file's own and its images') are read from the directory pprun was started in."""
     output_file: str | None = None
     """Write results as JSON lines here; None prints them."""
     chat: bool = False
@@ -364,17 +372,37 @@ class TranscribeAppConfig(PprunConfig):
 class BenchAppConfig(PprunConfig):
     """The ``pprun bench`` app: PprunConfig's keys at top level, plus the synthetic workload."""
 
+    workload: str = "text"
+    """text|image|audio.  text: random token ids (or ``input_file``).  image: a vision-language
+    model (Llava); each request is ``num_images`` random images then ``input_len`` random text
+    tokens, the peer transformers' ``LlavaForConditionalGeneration.generate``.  audio: a speech
+    model (Whisper); each request is one clip of ``audio_seconds``, the peer transformers'
+    ``WhisperForConditionalGeneration.generate``; both report audio seconds per second too."""
     num_prompts: int = 64
     """Number of requests submitted at once."""
     input_len: int = 128
-    """Prompt length in tokens (random token ids)."""
+    """Prompt length in tokens (random token ids; with workload=image the text after the images;
+    unused by workload=audio, whose prompt is the checkpoint's decoder prompt)."""
     output_len: int = 128
     """Tokens generated per request (EOS ignored, so every request runs to this length)."""
+    num_images: int = 1
+    """workload=image: images per request (1 to 64), each one image token in the prompt."""
+    image_size: int = 336
+    """workload=image: side in pixels (1 to 4096) of the random square RGB images (seeded by
+    ``workload_seed``); the model's image processor resizes them as it would any image."""
+    audio_seconds: float = 30.0
+    """workload=audio: length of each clip in seconds, above 0 and at most one window of the
+    model (30 s for Whisper)."""
+    audio_source: str = "speech"
+    """workload=audio: speech|synthetic.  speech: the recordings in ``tests/data/speech`` of a
+    pprun checkout laid end to end (0.5 s of silence between them), each clip starting at its own
+    seeded offset; synthetic: seeded tones and noise."""
     input_file: str | None = None
-    """JSONL workload instead of random prompts: {"prompt": str} or {"prompt_token_ids": [int]} per
-    line, optionally with "max_tokens" (else output_len)."""
+    """JSONL workload instead of random prompts (workload=text only): {"prompt": str} or
+    {"prompt_token_ids": [int]} per line, optionally with "max_tokens" (else output_len)."""
     ignore_eos: bool = True
-    """Generate every request's full length even past end-of-sequence (comparable runs)."""
+    """Generate every request's full length even past end-of-sequence (comparable runs); the
+    peer then has EOS suppressed (transformers' ``min_new_tokens``).  False: both stop at EOS."""
     num_warmup_prompts: int | None = None
     """Requests run once (at most 16 tokens each) before timing, by pprun and by the peer alike.
     None: one full batch, ``min(num_prompts, scheduler.max_num_seqs)``, so that the timed run
@@ -382,7 +410,7 @@ class BenchAppConfig(PprunConfig):
     allocations and caches warmed (the kernels are compiled either way), which a smaller warm-up
     leaves in the measurement."""
     workload_seed: int = 0
-    """Seed for the random prompts."""
+    """Seed for the random prompts, images and audio offsets or synthetic audio."""
     peer: str = "hf"
     """hf|none: also time Hugging Face transformers' generate() on the same workload, same
     process and device, after pprun's engine is shut down."""
