@@ -24,7 +24,7 @@ from pprun.core.scheduler import Scheduler, min_blocks_for_one_request
 from pprun.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pprun.executor.base import StageFailedError
 from pprun.sampling.params import SamplingParams
-from pprun.utils.startup import freeze_startup_objects
+from pprun.utils.startup import freeze_startup_objects, in_background
 from pprun.utils.step_trace import EngineStep, EngineTrace, trace_prefix
 
 logger = logging.getLogger(__name__)
@@ -76,11 +76,9 @@ class LLMEngine:
         rc = self.resolved
         self.runner_name = rc.runner
         self.v2_fallback_reasons = unsupported_v2_features(cfg, rc.executor)
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer or str(rc.model_dir))
+        # The tokenizer (transformers' import and its files) loads while the stages start.
+        tokenizer = in_background(load_tokenizer, cfg.model.tokenizer or str(rc.model_dir))
         self.vocab_size = rc.arch.vocab_size
-        self.eos_token_ids = set(rc.arch.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.max_model_len = rc.max_model_len
         self.speech = None
         """``pprun.engine.speech.SpeechRequests`` of a speech model (Whisper), else None."""
@@ -101,6 +99,14 @@ class LLMEngine:
             str(rc.dtype).removeprefix("torch."),
         )
         self.executor = make_executor(rc, self.runner_name)
+        try:
+            self.tokenizer = tokenizer()
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.eos_token_ids = set(rc.arch.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
         prefix = trace_prefix()
         self.trace = EngineTrace(f"{prefix}.engine.json") if prefix else None
         """Per-step timings (``PPRUN_STEP_TRACE``; ``pprun bench`` sets one for its timed run)."""
