@@ -12,7 +12,7 @@ Prints one JSON object (and writes it to ``--out``).  Four parts, each selectabl
                 ``PipelineTransport.send``/``recv``; one hop = round trip / 2.  The same tensors
                 through bare ``dist.send``/``recv`` (one message each) show what the transport adds.
                 What a Llama stage sends: one [tokens, hidden] tensor, the residual stream
-                (``--hop-tensors 2``: the (hidden_states, residual) pair sent before).
+                (``--hop-tensors 2``: the (hidden_states, residual) pair, twice the bytes).
 ``control``     a 2-layer, hidden-64 random model; SchedulerOutputs are fed to the executor
                 directly (``submit`` + ``get_output``, one step in flight): an *empty* step
                 (nothing to compute: the control path alone) and a 1-request decode step, for
@@ -21,7 +21,7 @@ Prints one JSON object (and writes it to ``--out``).  Four parts, each selectabl
     python scripts/bench_pipeline.py --out docs/bench_pipeline_cpu.json
     python scripts/bench_pipeline.py --parts hop,control
 
-On a machine with two GPUs (the GPU-speed issue's pp=2 figures; not yet run there)::
+On a machine with two GPUs (docs/performance.md's pipeline figures)::
 
     python scripts/make_random_llama.py /tmp/llama1b --device cuda
     python scripts/bench_pipeline.py --device cuda --model /tmp/llama1b --parts throughput,hop,control \

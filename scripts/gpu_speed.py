@@ -1,4 +1,4 @@
-"""GPU speed report for one stage (the GPU-speed issue's figures), as one JSON object.
+"""GPU speed report for one stage (docs/performance.md's one-GPU figures), as one JSON object.
 
     python scripts/gpu_speed.py MODEL_DIR [--out result.json]
 
