@@ -276,6 +276,9 @@ def _load_llava_config(model_dir: Path, config_path: Path) -> ModelArchConfig:
     strategy = full.get("vision_feature_select_strategy", "default")
     if strategy not in ("default", "full"):
         raise ValueError(f"{config_path}: vision_feature_select_strategy={strategy!r} must be 'default' or 'full'")
+    if vision["model_type"] == "pixtral" and strategy != "full":
+        raise ValueError(f"{config_path}: vision_feature_select_strategy={strategy!r}: a Pixtral tower has "
+                         "no class token to drop, so it must be 'full'")
     text["tie_word_embeddings"] = bool(full.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
     for key in ("eos_token_id", "bos_token_id"):
         if text.get(key) is None and full.get(key) is not None:

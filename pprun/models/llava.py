@@ -154,8 +154,10 @@ class LlavaForConditionalGeneration(PprunModel):
             if item.modality != "image":
                 raise ValueError(f"{type(self).__name__} encodes images, not {item.modality!r} items")
         if self.tower_type == "pixtral":
-            return [self._project(self.vision_tower(item.data["pixel_values"].to(self.language_model.device)))[0]
-                    for item in items]
+            # Images of their own sizes, packed into one sequence (attention stays per image).
+            images = [item.data["pixel_values"].to(self.language_model.device) for item in items]
+            rows = self._project(self.vision_tower(images))
+            return list(rows.split([r * c for r, c in map(self.vision_tower.patch_grid, images)]))
         # Same-size images (the processor resizes every one) run as one batch.
         pixels = torch.stack([item.data["pixel_values"] for item in items]).to(self.language_model.device)
         return list(self._project(self.vision_tower(pixels)).unbind(0))

@@ -126,7 +126,12 @@ class ImageProcessor:
 
     def _pixels(self, image, where: str) -> tuple[dict[str, torch.Tensor], list[int]]:
         """One image's processed tensors and its placeholder tokens."""
-        out = self.processor([image], return_tensors="pt")
+        # PixtralProcessor resizes to whole patches of its own patch size (the tower's, in any
+        # checkpoint whose placeholders match the tower's rows), not the image processor config's.
+        sizing = {}
+        if self.tower_type == "pixtral":
+            sizing["patch_size"] = {"height": self.patch_size, "width": self.patch_size}
+        out = self.processor([image], return_tensors="pt", **sizing)
         pixels = out["pixel_values"][0].to(torch.float32)
         if self.tower_type != "pixtral":
             return {"pixel_values": pixels}, [self.image_token] * self.num_embeds
