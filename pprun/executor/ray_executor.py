@@ -85,6 +85,17 @@ class RayExecutor(RemoteStagesExecutor):
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        # Set first: shutdown (on any failure below) reads them however far start-up got.
+        self.pg = None
+        """The placement group (one bundle per stage); None once removed."""
+        self.actors: list = []
+        """The stage actors, first to last."""
+        self.run_refs: list = []
+        """Each actor's ``run`` call: done only when its stage returned or died."""
+        self.stage_node_ids: list[str] = []
+        """Ray node id of each stage's actor, first to last."""
+        self.stage_ips: list[str] = []
+        """Each stage's node address as Ray reports it (the rendezvous host across nodes)."""
         super().__init__(resolved, resolved.cfg.parallel.stage_timeout_s, runner)
         par = resolved.cfg.parallel
         on_gpu = resolved.device == "cuda"
@@ -99,7 +110,6 @@ class RayExecutor(RemoteStagesExecutor):
         check_placement_possible(bundles, strategy)
         self.pg = placement_group(bundles, strategy=strategy)
         self._remove_pg = remove_placement_group
-        self.actors = []
         try:
             ray.get(self.pg.ready(), timeout=par.stage_timeout_s + 60)
         except ray.exceptions.GetTimeoutError:
@@ -111,8 +121,7 @@ class RayExecutor(RemoteStagesExecutor):
             ) from None
         # Where Ray put each stage (docs/cluster.md): node ids by bundle, i.e. by stage.
         table = ray.util.placement_group_table(self.pg)
-        self.stage_node_ids: list[str] = [table["bundles_to_node_id"][rank] for rank in range(self.pp_size)]
-        """Ray node id of each stage's actor, first to last."""
+        self.stage_node_ids = [table["bundles_to_node_id"][rank] for rank in range(self.pp_size)]
 
         @ray.remote
         class StageActor:
@@ -141,8 +150,7 @@ class RayExecutor(RemoteStagesExecutor):
         ]
         try:
             places = ray.get([a.node_ip_and_port.remote() for a in self.actors], timeout=par.stage_timeout_s + 60)
-            self.stage_ips: list[str] = [ip for ip, _ in places]
-            """Each stage's node address as Ray reports it (the rendezvous host across nodes)."""
+            self.stage_ips = [ip for ip, _ in places]
             ip0, port0 = places[0]
             driver_ip = ray.util.get_node_ip_address()
             # Every stage on the driver's node: loopback sockets and a file rendezvous, as mp does
@@ -150,7 +158,6 @@ class RayExecutor(RemoteStagesExecutor):
             local = all(ip == driver_ip for ip, _ in places)
             listener = self._listen("127.0.0.1" if local else driver_ip)
             init_method = self._local_rendezvous() if local else f"tcp://{ip0}:{port0}"
-            self.run_refs = []
             for rank, actor in enumerate(self.actors):
                 spec = WorkerSpec(
                     resolved,
@@ -173,13 +180,13 @@ class RayExecutor(RemoteStagesExecutor):
 
     def describe(self) -> str:
         """Executor and placement."""
-        nodes = len(set(getattr(self, "stage_node_ids", [])))
+        nodes = len(set(self.stage_node_ids))
         return f"ray ({self.pp_size} actors, {self.placement_strategy} on {nodes} node{'s' if nodes != 1 else ''})"
 
     def _stage_exits(self) -> list[tuple[int, str]]:
         import ray
 
-        refs = getattr(self, "run_refs", [])
+        refs = self.run_refs
         if not refs:
             return []
         done, _ = ray.wait(refs, timeout=0, num_returns=len(refs))
@@ -198,15 +205,15 @@ class RayExecutor(RemoteStagesExecutor):
     def _stop_processes(self, grace_s: float) -> None:
         import ray
 
-        refs = getattr(self, "run_refs", [])
+        refs = self.run_refs
         if refs and grace_s > 0:
             ray.wait(refs, timeout=grace_s, num_returns=len(refs))
-        for actor in getattr(self, "actors", []):
+        for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:
                 pass
-        if getattr(self, "pg", None) is not None:
+        if self.pg is not None:
             try:
                 self._remove_pg(self.pg)
             except Exception:
