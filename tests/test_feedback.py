@@ -29,12 +29,19 @@ def _end(rank: int, init_method: str, socket_on: bool, mode: str, spin_s: float,
     "mismatch" (the last stage sends two ids where the first expects three).  ``spin_s``: how
     long the first stage polls the socket before a blocking read."""
     try:
+        import os
+
+        # The switch as a stage process gets it: in its environment, read when the module is
+        # imported (docs/switches.md).  Only the first stage's counts: the last stage gets the
+        # opposite, which must change nothing.
+        socket_here = socket_on if rank == 0 else not socket_on
+        os.environ["PPRUN_DISABLE_FEEDBACK_SOCKET"] = "0" if socket_here else "1"
         import torch
         import torch.distributed as dist
 
         from pprun.distributed import feedback as fb
 
-        fb.SOCKET_ENABLED = socket_on if rank == 0 else not socket_on  # only the first stage's counts
+        assert fb.SOCKET_ENABLED == socket_here, "pprun.distributed.feedback was imported before the switch was set"
         if mode == "strangers":
             _strangers_first(fb, rank)
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2,
