@@ -327,3 +327,52 @@ def test_index_naming_a_missing_shard(tmp_path: Path) -> None:
     (model_dir / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(ValueError, match="model-00002-of-00002.safetensors"):
         CheckpointIndex.open(model_dir)
+
+
+# --- tied checkpoints that store only the LM head ---------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "llava"])
+def test_tied_checkpoint_storing_only_lm_head_loads_as_transformers_does(tmp_path: Path, family: str) -> None:
+    """``safetensors.torch.save_model`` keeps one name of a shared tensor: for a tied model,
+    ``lm_head.weight``.  pprun serves the embedding from it, as transformers does: same logits
+    as transformers on the same directory, and transformers' greedy tokens."""
+    from safetensors import safe_open
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
+
+    from pprun import LLM, SamplingParams
+
+    if family == "llama":
+        model_dir, hf_cls = make_tiny_llama(tmp_path / "tied", tied=True, num_layers=2), AutoModelForCausalLM
+        prompt = [5, 9, 17, 3, 200, 41]
+    else:
+        from tiny_models import make_tiny_llava
+
+        model_dir, hf_cls = make_tiny_llava(tmp_path / "tied", "clip", num_layers=2, tied=True), LlavaForConditionalGeneration
+        prompt = [1, 5, 7, 12, 13, 14, 8, 6, 7]  # text only: the embedding table is what is tested
+    original = hf_cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+    save_model(original, str(model_dir / "model.safetensors"))
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        stored = set(f.keys())
+    assert "lm_head.weight" in stored and not [n for n in stored if n.endswith("embed_tokens.weight")]
+
+    reloaded = hf_cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        want_logits = reloaded(ids).logits[0]
+        assert torch.equal(want_logits, original(ids).logits[0])  # transformers ties it back
+        want = reloaded.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+
+    with LLM(str(model_dir), dtype="float32", executor="uni", runner="v1", kv_cache_memory_bytes=1 << 22) as llm:
+        out = llm.generate([{"prompt_token_ids": prompt}],
+                           SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True))[0]
+        model = llm.engine.executor.worker.runner.model
+        embed = model.language_model if family == "llava" else model
+        assert torch.equal(embed.embed_input_ids(ids[0]), reloaded.get_input_embeddings()(ids[0]))
+    assert out.outputs[0].token_ids == want
+    # The first output's top logprobs are those of transformers' last-position logits.
+    first = out.outputs[0].logprobs[0]
+    want_lp = torch.log_softmax(want_logits[-1], -1)
+    assert first.top_token_ids == want_lp.topk(3).indices.tolist()
+    assert torch.allclose(torch.tensor(first.top_logprobs), want_lp.topk(3).values, atol=1e-4)

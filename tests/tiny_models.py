@@ -159,3 +159,123 @@ def make_tiny_whisper(path: Path | str, *, decoder_layers: int = 3, seed: int = 
     # 3 s windows of 30 frames (hop 1600 samples): what 15 encoder positions take.
     WhisperFeatureExtractor(feature_size=7, chunk_length=3, hop_length=1600, n_fft=400).save_pretrained(path)
     return path
+
+
+TINY_WORDS = (
+    "USER ASSISTANT : ? . , ! \n what is this a the image picture of and in on describe two three "
+    "same cat dog red green blue left right top small big one color shape compare them it show see"
+).split(" ")
+"""The words of the tiny tokenizer (anything else is ``<unk>``)."""
+
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+"""A chat template over plain string contents: ``<s>``, ``USER: ...`` lines, then ``ASSISTANT:``
+(the BOS comes from the template, as in Llama's: rendered ids are not tokenized with special tokens)."""
+
+
+def make_tiny_tokenizer(path: Path | str, extra_special: tuple[str, ...] = ("<image>",)):
+    """A word-level fast tokenizer of :data:`TINY_WORDS` (ids 0-3 are ``<unk> <s> </s> <pad>``,
+    then ``extra_special`` tokens, then the words), adding ``<s>`` in front like Llama's, with
+    :data:`TINY_CHAT_TEMPLATE`; saved in ``path`` and returned."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<pad>", *extra_special]
+    vocab = {tok: i for i, tok in enumerate(specials + [w for w in TINY_WORDS if w != "\n"] + ["\n"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    # Newlines are tokens (chat templates end lines with them); other whitespace separates words.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex("\n"), behavior="isolated"),
+        pre_tokenizers.Split(Regex(r"[ \t]+"), behavior="removed"),
+        pre_tokenizers.Split(Regex(r"[:?.,!]"), behavior="isolated"),
+    ])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        additional_special_tokens=list(extra_special),
+    )
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def make_tiny_llava(
+    path: Path | str,
+    tower: str = "clip",
+    *,
+    num_layers: int = 4,
+    vision_feature_layer: int | list[int] | None = None,
+    vision_feature_select_strategy: str | None = None,
+    tied: bool = False,
+    seed: int = 0,
+) -> Path:
+    """A random ``LlavaForConditionalGeneration`` of odd sizes with its processor (tokenizer with
+    ``<image>`` = id 4 and a chat template, image processor config) in ``path``.
+
+    ``tower="clip"``: a CLIP tower 40 wide (5 heads of 8), 3 blocks, 30-pixel images in 6-pixel
+    patches (25 patches + the class token; ``default`` strategy drops it: 25 image rows).
+    ``tower="siglip"``: a SigLIP tower 36 wide (3 heads of 12), 3 blocks, 28-pixel images in
+    4-pixel patches (49 rows, ``full`` strategy), the projector reading the last and the first
+    block's outputs concatenated (``vision_feature_layer=[-1, -3]``).  The language model is a Llama 48 wide (3 heads
+    of 16, 1 KV head) with ``num_layers`` layers and a 53-token vocabulary.
+    """
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        SiglipImageProcessorPil,
+        SiglipVisionConfig,
+    )
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tiny_tokenizer(path)
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    text = LlamaConfig(
+        hidden_size=48, intermediate_size=72, num_hidden_layers=num_layers, num_attention_heads=3,
+        num_key_value_heads=1, vocab_size=53, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+        pad_token_id=3, tie_word_embeddings=tied,
+    )
+    if tower == "clip":
+        vision = CLIPVisionConfig(
+            hidden_size=40, intermediate_size=56, num_hidden_layers=3, num_attention_heads=5, image_size=30,
+            patch_size=6, projection_dim=40,
+        )
+        image_processor = CLIPImageProcessorPil(
+            size={"shortest_edge": 30}, crop_size={"height": 30, "width": 30},
+        )
+        strategy, extra_tokens = vision_feature_select_strategy or "default", 1
+        feature_layer = -2 if vision_feature_layer is None else vision_feature_layer
+    elif tower == "siglip":
+        vision = SiglipVisionConfig(
+            hidden_size=36, intermediate_size=44, num_hidden_layers=3, num_attention_heads=3, image_size=28,
+            patch_size=4,
+        )
+        image_processor = SiglipImageProcessorPil(size={"height": 28, "width": 28})
+        strategy, extra_tokens = vision_feature_select_strategy or "full", 0
+        feature_layer = [-1, -3] if vision_feature_layer is None else vision_feature_layer
+    else:
+        raise ValueError(f"tower={tower!r}: must be 'clip' or 'siglip'")
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=image_token,
+        vision_feature_layer=feature_layer, vision_feature_select_strategy=strategy,
+        projector_hidden_act="gelu", tie_word_embeddings=tied,
+    )
+    config.architectures = ["LlavaForConditionalGeneration"]
+    _save(LlavaForConditionalGeneration, config, path, seed)
+    processor = LlavaProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, patch_size=vision.patch_size,
+        vision_feature_select_strategy=strategy, num_additional_image_tokens=extra_tokens,
+        chat_template=TINY_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(str(path))
+    if tower == "clip":
+        # Also the older layout (llava-1.5's): the image processor in preprocessor_config.json.
+        image_processor.save_pretrained(str(path))
+    return path

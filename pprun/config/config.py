@@ -111,6 +111,11 @@ class SchedulerConfig:
     still runs on the device; the runner feeds step N's sampled ids to step N+1 on the device, so
     the host's per-step work hides behind the device's.  A request that stops at step N has then
     computed one extra token, which is dropped."""
+    max_num_encoder_tokens: int | None = None
+    """Vision-language models: most encoder output rows (image embeddings) one step may compute;
+    a prefill chunk is cut before an image that does not fit, and an image larger than this is
+    refused.  None: ``max(max_num_batched_tokens, max_model_len)``, so every image of any prompt
+    fits one step."""
 
 
 @dataclass

@@ -255,6 +255,11 @@ def _check_values(cfg: PprunConfig, env: Mapping[str, str]) -> None:
         )
     _check_min("scheduler.max_num_seqs", cfg.scheduler.max_num_seqs, 1, "an integer >= 1")
     _check_min("scheduler.max_num_batched_tokens", cfg.scheduler.max_num_batched_tokens, 1, "an integer >= 1")
+    if cfg.scheduler.max_num_encoder_tokens is not None:
+        _check_min(
+            "scheduler.max_num_encoder_tokens", cfg.scheduler.max_num_encoder_tokens, 1,
+            "an integer >= 1, or null for max(max_num_batched_tokens, max_model_len)",
+        )  # fmt: skip
 
     if cfg.cache.kv_cache_memory_bytes is not None:
         _check_min(

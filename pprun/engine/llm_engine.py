@@ -156,6 +156,7 @@ class LLMEngine:
             # every request in each step, on the device-side samples of the previous one.
             spread_over_in_flight=self.executor.pp_size > 1,
             async_scheduling=self.async_scheduling,
+            max_num_encoder_tokens=sc.max_num_encoder_tokens,
         )
 
     def _init_cache(self) -> None:
@@ -248,6 +249,8 @@ class LLMEngine:
         mm_items = []
         if prompt.get("multi_modal_data") is not None:
             ids, mm_items = self._process_multi_modal(ids, prompt["multi_modal_data"], where)
+        elif self.resolved.arch.multimodal is not None:
+            self._check_no_image_tokens(ids, where)
         if not ids:
             raise ValueError(f"{where}: prompt has 0 tokens; it must have at least 1")
         if len(ids) >= self.max_model_len:
@@ -307,6 +310,17 @@ class LLMEngine:
         self.speech.check_length(len(processed.token_ids), params, where)
         return self.speech.with_suppression(params)
 
+    def _check_no_image_tokens(self, ids: list[int], where: str) -> None:
+        """A vision-language model's prompt without ``multi_modal_data`` must hold no image token
+        (each would take an image's rows that nobody gives)."""
+        image_token = int(self.resolved.arch.multimodal["image_token_index"])
+        count = ids.count(image_token)
+        if count:
+            raise ValueError(
+                f"{where}: the prompt has {count} image token(s) (id {image_token}) but no multi_modal_data: pass "
+                "{'multi_modal_data': {'image': [...]}} with one image per image token"
+            )
+
     def _process_multi_modal(self, ids: list[int], data: object, where: str) -> tuple[list[int], list]:
         """``multi_modal_data`` checked and processed: ``(expanded token ids, items)``."""
         from pprun.multimodal.processing import SUPPORTED_MODALITIES
@@ -329,7 +343,16 @@ class LLMEngine:
         images = data.get("image", [])
         if not isinstance(images, (list, tuple)):
             images = [images]
-        return self.image_processor.process(ids, list(images), where)
+        ids, items = self.image_processor.process(ids, list(images), where)
+        budget = self.scheduler.max_num_encoder_tokens
+        for index, item in enumerate(items):
+            if item.num_embeds > budget:
+                # The scheduler could never encode it: refused here, before any request is queued.
+                raise ValueError(
+                    f"{where}.multi_modal_data['image'][{index}] takes {item.num_embeds} encoder output rows: "
+                    f"must be at most scheduler.max_num_encoder_tokens={budget}"
+                )
+        return ids, items
 
     @property
     def image_processor(self):

@@ -63,6 +63,11 @@ class EncoderCacheManager:
         """Entries the first stage holds."""
         return len(self._encoded)
 
+    @property
+    def num_held(self) -> int:
+        """Content hashes some unfinished request holds (encoded or not yet)."""
+        return len(self._holders)
+
 
 def plan_encoder_inputs(
     items: Sequence[MultiModalItem],

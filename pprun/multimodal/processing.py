@@ -65,7 +65,9 @@ def load_image(image: object, where: str):
             if isinstance(e, ValueError) and str(e).startswith(where):
                 raise
             shown = text if len(text) <= 60 else text[:57] + "..."
-            raise ValueError(f"{where}={shown!r} is not a readable image: {e}") from None
+            # PIL names the file object it read, which says nothing to the caller.
+            reason = "not an image format PIL reads" if isinstance(e, UnidentifiedImageError) else str(e)
+            raise ValueError(f"{where}={shown!r} is not a readable image: {reason}") from None
     else:
         raise ValueError(
             f"{where} has type {type(image).__name__}: an image must be a PIL image, a NumPy array or a file path"
@@ -80,9 +82,17 @@ def _image_processor(model_dir: Path):
     import transformers
 
     path = Path(model_dir) / "preprocessor_config.json"
-    if not path.is_file():
-        raise ValueError(f"model {str(model_dir)!r} has no preprocessor_config.json: it cannot process images")
-    config = json.loads(path.read_text())
+    if path.is_file():
+        config = json.loads(path.read_text())
+    else:
+        # transformers 5 saves a processor's parts in one file, the image processor's under its key.
+        path = Path(model_dir) / "processor_config.json"
+        config = json.loads(path.read_text()).get("image_processor") if path.is_file() else None
+        if not isinstance(config, dict):
+            raise ValueError(
+                f"model {str(model_dir)!r} has no image processor config (preprocessor_config.json, or "
+                "processor_config.json with an 'image_processor' entry): it cannot process images"
+            )
     name = config.get("image_processor_type", "")
     name = name.removesuffix("Fast")
     cls = getattr(transformers, f"{name}Pil", None) or getattr(transformers, name, None)
@@ -152,8 +162,8 @@ class ImageProcessor:
         positions = [i for i, t in enumerate(token_ids) if t == self.image_token]
         if len(positions) != len(images):
             raise ValueError(
-                f"{where}: the prompt has {len(positions)} image token(s) (id {self.image_token}) but "
-                f"multi_modal_data['image'] has {len(images)} image(s): give one image per image token"
+                f"{where}.multi_modal_data['image'] has {len(images)} image(s) but the prompt has "
+                f"{len(positions)} image token(s) (id {self.image_token}): give one image per image token"
             )
         expanded: list[int] = []
         items: list[MultiModalItem] = []
