@@ -286,8 +286,9 @@ def test_stage_inputs_of_a_real_llava(clip_dir, runner, monkeypatch):
     image's rows scattered in), the second ``input_ids=None``, ``inputs_embeds=None`` and the
     received tensors; the tokens are transformers'."""
     import torch.distributed as dist
-    from test_v2_runner import resolved_for
 
+    from pprun.config.config import PprunConfig
+    from pprun.config.validate import validate_config
     from pprun.core.request import Request
     from pprun.core.scheduler import Scheduler
     from pprun.distributed.intermediate import IntermediateTensors
@@ -302,8 +303,10 @@ def test_stage_inputs_of_a_real_llava(clip_dir, runner, monkeypatch):
     monkeypatch.setattr(dist, "send", lambda t, dst, group=None: wire.append(t.clone()))
     monkeypatch.setattr(dist, "recv", lambda t, src, group=None: t.copy_(wire.pop(0).view(t.dtype).reshape(t.shape)))
     monkeypatch.setitem(model_loader.MODEL_CLASSES, "LlavaForConditionalGeneration", _recording_llava())
-    rc = resolved_for(clip_dir, "cpu", "float32", pipeline_parallel_size=2, executor="mp", max_model_len=256,
-                      max_num_batched_tokens=256)
+    rc = validate_config(PprunConfig.from_kwargs(
+        model=str(clip_dir), device="cpu", dtype="float32", pipeline_parallel_size=2, executor="mp",
+        max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256,
+    ))
     workers = []
     for rank in range(2):
         layout = StageLayout.from_partition(rc.layer_partition, rank)
