@@ -465,3 +465,36 @@ def test_chat_image_parts_equal_the_same_prompt_through_generate(clip_llm, clip_
     assert want[0].outputs[0].token_ids == hf_tokens(clip_dir, [(text, [0])])[0]
     with pytest.raises(ValueError, match=r"messages\[0\]\[0\]\.content\[0\]\.image_url='http.*remote URLs are not fetched"):
         clip_llm.chat(conversation("http://example.com/cat.png"), GREEDY)
+
+
+# --- CUDA graphs -------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("mode", "budget"), [("none", None), ("piecewise", 16), ("full", None), ("full", 16)])
+def test_image_steps_under_each_compilation_mode_gpu(clip_dir, mode, budget):
+    """On CUDA (V2, fp32, Triton attention): image steps run eagerly (full: prefill is never a
+    full graph) or as piecewise graphs over the persistent embeddings buffer; decode steps replay
+    the full graphs captured over it.  Tokens equal transformers' (on CPU) in every mode, and
+    which plans ran is checked."""
+    kwargs = {"max_num_batched_tokens": budget} if budget else {}
+    with LLM(str(clip_dir), dtype="float32", device="cuda", runner="v2", executor="uni", max_model_len=256,
+             cudagraph_mode=mode, cudagraph_capture_sizes=[1, 2, 4, 8, 16], kv_cache_memory_bytes=SMALL_KV,
+             **kwargs) as llm:
+        runner = llm.engine.executor.worker.runner
+        assert runner.cudagraph_mode == mode
+        plans = []
+        original = runner.graphs.plan
+
+        def recording(num_reqs, num_tokens, max_query_len):
+            plan = original(num_reqs, num_tokens, max_query_len)
+            plans.append((plan.mode, max_query_len))
+            return plan
+
+        runner.graphs.plan = recording
+        outs = llm.generate(pprun_prompts(), GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == hf_tokens(clip_dir)
+    prefill = {m for m, q in plans if q > 1}
+    decode = {m for m, q in plans if q == 1}
+    assert prefill == ({"piecewise"} if mode == "piecewise" else {"eager"}), plans
+    assert mode == "none" or mode in decode, plans
