@@ -123,5 +123,16 @@ def pixtral_processor_class() -> type:
 
 
 def load_pixtral_processor(path: Path | str):
-    """The checkpoint's ``PixtralProcessor`` (its PIL image processor where torchvision is missing)."""
-    return pixtral_processor_class().from_pretrained(str(path))
+    """The checkpoint's ``PixtralProcessor`` with the PIL image processor, the one pprun runs
+    (where torchvision is installed, transformers would pick its torchvision processor, whose
+    bicubic resize gives other pixels)."""
+    import json
+
+    from transformers import AutoTokenizer, PixtralImageProcessorPil
+
+    config = json.loads((Path(path) / "processor_config.json").read_text())
+    return pixtral_processor_class()(
+        image_processor=PixtralImageProcessorPil.from_pretrained(str(path)),
+        tokenizer=AutoTokenizer.from_pretrained(str(path)),
+        patch_size=config["patch_size"], spatial_merge_size=config.get("spatial_merge_size", 1),
+    )
