@@ -180,6 +180,24 @@ def test_chunks_cut_image_ranges_and_the_encoder_budget_holds(clip_dir, runner, 
     assert partial
 
 
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_preempted_requests_keep_their_encoder_outputs(clip_dir, runner):
+    """A KV cache of 19 blocks for ten image prompts preempts (recompute) again and again; a
+    preempted request resumes from the cached encoder outputs: three distinct images, three
+    encodings.  Tokens stay transformers'."""
+    prompts = PROMPTS * 3 + [PROMPTS[1]]
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+    with LLM(str(clip_dir), dtype="float32", max_model_len=256, runner=runner, executor="uni",
+             max_num_batched_tokens=32, kv_cache_memory_bytes=19 * 8192) as llm:
+        assert llm.engine.num_blocks == 19
+        calls = _count_encodes(_stage_mm(llm))
+        outs = llm.generate(pprun_prompts(prompts), params)
+        assert llm.engine.num_preemptions > 0
+    assert sum(calls) == 3 * 25
+    assert [o.outputs[0].token_ids for o in outs] == hf_tokens(clip_dir, prompts, 10)
+
+
 # --- the encoder cache -------------------------------------------------------------------------
 
 

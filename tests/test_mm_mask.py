@@ -84,3 +84,10 @@ def test_batch_of_requests_with_query_starts_scatters_each_window():
     expected[14] = outputs["r2i0"][1]
     expected[15] = outputs["r2i1"][1]
     assert torch.equal(embeds, expected)
+
+
+def test_two_items_embedding_one_position_is_an_error():
+    import pytest
+
+    with pytest.raises(ValueError, match=r"request 0: item 1's range \(offset=3, length=2\) claims a position"):
+        _plan([PlaceholderRange(0, 4), PlaceholderRange(3, 2)])
