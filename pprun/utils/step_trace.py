@@ -80,8 +80,10 @@ def trace_prefix() -> str | None:
 
 def _write(path: str, obj: dict[str, Any]) -> None:
     """Write a trace as JSON; a path that cannot be written is logged, never raised (a trace
-    must not keep a stage or the engine from shutting down)."""
+    must not keep a stage or the engine from shutting down).  The prefix's directory is made if
+    it does not exist."""
     try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:
             json.dump(obj, f)
     except OSError as e:
