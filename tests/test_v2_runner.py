@@ -784,3 +784,23 @@ def test_logits_in_full_graphs_match_eager_sampling_gpu(model_dir):
     want, _ = run_engine(model_dir, "v2", greedy, stagger=False, cudagraph_mode="none", **kw)
     got, _ = run_engine(model_dir, "v2", greedy, stagger=False, cudagraph_mode="full", **kw)
     assert got == want
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_suppression_with_full_graphs_matches_v1_gpu(model_dir, unsuppressed):
+    """Suppressing requests on full decode graphs (the step samples outside the graph, from the
+    graph's logits with the ids at -inf) give V1's tokens."""
+    requests = []
+    for i, p in enumerate(SUPPRESS_PROMPTS):
+        tokens = unsuppressed[f"q{i}"][0]
+        requests.append((f"q{i}", p, suppress_params(i, suppress_token_ids=sorted(set(tokens[1:4]) - {tokens[0]}),
+                                                     begin_suppress_token_ids=[tokens[0]])))
+    kw = dict(executor="uni", device="cuda", max_num_batched_tokens=32, max_num_seqs=8, block_size=16,
+              max_model_len=128, cudagraph_capture_sizes=[4, 8])
+    v1, _ = run_engine(model_dir, "v1", requests, stagger=True, **kw)
+    v2, _ = run_engine(model_dir, "v2", requests, stagger=True, cudagraph_mode="full", **kw)
+    assert v2 == v1
+    for rid, _, sp in requests:
+        assert v2[rid][0][0] not in sp.begin_suppress_token_ids
+        assert not set(v2[rid][0]) & set(sp.suppress_token_ids)

@@ -1,84 +1,92 @@
-"""Whisper through the engine: greedy parity with transformers for pp = 1, 2, 3 (uni, mp, ray),
-windows, preemption, cross-attention metadata padding (contract 4) and bad input."""
+"""Whisper through the engine: greedy parity with transformers for pp = 1, 2, 3 on both runners
+(uni, mp, ray), the encoder output sent once per request, windows, preemption, cross-attention
+metadata padding (contract 4) and bad input."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from tiny_models import make_tiny_llama, make_tiny_whisper
+from tiny_models import make_tiny_llama
+from whisper_helpers import (
+    CLIPS,
+    GREEDY,
+    MAX_TOKENS,
+    make_audio_dependent_whisper,
+    ours,
+    prompts,
+    transformers_tokens,
+)
 
 from pprun import LLM
 from pprun.sampling.params import SamplingParams
 
-MAX_TOKENS = 10
-
-
-def clip(seconds: float, seed: int) -> tuple[np.ndarray, int]:
-    """A reproducible noisy chirp (so different clips give different features)."""
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(seconds * 16000)) / 16000
-    tone = np.sin(2 * np.pi * (200 + 300 * seed) * t * (1 + t))
-    return (0.3 * tone + 0.05 * rng.standard_normal(t.shape)).astype(np.float32), 16000
-
-
-CLIPS = [clip(2.5, 0), clip(1.0, 1), clip(1.7, 2), clip(0.4, 3)]
-
 
 @pytest.fixture(scope="module")
 def whisper_dir(tmp_path_factory):
-    return make_tiny_whisper(tmp_path_factory.mktemp("whisper-engine"))
+    return make_audio_dependent_whisper(tmp_path_factory.mktemp("whisper-engine"))
 
 
 @pytest.fixture(scope="module")
 def hf_tokens(whisper_dir):
     """transformers' greedy ``generate`` per clip (its generation config: forced ids, suppress lists)."""
-    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
-
-    model = WhisperForConditionalGeneration.from_pretrained(whisper_dir, dtype=torch.float32).eval()
-    fe = WhisperFeatureExtractor.from_pretrained(whisper_dir)
-    out = []
-    for samples, rate in CLIPS:
-        feats = fe(samples, sampling_rate=rate, return_tensors="pt").input_features
-        with torch.no_grad():
-            ids = model.generate(feats, max_new_tokens=MAX_TOKENS, do_sample=False)[0].tolist()
-        out.append([t for t in ids if t not in (98, 100)])  # the decoder prompt, if returned
-    return out
+    return transformers_tokens(whisper_dir)
 
 
-def ours(o) -> list[int]:
-    ids = o.outputs[0].token_ids
-    return ids[:-1] if ids and ids[-1] == 97 else ids  # transformers drops the final EOS
+def stage_facts(llm) -> list[dict]:
+    """Each stage's ``Worker.runner_facts`` (runner, graphs, encoder-output counters)."""
+    executor = llm.engine.executor
+    if hasattr(executor, "worker"):  # in process
+        return [executor.worker.runner_facts()]
+    return executor.call_all("runner_facts")
 
 
-def prompts():
-    return [{"multi_modal_data": {"audio": c}} for c in CLIPS]
+def test_tiny_whisper_tokens_depend_on_the_audio(hf_tokens):
+    """The parity tests below would pass for a model that ignored the audio: this one does not."""
+    assert len({tuple(t) for t in hf_tokens}) == len(hf_tokens)
+    assert all(len(set(t)) > 1 for t in hf_tokens)
 
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-
-
+@pytest.mark.parametrize("runner", ["v1", "v2"])
 @pytest.mark.parametrize(
-    ("pp", "executor"), [(1, "uni"), (2, "mp"), (3, "mp"), pytest.param(3, "ray", marks=pytest.mark.slow)]
+    ("pp", "executor"),
+    [(1, "uni"), (1, "mp"), (2, "mp"), pytest.param(2, "ray", marks=pytest.mark.slow),
+     pytest.param(3, "mp", marks=pytest.mark.slow), pytest.param(3, "ray", marks=pytest.mark.slow)],
 )
-def test_greedy_matches_transformers_over_stages(whisper_dir, hf_tokens, pp, executor, request):
+def test_greedy_matches_transformers_over_stages(whisper_dir, hf_tokens, pp, executor, runner, request):
+    """One batch of clips of different lengths: transformers' tokens on every layout; each
+    stage but the last sends each request's encoder output once, each stage after the first
+    receives it once."""
     if executor == "ray":
         request.getfixturevalue("ray_cluster")
     with LLM(str(whisper_dir), dtype="float32", max_num_seqs=8, pipeline_parallel_size=pp,
-             executor=executor) as llm:
-        assert llm.describe()["runner"] == "v1"
+             executor=executor, runner=runner) as llm:
+        assert llm.describe()["runner"] == runner
         outs = llm.generate(prompts(), GREEDY)
+        facts = stage_facts(llm)
     assert [ours(o) for o in outs] == hf_tokens
+    n = len(CLIPS)
+    assert [f["runner"] for f in facts] == [runner] * pp
+    assert [f["num_encoded"] for f in facts] == [n] * pp
+    assert [f["encoder_outputs_sent"] for f in facts] == [n] * (pp - 1) + [0]
+    assert [f["encoder_outputs_received"] for f in facts] == [0] + [n] * (pp - 1)
 
 
-def test_transcribe_windows_and_preemption(whisper_dir, hf_tokens):
-    """A 7 s clip is three 3 s windows; a KV cache of a few blocks preempts, and the tokens stay."""
+def test_auto_runner_is_v2(whisper_dir):
+    with LLM(str(whisper_dir), dtype="float32", max_num_seqs=4) as llm:
+        assert llm.describe()["runner"] == "v2"
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_transcribe_windows_and_preemption(whisper_dir, hf_tokens, runner):
+    """A 7 s clip is three 3 s windows; a KV cache of a few blocks preempts (a resumed request
+    is encoded again into a new slot), and the tokens stay."""
     long = np.concatenate([CLIPS[0][0][:48000 // 16 * 16], CLIPS[1][0], CLIPS[2][0], CLIPS[0][0]])
     # 7 blocks of 8 tokens (one request of max_model_len=40 needs 5, plus the null block) after
     # the cross caches of max_num_seqs + 1 slots: four requests growing to 12 tokens preempt.
     block_bytes = 2 * 3 * 8 * 36 * 4  # K and V, 3 layers, 8 tokens, 36 wide, fp32
     slot_bytes = 2 * 3 * 15 * 36 * 4  # K and V, 3 layers, 15 encoder positions
-    with LLM(str(whisper_dir), dtype="float32", max_num_seqs=4, block_size=8,
+    with LLM(str(whisper_dir), dtype="float32", max_num_seqs=4, block_size=8, runner=runner,
              kv_cache_memory_bytes=7 * block_bytes + 5 * slot_bytes) as llm:
         assert llm.engine.num_blocks == 7
         result = llm.transcribe([(long, 16000), CLIPS[1]], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))

@@ -29,30 +29,7 @@ def unsupported_v2_features(cfg: PprunConfig, executor: str) -> list[str]:
             "(the V2 runner samples on the last stage only, while SPMD torchrun ranks each need every "
             "step's output)"
         )
-    if _is_encoder_decoder(cfg.model.model):
-        reasons.append(
-            f"model {cfg.model.model!r} is an encoder-decoder (Whisper): its cross-attention runs on "
-            "the V1 runner only so far"
-        )
     return reasons
-
-
-def _is_encoder_decoder(model: object) -> bool:
-    """True when ``model`` names a Whisper checkpoint (a directory or a bundled alias)."""
-    import json
-    from pathlib import Path
-
-    from pprun.models.whisper_ct2 import WHISPER_MODELS
-
-    if not isinstance(model, str):
-        return False
-    if model in WHISPER_MODELS:
-        return True
-    config = Path(model).expanduser() / "config.json"
-    try:
-        return json.loads(config.read_text()).get("model_type") == "whisper"
-    except (OSError, ValueError):
-        return False  # validation reports a missing or broken config.json
 
 
 def choose_runner(cfg: PprunConfig, executor: str) -> tuple[str, list[str]]:

@@ -23,7 +23,7 @@ from pprun.core.outputs import (
     SchedulerOutput,
 )
 from pprun.core.request import FINISH_REASON_TO_STATUS, Request, RequestStatus
-from pprun.multimodal.encoder_budget import EncoderCacheManager, plan_encoder_inputs
+from pprun.multimodal.encoder_budget import EncoderCacheManager, encoder_cost, plan_encoder_inputs
 
 __all__ = ["Scheduler", "min_blocks_for_one_request"]
 
@@ -71,12 +71,15 @@ class Scheduler:
                 f"max_num_batched_tokens={max_num_batched_tokens} is invalid with "
                 f"enable_chunked_prefill=False: must be >= max_model_len={max_model_len}"
             )
+        self._default_encoder_budget = max_num_encoder_tokens is None
         if max_num_encoder_tokens is None:
-            # Every item of any prompt fits in one step (its rows are at most the prompt's length).
+            # Every embedded item of any prompt fits in one step (its rows are at most the
+            # prompt's length); a larger cross-attention item raises it (add_request).
             max_num_encoder_tokens = max(max_num_batched_tokens, max_model_len)
         _positive_int("max_num_encoder_tokens", max_num_encoder_tokens)
         self.max_num_encoder_tokens = max_num_encoder_tokens
-        """Encoder output rows (image/audio embeddings) a step may compute: the encoder budget."""
+        """Encoder output rows (image/audio embeddings, a Whisper window's encoder positions) a
+        step may compute: the encoder budget."""
         self.encoder_cache = EncoderCacheManager()
         """Which multimodal items' encoder outputs the first stage holds, and who needs them."""
         self.block_manager = BlockManager(num_blocks, block_size)
@@ -188,10 +191,14 @@ class Scheduler:
                 f"must be between 1 and max_model_len={self.max_model_len}"
             )
         if req.mm_items:
-            biggest = max(item.num_embeds for item in req.mm_items)
+            biggest = max(encoder_cost(item) for item in req.mm_items)
+            if biggest > self.max_num_encoder_tokens and self._default_encoder_budget:
+                # The default budget is the largest item's (a Whisper window's 1500 encoder
+                # positions can exceed max_num_batched_tokens): each request still runs.
+                self.max_num_encoder_tokens = biggest
             if biggest > self.max_num_encoder_tokens:
                 raise ValueError(
-                    f"request {req.req_id!r} has a multimodal item of {biggest} embedding rows: "
+                    f"request {req.req_id!r} has a multimodal item of {biggest} encoder rows: "
                     f"must be at most scheduler.max_num_encoder_tokens={self.max_num_encoder_tokens}"
                 )
             self.encoder_cache.add_request(req.req_id, req.mm_items)

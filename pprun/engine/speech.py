@@ -119,6 +119,8 @@ class SpeechRequests:
             # The whole decoder prompt, no embedding rows: cross-attention reads the audio.
             placeholder=PlaceholderRange(0, num_prompt_tokens, (False,) * num_prompt_tokens),
             data={AUDIO_FEATURES_KEY: features, "source": source},
+            # The encoder's second convolution halves the window's frames.
+            num_encoder_positions=features.shape[-1] // 2,
         )
 
     def prepare_clip(self, audio: object, where: str) -> AudioClip:

@@ -23,12 +23,13 @@ bias keeps zeros in the k rows.  ``forward`` follows DESIGN contract 1 like the 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pprun.attention.cross import cross_attention, write_cross_kv
+from pprun.attention.cross import CrossAttentionMetadata, cross_attention, write_cross_kv
 from pprun.attention.metadata import AttentionMetadata
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
@@ -167,6 +168,14 @@ class WhisperForConditionalGeneration(PprunModel):
     is_encoder_decoder = True
     """The engine gives its requests an encoder input and a cross-cache slot."""
 
+    @property
+    def model_state_cls(self) -> type:
+        """The V2 runner's plug-in: encoder step and persistent cross metadata (imported here so
+        the model does not depend on the runner)."""
+        from pprun.worker.v2.encoder_decoder_state import EncoderDecoderModelState
+
+        return EncoderDecoderModelState
+
     def __init__(
         self,
         arch: ModelArchConfig,
@@ -261,8 +270,14 @@ class WhisperForConditionalGeneration(PprunModel):
         inputs_embeds: torch.Tensor | None,
         intermediate_tensors: IntermediateTensors | None,
         attn_metadata: AttentionMetadata,
+        cross_metadata: CrossAttentionMetadata | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        """Run this stage's decoder layers over a flattened batch of decoder tokens."""
+        """Run this stage's decoder layers over a flattened batch of decoder tokens.
+
+        The cross-attention lengths and slots come as ``cross_metadata`` (the V2 plug-in's
+        persistent buffers, also under CUDA graphs) or on ``attn_metadata.cross`` (V1)."""
+        if cross_metadata is not None:
+            attn_metadata = replace(attn_metadata, cross=cross_metadata)
         if self.layout.is_first:
             h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
             h = h + self.embed_positions(positions)

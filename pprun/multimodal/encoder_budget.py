@@ -7,6 +7,12 @@ outputs are no longer needed (``free_encoder_hashes``).  Entries are keyed by co
 item that appears twice in one request, or in several requests alive at once, is encoded once.
 An entry lives while some unfinished request (waiting, running or preempted) holds an item with
 its hash, so a preempted request recomputes from the cached output rather than encoding again.
+
+An item that reaches the decoder through cross-attention (no embedding rows: a Whisper window) is
+different: the stages encode it whenever its request is admitted, new or resumed after a
+preemption (``pprun.worker.encoder_decoder``), into that request's cross-cache slot, so it costs
+its ``num_encoder_positions`` every time its request's window starts at the prompt's beginning,
+never deduplicated by hash.
 """
 
 from __future__ import annotations
@@ -69,6 +75,12 @@ class EncoderCacheManager:
         return len(self._holders)
 
 
+def encoder_cost(item: MultiModalItem) -> int:
+    """Encoder output rows that encoding ``item`` computes (its share of a step's encoder budget):
+    its embedding rows, or for an item read through cross-attention its encoder positions."""
+    return item.num_embeds if item.num_embeds else item.num_encoder_positions
+
+
 def plan_encoder_inputs(
     items: Sequence[MultiModalItem],
     start: int,
@@ -79,7 +91,8 @@ def plan_encoder_inputs(
     """Which of a request's items to encode for its window ``[start, start + num_new_tokens)``.
 
     Items are looked at in prompt order; one whose range meets the window and whose hash is not
-    encoded yet costs its ``num_embeds`` rows of the step's encoder ``budget``.  When an item does
+    encoded yet costs its :func:`encoder_cost` of the step's encoder ``budget`` (a cross-attention
+    item: whenever the window starts at 0, see the module docstring).  When an item does
     not fit, the window is cut before its range (0: the request waits for a later step).  Returns
     ``(num_new_tokens, item indices to encode, encoder rows used)``; nothing is marked encoded here.
     """
@@ -91,14 +104,17 @@ def plan_encoder_inputs(
         rng = item.placeholder
         if rng.offset >= start + num_new_tokens:
             break
-        if rng.end <= start or cache.is_encoded(item.content_hash) or item.content_hash in hashes:
+        if not item.num_embeds:
+            if start > 0 or not item.num_encoder_positions:
+                continue  # encoded when the request was admitted (or costs nothing)
+        elif rng.end <= start or cache.is_encoded(item.content_hash) or item.content_hash in hashes:
             continue
-        if cost + item.num_embeds > budget:
+        if cost + encoder_cost(item) > budget:
             num_new_tokens = rng.offset - start
             to_encode = [i for i in to_encode if items[i].placeholder.offset < start + num_new_tokens]
-            cost = sum(items[i].num_embeds for i in to_encode)
+            cost = sum(encoder_cost(items[i]) for i in to_encode)
             break
         to_encode.append(index)
         hashes.add(item.content_hash)
-        cost += item.num_embeds
+        cost += encoder_cost(item)
     return max(num_new_tokens, 0), to_encode, cost

@@ -55,6 +55,10 @@ class MultiModalItem:
     data: dict[str, Any] | None = field(default=None, repr=False)
     """The processed tensors the encoder reads (``pixel_values``, ``image_sizes``, ...).  Only the
     first pipeline stage gets them (:func:`without_payload`)."""
+    num_encoder_positions: int = 0
+    """Encoder output positions computed for an item that reaches the decoder through
+    cross-attention instead of embedding rows (a Whisper window: ``max_source_positions``); what
+    it costs of a step's encoder budget (``pprun.multimodal.encoder_budget.encoder_cost``)."""
 
     @property
     def num_embeds(self) -> int:

@@ -15,9 +15,10 @@ What it owns on each stage:
   pipeline once (``PipelineTransport.send_payload``, before the step's hidden states), and every
   stage turns it into its own layers' cross K/V in the requests' slots.  A request resumed after
   a preemption is encoded again: its slot was freed with its blocks.
-- the step's :class:`~pprun.attention.cross.CrossAttentionMetadata`, written by :meth:`fill` for
-  ``num_reqs_padded`` rows: real rows first, padding rows zeroed (DESIGN contract 4).  The V2
-  runner passes its persistent buffers, the V1 runner fresh ones: the same code either way.
+- the step's cross metadata rows, written by :meth:`write_rows` for the padded request count:
+  real rows first, padding rows zeroed (docs/design.md contract 4).  The V2 runner's plug-in
+  (``pprun.worker.v2.encoder_decoder_state``) writes its persistent buffers with it, the V1
+  runner fresh ones (:meth:`fill`): the same code either way.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ class EncoderDecoderState:
         """Running request id -> its cross-cache slot."""
         self.num_encoded = 0
         """Requests run through the encoder (first stage) or given cross K/V (every stage)."""
+        self.num_sent = 0
+        """Requests whose encoder output this stage sent down the pipeline (once each per
+        admission: new, or resumed after a preemption)."""
+        self.num_received = 0
+        """Requests whose encoder output this stage received from the previous one."""
 
     @property
     def cache_bytes(self) -> int:
@@ -111,9 +117,27 @@ class EncoderDecoderState:
         else:
             shape = (len(new), self.source_len, self.model.arch.hidden_size)
             out = self.transport.recv_payload(torch.empty(shape, dtype=self.dtype, device=self.device))
+            self.num_received += len(new)
         if not self.layout.is_last:
             self.transport.send_payload(out)
+            self.num_sent += len(new)
         return out
+
+    def write_rows(
+        self, req_ids: Sequence[str], num_rows: int, encoder_seq_lens: np.ndarray, cross_slots: np.ndarray
+    ) -> None:
+        """Rows ``[:num_rows]`` of host arrays for ``req_ids`` (in batch order): real rows first,
+        padding rows zero.  A graph captured for ``num_rows`` requests reads every one of them;
+        zero means "attends to nothing, through the reserved slot 0", whatever an earlier, larger
+        step left there."""
+        num_reqs = len(req_ids)
+        if num_reqs > num_rows:
+            raise ValueError(f"num_reqs={num_reqs} > num_rows={num_rows}")
+        slot_of = self.slot_of
+        cross_slots[:num_reqs] = [slot_of[r] for r in req_ids]
+        encoder_seq_lens[:num_reqs] = self.source_len
+        cross_slots[num_reqs:num_rows] = 0
+        encoder_seq_lens[num_reqs:num_rows] = 0
 
     def fill(
         self,
@@ -123,21 +147,16 @@ class EncoderDecoderState:
         cross_slots: torch.Tensor | None = None,
     ) -> CrossAttentionMetadata:
         """The step's cross metadata for ``req_ids`` (in batch order), written into the given
-        buffers (or new ones) for ``num_reqs_padded`` rows: real rows first, padding rows zero."""
-        num_reqs = len(req_ids)
-        if num_reqs > num_reqs_padded:
-            raise ValueError(f"num_reqs={num_reqs} > num_reqs_padded={num_reqs_padded}")
+        buffers (or new ones) for ``num_reqs_padded`` rows by :meth:`write_rows`."""
+        lens_np = np.empty(num_reqs_padded, dtype=np.int32)
+        slots_np = np.empty(num_reqs_padded, dtype=np.int32)
+        self.write_rows(req_ids, num_reqs_padded, lens_np, slots_np)
         if encoder_seq_lens is None:
-            encoder_seq_lens = torch.zeros(num_reqs_padded, dtype=torch.int32, device=self.device)
+            encoder_seq_lens = torch.empty(num_reqs_padded, dtype=torch.int32, device=self.device)
         if cross_slots is None:
-            cross_slots = torch.zeros(num_reqs_padded, dtype=torch.int32, device=self.device)
+            cross_slots = torch.empty(num_reqs_padded, dtype=torch.int32, device=self.device)
         lens = encoder_seq_lens[:num_reqs_padded]
         slots = cross_slots[:num_reqs_padded]
-        host_slots = torch.tensor([self.slot_of[r] for r in req_ids], dtype=torch.int32)
-        slots[:num_reqs].copy_(host_slots, non_blocking=True)
-        lens[:num_reqs].fill_(self.source_len)
-        # Padding rows: a graph captured for num_reqs_padded reads them; zero means "attends to
-        # nothing, through the reserved slot 0", whatever an earlier, larger step left there.
-        slots[num_reqs:].zero_()
-        lens[num_reqs:].zero_()
+        lens.copy_(torch.from_numpy(lens_np))
+        slots.copy_(torch.from_numpy(slots_np))
         return CrossAttentionMetadata(encoder_seq_lens=lens, cross_slots=slots)

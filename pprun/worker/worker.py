@@ -83,6 +83,8 @@ class Worker:
             )
         self.model = None
         self.runner: ModelRunner | None = None
+        self.encoder_decoder = None
+        """An encoder-decoder stage's ``pprun.worker.encoder_decoder.EncoderDecoderState``."""
         self.recv_buffers = None
         self.kv_cache_bytes = 0
         """Bytes of the KV cache allocated by :meth:`init_cache` (0 before)."""
@@ -159,6 +161,7 @@ class Worker:
                 self.model, self.layout, self.device, rc.dtype, rc.cfg.scheduler.max_num_seqs, self.transport
             )
             self.kv_cache_bytes += encoder_decoder.cache_bytes
+        self.encoder_decoder = encoder_decoder
         if self.spec.runner == "v2":
             from pprun.worker.v2.runner import V2ModelRunner
 
@@ -166,6 +169,7 @@ class Worker:
                 self.model, self.layout, self.device, rc, num_blocks, self.transport,
                 sample_feedback_slots=self.spec.sample_feedback_slots,
                 feedback_spin_s=self.spec.control_spin_s,
+                encoder_decoder=encoder_decoder,
             )
         else:
             from pprun.worker.v1.runner import V1ModelRunner
@@ -230,12 +234,18 @@ class Worker:
 
     def runner_facts(self) -> dict[str, object]:
         """What this stage's runner does (diagnostics and tests): its name, its CUDA-graph mode
-        and whether its decode graphs carry the pipeline hops."""
-        return {
+        and whether its decode graphs carry the pipeline hops; for an encoder-decoder model also
+        how many requests' encoder outputs it encoded or received, sent on, and received."""
+        facts: dict[str, object] = {
             "runner": self.runner.name,
             "cudagraph_mode": self.runner.cudagraph_mode,
             "hop_in_graph": self.runner.hop_in_graph,
         }
+        ed = self.encoder_decoder
+        if ed is not None:
+            facts.update(num_encoded=ed.num_encoded, encoder_outputs_sent=ed.num_sent,
+                         encoder_outputs_received=ed.num_received)
+        return facts
 
     def launches_quickly(self, so: SchedulerOutput) -> bool:
         """True when launching ``so`` takes little host time: a V2 step replayed as one full

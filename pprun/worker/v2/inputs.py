@@ -118,6 +118,12 @@ class StepBatch:
     window starts at that prompt position (model-state plug-ins read it, e.g. for placeholder ranges)."""
     query_start: np.ndarray | None = None
     """[num_reqs] int64 (host): batch row of each request's first scheduled token."""
+    num_request_rows: int = 0
+    """Rows of the per-request buffers this step writes, real rows first and the rest inert:
+    ``num_reqs_padded``, or up to ``num_tokens_padded`` (at most ``max_num_reqs``), since a
+    piecewise graph captured for N tokens was captured over N request rows and an op inside it
+    (Whisper's cross-attention maps tokens to requests through ``query_start_loc``) reads them
+    all.  Plug-ins write their own per-request buffers this far (:meth:`InputBuffers.request_rows`)."""
 
     @property
     def num_sampled(self) -> int:
@@ -199,18 +205,24 @@ class InputBuffers:
 
     # --- writing -----------------------------------------------------------------------------
 
+    def request_rows(self, num_reqs_padded: int, num_tokens_padded: int) -> int:
+        """Per-request rows a step writes (see :attr:`StepBatch.num_request_rows`)."""
+        return max(num_reqs_padded, min(num_tokens_padded, self.max_num_reqs))
+
     def make_inert(
         self, num_reqs: int, num_tokens: int, num_reqs_padded: int, num_tokens_padded: int
     ) -> None:
         """Write the padding rows ``[num_reqs:num_reqs_padded]`` / ``[num_tokens:num_tokens_padded]``
-        (host side) so that they read and write nothing and change no real row's result."""
+        (host side) so that they read and write nothing and change no real row's result;
+        ``query_start_loc`` up to :meth:`request_rows` (a piecewise graph reads that many)."""
         if num_tokens_padded > num_tokens:
             self.input_ids.np[num_tokens:num_tokens_padded] = 0
             self.positions.np[num_tokens:num_tokens_padded] = 0
             self.slot_mapping.np[num_tokens:num_tokens_padded] = -1
+        # Padded requests have an empty query: every boundary after the real ones equals num_tokens
+        # (kept sorted: a captured op may binary-search it).
+        self.query_start_loc.np[num_reqs + 1 : self.request_rows(num_reqs_padded, num_tokens_padded) + 1] = num_tokens
         if num_reqs_padded > num_reqs:
-            # Padded requests have an empty query: every boundary after the real ones equals num_tokens.
-            self.query_start_loc.np[num_reqs + 1 : num_reqs_padded + 1] = num_tokens
             self.seq_lens.np[num_reqs:num_reqs_padded] = 0
             self.block_table.np[num_reqs:num_reqs_padded] = 0
 
@@ -241,7 +253,7 @@ class InputBuffers:
         if num_pending and prev_sampled is None:
             raise ValueError(f"{num_pending} pending input ids need the previous step's sampled ids")
         used = (
-            (self.query_start_loc, num_reqs_padded + 1),
+            (self.query_start_loc, self.request_rows(num_reqs_padded, num_tokens_padded) + 1),
             (self.seq_lens, num_reqs_padded),
             (self.logits_indices, num_sampled),
             (self.sample_rows, num_sampled),
@@ -435,4 +447,5 @@ def prepare_step(
         num_pending=num_pending,
         num_computed_tokens=num_computed,
         query_start=cu_num_tokens - num_scheduled,
+        num_request_rows=bufs.request_rows(num_reqs_padded, num_tokens_padded),
     )

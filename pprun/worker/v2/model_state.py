@@ -17,6 +17,9 @@ metadata, graphs and sampling.  A :class:`ModelState` adds what a family needs b
 - :meth:`ModelState.attention_layers`: the modules whose ``backend`` the runner may wrap for
   piecewise graphs.
 
+An encoder-decoder model's plug-in (``pprun.worker.v2.encoder_decoder_state``) also takes the
+stage's ``EncoderDecoderState`` as ``encoder_decoder=`` (:func:`make_model_state` passes it).
+
 A model class names its plug-in in its ``model_state_cls`` attribute (a subclass of
 :class:`ModelState`; declared by :class:`pprun.models.base.PprunModel`); a text-only decoder (the
 Llama family) names none and gets :class:`ModelState` itself, whose defaults add nothing.
@@ -103,9 +106,14 @@ def make_model_state(
     dtype: torch.dtype,
     max_num_reqs: int,
     max_num_tokens: int,
+    encoder_decoder: Any = None,
 ) -> ModelState:
     """The model's own plug-in (``model.model_state_cls``, declared by
     :class:`~pprun.models.base.PprunModel`) or the default :class:`ModelState` (a text-only
     decoder's: nothing extra)."""
     cls = model.model_state_cls or ModelState
+    if encoder_decoder is not None:
+        # An encoder-decoder stage's cross caches, slots and encoder step, built by the worker
+        # (``pprun.worker.encoder_decoder.EncoderDecoderState``): its plug-in takes them.
+        return cls(model, layout, device, dtype, max_num_reqs, max_num_tokens, encoder_decoder=encoder_decoder)
     return cls(model, layout, device, dtype, max_num_reqs, max_num_tokens)

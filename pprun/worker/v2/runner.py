@@ -121,13 +121,16 @@ class V2ModelRunner(ModelRunner):
         transport: PipelineTransport | None = None,
         sample_feedback_slots: int = 0,
         feedback_spin_s: float = 0.0,
+        encoder_decoder: Any = None,
     ) -> None:
         """``transport``: the stage's channel when the pipeline has more than one stage (its
         decode graphs may then carry the hop, see ``pprun.distributed.pipeline``);
         ``sample_feedback_slots``: async pipeline steps, the last stage sending its sampled ids to
         the first into a ring of that many steps (``pprun.distributed.feedback``; the first and
         last stage must agree); 0: off; ``feedback_spin_s``: how long the first stage polls for
-        those ids before a blocking read (``SampleFeedback``'s ``spin_s``)."""
+        those ids before a blocking read (``SampleFeedback``'s ``spin_s``); ``encoder_decoder``:
+        an encoder-decoder stage's ``pprun.worker.encoder_decoder.EncoderDecoderState``, handed to
+        the model's plug-in."""
         cfg = resolved.cfg
         self.model = model
         self.layout = layout
@@ -156,7 +159,7 @@ class V2ModelRunner(ModelRunner):
             self.max_num_tokens, self.max_num_reqs, self.max_num_blocks_per_req, self.block_size, device
         )
         self.model_state: ModelState = make_model_state(
-            model, layout, device, self.dtype, self.max_num_reqs, self.max_num_tokens
+            model, layout, device, self.dtype, self.max_num_reqs, self.max_num_tokens, encoder_decoder
         )
         self.sampler = Sampler()
         self.sampled_ring = torch.zeros((3, self.max_num_reqs), dtype=torch.int64, pin_memory=device.type == "cuda")
