@@ -22,7 +22,6 @@ import torch
 from triton_env import DEVICE, HAS_CUDA, count_calls_by_form, triton_only  # noqa: E402  (sets TRITON_INTERPRET)
 
 import pprun.layers
-import pprun.models.llama
 from pprun.attention.metadata import AttentionMetadata
 from pprun.models.hf_config import load_arch_config
 from pprun.models.llama import DecoderLayer, RMSNorm, RotaryEmbedding
@@ -111,15 +110,14 @@ def test_skinny_norm_linear_rejects_bad_inputs():
 
 @pytest.fixture
 def fused_on_this_device(monkeypatch):
-    """The fused-op switch as on CUDA, for this test's device: on CPU (interpreter) the model's
-    Triton paths, the fold among them, are taken for CPU tensors too."""
+    """The fused-op switch as on CUDA, for this test's device: on CPU (interpreter) the Triton
+    paths of ``pprun.layers`` (the plan's fold among them) are taken for CPU tensors too."""
     if not HAS_CUDA:
 
         def fused_ops_for(t: torch.Tensor):
             return pprun.layers._load_fused() if pprun.layers.FUSED_ENABLED else None
 
         monkeypatch.setattr(pprun.layers, "fused_ops_for", fused_ops_for)
-        monkeypatch.setattr(pprun.models.llama, "fused_ops_for", fused_ops_for)
 
 
 @pytest.fixture
@@ -160,8 +158,10 @@ def _decode_meta() -> AttentionMetadata:
 def test_decoder_layer_norm_fold_matches_unfolded(
     monkeypatch, switch, fused_on_this_device, fold_calls, tiny_llama_dir, with_residual
 ):
-    """A bf16 one-row DecoderLayer with the fold on (qkv and gate_up take their norms) and off
-    (each norm its own launch, then the split-K matmuls)."""
+    """A bf16 one-row DecoderLayer as ``pprun.layers.plan`` launches it, with the fold on (qkv
+    and gate_up take their norms) and off (each norm its own launch, then the split-K matmuls)."""
+    from pprun.layers.plan import fused_decoder_layer
+
     # Biased q/k/v, as Qwen2 has: the fold's bias path too.
     arch = dataclasses.replace(load_arch_config(tiny_llama_dir), attention_bias=True)
     dtype = torch.bfloat16
@@ -179,7 +179,7 @@ def test_decoder_layer_norm_fold_matches_unfolded(
     def run(fold: bool) -> tuple[torch.Tensor, torch.Tensor]:
         switch("PPRUN_DISABLE_NORM_FOLD", fold)
         with torch.inference_mode():
-            return layer(positions, hidden, residual, meta)
+            return fused_decoder_layer(layer, positions, hidden, residual, meta, feeds_norm=True)
 
     want_h, want_res = run(False)
     assert fold_calls == {"plain": 0, "swiglu": 0}

@@ -125,8 +125,8 @@ def linear(
 ) -> torch.Tensor | SplitPartials:
     """``layer(x)``; decode-sized CUDA batches take the split-K kernels of ``skinny``.
 
-    The caller says where the matmul sits in its model, and this dispatch decides the kernel's
-    launch from it (so a model reads as what it computes):
+    The caller (``pprun.layers.plan``) says where the matmul sits in its model, and this
+    dispatch decides the kernel's launch from it:
 
     ``after``: the kernel that produced ``x``.  After one of :data:`LIGHT_PRODUCERS` a decode
     matmul may load its weights before its wait on that kernel (``skinny.default_config``
@@ -134,7 +134,7 @@ def linear(
 
     ``then``: the kernel that consumes the output.  ``"norm"`` (a fused add + RMSNorm,
     ``fused.fused_add_rms_norm``) or ``"attention"`` (the one-kernel decode attention, see
-    :func:`pprun.layers.attention.decode_kernel`) take a split-K matmul's partials and merge them
+    :func:`pprun.layers.attend.decode_kernel`) take a split-K matmul's partials and merge them
     as they read them, so from two rows on it returns :class:`SplitPartials` unmerged (not at one
     row: there the next norm folds into the matmul after it, :func:`norm_linear`, whose prologue
     reads a merged row).  Before the attention, which loads its own K/V ahead of its wait, the
@@ -165,7 +165,7 @@ def norm_linear(
     :func:`linear_swiglu` applies it), in one launch, for a one-row CUDA batch: the add + RMSNorm
     runs as the prologue of ``skinny``'s matmul, so its own launch disappears.
 
-    ``norm`` is an RMSNorm as ``pprun.models.llama.RMSNorm`` defines it (``weight``, ``eps``, the
+    ``norm`` is an RMSNorm as ``pprun.layers.norm.RMSNorm`` defines it (``weight``, ``eps``, the
     residual add fused in).  Returns ``(out, new_residual)`` as ``norm`` and then the layer would,
     or None when the fold does not apply (then the caller runs ``norm`` and the layer itself):
     the fold switched off, more than one row, a layer ``_skinny_for`` refuses, a norm with hooks

@@ -1,9 +1,10 @@
 """Paged attention over a fused q/k/v projection: which kernels a step's attention takes.
 
-A model computes ``qkv = linear(qkv_proj, x, after=..., then=attention_input(...))`` and then
-``attend(...)``; this module decides whether the step takes the one-kernel decode (rotary,
-cache write, attention and split merge in one launch, which also merges the projection's
-split-K partials as it reads q, k and v) or rotary followed by the backend.
+A model computes ``qkv = qkv_proj(x)`` and then ``attend(...)``; this module decides whether the
+step takes the one-kernel decode (rotary, cache write, attention and split merge in one launch,
+which also merges the projection's split-K partials as it reads q, k and v) or rotary (one
+kernel where the fused ops run, the model's own torch elsewhere) followed by the backend.
+:func:`attention_input` tells ``pprun.layers.plan`` which of the two reads the projection.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+import pprun.layers as layers
 from pprun.attention.backend import AttentionBackend, RopeDecode
 from pprun.attention.metadata import AttentionMetadata
 from pprun.layers import fused_decode_enabled
@@ -75,6 +77,10 @@ def attend(
         extra = {"qkv_parts": parts} if parts is not None else {}
         out = rope_decode(q, k, v, rotary.cos, rotary.sin, positions, kv_cache, meta, scale, **extra)
     else:
-        q, k = rotary(positions, q, k)
+        fused = layers.fused_ops_for(q)
+        if fused is not None:  # in place on the views, one launch
+            q, k = fused.rotary_qk(q, k, rotary.cos, rotary.sin, positions)
+        else:
+            q, k = rotary(positions, q, k)
         out = backend(q, k, v, kv_cache, meta, scale)
     return out.reshape(num_tokens, q_size)

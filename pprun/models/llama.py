@@ -2,12 +2,12 @@
 
 One plain module tree, read top to bottom: rotary helpers, ``Attention``, ``MLP``,
 ``DecoderLayer``, ``LlamaForCausalLM`` (``RMSNorm`` comes from ``pprun.layers.norm``).  The model
-says what it computes and where each matmul sits (``linear(..., after=..., then=...)``: the
-kernel before and after it); ``pprun.layers`` decides how each op launches on CUDA (split-K
-matmuls, partials merged by the next kernel, the one-kernel decode attention) and runs plain
-torch elsewhere.  A model is built for one pipeline stage: the first
-stage owns the embedding, the last the final norm and LM head (a tied head reads the embedding
-weights), and only the stage's own layers are ever allocated.  Checkpoint quirks (separate
+says what it computes, in plain torch; that is the reference path (CPU, HF parity).  Where the
+fused ops run (CUDA with Triton), ``pprun.layers.plan`` runs the same layers from their own
+modules and decides each launch: the norm folded into the matmul after it, split-K partials
+merged by the next kernel, the one-kernel decode attention.  A model is built for one pipeline
+stage: the first stage owns the embedding, the last the final norm and LM head (a tied head
+reads the embedding weights), and only the stage's own layers are ever allocated.  Checkpoint quirks (separate
 q/k/v and gate/up tensors fused into one matmul each) are handled in ``load_weights``.
 
 Forward follows docs/design.md contract 1: ``forward(input_ids, positions, inputs_embeds,
@@ -31,11 +31,11 @@ from torch import nn
 from pprun.attention.metadata import AttentionMetadata
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
-from pprun.layers import fused_ops_for, linear, linear_swiglu, merged, norm_linear
-from pprun.layers.attend import attend, attention_input
+from pprun.layers import linear
+from pprun.layers.attend import attend
 from pprun.layers.embedding import Embedding
 from pprun.layers.norm import RMSNorm
-from pprun.layers.partials import SplitPartials
+from pprun.layers.plan import run_decoder_layers
 from pprun.models.base import PprunModel
 from pprun.models.hf_config import ModelArchConfig
 
@@ -88,14 +88,8 @@ class RotaryEmbedding:
     def __call__(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q [T, H, D]`` and ``k [T, KVH, D]`` by their token positions.
-
-        On CUDA (fused path) ``q`` and ``k`` are rotated in place and returned; elsewhere new
-        tensors are returned.  Callers pass views they own either way.
-        """
-        fused = fused_ops_for(q)
-        if fused is not None:
-            return fused.rotary_qk(q, k, self.cos, self.sin, positions)
+        """Rotate ``q [T, H, D]`` and ``k [T, KVH, D]`` by their token positions (new tensors;
+        ``pprun.layers.attend`` rotates in place with one kernel where the fused ops run)."""
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
@@ -121,22 +115,13 @@ class Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
         """[2, num_blocks, block_size, num_kv_heads, head_dim], bound by the worker."""
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor | SplitPartials:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attend ``x [T, hidden]`` (the input norm's output) over the request contexts described
-        by ``meta``; returns ``o_proj``'s output (maybe as partials for the next norm)."""
-        qkv = linear(self.qkv_proj, x, after="norm", then=attention_input(self.backend, meta, x))
-        return self.attend(positions, qkv, meta)
-
-    def attend(
-        self, positions: torch.Tensor, qkv: torch.Tensor | SplitPartials, meta: AttentionMetadata
-    ) -> torch.Tensor | SplitPartials:
-        """The rest of :meth:`forward` from ``qkv = qkv_proj(x)`` on (``DecoderLayer`` may project
-        with the input norm folded in)."""
+        by ``meta``: ``o_proj`` of the attention over the rotated q/k, the new k/v cached."""
+        qkv = self.qkv_proj(x)
         out = attend(self.backend, self.rotary, positions, qkv, self.kv_cache, meta, self.scale,
                      self.num_heads, self.num_kv_heads, self.head_dim)
-        return linear(self.o_proj, out, after="attention", then="norm")
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -144,30 +129,14 @@ class MLP(nn.Module):
 
     def __init__(self, arch: ModelArchConfig) -> None:
         super().__init__()
-        self.feeds_norm = True
-        """Whether the output goes into a norm (the next layer's, or the final one); not in a
-        stage's last layer when another stage follows: that output is added to the residual
-        and sent."""
         self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitPartials:
-        """``down(silu(gate(x)) * up(x))`` (see :meth:`down`)."""
-        act = linear_swiglu(self.gate_up_proj, x)
-        if act is not None:
-            return self.down(act)
-        gate_up = self.gate_up_proj(x)
-        fused = fused_ops_for(gate_up)
-        if fused is not None:
-            return self.down_proj(fused.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``down(silu(gate(x)) * up(x))``."""
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
-
-    def down(self, act: torch.Tensor) -> torch.Tensor | SplitPartials:
-        """``down_proj`` of the activation ``silu(gate) * up`` (the path after a fused
-        gate_up + SwiGLU)."""
-        return linear(self.down_proj, act, then="norm" if self.feeds_norm else None)
 
 
 class DecoderLayer(nn.Module):
@@ -186,24 +155,11 @@ class DecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor | SplitPartials, torch.Tensor]:
-        """Return the block's output and the updated residual (not yet added together).
-
-        A one-row CUDA batch folds each norm into the matmul after it (``norm_linear``: qkv,
-        then gate_up with its SwiGLU); otherwise each norm runs on its own, and merges the
-        partials of a split-K ``o_proj`` or ``down`` before it (the output may be such partials).
-        """
-        folded = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden_states, residual)
-        if folded is not None:
-            qkv, residual = folded
-            h = self.self_attn.attend(positions, qkv, meta)
-        else:
-            h, residual = self.input_layernorm(hidden_states, residual)
-            h = self.self_attn(positions, h, meta)
-        folded = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual, swiglu=True)
-        if folded is not None:
-            act, residual = folded
-            return self.mlp.down(act), residual
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the block's output and the updated residual, not yet added together: each
+        norm adds its input to the residual first (with no residual, the input is it)."""
+        h, residual = self.input_layernorm(hidden_states, residual)
+        h = self.self_attn(positions, h, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -243,8 +199,6 @@ class LlamaForCausalLM(PprunModel):
             else:
                 self.norm = None
                 self.lm_head = None
-        if not layout.is_last and len(self.layers):
-            self.layers[-1].mlp.feeds_norm = False
         self.to_empty(device=device)
         self.to(dtype)
         if layout.is_first and layout.is_last and arch.tie_word_embeddings:
@@ -265,7 +219,6 @@ class LlamaForCausalLM(PprunModel):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor | IntermediateTensors:
         """Run this stage's layers over a flattened batch of tokens."""
-        residual = None  # the first layer of every stage starts from the residual stream alone
         if self.layout.is_first:
             h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         else:
@@ -275,11 +228,12 @@ class LlamaForCausalLM(PprunModel):
                     "intermediate_tensors"
                 )
             h = intermediate_tensors["hidden_states"]
-        for layer in self.layers:
-            h, residual = layer(positions, h, residual, attn_metadata)
+        # Each layer's forward, or where the fused ops run, the same layers as pprun.layers.plan
+        # launches them; the last stage's output goes into the final norm.
+        h, residual = run_decoder_layers(self.layers, positions, h, attn_metadata, into_norm=self.layout.is_last)
         if not self.layout.is_last:
             # The residual stream itself (see the module docstring): one tensor on the wire.
-            return IntermediateTensors({"hidden_states": merged(h) + residual})
+            return IntermediateTensors({"hidden_states": h + residual})
         h, _ = self.norm(h, residual)
         return h
 
