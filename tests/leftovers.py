@@ -115,3 +115,35 @@ class Snapshot:
 def listening_addresses(pid: int) -> list[str]:
     """The addresses process ``pid`` listens on (TCP)."""
     return [c.laddr.ip for c in psutil.Process(pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+
+
+def job_left_behind(pids: list[int], ports: list[int], tmpdir: str | None = None, within_s: float = 15.0) -> list[str]:
+    """What a finished job of other processes (torchrun's ranks, a killed driver's stages) left
+    behind after ``within_s``: any of ``pids`` still alive, a socket listening or connected on one
+    of ``ports`` (the job's own: its store, its ranks' sockets) held by one of them or by no
+    process, a shared-memory segment named after one of them, and any file in ``tmpdir`` (the
+    job's private temporary directory)."""
+    deadline = time.monotonic() + within_s
+    pid_set, port_set = set(pids), set(ports)
+    while True:
+        found = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    found.append(f"process {pid}")
+            except psutil.NoSuchProcess:
+                pass
+        for c in psutil.net_connections("tcp"):
+            if c.laddr and c.laddr.port in port_set and c.status in (psutil.CONN_LISTEN, psutil.CONN_ESTABLISHED):
+                if c.pid is None or c.pid in pid_set:
+                    found.append(f"socket {c.status} {tuple(c.laddr)} of process {c.pid}")
+        try:
+            shm = os.listdir("/dev/shm")
+        except OSError:
+            shm = []
+        found += [f"/dev/shm/{n}" for n in shm if any(str(pid) in n.split("_") for pid in pids)]
+        if tmpdir is not None:
+            found += [f"temp file {os.path.join(tmpdir, n)}" for n in os.listdir(tmpdir)]
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)

@@ -2,17 +2,18 @@
 have it, on CPU over gloo.  Per cell: the caller gets ``StageFailedError`` (or, at start-up, a
 ``ValueError``) within ``parallel.stage_timeout_s`` plus a margin; every request in flight ends
 with ``finish_reason="error"``; no process, socket, rendezvous directory or shared-memory segment
-of the run is left (``tests/leftovers.py``); a new ``LLM`` starts and serves in the same process.
+of the run is left (``tests/leftovers.py``); a new ``LLM`` starts and serves in the same process
+(for torchrun, where a failed rank ends its job: in the KV cell, the one that keeps its ranks).
 
 Faults come from ``PPRUN_TEST_FAULTS`` (``pprun/worker/faults.py``, the ``inject_faults``
 fixture) or from the test itself (``ray.kill``, SIGKILL of the driver).  The exception-in-forward
-and killed-stage cells of mp and ray, and the failing torchrun rank, are in tests/test_pipeline.py
-and tests/test_torchrun.py; the rows here are the rest of the matrix.
+and killed-stage cells of mp and ray are in tests/test_pipeline.py; the rows here are the rest.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -118,79 +119,208 @@ DRIVER = r"""
 import json, os, sys
 from pprun import LLM, SamplingParams
 os.environ["PPRUN_TEST_FAULTS"] = json.dumps({"0": {"delay_s": 0.05}})
-llm = LLM(sys.argv[1], dtype="float32", executor="mp", pipeline_parallel_size=2, runner="v1", stage_timeout_s=6)
+llm = LLM(sys.argv[1], dtype="float32", executor=sys.argv[2], pipeline_parallel_size=2, runner="v1", stage_timeout_s=6)
 print(json.dumps([llm.engine.executor.stage_pids, llm.engine.executor.rendezvous_dir]), flush=True)
 llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=5000, ignore_eos=True))
 """
 
 
-def test_killed_driver_takes_its_stages_down(tiny_llama_dir, tmp_path):
-    """SIGKILL of the driver mid-generation (mp): its stages see the control socket close (or
-    their neighbour go) and exit within the stage timeout plus the margin."""
+def _kill_driver_mid_generation(model_dir, tmp_path, executor: str, env: dict | None = None) -> tuple[list, float]:
+    """Start ``DRIVER`` in a subprocess, SIGKILL it once its generation runs, and check that its
+    stages, their sockets and shared memory and its rendezvous directory are gone within the
+    stage timeout plus the margin.  Returns the stage pids and how long they took to go."""
     import json
 
     import psutil
+    from leftovers import job_left_behind
 
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
-    driver = subprocess.Popen([sys.executable, str(script), str(tiny_llama_dir)], stdout=subprocess.PIPE, text=True)
+    driver = subprocess.Popen([sys.executable, str(script), str(model_dir), executor], stdout=subprocess.PIPE,
+                              text=True, env=env)  # fmt: skip
     try:
         pids, rendezvous = json.loads(driver.stdout.readline())
         time.sleep(1.0)  # in the middle of the generation
+        ports = sorted({c.laddr.port for pid in [driver.pid, *pids] for c in psutil.Process(pid).net_connections("tcp")})
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=30)
-        deadline = time.monotonic() + TIMEOUT_S + MARGIN_S
-        alive = pids
-        while alive and time.monotonic() < deadline:
-            alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-            time.sleep(0.2)
-        assert alive == [], f"stage processes {alive} outlived their driver"
+        t0 = time.monotonic()
+        left = job_left_behind([driver.pid, *pids], ports, within_s=TIMEOUT_S + MARGIN_S)
+        took = time.monotonic() - t0
     finally:
         if driver.poll() is None:
             driver.kill()
+    assert left == [], f"left behind by the killed driver: {left}"
     # The driver could not remove its rendezvous directory: its stages did on their way out.
-    assert not os.path.exists(rendezvous), f"rendezvous directory {rendezvous} outlived its driver"
+    assert not (rendezvous and os.path.exists(rendezvous)), f"rendezvous directory {rendezvous} outlived its driver"
+    return pids, took
 
 
-TORCHRUN_KILLED = r"""
-import json, os, sys
+def test_killed_driver_takes_its_stages_down(tiny_llama_dir, tmp_path):
+    """SIGKILL of the driver mid-generation (mp): its stages see the control socket close (or
+    their neighbour go) and exit within the stage timeout plus the margin, leaving no socket,
+    shared memory or rendezvous directory."""
+    _kill_driver_mid_generation(tiny_llama_dir, tmp_path, "mp")
+
+
+def test_killed_ray_driver_takes_its_actors_down(tiny_llama_dir, tmp_path, ray_cluster):
+    """SIGKILL of a driver attached to the session's Ray cluster (``RAY_ADDRESS``) mid-generation:
+    its stage actors' processes exit within the bound (the stages see their control socket close;
+    Ray ends a dead job's actors), nothing of theirs is left, the cluster gets its CPUs back (the
+    driver's placement group goes with it) and serves a new pipeline."""
+    cpus_before = ray_cluster.available_resources().get("CPU", 0.0)
+    env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
+    _kill_driver_mid_generation(tiny_llama_dir, tmp_path, "ray", env=env)
+    deadline = time.monotonic() + TIMEOUT_S + MARGIN_S
+    while ray_cluster.available_resources().get("CPU", 0.0) < cpus_before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray_cluster.available_resources().get("CPU", 0.0) == cpus_before
+    with _llm(tiny_llama_dir, "ray") as again:  # the cluster serves a new pipeline
+        assert len(again.generate(PROMPTS[:1], SHORT)[0].outputs[0].token_ids) == 4
+
+
+TORCHRUN_RANK = r"""
+import json, os, sys, time
+
+import psutil
+
 from pprun import LLM, SamplingParams
 from pprun.executor.base import StageFailedError
-model_dir, out_dir = sys.argv[1], sys.argv[2]
+
+model_dir, out_dir, case, faults, timeout_s = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5])
 rank = int(os.environ["RANK"])
-os.environ["PPRUN_TEST_FAULTS"] = json.dumps({"1": {"kill_at_step": 3}})
-llm = LLM(model_dir, dtype="float32", device="cpu", pipeline_parallel_size=2, cpu_kv_cache_bytes=1 << 20,
-          max_model_len=128, stage_timeout_s=6)
+
+
+def write(name, data):
+    with open(os.path.join(out_dir, name + ".tmp"), "w") as f:
+        json.dump(data, f)
+    os.replace(os.path.join(out_dir, name + ".tmp"), os.path.join(out_dir, name))
+
+
+def ports():
+    return sorted({c.laddr.port for c in psutil.Process().net_connections("tcp") if c.laddr})
+
+
+write(f"start{rank}.json", {"pid": os.getpid(), "ports": [int(os.environ["MASTER_PORT"])]})
+common = dict(model=model_dir, dtype="float32", device="cpu", pipeline_parallel_size=2, max_model_len=128,
+              stage_timeout_s=timeout_s)
+prompts = [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5]}, {"prompt_token_ids": [6, 7, 8, 9]}]
+result = {}
+if case == "kv":
+    try:
+        LLM(**common, kv_cache_memory_bytes=4096)
+        result["error"] = None
+    except ValueError as e:
+        result["error"] = str(e)
+    with LLM(**common, cpu_kv_cache_bytes=1 << 20) as llm:  # a new LLM in the same process
+        result["ports"] = ports()
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    result["lengths"] = [len(o.outputs[0].token_ids) for o in outs]
+    write(f"rank{rank}.json", result)
+    sys.exit(0)
+os.environ["PPRUN_TEST_FAULTS"] = faults
+llm = LLM(**common, cpu_kv_cache_bytes=1 << 20)
+result["ports"] = ports()
+write(f"start{rank}.json", {"pid": os.getpid(), "ports": [int(os.environ["MASTER_PORT"])] + result["ports"]})
+t0 = time.monotonic()
 try:
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8, ignore_eos=True))
-    result = {"error": None}
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    result["error"] = None
 except StageFailedError as e:
-    result = {"error": str(e), "finish_reasons": [o.outputs[0].finish_reason for o in getattr(e, "outputs", [])]}
-with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-    json.dump(result, f)
-os._exit(1)
+    result["error"] = str(e)
+    result["finish_reasons"] = [o.outputs[0].finish_reason for o in getattr(e, "outputs", [])]
+result["seconds"] = time.monotonic() - t0
+write(f"rank{rank}.json", result)
+os._exit(1)  # as a failed job's rank would; interpreter teardown with a peer gone may abort in gloo
 """
 
 
-def test_killed_torchrun_rank_ends_the_others_with_an_error(tiny_llama_dir, tmp_path):
-    """external_launcher: rank 1 SIGKILLs itself at its third step; rank 0 does not wait in the
-    collective for good: it reports a StageFailedError with every request failed, within the
-    bound, and torchrun exits non-zero."""
+def _torchrun_job(model_dir, tmp_path, case: str, faults: dict) -> tuple[subprocess.CompletedProcess, dict, list]:
+    """Run ``TORCHRUN_RANK`` as a two-rank torchrun job (its temporary files in a directory of
+    its own); returns torchrun's result, each rank's result (absent: it died) and what the job
+    left behind once torchrun exited (``leftovers.job_left_behind``)."""
     import json
     import shutil
 
-    script = tmp_path / "killed.py"
-    script.write_text(TORCHRUN_KILLED)
+    from leftovers import job_left_behind
+
+    script = tmp_path / "rank.py"
+    script.write_text(TORCHRUN_RANK)
+    job_tmp = tmp_path / "tmp"
+    job_tmp.mkdir()
     torchrun = shutil.which("torchrun")
     cmd = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT", "PPRUN_TEST_FAULTS")}  # fmt: skip
-    t0 = time.monotonic()
-    proc = subprocess.run([*cmd, "--standalone", "--nproc-per-node", "2", str(script), str(tiny_llama_dir),
-                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
+    env.update(TMPDIR=str(job_tmp), OMP_NUM_THREADS="1")
+    proc = subprocess.run([*cmd, "--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
+                           str(script), str(model_dir), str(tmp_path), case, json.dumps(faults), str(TIMEOUT_S)],
+                          env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
+    ranks = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)
+             if (tmp_path / f"rank{r}.json").exists()}  # fmt: skip
+    started = [json.loads((tmp_path / f"start{r}.json").read_text()) for r in (0, 1)]
+    pids = [s["pid"] for s in started]
+    ports = sorted({p for s in [*started, *ranks.values()] for p in s.get("ports", [])})
+    return proc, ranks, job_left_behind(pids, ports, str(job_tmp))
+
+
+def _job_failed_cleanly(proc, ranks: dict, left: list, survivor: int, match: str) -> None:
+    """The torchrun cells' checks: torchrun exited non-zero; the surviving rank raised the
+    documented error within the timeout plus the margin with every request ended as "error";
+    the job left nothing behind."""
     assert proc.returncode != 0
-    assert not (tmp_path / "rank1.json").exists()  # it died
-    rank0 = json.loads((tmp_path / "rank0.json").read_text())
-    assert rank0["error"] and "torchrun rank 0" in rank0["error"], rank0
-    assert rank0["finish_reasons"] == ["error"]
-    assert time.monotonic() - t0 < 120  # start-up of two interpreters included
+    res = ranks.get(survivor)
+    assert res is not None, f"rank {survivor} wrote no result:\n{proc.stderr[-6000:]}"
+    assert res["error"] and re.search(match, res["error"]), res
+    assert res["finish_reasons"] == ["error"] * 3, res
+    assert res["seconds"] < TIMEOUT_S + MARGIN_S, res
+    assert left == [], left
+
+
+def test_failing_torchrun_rank_ends_every_rank_with_an_error(tiny_llama_dir, tmp_path):
+    """external_launcher: rank 1 raises in its third step; it reports its own error, and rank 0
+    learns of it from the broken channel instead of waiting forever; both end every request
+    with "error" within the bound, and the job leaves nothing."""
+    proc, ranks, left = _torchrun_job(tiny_llama_dir, tmp_path, "fault", {"1": {"raise_at_step": 3}})
+    assert "injected failure in stage 1" in ranks[1]["error"] and ranks[1]["finish_reasons"] == ["error"] * 3, ranks
+    _job_failed_cleanly(proc, ranks, left, survivor=0, match="torchrun rank 0")
+
+
+def test_killed_torchrun_rank_ends_the_others_with_an_error(tiny_llama_dir, tmp_path):
+    """external_launcher: rank 1 (the last stage) SIGKILLs itself at its third step; rank 0 does
+    not wait in the collective for good: it reports a StageFailedError with every request
+    failed, within the bound, and torchrun exits non-zero, leaving nothing."""
+    proc, ranks, left = _torchrun_job(tiny_llama_dir, tmp_path, "fault", {"1": {"kill_at_step": 3}})
+    assert 1 not in ranks  # it died
+    _job_failed_cleanly(proc, ranks, left, survivor=0, match="rank 0")
+
+
+def test_killed_torchrun_rank_0(tiny_llama_dir, tmp_path):
+    """external_launcher: rank 0 (the first stage) SIGKILLs itself at its third step, while
+    rank 1 waits to receive that step's hidden states: rank 1 reports the broken hop."""
+    proc, ranks, left = _torchrun_job(tiny_llama_dir, tmp_path, "fault", {"0": {"kill_at_step": 3}})
+    assert 0 not in ranks
+    _job_failed_cleanly(proc, ranks, left, survivor=1, match="torchrun rank 1")
+
+
+def test_stopped_torchrun_rank(tiny_llama_dir, tmp_path):
+    """external_launcher: rank 1 SIGSTOPs itself at its third step (alive, silent): rank 0's next
+    wait on it (its send of hidden states, or the step's output from the last stage) times out
+    after ``stage_timeout_s``; torchrun then ends the stopped rank (SIGTERM, SIGKILL after its
+    30 s grace) and exits non-zero."""
+    proc, ranks, left = _torchrun_job(tiny_llama_dir, tmp_path, "fault", {"1": {"stop_at_step": 3}})
+    assert 1 not in ranks
+    _job_failed_cleanly(proc, ranks, left, survivor=0,
+                        match=r"torchrun rank 0 .*Timed out|rank 0: no output of step \d+ from the last stage")  # fmt: skip
+
+
+def test_torchrun_kv_cache_that_cannot_fit(tiny_llama_dir, tmp_path):
+    """external_launcher: a KV cache too small for one request is a ValueError naming the
+    setting on every rank before any request runs; the process group is torn down and a new LLM
+    in the same processes serves; the job exits 0 and leaves nothing."""
+    proc, ranks, left = _torchrun_job(tiny_llama_dir, tmp_path, "kv", {})
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    for r in (0, 1):
+        assert re.search(r"KV cache is too small.*kv_cache_memory_bytes", ranks[r]["error"]), ranks[r]
+        assert ranks[r]["lengths"] == [4, 4, 4]
+    assert left == [], left

@@ -156,44 +156,6 @@ def test_spmd_ranks_match_each_other_and_pp1(tiny_llama: Path, reference_tokens,
         assert res["auto"]["describe"]["kv_blocks_per_stage"] == expected_blocks
 
 
-FAILING_SCRIPT = r"""
-import json, os, sys
-
-from pprun import LLM, SamplingParams
-from pprun.engine.llm import GenerationFailedError
-
-model_dir, out_dir = sys.argv[1], sys.argv[2]
-rank = int(os.environ["RANK"])
-os.environ["PPRUN_TEST_FAULTS"] = json.dumps({"1": {"raise_at_step": 3}})  # every rank reads it (pprun.worker.faults)
-llm = LLM(model_dir, dtype="float32", device="cpu", pipeline_parallel_size=2, cpu_kv_cache_bytes=1 << 20, max_model_len=128,
-          stage_timeout_s=30)
-try:
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8, ignore_eos=True))
-    result = {"error": None}
-except GenerationFailedError as e:
-    result = {"error": str(e), "finish_reasons": [o.outputs[0].finish_reason for o in e.outputs]}
-with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-    json.dump(result, f)
-# Skip interpreter teardown: gloo may abort when a process group's peer vanished mid-step.
-os._exit(0)
-"""
-
-
-def test_failing_stage_ends_every_rank_with_an_error(tiny_llama: Path, tmp_path: Path) -> None:
-    script = tmp_path / "failing.py"
-    script.write_text(FAILING_SCRIPT)
-    # The exit code is not the point here (see os._exit above): both ranks must report the error.
-    proc = _torchrun([str(script), str(tiny_llama), str(tmp_path)], cwd=tmp_path, check=False)
-    missing = [r for r in range(2) if not (tmp_path / f"rank{r}.json").exists()]
-    assert not missing, f"ranks {missing} wrote no result:\n{proc.stderr[-6000:]}"
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    # Rank 1 raised; rank 0 learns it from the broken channel instead of waiting forever.
-    assert "injected failure in stage 1" in ranks[1]["error"]
-    assert "torchrun rank 0" in ranks[0]["error"]
-    for res in ranks:
-        assert res["finish_reasons"] == ["error"]
-
-
 def test_torchrun_generate_launcher(tiny_llama: Path, reference_tokens, tmp_path: Path) -> None:
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))

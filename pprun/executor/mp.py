@@ -79,11 +79,11 @@ class MpExecutor(RemoteStagesExecutor):
         """Executor and placement."""
         return f"mp ({self.pp_size} local processes)"
 
-    def _stage_exits(self) -> list[tuple[int, str]]:
+    def _stage_exits(self, crashed_only: bool = False) -> list[tuple[int, str]]:
         return [
             (rank, f"stage {rank} died (process exited with code {p.poll()})")
             for rank, p in enumerate(self.procs)
-            if p.poll() is not None
+            if p.poll() is not None and not (crashed_only and p.poll() == 0)
         ]
 
     def _stop_processes(self, grace_s: float) -> None:

@@ -183,7 +183,7 @@ class RayExecutor(RemoteStagesExecutor):
         nodes = len(set(self.stage_node_ids))
         return f"ray ({self.pp_size} actors, {self.placement_strategy} on {nodes} node{'s' if nodes != 1 else ''})"
 
-    def _stage_exits(self) -> list[tuple[int, str]]:
+    def _stage_exits(self, crashed_only: bool = False) -> list[tuple[int, str]]:
         import ray
 
         refs = self.run_refs
@@ -195,6 +195,8 @@ class RayExecutor(RemoteStagesExecutor):
             rank = refs.index(ref)
             try:
                 ray.get(ref)
+                if crashed_only:
+                    continue
                 why = "returned early"
             except Exception as e:  # the actor died: RayActorError and friends
                 first = str(e).splitlines()[0] if str(e) else ""

@@ -350,16 +350,21 @@ class RemoteStagesExecutor(Executor):
 
     def _dead_stages(self, exclude: int | None = None, grace_s: float = 0.5) -> str:
         """Describe stages whose process is gone ("" if none); waits up to ``grace_s`` for a
-        death that is still being noticed."""
+        death that is still being noticed.
+
+        With ``exclude`` (the stage whose error just arrived) only stages that crashed or were
+        killed count: a stage that exited cleanly did so after reporting an error of its own
+        (the echo of this one), and naming it as the dead one would blame the wrong stage."""
         deadline = time.monotonic() + grace_s
         while True:
-            dead = [why for rank, why in self._stage_exits() if rank != exclude]
+            dead = [why for rank, why in self._stage_exits(crashed_only=exclude is not None) if rank != exclude]
             if dead or time.monotonic() >= deadline or exclude is None:
                 return "; ".join(dead)
             time.sleep(0.05)
 
-    def _stage_exits(self) -> list[tuple[int, str]]:
-        """Subclasses: ``(rank, why)`` for each stage whose process has exited."""
+    def _stage_exits(self, crashed_only: bool = False) -> list[tuple[int, str]]:
+        """Subclasses: ``(rank, why)`` for each stage whose process has exited (``crashed_only``:
+        leave out those that exited cleanly, code 0 or a normal return)."""
         return []
 
     def _setup_stages(self) -> None:
