@@ -137,6 +137,29 @@ def test_abort_ends_stream_and_frees_blocks(tiny_llama_dir):
         engine.shutdown()
 
 
+def test_abort_frees_blocks_within_one_step(tiny_llama_dir):
+    """Counted in engine steps (``AsyncEngine.num_steps``): after ``abort()`` returns, at most
+    the one step the engine thread may already have been submitting runs before the blocks are
+    freed; the step that reports the abort schedules nothing.  A request whose abort waited for
+    its own turn would keep stepping (one token per step, 400 allowed)."""
+    engine = AsyncEngine(tiny_config(tiny_llama_dir))
+    free_at_start = engine.num_free_blocks()
+    try:
+        stream = engine.add_request(TOKEN_PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+        it = iter(stream)
+        for _ in range(3):
+            assert not next(it).finished
+        assert engine.abort(stream.request_id)
+        steps_at_abort = engine.num_steps
+        rest = list(it)
+        assert rest[-1].finish_reason == "abort"
+        assert engine.num_free_blocks() == free_at_start
+        assert engine.num_steps - steps_at_abort <= 1, (steps_at_abort, engine.num_steps)
+        assert sum(len(d.token_ids) for d in rest) <= 1
+    finally:
+        engine.shutdown()
+
+
 def test_bad_requests_are_refused_before_queueing(tiny_llama_dir):
     engine = AsyncEngine(tiny_config(tiny_llama_dir), max_queued_requests=0)
     try:

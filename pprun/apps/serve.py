@@ -13,6 +13,9 @@ from pprun.config.config import ServeAppConfig
 def run(cfg: ServeAppConfig) -> None:
     """Validate the server settings, start the engine and serve (returns after draining)."""
     cfg.serve.validate()
+    from pprun.serve.layout import check_servable, engine_config
+
+    check_servable(engine_config(cfg))
     from pprun.serve.server import serve
 
     serve(cfg)

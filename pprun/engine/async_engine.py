@@ -58,34 +58,67 @@ class RequestStream:
     """The deltas of one request, in order; the last one has ``finished=True``.
 
     Iterate with ``async for`` when the request was added with an event loop (the deltas are
-    delivered on that loop), or with ``for`` (blocking) when it was added without one.
+    delivered on that loop), or with ``for`` (blocking) when it was added without one.  An
+    ``async for`` reader that falls behind the engine gets the deltas that piled up merged into
+    one (:func:`merge_deltas`): a slow client costs one wake-up and one message per read, not one
+    per step, and what it receives joins to the same output.
     """
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None) -> None:
         self.request_id = request_id
         self.loop = loop
-        self._queue: asyncio.Queue | queue.SimpleQueue = asyncio.Queue() if loop is not None else queue.SimpleQueue()
+        self._pending: list[RequestDelta] = []
+        """Delivered, not yet read (asyncio streams; touched on the loop's thread only)."""
+        self._waiter: asyncio.Future | None = None
+        self._queue: queue.SimpleQueue | None = queue.SimpleQueue() if loop is None else None
         self.finished = False
 
     def _put(self, delta: RequestDelta) -> None:
         """Deliver a delta (on the stream's loop for asyncio streams)."""
-        self._queue.put_nowait(delta)
+        if self._queue is not None:
+            self._queue.put(delta)
+            return
+        self._pending.append(delta)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def __aiter__(self) -> AsyncIterator[RequestDelta]:
         if self.loop is None:
             raise TypeError("this stream was added without an event loop: iterate it with `for`")
         while not self.finished:
-            delta = await self._queue.get()
+            if not self._pending:
+                self._waiter = self.loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            pending, self._pending = self._pending, []
+            delta = pending[0] if len(pending) == 1 else merge_deltas(pending)
             self.finished = delta.finished
             yield delta
 
     def __iter__(self) -> Iterator[RequestDelta]:
-        if self.loop is not None:
+        if self._queue is None:
             raise TypeError("this stream delivers on an event loop: iterate it with `async for`")
         while not self.finished:
             delta = self._queue.get()
             self.finished = delta.finished
             yield delta
+
+
+def merge_deltas(deltas: list[RequestDelta]) -> RequestDelta:
+    """Consecutive deltas of one request as one: tokens, text and logprobs joined; the last
+    one's state (finished, reasons, counts, timings)."""
+    last = deltas[-1]
+    logprobs = None
+    if any(d.logprobs is not None for d in deltas):
+        logprobs = [lp for d in deltas for lp in (d.logprobs or ())]
+    return RequestDelta(
+        last.request_id, [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas), logprobs,
+        finished=last.finished, finish_reason=last.finish_reason, stop_reason=last.stop_reason, error=last.error,
+        num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens, metrics=last.metrics,
+    )  # fmt: skip
 
 
 @dataclass
@@ -109,6 +142,8 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None
+    arrival_time: float
+    """When the request was accepted (validated and queued): what its TTFT counts from."""
 
 
 @dataclass
@@ -170,6 +205,12 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         """Requests accepted whose last delta has not been delivered yet."""
         return len(self._active)
+
+    @property
+    def num_steps(self) -> int:
+        """Steps the engine has submitted so far (``LLMEngine.num_steps``): what "within one
+        step" is counted in."""
+        return self.engine.num_steps
 
     def num_free_blocks(self) -> int:
         """KV blocks free in the scheduler's block manager (a consistent snapshot of one int)."""
@@ -233,7 +274,7 @@ class AsyncEngine:
                     f"(scheduler.max_num_seqs + serve.max_queued_requests = {self.max_unfinished}); retry later"
                 )
             self._active[req_id] = active
-        self._commands.put(_Add(req_id, ids, params, text))
+        self._commands.put(_Add(req_id, ids, params, text, time.time()))
         return active.stream
 
     async def generate(self, prompt: str | dict, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestDelta]:
@@ -264,15 +305,20 @@ class AsyncEngine:
 
     # --- lifecycle --------------------------------------------------------------------------------
 
+    def stop_accepting(self) -> None:
+        """Refuse new requests from now on (:class:`EngineClosedError`); running ones go on.
+        The first step of :meth:`shutdown`, callable ahead of it."""
+        was_healthy = self.healthy
+        self._closing = True
+        if was_healthy:
+            self._health_changed()
+
     def shutdown(self, drain_timeout_s: float = 30.0) -> None:
         """Refuse new requests, give running ones ``drain_timeout_s`` to finish, abort the rest,
         then stop the engine thread and the stages.  Idempotent."""
         if self._stop:
             return
-        was_healthy = self.healthy
-        self._closing = True
-        if was_healthy:
-            self._health_changed()
+        self.stop_accepting()
         deadline = time.monotonic() + max(0.0, drain_timeout_s)
         with self._lock:
             self._lock.wait_for(lambda: not self._active, timeout=max(0.0, deadline - time.monotonic()))
@@ -342,6 +388,11 @@ class AsyncEngine:
         except Exception as e:  # validated already; anything here is the engine's own refusal
             self._end(active, self._error_delta(active, f"{type(e).__name__}: {e}"))
             return
+        # The request arrived when it was accepted, not when this thread got to it: a wait behind
+        # a running step is the engine's scheduling (counted in its TTFT), as for offline requests
+        # added while the engine steps.
+        tracked = self.engine.tracked[cmd.request_id]
+        tracked.req.arrival_time = tracked.metrics.arrival_time = cmd.arrival_time
         active.in_engine = True
 
     def _apply_abort(self, request_id: str) -> int:

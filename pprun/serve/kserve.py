@@ -226,8 +226,9 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
                 else:
                     pieces.append(delta.text)
         finally:
-            if not stream.finished:
-                self.engine.abort(stream.request_id)
+            if not stream.finished and self.engine.abort(stream.request_id):
+                logger.info("request %s (KServe id %r) aborted: its call ended before the last response "
+                            "(client gone, cancelled or past its deadline)", stream.request_id, req.id)
         if not streaming:
             text = "".join(pieces)
             if not parsed.exclude_input:

@@ -111,8 +111,9 @@ class PprunService(pprun_pb2_grpc.PprunServicer):
                 yield response_from_delta(delta)
         finally:
             # Cancelled (client gone, deadline passed) or failed mid-stream: free its blocks.
-            if not stream.finished:
-                self.engine.abort(stream.request_id)
+            if not stream.finished and self.engine.abort(stream.request_id):
+                logger.info("request %s aborted: its Generate call ended before the last response "
+                            "(client gone, cancelled or past its deadline)", stream.request_id)
 
     async def Abort(self, request: pprun_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> pprun_pb2.AbortResponse:  # noqa: N802
         """Abort a running request by id; NOT_FOUND when none runs under that id."""

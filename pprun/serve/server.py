@@ -27,6 +27,7 @@ from pprun.engine.async_engine import AsyncEngine
 from pprun.serve._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from pprun.serve._proto.pprun.v1 import pprun_pb2, pprun_pb2_grpc
 from pprun.serve.kserve import KServeService
+from pprun.serve.layout import check_servable, engine_config
 from pprun.serve.pprun_api import PprunService
 
 logger = logging.getLogger(__name__)
@@ -80,13 +81,19 @@ class MalformedRequest:
 
 
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
-    """Answers INVALID_ARGUMENT to a unary request whose bytes are not its method's message
-    (gRPC itself would answer UNKNOWN: bad input must read as bad input)."""
+    """Answers INVALID_ARGUMENT to a request whose bytes are not its method's message (gRPC
+    itself would answer UNKNOWN to a unary call and end a streaming one as if the client had
+    finished: bad input must read as bad input).
+
+    On a request stream (KServe ``ModelStreamInfer``) nothing after a malformed message is read:
+    the requests already taken from the stream finish and send their responses, then the call
+    ends with INVALID_ARGUMENT naming the method.
+    """
 
     async def intercept_service(self, continuation, handler_call_details):
-        """Wrap the handler's deserializer and behaviour (unary requests, async handlers)."""
+        """Wrap the handler's deserializer and behaviour (async handlers)."""
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None:
             return handler
         method = handler_call_details.method
         parse = handler.request_deserializer
@@ -97,9 +104,12 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             except Exception as e:  # DecodeError and friends
                 return MalformedRequest(e)
 
-        def refusal(request) -> str:
+        def refusal(request: MalformedRequest) -> str:
             return f"the request to {method} is not a valid message: {request.error}"
 
+        serializer = handler.response_serializer
+        if handler.request_streaming:
+            return self._wrap_request_stream(handler, deserialize, refusal)
         if handler.response_streaming:
             behavior = handler.unary_stream
             if not inspect.isasyncgenfunction(behavior):
@@ -111,7 +121,7 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
                 async for item in behavior(request, context):
                     yield item
 
-            return grpc.unary_stream_rpc_method_handler(stream, deserialize, handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(stream, deserialize, serializer)
         behavior = handler.unary_unary
 
         async def unary(request, context):
@@ -119,7 +129,45 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal(request))
             return await behavior(request, context)
 
-        return grpc.unary_unary_rpc_method_handler(unary, deserialize, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(unary, deserialize, serializer)
+
+    @staticmethod
+    def _wrap_request_stream(handler, deserialize, refusal):
+        """A request-streaming handler whose request iterator stops at the first malformed
+        message; the call then ends INVALID_ARGUMENT once the handler has finished."""
+        streaming_out = handler.response_streaming
+        behavior = handler.stream_stream if streaming_out else handler.stream_unary
+        if not (inspect.isasyncgenfunction(behavior) if streaming_out else inspect.iscoroutinefunction(behavior)):
+            return handler  # a sync handler reads its requests another way: left as gRPC runs it
+
+        def until_malformed(request_iterator, bad: list[MalformedRequest]):
+            async def requests():
+                async for request in request_iterator:
+                    if isinstance(request, MalformedRequest):
+                        bad.append(request)
+                        return
+                    yield request
+
+            return requests()
+
+        if streaming_out:
+            async def bidi(request_iterator, context):
+                bad: list[MalformedRequest] = []
+                async for item in behavior(until_malformed(request_iterator, bad), context):
+                    yield item
+                if bad:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal(bad[0]))
+
+            return grpc.stream_stream_rpc_method_handler(bidi, deserialize, handler.response_serializer)
+
+        async def client_stream(request_iterator, context):
+            bad: list[MalformedRequest] = []
+            response = await behavior(until_malformed(request_iterator, bad), context)
+            if bad:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal(bad[0]))
+            return response
+
+        return grpc.stream_unary_rpc_method_handler(client_stream, deserialize, handler.response_serializer)
 
 
 def served_model_name(cfg: ServeAppConfig) -> str:
@@ -202,6 +250,8 @@ async def serve_engine(engine: AsyncEngine, cfg: ServeAppConfig, stop: asyncio.E
             pass
     await stop.wait()
     logger.info("pprun serve: draining (up to %.1f s), then stopping", sc.drain_timeout_s)
+    # Refusing first, health second: a client that reads NOT_SERVING and then calls is refused.
+    engine.stop_accepting()
     await set_health(False)
     # The engine refuses new requests, lets running ones finish (their streams still flow on
     # this loop), aborts what is left at the timeout and stops the stages.
@@ -215,7 +265,9 @@ def serve(cfg: ServeAppConfig) -> None:
     draining, so the process exits 0."""
     cfg.serve.validate()
     read_token(cfg.serve)  # a bad token file fails before the model loads
-    engine = AsyncEngine(cfg.pprun_config(), max_queued_requests=cfg.serve.max_queued_requests)
+    engine_cfg = engine_config(cfg)
+    check_servable(engine_cfg)
+    engine = AsyncEngine(engine_cfg, max_queued_requests=cfg.serve.max_queued_requests)
     try:
         asyncio.run(serve_engine(engine, cfg))
     finally:
