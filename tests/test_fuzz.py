@@ -1,15 +1,20 @@
 """Fuzzed inputs (hypothesis): sampling parameters, prompts (text, token ids, dicts, chat messages,
 multimodal dicts), ``LLM`` keyword arguments and Hydra overrides.  Bad input is only ever a
-``ValueError`` or ``TypeError`` whose message names the field; never another exception or a hang;
-and the engine still serves the next valid request with the same tokens.
+``ValueError`` or ``TypeError`` whose message names the field (Hydra's and OmegaConf's own
+errors for overrides Hydra refuses, naming the key); never another exception, a crashed stage or
+a hang; and the engine still serves the next valid request with the same tokens.
 
-One engine (the demo model, ``uni``: it has a tokenizer and a chat template) serves every
-example; example counts are modest to fit the CI budget (``FUZZ_EXAMPLES`` below).
+One pp=2 engine (``mp``, V2 runner, the tiny Llama with a tokenizer and a chat template from
+``tests/tiny_tokenizer.py``) serves every example of the request fuzzers, so a bad value that
+got past validation would fail a stage process, not only the driver; after each example it must
+still give the reference tokens.  Valid fuzzed ``LLM`` keyword sets are built into real engines
+(a sample).  Example counts are printed at the end of the module.
 """
 
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -24,8 +29,10 @@ FUZZ_EXAMPLES = 120
 FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
 CHECK = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-CHECK_PROMPT = {"prompt_token_ids": [1, 504, 3426, 314]}
+CHECK_PROMPT = {"prompt_token_ids": [1, 50, 34, 31]}
 EXAMPLES_TRIED: dict[str, int] = {}
+HYDRA_ERRORS: dict[str, int] = {}
+"""Exception types the Hydra override fuzzer met, by name."""
 
 # Values of every kind: right and wrong types, edge numbers, NaN and infinities, huge, strings.
 ANY = st.one_of(
@@ -37,14 +44,41 @@ ANY = st.one_of(
 
 
 @pytest.fixture(scope="module")
-def llm(demo_model_dir):
-    with LLM(str(demo_model_dir), dtype="float32", executor="uni", runner="v1", max_model_len=256,
-             max_num_seqs=8) as llm:  # fmt: skip
-        llm.reference = llm.generate(CHECK_PROMPT, CHECK)[0].outputs[0].token_ids
-        yield llm
-        # The engine still serves, with the same tokens, after every fuzz example.
-        assert llm.generate(CHECK_PROMPT, CHECK)[0].outputs[0].token_ids == llm.reference
-    print(f"\nfuzz examples tried: {EXAMPLES_TRIED} ({sum(EXAMPLES_TRIED.values())} in all)")
+def fuzz_model_dir(tmp_path_factory):
+    """The 4-layer tiny Llama with the two-letter tokenizer and its chat template."""
+    from tiny_models import make_tiny_llama
+    from tiny_tokenizer import make_two_letter_tokenizer
+
+    return make_two_letter_tokenizer(make_tiny_llama(tmp_path_factory.mktemp("fuzz_llama"), num_layers=4))
+
+
+@pytest.fixture(scope="module")
+def llm(fuzz_model_dir, request):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")  # the stages' intra-op threads: one each on two cores
+        engine = LLM(str(fuzz_model_dir), dtype="float32", executor="mp", pipeline_parallel_size=2, runner="v2",
+                     max_model_len=256, max_num_seqs=8, stage_timeout_s=60)  # fmt: skip
+    with engine:
+        engine.reference = engine.generate(CHECK_PROMPT, CHECK)[0].outputs[0].token_ids
+        yield engine
+        still_serves(engine)
+    summary = f"fuzz examples tried: {EXAMPLES_TRIED} ({sum(EXAMPLES_TRIED.values())} in all)"
+    if HYDRA_ERRORS:
+        summary += f"; Hydra override errors by type: {HYDRA_ERRORS}"
+    say(request, summary)
+
+
+def say(request, line: str) -> None:
+    """Print ``line`` past pytest's output capture (CI logs show it without ``-s``)."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print(f"\n{line}", flush=True)
+
+
+def still_serves(llm) -> None:
+    """The engine gives the reference tokens (no stage crashed, nothing was left in it)."""
+    assert llm.generate(CHECK_PROMPT, CHECK)[0].outputs[0].token_ids == llm.reference
+    assert not llm.engine.has_unfinished_requests()
 
 
 def _count(name: str) -> None:
@@ -73,10 +107,11 @@ def test_fuzzed_sampling_params(llm, kwargs, max_tokens):
         outs = llm.generate(CHECK_PROMPT, params)
     except (ValueError, TypeError) as e:
         assert _names_a_field(e, kwargs), f"{kwargs}: {e}"
-        return
-    n = kwargs.get("n", 1)
-    assert len(outs) == 1 and len(outs[0].outputs) == n
-    assert all(len(c.token_ids) <= kwargs["max_tokens"] for c in outs[0].outputs)
+    else:
+        n = kwargs.get("n", 1)
+        assert len(outs) == 1 and len(outs[0].outputs) == n
+        assert all(len(c.token_ids) <= kwargs["max_tokens"] for c in outs[0].outputs)
+    still_serves(llm)
 
 
 PROMPTS = st.one_of(
@@ -97,8 +132,9 @@ def test_fuzzed_prompts(llm, prompts):
         outs = llm.generate(prompts, CHECK)
     except (ValueError, TypeError) as e:
         assert "prompt" in str(e), f"{prompts!r}: {e}"
-        return
-    assert all(o.outputs[0].finish_reason in ("length", "stop") for o in outs)
+    else:
+        assert all(o.outputs[0].finish_reason in ("length", "stop") for o in outs)
+    still_serves(llm)
 
 
 MESSAGE = st.one_of(
@@ -117,8 +153,9 @@ def test_fuzzed_chat_messages(llm, messages):
         outs = llm.chat(messages, CHECK)
     except (ValueError, TypeError) as e:
         assert any(w in str(e) for w in ("message", "role", "content", "conversation", "chat")), f"{messages!r}: {e}"
-        return
-    assert all(o.outputs[0].finish_reason in ("length", "stop") for o in outs)
+    else:
+        assert all(o.outputs[0].finish_reason in ("length", "stop") for o in outs)
+    still_serves(llm)
 
 
 LLM_KWARGS = ["pipeline_parallel_size", "executor", "dtype", "max_num_seqs", "max_model_len", "block_size",
@@ -131,7 +168,7 @@ LLM_KWARGS = ["pipeline_parallel_size", "executor", "dtype", "max_num_seqs", "ma
 @given(kwargs=st.dictionaries(st.sampled_from(LLM_KWARGS), ANY, min_size=1, max_size=3))
 def test_fuzzed_llm_keyword_arguments(tiny_llama_dir, kwargs):
     """What ``LLM(...)`` does before any process starts: the config from keyword arguments, then
-    its validation (a valid set would start an engine; that part is the other tests' business)."""
+    its validation (valid sets are built into engines by the next test)."""
     from pprun.config.config import PprunConfig
     from pprun.config.validate import validate_config
 
@@ -140,6 +177,82 @@ def test_fuzzed_llm_keyword_arguments(tiny_llama_dir, kwargs):
         validate_config(PprunConfig.from_kwargs(model=str(tiny_llama_dir), **kwargs))
     except (ValueError, TypeError) as e:
         assert _names_a_field(e, kwargs), f"{kwargs}: {e}"
+
+
+PLAUSIBLE = {
+    "pipeline_parallel_size": [1, 2, 3, 0, "2", 2.0],
+    "executor": ["uni", "mp", "ray", "external_launcher", "threads"],
+    "dtype": ["float32", "bfloat16", "float16", "fp8"],
+    "max_num_seqs": [1, 4, 64, 0, -1],
+    "max_model_len": [32, 128, 4096, 0],
+    "block_size": [8, 16, 32, 7, 0],
+    "max_num_batched_tokens": [16, 64, 2048, 0],
+    "stage_timeout_s": [5, 60.0, 0, -1, math.inf],
+    "runner": ["auto", "v1", "v2", "v3"],
+    "seed": [0, 7, None, -1, "x"],
+    "kv_cache_memory_bytes": [None, 1 << 20, 4096, -5],
+    "enable_chunked_prefill": [True, False, "yes"],
+    "layer_partition": [None, [2, 2], [1, 3], [4], [3, 3], [0, 4]],
+    "microbatches": [None, 1, 2, 3, 0],
+    "async_pipeline": [None, True, False],
+    "device": ["cpu", "auto", "cuda", "tpu"],
+    "gpu_memory_utilization": [0.5, 0.9, 1.5, 0],
+    "cudagraph_mode": ["none", "full", "piecewise", "bogus"],
+}
+"""Values an ``LLM`` keyword is likely to be given (right ones and near misses), for valid sets."""
+ENGINES_BUILT = {"one stage": 3, "pipeline": 3}
+"""Valid keyword sets built into real engines (each starts its stages), by pipeline size."""
+
+
+def test_valid_fuzzed_llm_keyword_arguments_build_engines_that_serve(fuzz_model_dir, llm, request):
+    """Random keyword sets from :data:`PLAUSIBLE` (seeded): invalid ones fail validation naming a
+    field; the first valid ones (:data:`ENGINES_BUILT`, on this machine) start a real engine that
+    serves the check request (the reference tokens where the arithmetic is float32), or refuse
+    at start-up with a ValueError naming a field (a KV cache too small), and leave it cleanly."""
+    from pprun.config.config import PprunConfig
+    from pprun.config.validate import validate_config
+
+    rng = random.Random(0)
+    outcomes = {"invalid": 0, "served": 0, "refused at start-up": 0}
+    built: list[dict] = []
+    wanted = dict(ENGINES_BUILT)
+    for _ in range(2000):
+        if not any(wanted.values()):
+            break
+        names = rng.sample(sorted(PLAUSIBLE), rng.randint(1, 4))
+        if "pipeline_parallel_size" not in names and rng.random() < 0.5:
+            names.append("pipeline_parallel_size")  # half the sets: pipelines, not only one stage
+        kwargs = {n: rng.choice(PLAUSIBLE[n]) for n in names}
+        _count("llm_kwargs_built")
+        try:
+            validate_config(PprunConfig.from_kwargs(model=str(fuzz_model_dir), **kwargs))
+        except (ValueError, TypeError) as e:
+            assert _names_a_field(e, kwargs), f"{kwargs}: {e}"
+            outcomes["invalid"] += 1
+            continue
+        size = "pipeline" if kwargs.get("pipeline_parallel_size", 1) not in (1, "1") else "one stage"
+        if kwargs in built or not wanted[size]:
+            continue
+        wanted[size] -= 1
+        built.append(kwargs)
+        if kwargs.get("executor") == "ray":
+            request.getfixturevalue("ray_cluster")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("OMP_NUM_THREADS", "1")
+            try:
+                engine = LLM(str(fuzz_model_dir), **kwargs)
+            except ValueError as e:
+                assert _names_a_field(e, [*kwargs, "kv_cache_memory_bytes", "max_model_len"]), f"{kwargs}: {e}"
+                outcomes["refused at start-up"] += 1
+                continue
+        with engine:
+            tokens = engine.generate(CHECK_PROMPT, CHECK)[0].outputs[0].token_ids
+        if kwargs.get("dtype", "float32") == "float32":
+            assert tokens == llm.reference, kwargs
+        assert len(tokens) == CHECK.max_tokens, kwargs
+        outcomes["served"] += 1
+    assert len(built) == sum(ENGINES_BUILT.values()) and outcomes["served"] > 0, (built, outcomes)
+    say(request, f"valid LLM keyword sets built: {built} ({outcomes})")
 
 
 OVERRIDE_KEYS = ["parallel.pipeline_parallel_size", "parallel.executor", "scheduler.max_num_seqs",
@@ -167,6 +280,7 @@ def test_fuzzed_hydra_overrides(tiny_llama_dir, overrides):
             cfg = compose("generate", overrides=args)
         validate_config(PprunConfig.from_omegaconf(cfg))
     except (ValueError, TypeError, HydraException, OmegaConfBaseException) as e:
+        HYDRA_ERRORS[type(e).__name__] = HYDRA_ERRORS.get(type(e).__name__, 0) + 1
         assert _names_a_field(e, [k.split(".")[-1] for k in overrides]), f"{args}: {e}"
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 from leftovers import Snapshot
+from tiny_tokenizer import LETTERS
 
 from pprun import LLM, SamplingParams
 from pprun.engine.outputs import RequestOutput
@@ -47,32 +48,15 @@ requests); 8 MiB over the 4,000 requests after warm-up is about 2 KiB per reques
 a request's prompt, outputs or logits would trip it."""
 NUM_ALONE = 40
 """Greedy and seeded requests replayed alone after the soak."""
-LETTERS = "abcdefghijklmnop"
-
-
-def make_tokenizer(path: Path) -> None:
-    """A 256-token tokenizer in ``path``: token ``i`` is the two letters ``LETTERS[i % 16] +
-    LETTERS[i // 16]`` (1 and 2 are BOS and EOS, as in the tiny Llama), so random outputs spell
-    text in which short random stop strings occur often."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {LETTERS[i % 16] + LETTERS[i // 16]: i for i in range(256)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="aa"))
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern=Regex(".."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="ba", eos_token="ca", unk_token="aa")
-    fast.save_pretrained(path)
 
 
 @pytest.fixture(scope="module")
 def soak_model_dir(tmp_path_factory) -> Path:
-    """The 4-layer tiny Llama with :func:`make_tokenizer`'s tokenizer beside it."""
+    """The 4-layer tiny Llama with a tokenizer (``tests/tiny_tokenizer.py``) beside it."""
     from tiny_models import make_tiny_llama
+    from tiny_tokenizer import make_two_letter_tokenizer
 
-    path = make_tiny_llama(tmp_path_factory.mktemp("soak_llama"), num_layers=4)
-    make_tokenizer(path)
-    return path
+    return make_two_letter_tokenizer(make_tiny_llama(tmp_path_factory.mktemp("soak_llama"), num_layers=4))
 
 
 def draw_request(rng: random.Random) -> dict:
