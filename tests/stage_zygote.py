@@ -107,6 +107,9 @@ class Zygote:
     """A template process (a child of this one) that forks ``mp`` stage processes on request."""
 
     def __init__(self, env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ if env is None else env)
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout under test
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
             [sys.executable, "-c", TEMPLATE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
         )

@@ -25,6 +25,8 @@ from leftovers import Snapshot
 from pprun import LLM, SamplingParams
 from pprun.executor.base import StageFailedError
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The checkout under test: subprocesses (a driver, torchrun's ranks) import pprun from it."""
 TIMEOUT_S = 6.0
 """``parallel.stage_timeout_s`` of the cells (short: a silent stage must trip it)."""
 MARGIN_S = 25.0
@@ -136,6 +138,8 @@ def _kill_driver_mid_generation(model_dir, tmp_path, executor: str, env: dict | 
 
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
+    env = dict(env or os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
     driver = subprocess.Popen([sys.executable, str(script), str(model_dir), executor], stdout=subprocess.PIPE,
                               text=True, env=env)  # fmt: skip
     try:
@@ -252,7 +256,8 @@ def _torchrun_job(model_dir, tmp_path, case: str, faults: dict) -> tuple[subproc
     cmd = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT", "PPRUN_TEST_FAULTS")}  # fmt: skip
-    env.update(TMPDIR=str(job_tmp), OMP_NUM_THREADS="1")
+    env.update(TMPDIR=str(job_tmp), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")])))  # fmt: skip
     proc = subprocess.run([*cmd, "--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
                            str(script), str(model_dir), str(tmp_path), case, json.dumps(faults), str(TIMEOUT_S)],
                           env=env, capture_output=True, text=True, timeout=240)  # fmt: skip

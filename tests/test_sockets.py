@@ -84,10 +84,20 @@ def test_control_listener_refuses_strangers_and_the_run_carries_on(
     assert not bomb.exists()
 
 
-def test_mp_stages_listen_on_loopback_only_and_leave_nothing(tiny_llama_dir, reference):
+def test_mp_stages_listen_on_loopback_only_and_leave_nothing(tiny_llama_dir, reference, monkeypatch):
     """mp with async pipeline steps (the sampled-ids socket open): every socket the driver and the
     stages listen on is a loopback one (the rendezvous is a file, not a TCP store), the
-    rendezvous directory is private, and after shutdown nothing is left."""
+    rendezvous directory is private and gone once the stages are in, and after shutdown nothing
+    is left."""
+    modes = []
+    real_rendezvous = remote.RemoteStagesExecutor._local_rendezvous
+
+    def rendezvous(self):
+        init_method = real_rendezvous(self)
+        modes.append(os.stat(self.rendezvous_dir).st_mode)
+        return init_method
+
+    monkeypatch.setattr(remote.RemoteStagesExecutor, "_local_rendezvous", rendezvous)
     before = Snapshot()
     llm = LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2, runner="v2",
               async_pipeline=True)  # fmt: skip
@@ -96,7 +106,8 @@ def test_mp_stages_listen_on_loopback_only_and_leave_nothing(tiny_llama_dir, ref
     try:
         assert ex.async_steps
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
-        assert os.stat(ex.rendezvous_dir).st_mode & 0o077 == 0
+        assert len(modes) == 1 and modes[0] & 0o077 == 0
+        assert not os.path.exists(rendezvous)  # every stage joined: the store is not read again
         # The driver's own new sockets are checked by the snapshot (its Ray client's are Ray's).
         assert not [c for c in before.new_sockets() if c[0] == "LISTEN"]
         for pid in pids:

@@ -210,9 +210,10 @@ RENDEZVOUS_PREFIX = "pprun-rdzv-"
 def remove_local_rendezvous(init_method: str | None) -> None:
     """Remove the private rendezvous directory of a ``file://`` ``init_method``.
 
-    The driver removes it at shutdown; a driver that was killed cannot, so each stage that sees
-    its driver gone removes it on the way out (the other stage, if still inside the store,
-    fails its next store operation: it is going down too)."""
+    The driver removes it once every stage has joined the process groups; a driver killed
+    before that cannot, so each stage that sees its driver gone removes it on the way out (the
+    other stage, if still inside the store, fails its next store operation: it is going down
+    too)."""
     if not init_method or not init_method.startswith("file://"):
         return
     directory = os.path.dirname(init_method[len("file://") :])
@@ -250,7 +251,8 @@ class RemoteStagesExecutor(Executor):
         self.authkey = new_key()
         """The run's secret: control connections and the sampled-ids socket authenticate with it."""
         self.rendezvous_dir: str | None = None
-        """Private directory of a file rendezvous (stages on this host only), removed at shutdown."""
+        """Private directory of a file rendezvous (stages on this host only), removed once every
+        stage has joined the process groups (and at shutdown, should start-up fail first)."""
         self.conns: list[Connection | None] = [None] * self.pp_size
         self.pending: deque[int] = deque()
         self.inbox: list[deque[tuple]] = [deque() for _ in range(self.pp_size)]
@@ -371,6 +373,12 @@ class RemoteStagesExecutor(Executor):
         if self.spin_s > 0:
             self._spinner = Spinner(self.conns, self.spin_s)
         loaded = self._gather("loaded")
+        if self.rendezvous_dir is not None:
+            # Every stage has joined every process group (before loading its model), and the
+            # file store is not read after that: it goes now rather than at shutdown, which a
+            # killed driver never reaches (Ray may end its stages before they notice and
+            # remove it themselves).
+            shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
         self.stage_params = [m[1] for m in loaded]
         self.num_blocks = min(m[2] for m in loaded)
 

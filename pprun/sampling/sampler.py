@@ -12,6 +12,7 @@ before temperature, top-k, top-p and min-p), which is what vLLM returns by defau
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,17 +28,26 @@ into ``inf`` and turn softmax into NaN, and the distribution is an argmax anyway
 uses the same threshold)."""
 
 
-def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+_DRAWS_DONE: weakref.WeakKeyDictionary[torch.Generator, int] = weakref.WeakKeyDictionary()
+"""Draws a resumed request's new generator skips before its next one (:func:`make_generator`)."""
+
+
+def make_generator(seed: int | None, device: torch.device | str, num_draws_done: int = 0) -> torch.Generator | None:
     """Return a generator seeded with ``seed`` on ``device``, or ``None`` for an unseeded request.
 
     The runner makes one when a seeded request arrives and keeps it for the request's whole
     life: the generator's state advancing step by step is what makes the token sequence
-    reproducible regardless of batch composition.
+    reproducible regardless of batch composition.  A request preempted and resumed arrives
+    again with its outputs in its prompt: ``num_draws_done`` (its output count) makes the new
+    generator skip the draws those tokens took before its next draw, so the request continues
+    its stream instead of restarting it (the sampler skips them, knowing a draw's size).
     """
     if seed is None:
         return None
     generator = torch.Generator(device=torch.device(device))
     generator.manual_seed(seed)
+    if num_draws_done > 0:
+        _DRAWS_DONE[generator] = num_draws_done
     return generator
 
 
@@ -257,6 +267,8 @@ class Sampler:
             for i in seeded_rows:
                 if greedy_rows is not None and greedy_rows[i]:
                     continue
+                for _ in range(_DRAWS_DONE.pop(t.generators[i], 0)):  # a resumed request's past draws
+                    torch.empty(vocab_size, device=probs.device).exponential_(generator=t.generators[i])
                 q[i] = torch.empty(vocab_size, device=probs.device).exponential_(
                     generator=t.generators[i]
                 )

@@ -69,9 +69,13 @@ class V1ModelRunner(ModelRunner):
         for new in so.scheduled_new_reqs:
             if self.mm is not None:
                 self.mm.add_request(new.req_id, new.mm_items)
+            num_prompt_tokens = new.num_prompt_tokens if new.num_prompt_tokens is not None else len(new.prompt_token_ids)
             gen = None
             if self.layout.is_last:
-                gen = make_generator(new.sampling_params.seed, self.device)
+                # A resumed request's prompt holds its outputs so far: its stream goes on after them.
+                gen = make_generator(
+                    new.sampling_params.seed, self.device, len(new.prompt_token_ids) - num_prompt_tokens
+                )
             self.requests[new.req_id] = RequestState(
                 new.req_id,
                 list(new.prompt_token_ids),
@@ -79,7 +83,7 @@ class V1ModelRunner(ModelRunner):
                 new.num_computed_tokens,
                 new.sampling_params,
                 gen,
-                new.num_prompt_tokens if new.num_prompt_tokens is not None else len(new.prompt_token_ids),
+                num_prompt_tokens,
             )
         c = so.scheduled_cached_reqs
         for i, req_id in enumerate(c.req_ids):

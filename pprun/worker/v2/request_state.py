@@ -240,10 +240,10 @@ class RequestTable:
         self.num_blocks_np[row] = len(block_ids)
         self.num_computed_tokens_np[row] = num_computed_tokens
         self.num_prompt_tokens_np[row] = len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
-        self._set_sampling_params(row, params)
+        self._set_sampling_params(row, params, len(token_ids) - int(self.num_prompt_tokens_np[row]))
         return row
 
-    def _set_sampling_params(self, row: int, params: SamplingParams) -> None:
+    def _set_sampling_params(self, row: int, params: SamplingParams, num_output_tokens: int = 0) -> None:
         temperature = float(params.temperature)
         top_k = params.top_k if params.top_k > 0 else 0
         p = self._sampling_params_np
@@ -263,7 +263,8 @@ class RequestTable:
         self.sampling_flags_np[row] = flags
         self.num_logprobs_np[row] = -1 if params.logprobs is None else params.logprobs
         self._set_generator(
-            row, make_generator(params.seed, self.device) if self.make_generators else None
+            # A resumed request's outputs so far (in its token ids): its stream goes on after them.
+            row, make_generator(params.seed, self.device, num_output_tokens) if self.make_generators else None
         )
         self._set_suppression(row, params.suppress_token_ids, params.begin_suppress_token_ids)
 
