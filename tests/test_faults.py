@@ -329,3 +329,28 @@ def test_torchrun_kv_cache_that_cannot_fit(tiny_llama_dir, tmp_path):
         assert re.search(r"KV cache is too small.*kv_cache_memory_bytes", ranks[r]["error"]), ranks[r]
         assert ranks[r]["lengths"] == [4, 4, 4]
     assert left == [], left
+
+
+def test_write_to_a_stage_that_raised_reports_its_error():
+    """A stage that raised sends its traceback and exits, so the driver's next write to it can
+    find the socket closed before the driver has read why: the error is still the stage's own
+    ("stage 1 raised" with the traceback), not a death without a cause.  (The driver alone, on
+    socket pairs standing for two stages.)"""
+    import pickle
+    from multiprocessing import Pipe
+    from types import SimpleNamespace
+
+    from pprun.core.outputs import CachedRequestData, SchedulerOutput
+    from pprun.executor.remote import RemoteStagesExecutor
+
+    parallel = SimpleNamespace(microbatches=None, async_pipeline=None, control_spin_us=None)
+    ex = RemoteStagesExecutor(SimpleNamespace(layer_partition=[2, 2], device="cpu", cfg=SimpleNamespace(
+        parallel=parallel)), timeout_s=5.0)  # fmt: skip
+    (driver0, stage0), (driver1, stage1) = Pipe(), Pipe()
+    ex.conns = [driver0, driver1]
+    stage1.send_bytes(pickle.dumps(("error", 1, "Traceback ...\nRuntimeError: injected failure in stage 1")))
+    stage1.close()
+    with pytest.raises(StageFailedError, match=r"^stage 1 raised:\n(.|\n)*injected failure in stage 1"):
+        ex.submit(SchedulerOutput(0, [], CachedRequestData(), {"r": 1}, 1))
+    assert ex.dead
+    stage0.close()

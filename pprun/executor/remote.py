@@ -330,14 +330,34 @@ class RemoteStagesExecutor(Executor):
             except (EOFError, OSError):
                 self._fail(f"stage {rank} died (its process exited or was killed)")
             if msg[0] == "error":
-                # A stage's error is often the echo of a neighbour's death (a broken pipe in
-                # its send); name the dead stage first when there is one.
-                dead = self._dead_stages(exclude=rank)
-                cause = f"{dead}; then " if dead else ""
-                self._fail(f"{cause}stage {msg[1]} raised:\n{msg[2]}")
+                self._fail_with_error(rank, msg)
             self.inbox[rank].append(msg)
         if not ready:
             self._check_alive()
+
+    def _fail_with_error(self, rank: int, msg: tuple) -> None:
+        """Fail with stage ``rank``'s error message (its traceback)."""
+        # A stage's error is often the echo of a neighbour's death (a broken pipe in its send);
+        # name the dead stage first when there is one.
+        dead = self._dead_stages(exclude=rank)
+        cause = f"{dead}; then " if dead else ""
+        self._fail(f"{cause}stage {msg[1]} raised:\n{msg[2]}")
+
+    def _fail_with_unread_error(self) -> None:
+        """Fail with an error a stage sent that is not read yet, if there is one: a stage that
+        raised sends its traceback and exits, so a write to it may find its socket closed before
+        the driver has read why."""
+        for rank, conn in enumerate(self.conns):
+            if conn is None:
+                continue
+            try:
+                while conn.poll(0):
+                    msg = pickle.loads(conn.recv_bytes())
+                    if msg[0] == "error":
+                        self._fail_with_error(rank, msg)
+                    self.inbox[rank].append(msg)
+            except (EOFError, OSError):
+                continue
 
     def _fail(self, why: str) -> None:
         self.dead = True
@@ -408,6 +428,7 @@ class RemoteStagesExecutor(Executor):
             try:
                 conn.send_bytes(data if rank == 0 else rest)
             except OSError:
+                self._fail_with_unread_error()
                 self._fail(f"stage {rank} died (its control socket is closed)")
         self.pending.append(so.step_id)
 
