@@ -49,13 +49,15 @@ TIMEOUT_S = 3.0
 MARGIN_S = 25.0
 """What the bound allows beyond the timeout: a loaded 2-core machine stopping the stages."""
 EXPECTED = {
-    "raise_at_step": "^stage {stage} raised:(.|\n)*injected failure in stage {stage}",
+    "raise_at_step": "^(the engine has failed \\()?stage {stage} raised:(.|\n)*injected failure in stage {stage}",
     "kill_at_step": "stage {stage} (died|actor died)",
     "stop_at_step": "sent nothing for|Timed out",
     "ray_kill": "stage {stage}",
 }
 """What the error says for each kind: the raising stage named first (not its neighbour, which
-exits after it), the dead stage, or whichever wait times out first around a stopped stage."""
+exits after it), the dead stage, or whichever wait times out first around a stopped stage.  A
+failure met while submitting right after a step's output is raised by the next step, as "the
+engine has failed (<why>)"."""
 TOTALS = {"injected": 0, "fired": 0, "not fired": 0}
 
 
