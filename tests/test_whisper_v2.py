@@ -182,7 +182,7 @@ def run_step(scheduler):
 def test_audio_items_charge_their_encoder_positions():
     """A Whisper window costs its encoder positions of the step's encoder budget each time its
     request is admitted (equal clips are not deduplicated: each request encodes into its own
-    slot); decode steps cost nothing; the default budget grows to the largest window, an
+    slot); decode steps cost nothing; the default budget grows to a full batch of the largest window, an
     explicit one smaller than a window is an error naming it."""
     from pprun.core.scheduler import Scheduler
 
@@ -196,12 +196,12 @@ def test_audio_items_charge_their_encoder_positions():
     assert [n.req_id for n in so.scheduled_new_reqs] == ["r2", "r3"]
     assert set(so.num_scheduled_tokens) == {"r0", "r1", "r2", "r3"}  # r0, r1 decode for free
 
-    default = Scheduler(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=32, block_size=4, num_blocks=64)
+    default = Scheduler(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=32, block_size=4, num_blocks=64)
     assert default.max_num_encoder_tokens == 64
     for i in range(3):
         default.add_request(audio_request(f"d{i}", f"h{i}"))
-    assert default.max_num_encoder_tokens == 1500
-    assert [[n.req_id for n in run_step(default).scheduled_new_reqs] for _ in range(3)] == [["d0"], ["d1"], ["d2"]]
+    assert default.max_num_encoder_tokens == 2 * 1500  # a full batch (max_num_seqs) of windows
+    assert [n.req_id for n in run_step(default).scheduled_new_reqs] == ["d0", "d1"]
 
     small = Scheduler(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=32, block_size=4, num_blocks=64,
                       max_num_encoder_tokens=1000)

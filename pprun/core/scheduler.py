@@ -193,9 +193,12 @@ class Scheduler:
         if req.mm_items:
             biggest = max(encoder_cost(item) for item in req.mm_items)
             if biggest > self.max_num_encoder_tokens and self._default_encoder_budget:
-                # The default budget is the largest item's (a Whisper window's 1500 encoder
-                # positions can exceed max_num_batched_tokens): each request still runs.
-                self.max_num_encoder_tokens = biggest
+                # An item larger than the token-sized default (a Whisper window's 1500 encoder
+                # positions against max_num_batched_tokens) raises the default budget to a full
+                # batch of such items: max_num_seqs requests of the largest item start in one
+                # step, as a batch of clips is transcribed (one window per step would take
+                # max_num_seqs steps to fill the batch).
+                self.max_num_encoder_tokens = biggest * self.max_num_seqs
             if biggest > self.max_num_encoder_tokens:
                 raise ValueError(
                     f"request {req.req_id!r} has a multimodal item of {biggest} encoder rows: "
