@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
 
 from pprun.audio import SAMPLE_RATE, join_window_texts, prepare_audio, split_windows
 
@@ -75,3 +76,101 @@ def test_non_audio_file_is_refused(tmp_path):
     path.write_text("this is text, not audio")
     with pytest.raises(ValueError, match=r"prompts\[1\].*not a readable audio file"):
         prepare_audio(path, what="prompts[1]")
+
+
+# ---------------------------------------------------------------------------------------------
+# Log-mel features (pprun.audio.LogMelSpectrogram) against transformers' WhisperFeatureExtractor
+# ---------------------------------------------------------------------------------------------
+
+FRONT_ENDS = {
+    "tiny.en": {},  # transformers' defaults: what whisper-tiny.en's preprocessor_config.json says
+    "tiny-test": {"feature_size": 7, "chunk_length": 3, "hop_length": 1600, "n_fft": 400},
+    "128-bins": {"feature_size": 128},  # large-v3's front end
+}
+
+
+def log_mel_windows(n_samples: int) -> list[np.ndarray]:
+    """Windows a batch may hold: full, short, one sample, silence, loud, a pure tone."""
+    rng = np.random.default_rng(7)
+    t = np.arange(n_samples) / SAMPLE_RATE
+    return [
+        (0.3 * rng.standard_normal(n_samples)).astype(np.float32),
+        (0.1 * rng.standard_normal(n_samples // 3)).astype(np.float32),
+        np.array([0.25], dtype=np.float32),
+        np.zeros(n_samples // 2, dtype=np.float32),
+        np.clip(4.0 * rng.standard_normal(n_samples), -1, 1).astype(np.float32),
+        (0.5 * np.sin(2 * np.pi * 440.0 * t)).astype(np.float32),
+    ]
+
+
+def front_end(tmp_path, name):
+    from transformers import WhisperFeatureExtractor
+
+    from pprun.audio import LogMelConfig
+
+    fe = WhisperFeatureExtractor(**FRONT_ENDS[name])
+    fe.save_pretrained(tmp_path)
+    return fe, LogMelConfig.from_model_dir(tmp_path)
+
+
+def check_log_mel(tmp_path, name, device, atol):
+    from pprun.audio import LogMelSpectrogram
+
+    fe, cfg = front_end(tmp_path, name)
+    assert np.array_equal(cfg.mel_filters(), fe.mel_filters)
+    assert (cfg.n_samples, cfg.num_frames, cfg.num_mel_bins) == (fe.n_samples, fe.nb_max_frames, fe.feature_size)
+    windows = log_mel_windows(cfg.n_samples)
+    ours = LogMelSpectrogram(cfg, device)(windows)
+    assert ours.device.type == torch.device(device).type and ours.dtype == torch.float32
+    ref = fe(windows, sampling_rate=SAMPLE_RATE, return_tensors="np").input_features
+    assert ours.shape == ref.shape == (len(windows), cfg.num_mel_bins, cfg.num_frames)
+    np.testing.assert_allclose(ours.cpu().numpy(), ref, rtol=0, atol=atol)
+    # One window at a time, as the extractor is called per request, gives the same rows.
+    for i in (0, 3):
+        one = fe(windows[i], sampling_rate=SAMPLE_RATE, return_tensors="np").input_features[0]
+        np.testing.assert_allclose(ours[i].cpu().numpy(), one, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("name", sorted(FRONT_ENDS))
+def test_log_mel_equals_transformers(tmp_path, name):
+    """A batch of windows (full, short, one sample, silence, clipped, a tone) gives the features
+    WhisperFeatureExtractor gives, with the same mel filters."""
+    check_log_mel(tmp_path, name, "cpu", atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["tiny.en", "tiny-test"])
+def test_log_mel_on_gpu_equals_transformers_gpu(tmp_path, name):
+    """The same on the GPU (cuFFT against the extractor's CPU FFT)."""
+    check_log_mel(tmp_path, name, "cuda", atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"dither": 0.1}, "dither=0.1"),
+        ({"sampling_rate": 8000}, "sampling_rate=8000; pprun resamples to 16000"),
+        ({"hop_length": 0}, "hop_length must be a positive integer, got 0"),
+        ({"nb_max_frames": 100}, "nb_max_frames=100 disagrees"),
+    ],
+)
+def test_bad_front_end_config_is_refused(tmp_path, change, message):
+    import json
+
+    from pprun.audio import LogMelConfig
+
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"feature_size": 80, **change}))
+    with pytest.raises(ValueError, match="preprocessor_config.json") as err:
+        LogMelConfig.from_model_dir(tmp_path)
+    assert message in str(err.value)
+    with pytest.raises(ValueError, match="has no preprocessor_config.json"):
+        LogMelConfig.from_model_dir(tmp_path / "missing")
+
+
+def test_window_longer_than_the_front_end_is_refused(tmp_path):
+    from pprun.audio import LogMelSpectrogram
+
+    _, cfg = front_end(tmp_path, "tiny-test")
+    with pytest.raises(ValueError, match=f"at most {cfg.n_samples} samples, got {cfg.n_samples + 1}"):
+        LogMelSpectrogram(cfg, "cpu")([np.zeros(cfg.n_samples + 1, dtype=np.float32)])

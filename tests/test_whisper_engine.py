@@ -118,6 +118,26 @@ def test_cross_metadata_padding_rows_zeroed():
     assert meta.cross_slots.tolist() == [2, 3, 1, 0]
 
 
+def test_audio_item_carries_the_window_samples(whisper_dir):
+    """A request's audio item holds its window's 16 kHz samples as given (the first stage computes
+    the log-mel features, a step's windows in one batch); its key is unique per window, hashing
+    nothing (cross-attention items are never shared); a window longer than the front end's, or a
+    front end whose frames do not fit the encoder, is a clear error."""
+    from pprun.audio import AUDIO_SAMPLES_KEY
+    from pprun.engine.speech import SpeechRequests
+
+    speech = SpeechRequests(whisper_dir, 40, 15)
+    samples = CLIPS[0][0]
+    a, b = speech.audio_item(samples, "x.wav", 2), speech.audio_item(samples, "x.wav", 2)
+    assert a.data[AUDIO_SAMPLES_KEY] is samples and a.data["source"] == "x.wav"
+    assert a.num_encoder_positions == 15 and a.num_embeds == 0
+    assert a.content_hash != b.content_hash
+    with pytest.raises(ValueError, match="a window holds at most 48000 samples, got 48001"):
+        speech.audio_item(np.zeros(48001, np.float32), "x.wav", 2)
+    with pytest.raises(ValueError, match=r"30 mel frames per window, but the encoder takes 2 \* max_source_positions = 32"):
+        SpeechRequests(whisper_dir, 40, 16)
+
+
 def test_bad_input_names_entry_and_field(whisper_dir, tmp_path):
     text_file = tmp_path / "notes.wav"
     text_file.write_text("not audio")

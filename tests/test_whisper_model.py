@@ -172,3 +172,24 @@ def test_cross_attention_padding_rows_are_zero():
         encoder_seq_lens=torch.tensor([0, 0, 0], dtype=torch.int32),
         cross_slots=torch.zeros(3, dtype=torch.int32)), qsl, 0.5)
     assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_cross_kv_one_projection_equals_each_layer(whisper_dir):
+    """``write_cross_kv`` projects every layer's K/V of every new request at once (the layers'
+    kv_proj stacked, cut in groups of layers when the output would be large): each slot then holds
+    what that layer's own ``kv_proj`` gives for that request, and other slots are untouched."""
+    (model,) = build_stages(whisper_dir, 1)
+    with torch.inference_mode():
+        enc = model.encode(features(3, seed=2))
+        for chunk in (None, 1):  # all layers in one product; one layer per product
+            for layer in model.layers:
+                layer.encoder_attn.cross_cache.zero_()
+            if chunk is not None:
+                model.CROSS_KV_CHUNK_BYTES = chunk  # an instance attribute: this model only
+            model.write_cross_kv(enc, torch.tensor([5, 2, 7]))
+            for layer in model.layers:
+                k, v = layer.encoder_attn.project_kv(enc)
+                cache = layer.encoder_attn.cross_cache
+                torch.testing.assert_close(cache[0, [5, 2, 7]], k, rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(cache[1, [5, 2, 7]], v, rtol=1e-6, atol=1e-6)
+                assert not cache[:, [0, 1, 3, 4, 6]].any()

@@ -85,7 +85,9 @@ class LLMEngine:
         if rc.arch.audio_encoder is not None:
             from pprun.engine.speech import SpeechRequests
 
-            self.speech = SpeechRequests(rc.model_dir, rc.arch.max_position_embeddings)
+            self.speech = SpeechRequests(
+                rc.model_dir, rc.arch.max_position_embeddings, rc.arch.audio_encoder.max_source_positions
+            )
         self._image_processor = None
         logger.info(
             "pprun: model %s, %d layers in %d stage(s) %s, executor %s, runner %s, %s %s",

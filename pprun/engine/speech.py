@@ -2,9 +2,10 @@
 
 The engine builds one :class:`SpeechRequests` for a Whisper checkpoint.  It turns a prompt with
 ``multi_modal_data={"audio": ...}`` into a request: the audio becomes one ``"audio"``
-:class:`~pprun.multimodal.items.MultiModalItem` holding the window's log-mel features (first
-stage only), whose placeholder range is the whole decoder prompt with no embedding rows (the
-audio reaches the decoder through cross-attention, not through its token embeddings).
+:class:`~pprun.multimodal.items.MultiModalItem` holding the window's 16 kHz samples (first stage
+only: it computes the log-mel features, ``pprun.audio.LogMelSpectrogram``), whose placeholder
+range is the whole decoder prompt with no embedding rows (the audio reaches the decoder through
+cross-attention, not through its token embeddings).
 
 Decoding follows the checkpoint's ``generation_config.json`` as ``transformers``' Whisper
 ``generate`` does with its defaults (no timestamps):
@@ -19,17 +20,18 @@ Decoding follows the checkpoint's ``generation_config.json`` as ``transformers``
 
 from __future__ import annotations
 
-import hashlib
+import itertools
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from pprun.audio import (
-    AUDIO_FEATURES_KEY,
+    AUDIO_SAMPLES_KEY,
     AudioClip,
-    LogMelFeatures,
+    LogMelConfig,
     join_window_texts,
     prepare_audio,
     split_windows,
@@ -53,11 +55,21 @@ class TranscriptionOutput:
     """One request output per 30 s window, in order."""
 
 
+_WINDOW_IDS = itertools.count()
+"""Keys of audio items (``SpeechRequests.audio_item``): unique within the process."""
+
+
 class SpeechRequests:
     """Prompt building and decoding rules of one Whisper checkpoint (see the module docstring)."""
 
-    def __init__(self, model_dir: Path, max_target_positions: int) -> None:
-        self.features = LogMelFeatures(model_dir)
+    def __init__(self, model_dir: Path, max_target_positions: int, max_source_positions: int | None = None) -> None:
+        self.log_mel = LogMelConfig.from_model_dir(model_dir)
+        """The checkpoint's log-mel front end (``preprocessor_config.json``)."""
+        if max_source_positions is not None and self.log_mel.num_frames != 2 * max_source_positions:
+            raise ValueError(
+                f"{model_dir}: preprocessor_config.json gives {self.log_mel.num_frames} mel frames per "
+                f"window, but the encoder takes 2 * max_source_positions = {2 * max_source_positions}"
+            )
         self.max_target_positions = max_target_positions
         path = Path(model_dir) / "generation_config.json"
         generation: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
@@ -78,7 +90,7 @@ class SpeechRequests:
     @property
     def window_seconds(self) -> float:
         """Audio one request covers (30 s)."""
-        return self.features.window_seconds
+        return self.log_mel.window_seconds
 
     def default_params(self) -> SamplingParams:
         """Greedy decoding up to ``max_target_positions``, with the checkpoint's suppress lists."""
@@ -110,17 +122,21 @@ class SpeechRequests:
             )
 
     def audio_item(self, samples, source: str, num_prompt_tokens: int) -> MultiModalItem:
-        """The audio item of one window (16 kHz mono samples, at most 30 s)."""
-        features = self.features(samples)
-        digest = hashlib.sha256(features.tobytes()).hexdigest()
+        """The audio item of one window (16 kHz mono samples, at most 30 s).
+
+        Its key (``content_hash``) is unique per window and hashes nothing: an item read through
+        cross-attention is encoded into its own request's slot whenever the request is admitted,
+        never shared with an equal one (``pprun.multimodal.encoder_budget``), so hashing 30 s of
+        samples would buy nothing."""
+        self.log_mel.check_window(samples)
         return MultiModalItem(
             modality="audio",
-            content_hash=f"audio:{digest}",
+            content_hash=f"audio:{os.getpid()}:{next(_WINDOW_IDS)}",
             # The whole decoder prompt, no embedding rows: cross-attention reads the audio.
             placeholder=PlaceholderRange(0, num_prompt_tokens, (False,) * num_prompt_tokens),
-            data={AUDIO_FEATURES_KEY: features, "source": source},
+            data={AUDIO_SAMPLES_KEY: samples, "source": source},
             # The encoder's second convolution halves the window's frames.
-            num_encoder_positions=features.shape[-1] // 2,
+            num_encoder_positions=self.log_mel.num_frames // 2,
         )
 
     def prepare_clip(self, audio: object, where: str) -> AudioClip:

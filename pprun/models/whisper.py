@@ -250,12 +250,34 @@ class WhisperForConditionalGeneration(PprunModel):
             h = layer(h)
         return self.encoder_layer_norm(h)
 
+    CROSS_KV_CHUNK_BYTES = 1 << 30
+    """Most bytes of projected cross K/V :meth:`write_cross_kv` holds at once (whole layers)."""
+
     def write_cross_kv(self, encoder_out: torch.Tensor, slots: torch.Tensor) -> None:
         """Compute this stage's decoder layers' cross K/V of ``encoder_out [B, S, hidden]``
-        and store them in the requests' cross-cache ``slots [B]`` (once per request)."""
-        for layer in self.layers:
-            k, v = layer.encoder_attn.project_kv(encoder_out.to(self.dtype))
-            write_cross_kv(layer.encoder_attn.cross_cache, slots, k, v)
+        and store them in the requests' cross-cache ``slots [B]`` (once per request).
+
+        Every layer's ``kv_proj`` runs in one matrix product over all the requests (their weights
+        stacked), in groups of layers whose output stays under :attr:`CROSS_KV_CHUNK_BYTES`."""
+        if not self.layers:
+            return
+        x = encoder_out.to(self.dtype)
+        batch, frames, hidden = x.shape
+        heads = self.arch.num_attention_heads
+        per_layer = batch * frames * 2 * hidden * x.element_size()
+        group = max(1, self.CROSS_KV_CHUNK_BYTES // max(per_layer, 1))
+        for start in range(0, len(self.layers), group):
+            layers = self.layers[start : start + group]
+            projs = [layer.encoder_attn.kv_proj for layer in layers]
+            weight = projs[0].weight if len(projs) == 1 else torch.cat([p.weight for p in projs])
+            bias = None
+            if projs[0].bias is not None:
+                bias = projs[0].bias if len(projs) == 1 else torch.cat([p.bias for p in projs])
+            kv = F.linear(x, weight, bias).view(batch, frames, len(layers), 2, heads, hidden // heads)
+            for i, layer in enumerate(layers):
+                k = kv[:, :, i, 0].transpose(1, 2)  # [B, H, S, D]
+                v = kv[:, :, i, 1].transpose(1, 2)
+                write_cross_kv(layer.encoder_attn.cross_cache, slots, k, v)
 
     # --- decoder -------------------------------------------------------------------------
 

@@ -10,11 +10,14 @@ What it owns on each stage:
 - which slot each running request holds: taken when the request arrives (new, or resumed after a
   preemption), given back when the step's ``finished_req_ids`` name it (finished, aborted or
   preempted);
-- the encoder step: the first stage encodes the audio features of the requests a step brings in
-  (one encoder batch per step, outside any CUDA graph), sends the encoder output down the
-  pipeline once (``PipelineTransport.send_payload``, before the step's hidden states), and every
-  stage turns it into its own layers' cross K/V in the requests' slots.  A request resumed after
-  a preemption is encoded again: its slot was freed with its blocks.
+- the encoder step: the first stage computes the log-mel features of every window a step brings
+  in (new requests, or resumed after a preemption) in one batch on its device
+  (``pprun.audio.LogMelSpectrogram``, from the samples the requests carry) and encodes them in
+  one encoder call, outside any CUDA graph; it sends the encoder output down the pipeline once
+  (``PipelineTransport.send_payload``, before the step's hidden states), and every stage turns it
+  into its own layers' cross K/V in the requests' slots, all layers and requests in one
+  projection (``write_cross_kv``).  A request resumed after a preemption is encoded again: its
+  slot was freed with its blocks.
 - the step's cross metadata rows, written by :meth:`write_rows` for the padded request count:
   real rows first, padding rows zeroed (docs/design.md contract 4).  The V2 runner's plug-in
   (``pprun.worker.v2.encoder_decoder_state``) writes its persistent buffers with it, the V1
@@ -30,7 +33,7 @@ import torch
 from torch import nn
 
 from pprun.attention.cross import CrossAttentionMetadata
-from pprun.audio import AUDIO_FEATURES_KEY
+from pprun.audio import AUDIO_SAMPLES_KEY, LogMelSpectrogram
 from pprun.core.outputs import SchedulerOutput
 from pprun.distributed.layout import StageLayout
 from pprun.models.base import PprunModel
@@ -53,8 +56,14 @@ class EncoderDecoderState:
         dtype: torch.dtype,
         max_num_reqs: int,
         transport=None,
+        log_mel: LogMelSpectrogram | None = None,
     ) -> None:
+        """``log_mel``: the first stage's feature front end (the checkpoint's
+        ``preprocessor_config.json`` on this stage's device); later stages take none."""
+        if layout.is_first and log_mel is None:
+            raise ValueError("the first stage of an encoder-decoder model needs its log-mel front end (log_mel=...)")
         self.model = model
+        self.log_mel = log_mel
         self.layout = layout
         self.device = device
         self.dtype = dtype
@@ -99,21 +108,22 @@ class EncoderDecoderState:
         for n, slot in zip(new, slots, strict=True):
             self.slot_of[n.req_id] = slot
         encoder_out = self._encoder_output(new)
-        self.model.write_cross_kv(encoder_out, torch.tensor(slots, device=self.device))
+        slots_t = torch.tensor(slots, dtype=torch.int64)
+        self.model.write_cross_kv(encoder_out, slots_t.to(self.device, non_blocking=True))
         self.num_encoded += len(new)
 
     def _encoder_output(self, new: Sequence) -> torch.Tensor:
         """``[len(new), source_len, hidden]``: encoded here (first stage) or received, and sent
         on to the next stage when there is one."""
         if self.layout.is_first:
-            features = []
+            windows = []
             for n in new:
                 item = next((i for i in n.mm_items if i.modality == "audio"), None)
-                if item is None or item.data is None or AUDIO_FEATURES_KEY not in item.data:
-                    raise RuntimeError(f"request {n.req_id!r} reached the encoder without audio features")
-                features.append(np.asarray(item.data[AUDIO_FEATURES_KEY], dtype=np.float32))
-            batch = torch.from_numpy(np.stack(features)).to(self.device)
-            out = self.model.encode(batch)
+                if item is None or item.data is None or AUDIO_SAMPLES_KEY not in item.data:
+                    raise RuntimeError(f"request {n.req_id!r} reached the encoder without audio samples")
+                windows.append(item.data[AUDIO_SAMPLES_KEY])
+            # One batch of features, one encoder call, for every window of the step.
+            out = self.model.encode(self.log_mel(windows))
         else:
             shape = (len(new), self.source_len, self.model.arch.hidden_size)
             out = self.transport.recv_payload(torch.empty(shape, dtype=self.dtype, device=self.device))

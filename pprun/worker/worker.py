@@ -157,8 +157,14 @@ class Worker:
 
         encoder_decoder = None
         if is_encoder_decoder(self.model):
+            log_mel = None
+            if self.layout.is_first:
+                from pprun.audio import LogMelConfig, LogMelSpectrogram
+
+                log_mel = LogMelSpectrogram(LogMelConfig.from_model_dir(rc.model_dir), self.device)
             encoder_decoder = EncoderDecoderState(
-                self.model, self.layout, self.device, rc.dtype, rc.cfg.scheduler.max_num_seqs, self.transport
+                self.model, self.layout, self.device, rc.dtype, rc.cfg.scheduler.max_num_seqs, self.transport,
+                log_mel=log_mel,
             )
             self.kv_cache_bytes += encoder_decoder.cache_bytes
         self.encoder_decoder = encoder_decoder
