@@ -562,7 +562,8 @@ def test_engine_suppression_parity_v1_v2(model_dir, unsuppressed, pp, executor):
     """``suppress_token_ids`` / ``begin_suppress_token_ids`` give identical tokens on V1 and V2
     (greedy and seeded, chunked prefill; at pp = 1 preemption too: a resumed request's first
     sample after recompute is not its first output).  The ids suppressed are ones each request
-    samples without suppression, so a runner that ignored them would differ."""
+    samples without suppression, so a runner that ignored them would differ.  At pp = 2 the same
+    engines also run plain greedy requests of assorted lengths (V1 == V2 over two mp stages)."""
     kw = dict(executor=executor, pipeline_parallel_size=pp, max_num_batched_tokens=16, max_num_seqs=8,
               block_size=BLOCK, max_model_len=64)
     if pp == 1:
@@ -573,36 +574,20 @@ def test_engine_suppression_parity_v1_v2(model_dir, unsuppressed, pp, executor):
         suppress = sorted(set(tokens[1:4]) - {tokens[0]})
         requests.append((f"q{i}", p, suppress_params(i, suppress_token_ids=suppress,
                                                      begin_suppress_token_ids=[tokens[0]])))
-    v1, pre1 = run_engine(model_dir, "v1", requests, stagger=True, **kw)
-    v2, pre2 = run_engine(model_dir, "v2", requests, stagger=True, **kw)
+    plain = []
+    if pp == 2:
+        plain = [(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+                 for i, p in enumerate(prompts_of([5, 18, 9, 26, 3, 12, 31, 7]))]
+    v1, pre1 = run_engine(model_dir, "v1", requests + plain, stagger=True, **kw)
+    v2, pre2 = run_engine(model_dir, "v2", requests + plain, stagger=True, **kw)
     if pp == 1:
         assert pre1 > 0 and pre2 > 0, (pre1, pre2)
-    assert v2 == v1
+    assert v2 == v1 and len(v1) == len(requests) + len(plain)
     for rid, _, sp in requests:
         tokens = v2[rid][0]
         assert tokens[0] not in sp.begin_suppress_token_ids, rid
         assert not set(tokens) & set(sp.suppress_token_ids), rid
         assert tokens != unsuppressed[rid][0], rid
-
-
-@pytest.mark.slow
-def test_engine_pp2_mp_parity(model_dir):
-    prompts = prompts_of([5, 18, 9, 26, 3, 12, 31, 7])
-    requests = [
-        (f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-        for i, p in enumerate(prompts)
-    ]
-    kw = dict(
-        executor="mp",
-        pipeline_parallel_size=2,
-        max_num_batched_tokens=16,
-        max_num_seqs=8,
-        block_size=BLOCK,
-        max_model_len=64,
-    )
-    v1, _ = run_engine(model_dir, "v1", requests, stagger=True, **kw)
-    v2, _ = run_engine(model_dir, "v2", requests, stagger=True, **kw)
-    assert v2 == v1 and len(v1) == len(requests)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -804,3 +789,37 @@ def test_suppression_with_full_graphs_matches_v1_gpu(model_dir, unsuppressed):
     for rid, _, sp in requests:
         assert v2[rid][0][0] not in sp.begin_suppress_token_ids
         assert not set(v2[rid][0]) & set(sp.suppress_token_ids)
+
+
+def test_request_table_suppression_mask_equals_mask_token_ids():
+    """The per-row device mask a decode step reads gives the logits ``mask_token_ids`` gives with
+    each row's ``suppress_token_ids`` (ids past the vocabulary dropped), after rows are taken,
+    freed and reused, and for rows in any order; rows with no suppression are untouched."""
+    from pprun.sampling.sampler import mask_token_ids
+
+    table = RequestTable(4, 16, 2, torch.device("cpu"), make_generators=False)
+    logits = torch.randn(3, 12)
+
+    def check(rows):
+        got = table.mask_suppressed(logits, torch.tensor(rows))
+        want = mask_token_ids(logits, [table.suppress_ids[r] if table.suppress_ids[r] is not None
+                                       else np.zeros(0, np.int64) for r in rows])
+        assert torch.equal(got, want), rows
+        assert table.suppresses_np[rows].tolist() == [table.suppress_ids[r] is not None for r in rows]
+
+    ra = table.add("a", [1, 2], [1], 0, SamplingParams(suppress_token_ids=[7, 30], begin_suppress_token_ids=[8]))
+    rb = table.add("b", [1, 2], [2], 0, GREEDY)
+    rc = table.add("c", [1], [3], 0, SamplingParams(suppress_token_ids=[0, 11]))
+    check([ra, rb, rc])
+    check([rc, ra, rb])
+    table.remove("a")
+    rd = table.add("d", [1, 2], [1], 0, GREEDY)  # a's row, now without suppression
+    assert rd == ra
+    check([rd, rb, rc])
+    table.remove("b")
+    re_ = table.add("e", [1, 2], [2], 0, SamplingParams(suppress_token_ids=[3]))
+    check([rc, re_, rd])
+    assert table.begin_suppression_due(np.array([rc, re_]), np.array([1, 2])) is False
+    table.add("f", [1, 2, 3], [3], 0, SamplingParams(begin_suppress_token_ids=[4]))
+    assert table.begin_suppression_due(np.array([table.row_of["f"]]), np.array([3])) is True
+    assert table.begin_suppression_due(np.array([table.row_of["f"]]), np.array([4])) is False

@@ -109,6 +109,15 @@ class RequestTable:
         """Per row, ``SamplingParams.begin_suppress_token_ids`` (not sampled as the first output)."""
         self.num_suppressing = 0
         """Live rows that suppress some id (0: a step checks nothing more)."""
+        self.suppresses_np = np.zeros(max_num_reqs, dtype=bool)
+        """Per row: it has ``suppress_token_ids``."""
+        self.begin_suppresses_np = np.zeros(max_num_reqs, dtype=bool)
+        """Per row: it has ``begin_suppress_token_ids``."""
+        self._suppress_mask: torch.Tensor | None = None
+        """``[max_num_reqs, vocab]`` bool on the device: row ``r`` True at ``suppress_ids[r]``
+        (made on first use, rows rewritten only when a request takes or leaves them)."""
+        self._suppress_mask_stale: set[int] = set()
+        """Rows whose suppression changed since :attr:`_suppress_mask` was last written."""
 
     @property
     def num_live_reqs(self) -> int:
@@ -273,6 +282,9 @@ class RequestTable:
         self.suppress_ids[row] = np.asarray(always, dtype=np.int64) if always else None
         self.begin_suppress_ids[row] = np.asarray(first, dtype=np.int64) if first else None
         self.num_suppressing += bool(always or first) - was
+        self.suppresses_np[row] = bool(always)
+        self.begin_suppresses_np[row] = bool(first)
+        self._suppress_mask_stale.add(row)
 
     def _set_generator(self, row: int, generator: torch.Generator | None) -> None:
         self.num_seeded += (generator is not None) - (self.generators[row] is not None)
@@ -388,6 +400,38 @@ class RequestTable:
                 out.append(ids)
                 found = True
         return out if found else None
+
+    def begin_suppression_due(self, rows: np.ndarray, seq_lens: np.ndarray) -> bool:
+        """Whether some of ``rows`` samples its first output this step and has
+        ``begin_suppress_token_ids`` (then :meth:`suppressed_ids` gives each row's ids)."""
+        due = self.begin_suppresses_np[rows]
+        return bool(due.any() and (due & (seq_lens == self.num_prompt_tokens_np[rows])).any())
+
+    def mask_suppressed(self, logits: torch.Tensor, device_rows: torch.Tensor) -> torch.Tensor:
+        """``logits [n, vocab]`` (a new tensor) with each row's ``suppress_token_ids`` at -inf,
+        read from a per-row device mask gathered by ``device_rows [n]`` (the rows, on the device):
+        a step costs one gather and one fill, whatever its size; the host writes mask rows only for
+        rows whose request changed since the last call.  Ids past ``vocab`` are dropped, as
+        ``mask_token_ids`` drops them (the same logits come out)."""
+        vocab = logits.shape[-1]
+        mask = self._suppress_mask
+        if mask is None or mask.shape[1] != vocab or mask.device != logits.device:
+            mask = torch.zeros((self.max_num_reqs, vocab), dtype=torch.bool, device=logits.device)
+            self._suppress_mask = mask
+            self._suppress_mask_stale = set(np.flatnonzero(self.suppresses_np).tolist())
+        if self._suppress_mask_stale:
+            stale = np.fromiter(self._suppress_mask_stale, dtype=np.int64, count=len(self._suppress_mask_stale))
+            self._suppress_mask_stale = set()
+            mask[torch.from_numpy(stale).to(mask.device)] = False
+            ids = [self.suppress_ids[r] if self.suppresses_np[r] else _NO_IDS for r in stale.tolist()]
+            lengths = [len(i) for i in ids]
+            if any(lengths):
+                cols = np.concatenate(ids)
+                rows = np.repeat(stale, lengths)
+                keep = cols < vocab
+                index = torch.from_numpy(np.stack([rows[keep], cols[keep]])).to(mask.device)
+                mask[index[0], index[1]] = True
+        return logits.masked_fill(mask[device_rows], float("-inf"))
 
     def num_logprobs_list(self, rows: torch.Tensor) -> list[int | None]:
         """Each row's requested logprob count (``None`` where it asked for none)."""

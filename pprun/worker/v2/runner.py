@@ -488,13 +488,19 @@ class V2ModelRunner(ModelRunner):
         rows = batch.rows if num_sampled == batch.num_reqs else batch.rows[batch.sample_batch_idx]
         return self.table.sampling_tensors(rows, self.bufs.sample_rows.device[:num_sampled])
 
-    def _suppressed_ids(self, batch: StepBatch) -> list[Any] | None:
-        """Per sampling request, the ids it may not sample this step (None: no request suppresses)."""
-        if not self.table.num_suppressing:
+    def _suppressed_ids(self, batch: StepBatch) -> list[Any] | str | None:
+        """What the step's sampling requests may not sample: None (nothing), ``"mask"`` (only
+        their ``suppress_token_ids``: the table's device mask, :meth:`RequestTable.mask_suppressed`),
+        or per request the ids (some request samples its first output and has begin ids)."""
+        table = self.table
+        if not table.num_suppressing:
             return None
         idx = batch.sample_batch_idx.numpy()
+        rows = batch.rows.numpy()[idx]
         seq_lens = batch.num_computed_tokens[idx] + batch.num_scheduled_tokens.numpy()[idx]
-        return self.table.suppressed_ids(batch.rows.numpy()[idx], seq_lens)
+        if table.begin_suppression_due(rows, seq_lens):
+            return table.suppressed_ids(rows, seq_lens)
+        return "mask" if table.suppresses_np[rows].any() else None
 
     def sample(
         self, so: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor, full_graph: bool = False
@@ -506,7 +512,9 @@ class V2ModelRunner(ModelRunner):
         graph (``full_graph``) the logits are already computed, and an all-greedy step without
         logprobs or suppressed ids takes the graph's argmax as it is.  Suppressed ids
         (``SamplingParams.suppress_token_ids``, ``begin_suppress_token_ids``) go to -inf in a copy
-        of the logits before the sampler, as in V1, so such a step samples outside the graph.
+        of the logits before the sampler, as in V1, so such a step samples outside the graph: from
+        the table's per-row device mask when no request samples its first output (a decode step:
+        no host work per request), else through ``mask_token_ids`` with each request's ids.
         """
         num_sampled = batch.num_sampled
         if not num_sampled:
@@ -529,7 +537,9 @@ class V2ModelRunner(ModelRunner):
             on_host = self._graph_ids_to_host and num_sampled == batch.num_tokens
         else:
             logits = picked[0] if in_graph else self.model.compute_logits(picked[0])
-            if suppressed is not None:
+            if suppressed == "mask":  # a decode step: one gather of the rows' device mask
+                logits = self.table.mask_suppressed(logits, self.bufs.sample_rows.device[:num_sampled])
+            elif suppressed is not None:
                 logits = mask_token_ids(logits, suppressed)
             res = self.sampler(logits, tensors)
         self.prev_sampled = res.sampled_token_ids
