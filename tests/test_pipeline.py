@@ -139,9 +139,25 @@ def test_async_pipeline_steps_give_the_outputs_of_one_process(demo_model_dir):
     facts, got = run(executor="mp", pipeline_parallel_size=2, microbatches=3, runner="v2", async_pipeline=True)
     assert facts == (True, True, 6)  # three batches, two steps each
     assert got == want
-    facts, got = run(executor="mp", pipeline_parallel_size=2, runner="v2")  # the default: off on CPU
-    assert facts == (False, False, 2)
-    assert got == want
+
+
+def test_async_pipeline_steps_default_on_gpu_only():
+    """``parallel.async_pipeline`` unset: async pipeline steps on CUDA stages with the V2 runner,
+    off on CPU (the stages compute on their hosts) and with V1; True asks for them on CPU."""
+    from types import SimpleNamespace
+
+    from pprun.executor.remote import RemoteStagesExecutor
+
+    def executor(device: str, wanted, runner: str = "v2") -> RemoteStagesExecutor:
+        parallel = SimpleNamespace(microbatches=None, async_pipeline=wanted, control_spin_us=None)
+        resolved = SimpleNamespace(layer_partition=[2, 2], device=device, cfg=SimpleNamespace(parallel=parallel))
+        return RemoteStagesExecutor(resolved, timeout_s=5.0, runner=runner)
+
+    cpu, cuda = executor("cpu", None), executor("cuda", None)
+    assert (cpu.async_steps, cpu.max_in_flight) == (False, 2)
+    assert (cuda.async_steps, cuda.max_in_flight) == (True, 4)
+    assert executor("cpu", True).async_steps and not executor("cuda", False).async_steps
+    assert not executor("cuda", None, runner="v1").async_steps
 
 
 @pytest.mark.parametrize("executor", ["mp", "ray"])
