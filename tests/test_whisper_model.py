@@ -155,7 +155,7 @@ def test_stage_reads_only_its_tensors(whisper_dir):
 
 def test_cross_attention_padding_rows_are_zero():
     q = torch.randn(5, 2, 4)
-    cache = torch.randn(2, 3, 2, 6, 4)
+    cache = torch.randn(2, 3, 6, 2, 4)  # [2, slots, source_len, heads, head_dim]
     meta = CrossAttentionMetadata(encoder_seq_lens=torch.tensor([6, 3, 0], dtype=torch.int32),
                                   cross_slots=torch.tensor([2, 1, 0], dtype=torch.int32))
     qsl = torch.tensor([0, 2, 5, 5], dtype=torch.int32)
@@ -164,7 +164,7 @@ def test_cross_attention_padding_rows_are_zero():
     out = cross_attention(q, cache, meta, qsl, 0.5)
     assert request_of_token(qsl, 5).tolist() == [0, 0, 1, 1, 1]
     # Request 1 sees only its first 3 encoder positions of slot 1.
-    k, v = cache[0, 1, :, :3], cache[1, 1, :, :3]
+    k, v = cache[0, 1, :3].transpose(0, 1), cache[1, 1, :3].transpose(0, 1)  # [heads, 3, head_dim]
     ref = torch.softmax(torch.einsum("hd,hsd->hs", q[2], k) * 0.5, -1)
     torch.testing.assert_close(out[2], torch.einsum("hs,hsd->hd", ref, v))
     # A padding request (length 0) gives zeros, not NaN.
@@ -193,3 +193,40 @@ def test_cross_kv_one_projection_equals_each_layer(whisper_dir):
                 torch.testing.assert_close(cache[0, [5, 2, 7]], k, rtol=1e-6, atol=1e-6)
                 torch.testing.assert_close(cache[1, [5, 2, 7]], v, rtol=1e-6, atol=1e-6)
                 assert not cache[:, [0, 1, 3, 4, 6]].any()
+
+
+@pytest.mark.parametrize(("source_len", "heads", "dtype"), [(15, 3, torch.float32), (1500, 6, torch.float32),
+                                                            (48, 2, torch.float16)])
+def test_cross_decode_kernel_equals_gather_and_attend(source_len, heads, dtype):
+    """The paged decode kernel over the cross caches in place (what a GPU decode step runs, on CPU
+    through the Triton interpreter) gives what gathering each request's slot and attending gives:
+    slots in any order, shorter encoder lengths, padding rows (slot 0, length 0) zero."""
+    from triton_env import RUN_TRITON
+
+    if not RUN_TRITON:
+        pytest.skip("needs CUDA or the Triton interpreter")
+    from pprun.attention.cross import cross_attention, cross_decode_attention, cross_page_size
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(source_len)
+    head_dim, num_slots = 16, 6
+    cache = torch.randn(2, num_slots, source_len, heads, head_dim, generator=gen).to(device, dtype)
+    slots = [4, 1, 5, 0, 0]
+    lens = [source_len, source_len, source_len - 3, 0, 0]  # two padding rows
+    cross = CrossAttentionMetadata(
+        encoder_seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        cross_slots=torch.tensor(slots, dtype=torch.int32, device=device),
+        one_query_per_row=True,
+    )
+    q = torch.randn(len(slots), heads, head_dim, generator=gen).to(device, dtype)
+    qsl = torch.arange(len(slots) + 1, dtype=torch.int32, device=device)
+    got = cross_decode_attention(q, cache, cross, head_dim**-0.5)
+    want = cross_attention(q.float(), cache.float(), cross, qsl, head_dim**-0.5)
+    if device == "cuda":
+        want_gpu = cross_attention(q, cache, cross, qsl, head_dim**-0.5)  # also the kernel
+        torch.testing.assert_close(want_gpu, got)
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    assert not got[3:].any()
+    assert source_len % cross_page_size(source_len) == 0
+    assert cross_page_size(1500) == 4 and cross_page_size(15) == 1 and cross_page_size(4096) == 64

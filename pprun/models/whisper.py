@@ -122,14 +122,13 @@ class CrossAttention(nn.Module):
         self.kv_proj = nn.Linear(hidden, 2 * hidden)
         self.out_proj = nn.Linear(hidden, hidden)
         self.cross_cache: torch.Tensor | None = None
-        """[2, num_cross_slots, num_heads, max_source_positions, head_dim], bound by the worker."""
+        """[2, num_cross_slots, max_source_positions, num_heads, head_dim], bound by the worker."""
 
     def project_kv(self, encoder_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[B, H, S, D]`` of encoder outputs ``[B, S, hidden]``."""
+        """K and V ``[B, S, H, D]`` of encoder outputs ``[B, S, hidden]`` (the cache's layout)."""
         batch, frames, _ = encoder_out.shape
         kv = self.kv_proj(encoder_out).view(batch, frames, 2, self.num_heads, self.head_dim)
-        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)
-        return k, v
+        return kv[:, :, 0], kv[:, :, 1]
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attend ``x [T, hidden]`` over each token's request's encoder K/V."""
@@ -274,10 +273,8 @@ class WhisperForConditionalGeneration(PprunModel):
             if projs[0].bias is not None:
                 bias = projs[0].bias if len(projs) == 1 else torch.cat([p.bias for p in projs])
             kv = F.linear(x, weight, bias).view(batch, frames, len(layers), 2, heads, hidden // heads)
-            for i, layer in enumerate(layers):
-                k = kv[:, :, i, 0].transpose(1, 2)  # [B, H, S, D]
-                v = kv[:, :, i, 1].transpose(1, 2)
-                write_cross_kv(layer.encoder_attn.cross_cache, slots, k, v)
+            for i, layer in enumerate(layers):  # K and V [B, S, H, D]: the cache's layout
+                write_cross_kv(layer.encoder_attn.cross_cache, slots, kv[:, :, i, 0], kv[:, :, i, 1])
 
     # --- decoder -------------------------------------------------------------------------
 
@@ -340,7 +337,7 @@ class WhisperForConditionalGeneration(PprunModel):
         """Shape of one decoder layer's cross cache with ``num_cross_slots`` slots (slot 0
         reserved for padding rows)."""
         heads = self.arch.num_attention_heads
-        return (2, num_cross_slots, heads, self.encoder_arch.max_source_positions,
+        return (2, num_cross_slots, self.encoder_arch.max_source_positions, heads,
                 self.arch.hidden_size // heads)
 
     def bind_cross_caches(self, cross_caches: list[torch.Tensor]) -> None:

@@ -15,6 +15,9 @@ that step and feeds the decoder its cross-attention metadata in the V2 way:
 - :meth:`capture_inputs`: the same buffers, zeroed, for graph warm-up and capture.  A full decode
   graph captured over them reads each replay's values at the same addresses; a piecewise graph
   keeps cross-attention inside its segments (only self-attention is cut), over the same buffers.
+- the metadata's ``one_query_per_row`` (uniform decode steps run eagerly, and full-graph
+  capture; never piecewise capture): on a GPU cross-attention then reads the slots in place
+  (``pprun.attention.cross.cross_decode_attention``).
 """
 
 from __future__ import annotations
@@ -76,21 +79,29 @@ class EncoderDecoderModelState(ModelState):
             self._copy_done.record()
             self._copy_pending = True
 
-    def _metadata(self, num_reqs_padded: int) -> CrossAttentionMetadata:
+    def _metadata(self, num_reqs_padded: int, one_query_per_row: bool) -> CrossAttentionMetadata:
         return CrossAttentionMetadata(
             encoder_seq_lens=self.encoder_seq_lens.device[:num_reqs_padded],
             cross_slots=self.cross_slots.device[:num_reqs_padded],
+            one_query_per_row=one_query_per_row,
         )
 
     def extra_model_kwargs(self, batch: StepBatch) -> dict[str, Any]:
         """``cross_metadata``: views ``[:num_reqs_padded]`` of the persistent buffers, written for
         the step's request rows (a graph replay reads them at the addresses it was captured over)."""
         self._write(batch.req_ids, max(batch.num_request_rows, batch.num_reqs_padded))
-        return {"cross_metadata": self._metadata(batch.num_reqs_padded)}
+        # A uniform decode step: query row i is request row i's token (an eager step; a graph
+        # replay reads what its capture was given, below).
+        decode = batch.max_query_len == 1 and batch.num_tokens == batch.num_reqs
+        return {"cross_metadata": self._metadata(batch.num_reqs_padded, decode)}
 
     def capture_inputs(
         self, num_reqs_padded: int, num_tokens_padded: int
     ) -> tuple[torch.Tensor | None, dict[str, Any]]:
-        """The same buffers, every row zero (attends to nothing through the reserved slot 0)."""
+        """The same buffers, every row zero (attends to nothing through the reserved slot 0).
+
+        A full graph replays decode steps only (one token per request row), so its capture gets
+        ``one_query_per_row``; a piecewise graph's segments replay for any batch, so theirs not."""
         self._write([], max(num_reqs_padded, min(num_tokens_padded, self.max_num_reqs)))
-        return None, {"cross_metadata": self._metadata(num_reqs_padded)}
+        full = self.graph_mode == "full" and num_tokens_padded == num_reqs_padded
+        return None, {"cross_metadata": self._metadata(num_reqs_padded, full)}

@@ -56,6 +56,9 @@ class ModelState:
         self.dtype = dtype
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = max_num_tokens
+        self.graph_mode = "none"
+        """The runner's CUDA-graph mode (``none``, ``piecewise``, ``full``), set before capture:
+        :meth:`capture_inputs` may depend on what the captured graphs replay."""
 
     def add_request(self, row: int, new: NewRequestData) -> None:
         """A request took table row ``row`` (write its family-specific per-request state)."""

@@ -209,6 +209,7 @@ class V2ModelRunner(ModelRunner):
             self.model_state.attention_layers(),
             self.model_state.full_graph_unsupported_reason(),
         )
+        self.model_state.graph_mode = self.graphs.mode
         self.capture_model()
 
     # --- state -------------------------------------------------------------------------------
