@@ -47,11 +47,13 @@ def test_tiny_whisper_tokens_depend_on_the_audio(hf_tokens):
     assert all(len(set(t)) > 1 for t in hf_tokens)
 
 
-@pytest.mark.parametrize("runner", ["v1", "v2"])
+# Every (pp, executor) layout, every (pp, runner) and every (executor, runner) pair, each at
+# least once: seven engines rather than the twelve of the whole product.
 @pytest.mark.parametrize(
-    ("pp", "executor"),
-    [(1, "uni"), (1, "mp"), (2, "mp"), pytest.param(2, "ray", marks=pytest.mark.slow),
-     pytest.param(3, "mp", marks=pytest.mark.slow), pytest.param(3, "ray", marks=pytest.mark.slow)],
+    ("pp", "executor", "runner"),
+    [(1, "uni", "v1"), (1, "uni", "v2"), (1, "mp", "v2"), (2, "mp", "v1"),
+     pytest.param(2, "ray", "v2", marks=pytest.mark.slow), pytest.param(3, "mp", "v2", marks=pytest.mark.slow),
+     pytest.param(3, "ray", "v1", marks=pytest.mark.slow)],
 )
 def test_greedy_matches_transformers_over_stages(whisper_dir, hf_tokens, pp, executor, runner, request):
     """One batch of clips of different lengths: transformers' tokens on every layout; each
