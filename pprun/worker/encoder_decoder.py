@@ -134,17 +134,26 @@ class EncoderDecoderState:
         return out
 
     def write_rows(
-        self, req_ids: Sequence[str], num_rows: int, encoder_seq_lens: np.ndarray, cross_slots: np.ndarray
+        self,
+        req_ids: Sequence[str],
+        num_rows: int,
+        encoder_seq_lens: np.ndarray,
+        cross_slots: np.ndarray,
+        slots: np.ndarray | None = None,
     ) -> None:
         """Rows ``[:num_rows]`` of host arrays for ``req_ids`` (in batch order): real rows first,
         padding rows zero.  A graph captured for ``num_rows`` requests reads every one of them;
         zero means "attends to nothing, through the reserved slot 0", whatever an earlier, larger
-        step left there."""
+        step left there.  ``slots``: the requests' slots when the caller has them as an array
+        (the V2 plug-in, by table row); else they are looked up by id."""
         num_reqs = len(req_ids)
         if num_reqs > num_rows:
             raise ValueError(f"num_reqs={num_reqs} > num_rows={num_rows}")
-        slot_of = self.slot_of
-        cross_slots[:num_reqs] = [slot_of[r] for r in req_ids]
+        if slots is not None:
+            cross_slots[:num_reqs] = slots
+        else:
+            slot_of = self.slot_of
+            cross_slots[:num_reqs] = [slot_of[r] for r in req_ids]
         encoder_seq_lens[:num_reqs] = self.source_len
         cross_slots[num_reqs:num_rows] = 0
         encoder_seq_lens[num_reqs:num_rows] = 0

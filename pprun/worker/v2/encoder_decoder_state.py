@@ -24,11 +24,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from pprun.attention.cross import CrossAttentionMetadata
-from pprun.core.outputs import SchedulerOutput
+from pprun.core.outputs import NewRequestData, SchedulerOutput
 from pprun.distributed.layout import StageLayout
 from pprun.worker.encoder_decoder import EncoderDecoderState
 from pprun.worker.v2.inputs import StepBatch, _Arena
@@ -61,20 +62,34 @@ class EncoderDecoderModelState(ModelState):
         encoder positions each request row attends to, and its cross-cache slot (0 for padding)."""
         self._copy_done: torch.cuda.Event | None = torch.cuda.Event() if device.type == "cuda" else None
         self._copy_pending = False
+        self._slot_of_row = np.zeros(max_num_reqs, dtype=np.int32)
+        """Request-table row -> its request's cross-cache slot (a step's rows are gathered from
+        it in one indexed read, not looked up request by request)."""
+        self._added: list[tuple[int, str]] = []
+        """(row, request id) of the requests added since the last :meth:`begin_step`."""
+
+    def add_request(self, row: int, new: NewRequestData) -> None:
+        """Note the row; its slot is known once :meth:`begin_step` has handed slots out."""
+        self._added.append((row, new.req_id))
 
     def begin_step(self, so: SchedulerOutput) -> None:
         """Free the slots of requests that ended; encode (first stage) or receive the encoder
         output of the step's new requests, send it on, and write their cross K/V."""
         self.encoder_decoder.begin_step(so)
+        slot_of = self.encoder_decoder.slot_of
+        for row, req_id in self._added:
+            self._slot_of_row[row] = slot_of[req_id]
+        self._added.clear()
 
-    def _write(self, req_ids: list[str], num_rows: int) -> None:
+    def _write(self, req_ids: list[str], num_rows: int, rows: np.ndarray | None = None) -> None:
         """Rows ``[:num_rows]`` of both buffers (real rows first, padding zero), then one copy to
         the device on the current stream."""
         if self._copy_pending:
             # The previous copy may still be reading the pinned rows about to be rewritten.
             self._copy_done.synchronize()
             self._copy_pending = False
-        self.encoder_decoder.write_rows(req_ids, num_rows, self.encoder_seq_lens.np, self.cross_slots.np)
+        slots = None if rows is None else self._slot_of_row[rows]
+        self.encoder_decoder.write_rows(req_ids, num_rows, self.encoder_seq_lens.np, self.cross_slots.np, slots)
         if self._arena.copy_ranges([self.encoder_seq_lens.span(num_rows), self.cross_slots.span(num_rows)]):
             self._copy_done.record()
             self._copy_pending = True
@@ -89,7 +104,7 @@ class EncoderDecoderModelState(ModelState):
     def extra_model_kwargs(self, batch: StepBatch) -> dict[str, Any]:
         """``cross_metadata``: views ``[:num_reqs_padded]`` of the persistent buffers, written for
         the step's request rows (a graph replay reads them at the addresses it was captured over)."""
-        self._write(batch.req_ids, max(batch.num_request_rows, batch.num_reqs_padded))
+        self._write(batch.req_ids, max(batch.num_request_rows, batch.num_reqs_padded), batch.rows.numpy())
         # A uniform decode step: query row i is request row i's token (an eager step; a graph
         # replay reads what its capture was given, below).
         decode = batch.max_query_len == 1 and batch.num_tokens == batch.num_reqs
