@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
-import triton_env  # noqa: F401  (first: without CUDA it turns the Triton interpreter on)
-
+# Before torch loads OpenMP (it reads these once), here and in every stage process the tests
+# start.  PASSIVE: an OpenMP thread that waits for work sleeps instead of spinning; the tests run
+# a driver and several stages on two cores, where a spinning thread takes the core a stage
+# needs (a multi-stage test file runs about a quarter faster).
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import triton_env  # noqa: E402, F401  (first: without CUDA it turns the Triton interpreter on)
+
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
