@@ -102,6 +102,32 @@ def test_cross_metadata_padded_rows_after_real_v2_steps(whisper_dir, hf_tokens):
         assert cross.encoder_seq_lens.shape == (n_pad,) and cross.cross_slots.shape == (n_pad,)
 
 
+@pytest.mark.parametrize("max_windows", [None, 2])
+def test_a_steps_windows_share_one_encoder_call(whisper_dir, hf_tokens, monkeypatch, max_windows):
+    """The five windows a step brings in go through the log-mel front end and the encoder in one
+    call (``ENCODER_MAX_WINDOWS`` at its default), or in calls of at most that many when it is
+    lowered; the tokens are transformers' either way."""
+    import pprun.worker.encoder_decoder as encoder_decoder
+
+    if max_windows is not None:
+        monkeypatch.setattr(encoder_decoder, "ENCODER_MAX_WINDOWS", max_windows)
+    with LLM(str(whisper_dir), dtype="float32", max_num_seqs=8, runner="v2") as llm:
+        state = llm.engine.executor.worker.encoder_decoder
+        model = state.model
+        calls = []
+        original_encode = model.encode
+
+        def encode(features):
+            calls.append(features.shape[0])
+            return original_encode(features)
+
+        model.encode = encode
+        outs = llm.generate(prompts(), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    assert calls == ([5] if max_windows is None else [2, 2, 1])
+    got = [o.outputs[0].token_ids for o in outs]
+    assert [t[:-1] if t and t[-1] == 97 else t for t in got] == hf_tokens
+
+
 def test_v2_encoder_step_needs_the_stage_state(whisper_dir):
     """The plug-in refuses to run without the stage's EncoderDecoderState (the worker builds it
     with the cross caches): a clear error, not a missing attribute later."""

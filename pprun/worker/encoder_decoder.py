@@ -40,6 +40,12 @@ from pprun.models.base import PprunModel
 from pprun.worker.kv_cache import allocate_cross_caches
 
 
+ENCODER_MAX_WINDOWS = 64
+"""Most windows one log-mel + encoder call takes (a step bringing in more runs several calls):
+bounds the encoder's transient activations, which the KV-cache budget does not count (64
+windows of large-v3: about 4 GiB in float16)."""
+
+
 def is_encoder_decoder(model: PprunModel) -> bool:
     """True for a model with an encoder whose output decoder layers cross-attend to."""
     return model.is_encoder_decoder
@@ -122,8 +128,11 @@ class EncoderDecoderState:
                 if item is None or item.data is None or AUDIO_SAMPLES_KEY not in item.data:
                     raise RuntimeError(f"request {n.req_id!r} reached the encoder without audio samples")
                 windows.append(item.data[AUDIO_SAMPLES_KEY])
-            # One batch of features, one encoder call, for every window of the step.
-            out = self.model.encode(self.log_mel(windows))
+            # One batch of features, one encoder call, for every window of the step (in chunks
+            # of ENCODER_MAX_WINDOWS, which bound the encoder's activations).
+            chunk = ENCODER_MAX_WINDOWS
+            outs = [self.model.encode(self.log_mel(windows[i : i + chunk])) for i in range(0, len(windows), chunk)]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
         else:
             shape = (len(new), self.source_len, self.model.arch.hidden_size)
             out = self.transport.recv_payload(torch.empty(shape, dtype=self.dtype, device=self.device))
