@@ -39,7 +39,6 @@ from pprun.distributed.layout import StageLayout
 from pprun.models.base import PprunModel
 from pprun.worker.kv_cache import allocate_cross_caches
 
-
 ENCODER_MAX_WINDOWS = 64
 """Most windows one log-mel + encoder call takes (a step bringing in more runs several calls):
 bounds the encoder's transient activations, which the KV-cache budget does not count (64
