@@ -3,27 +3,47 @@ the time to first token the server adds.  Prints one JSON object.
 
     python scripts/bench_serve.py --model smollm2-135m-instruct --clients 16 --input-len 64 --output-len 32
     python scripts/bench_serve.py --model smollm2-135m-instruct --pp 2 --executor mp --clients 16 ...
-    python scripts/bench_serve.py --model /tmp/llama1b --clients 64 --input-len 512 --output-len 128
+    python scripts/bench_serve.py --model /tmp/llama1b --dtype bfloat16 --clients 64 --num-prompts 256 \
+        --input-len 512 --output-len 128
 
 Both sides run the same random token-id prompts (seeded, EOS ignored, greedy) in one run: first
 offline (``LLM.generate`` with every prompt submitted at once, as ``pprun bench`` times it, after
 a warm-up batch), then — with the offline engine shut down — a ``pprun serve`` server process with
 the same engine settings and ``--clients`` concurrent streaming ``Generate`` calls (one prompt
-each, or ``--num-prompts`` taken in turn; after the same warm-up through the server).  Throughput is output tokens over wall time;
-``same_tokens`` says whether every served output equals the offline one.
+each, or ``--num-prompts`` taken in turn: a client whose call ends starts the next prompt; after
+the same warm-up through the server).  With one prompt per client the run is the start-up burst
+(every request arriving at once) and little else; ``--num-prompts`` of four times ``--clients``
+or more measures the steady state the throughput target is about, and the JSON's ``notes`` say
+so when it is not given.  Throughput is output tokens over wall time.
+
+The clients are spread over ``--client-procs`` processes (default: a quarter of the cores, 1 to
+8), each with its share of the clients on its own event loop and channels, connected before the
+clock starts: one client process would add its own work to what is measured (a 64-call burst
+sent, and 64 streams read, one after another by one event loop).
+
+``same_tokens`` says whether every served output equals the offline one; ``tokens_compared``
+counts the equal ones and says where the others first differ.  On CPU in float32 they are equal.
+In bfloat16 on a GPU they need not be: served requests arrive over time and join batches of
+other sizes and compositions than the offline ones (the first one alone), and the kernels'
+results depend on the batch (split-K, tile choices, CUDA graphs per batch size) by rounding
+errors, which flip a greedy pick where two logits are that close — a random model's logits are
+nearly flat, so they are often.
 
 The TTFT the server adds is, per request, what the client saw (call start to first response)
 minus what the engine saw (the request accepted by the async engine to its first token, from the
 final response's timings), split into ``ingress`` (call start to accepted: the client's send,
 gRPC, parsing and validation) and ``egress`` (first token sampled to the client holding it: the
 hand-over back, serialization, gRPC).  CPU time per output token (the process and its stage
-processes, with psutil) is reported for both sides: on a machine that other work shares it
-shows what the server adds when wall times are noise.
+processes, with psutil) is reported for both sides, and per thread (the server's event loop,
+gRPC's poller, the engine thread, and the rest: torch's and OpenMP's): on a machine that other
+work shares it shows what the server adds when wall times are noise.
 
 The server is started without Hydra (``pprun.serve.server.serve`` on a config built here), so
-with ``--executor uni|mp`` neither Hydra nor Ray is needed; the gRPC packages are.  The script
-sets ``OMP_WAIT_POLICY=PASSIVE`` unless it is set (it matters where OpenMP runs the model: on
-CPU): the offline engine steps on its main thread, the server on its engine thread, and on a
+with ``--executor uni|mp`` neither Hydra nor Ray is needed; the gRPC packages are.
+``--switch-interval-ms`` sets the server process's ``sys.setswitchinterval`` (the event loop and
+the engine thread share the GIL: how long one waits for the other when both run Python).  The
+script sets ``OMP_WAIT_POLICY=PASSIVE`` unless it is set (it matters where OpenMP runs the model:
+on CPU): the offline engine steps on its main thread, the server on its engine thread, and on a
 machine whose cores other processes share, an OpenMP team spinning while it waits for a
 descheduled peer slows one side far more than the other.
 """
@@ -38,6 +58,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -66,6 +87,29 @@ def cpu_seconds(pid: int | None = None) -> float | None:
         except psutil.NoSuchProcess:
             pass
     return total
+
+
+def thread_cpu_seconds(pid: int, names: dict[int, str]) -> dict[str, float]:
+    """CPU seconds of a process's threads so far, by name (``names``: native id -> name; the
+    threads not named, torch's and OpenMP's, together as "other")."""
+    totals: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        name = names.get(int(task.name), "other")
+        totals[name] = totals.get(name, 0.0) + seconds
+    return totals
+
+
+def thread_names(path: Path) -> dict[int, str]:
+    """The server's Python threads as its serve child last wrote them (native id -> name)."""
+    try:
+        return {int(k): v for k, v in json.loads(path.read_text()).items()}
+    except (OSError, ValueError):
+        return {}
 
 
 def per_token_us(cpu_before: float | None, cpu_after: float | None, num_tokens: int) -> float | None:
@@ -97,21 +141,34 @@ def run_offline(args, prompts: list[list[int]]) -> tuple[dict, list[list[int]]]:
     warm = SamplingParams(temperature=0.0, max_tokens=min(16, args.output_len), ignore_eos=True)
     with LLM(**engine_kwargs(args)) as llm:
         llm.generate([{"prompt_token_ids": p} for p in prompts], warm)
-        cpu0, t0 = cpu_seconds(), time.perf_counter()
+        names = {threading.main_thread().native_id: "main"}
+        cpu0, threads0, t0 = cpu_seconds(), thread_cpu_seconds(os.getpid(), names), time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        wall, cpu1 = time.perf_counter() - t0, cpu_seconds()
+        wall, cpu1, threads1 = time.perf_counter() - t0, cpu_seconds(), thread_cpu_seconds(os.getpid(), names)
         facts = llm.describe()
+        reordered = None
+        if args.reorder_check:  # the same prompts in reverse order: other batches, same engine
+            rev = llm.generate([{"prompt_token_ids": p} for p in reversed(prompts)], params)
+            reordered = [list(o.outputs[0].token_ids) for o in reversed(rev)]
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     ttfts = [o.metrics.time_to_first_token for o in outs if o.metrics.time_to_first_token is not None]
     result = {"output_tokens": num_tokens, "wall_s": wall, "output_tok_s": num_tokens / wall,
               "cpu_us_per_token": per_token_us(cpu0, cpu1, num_tokens),
+              "thread_cpu_us_per_token": {name: per_token_us(threads0.get(name, 0.0), t, num_tokens)
+                                          for name, t in sorted(threads1.items())},
               "ttft_p50_ms": 1e3 * statistics.median(ttfts), "engine": facts}
-    return result, [list(o.outputs[0].token_ids) for o in outs]
+    ids = [list(o.outputs[0].token_ids) for o in outs]
+    if reordered is not None:
+        result["reordered_same_tokens"] = reordered == ids
+        result["reordered_tokens_compared"] = compare_tokens(ids, reordered)
+    return result, ids
 
 
-async def stream_all(address: str, prompts: list[list[int]], max_tokens: int, clients: int) -> tuple[list[dict], float]:
+async def stream_all(address: str, prompts: list[list[int]], max_tokens: int, clients: int,
+                     start_at: float | None = None) -> tuple[list[dict], float]:
     """Every prompt as a streaming Generate call, ``clients`` at a time; per call its tokens and
-    timestamps, and the wall time of all."""
+    timestamps, and the wall time of all (from ``start_at``, a ``time.time()``, when given: the
+    calls start then)."""
     import grpc
 
     from pprun.serve._proto.pprun.v1 import pprun_pb2 as pb
@@ -138,31 +195,73 @@ async def stream_all(address: str, prompts: list[list[int]], max_tokens: int, cl
             return {"token_ids": token_ids, "t_send": t_send, "t_first": t_first,
                     "t_arrival": t.arrival_time, "t_first_token": t.first_token_time}
 
-    t0 = time.perf_counter()
+    for c in channels:  # connected before the clock starts (as the offline engine is built first)
+        await c.channel_ready()
+    if start_at is not None:
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+    t0 = time.time()
     try:
         results = await asyncio.gather(*(one(i) for i in range(len(prompts))))
     finally:
         for c in channels:
             await c.close()
-    return results, time.perf_counter() - t0
+    return results, time.time() - (t0 if start_at is None else start_at)
+
+
+def client_process(address: str, prompts: list[list[int]], max_tokens: int, clients: int, start_at: float):
+    """One client process's share (:func:`stream_all` on its own event loop)."""
+    return asyncio.run(stream_all(address, prompts, max_tokens, clients, start_at))
+
+
+def stream_from_processes(pool, procs: int, address: str, prompts: list[list[int]], max_tokens: int,
+                          clients: int) -> tuple[list[dict], float]:
+    """:func:`stream_all` spread over the pool's processes: prompt i goes to process i % P,
+    each process runs its share of the clients, all start at the same instant.  One client
+    process would add its own serialization to the server's (a 64-call burst is sent, and 64
+    streams are read, one after another by one event loop): spread over processes, the ingress
+    and egress measured are the server's and the network's."""
+    if pool is None or procs == 1:
+        return asyncio.run(stream_all(address, prompts, max_tokens, clients))
+    start_at = time.time() + 2.0  # every process has connected by then
+    shares = [list(range(k, len(prompts), procs)) for k in range(procs)]
+    per_proc = [len(range(k, clients, procs)) for k in range(procs)]
+    jobs = [pool.apply_async(client_process, (address, [prompts[i] for i in share], max_tokens, per_proc[k], start_at))
+            for k, share in enumerate(shares) if share]
+    results: list[dict | None] = [None] * len(prompts)
+    wall = 0.0
+    for share, job in zip([s for s in shares if s], jobs):
+        part, part_wall = job.get()
+        wall = max(wall, part_wall)
+        for i, r in zip(share, part):
+            results[i] = r
+    return results, wall
 
 
 def run_served(args, prompts: list[list[int]]) -> tuple[dict, list[list[int]]]:
     """Throughput and TTFT through a server process on loopback, and the outputs."""
     from serve_helpers import ServerProcess
 
+    import multiprocessing
+
     kwargs = engine_kwargs(args)
     kwargs.setdefault("executor", "uni" if args.pp == 1 else "ray")
+    procs = min(args.client_procs, args.clients)
+    pool = multiprocessing.get_context("spawn").Pool(procs) if procs > 1 else None
     with tempfile.TemporaryDirectory() as tmp:
-        command = [sys.executable, str(Path(__file__).resolve()), "--serve-child", json.dumps(kwargs)]
+        names_path = Path(tmp) / "threads.json"
+        child = {"engine": kwargs, "switch_interval_ms": args.switch_interval_ms, "thread_names": str(names_path)}
+        command = [sys.executable, str(Path(__file__).resolve()), "--serve-child", json.dumps(child)]
         server = ServerProcess(Path(tmp), [], startup_timeout_s=1800, command=command)
         try:
-            asyncio.run(stream_all(server.address, prompts, min(16, args.output_len), args.clients))  # warm-up
-            cpu0 = cpu_seconds(server.proc.pid)
-            results, wall = asyncio.run(stream_all(server.address, prompts, args.output_len, args.clients))
-            cpu1 = cpu_seconds(server.proc.pid)
+            stream_from_processes(pool, procs, server.address, prompts, min(16, args.output_len), args.clients)  # warm-up
+            names = thread_names(names_path)
+            cpu0, threads0 = cpu_seconds(server.proc.pid), thread_cpu_seconds(server.proc.pid, names)
+            results, wall = stream_from_processes(pool, procs, server.address, prompts, args.output_len, args.clients)
+            cpu1, threads1 = cpu_seconds(server.proc.pid), thread_cpu_seconds(server.proc.pid, names)
         finally:
             rc = server.terminate()
+            if pool is not None:
+                pool.terminate()
     num_tokens = sum(len(r["token_ids"]) for r in results)
     ms = [{"client": r["t_first"] - r["t_send"], "engine": r["t_first_token"] - r["t_arrival"],
            "ingress": r["t_arrival"] - r["t_send"], "egress": r["t_first"] - r["t_first_token"]} for r in results]
@@ -172,13 +271,41 @@ def run_served(args, prompts: list[list[int]]) -> tuple[dict, list[list[int]]]:
         return 1e3 * statistics.median(m[key] for m in ms)
 
     result = {"output_tokens": num_tokens, "wall_s": wall, "output_tok_s": num_tokens / wall,
-              "server_cpu_us_per_token": per_token_us(cpu0, cpu1, num_tokens), "client_ttft_p50_ms": p50("client"), "engine_ttft_p50_ms": p50("engine"),
+              "server_cpu_us_per_token": per_token_us(cpu0, cpu1, num_tokens),
+              "server_thread_cpu_us_per_token": {name: per_token_us(threads0.get(name, 0.0), t, num_tokens)
+                                                 for name, t in sorted(threads1.items())},
+              "client_ttft_p50_ms": p50("client"), "engine_ttft_p50_ms": p50("engine"),
               "added_ttft_p50_ms": statistics.median(added), "added_ttft_p90_ms": percentile(added, 90),
               "ingress_p50_ms": p50("ingress"), "egress_p50_ms": p50("egress"), "server_exit_status": rc}
     return result, [r["token_ids"] for r in results]
 
 
-def serve_child(kwargs_json: str) -> None:
+def compare_tokens(offline: list[list[int]], served: list[list[int]]) -> dict:
+    """How served outputs differ from offline ones: how many are equal, and for the others where
+    the first differing token is (0: the first token, which the prompt's prefill computes)."""
+    firsts = []
+    for a, b in zip(offline, served):
+        if a != b:
+            firsts.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+    return {"equal_outputs": len(offline) - len(firsts), "outputs": len(offline),
+            "first_difference_min": min(firsts, default=None),
+            "first_difference_p50": statistics.median(firsts) if firsts else None}
+
+
+def write_thread_names(path: Path) -> None:
+    """Every second, the process's Python threads (native id -> name, the event loop's as
+    "event loop") into ``path``, for :func:`thread_cpu_seconds`."""
+    while True:
+        names = {t.native_id: "event loop" if t is threading.main_thread()
+                 else "grpc poller" if "_poll_wrapper" in t.name else t.name
+                 for t in threading.enumerate()}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(names))
+        tmp.replace(path)
+        time.sleep(1.0)
+
+
+def serve_child(child_json: str) -> None:
     """The server side: ``pprun serve`` on an engine built from LLM keywords, port 0, no Hydra."""
     import dataclasses
     import logging
@@ -187,7 +314,11 @@ def serve_child(kwargs_json: str) -> None:
     from pprun.serve.server import serve
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] %(message)s")
-    engine = PprunConfig.from_kwargs(**json.loads(kwargs_json))
+    child = json.loads(child_json)
+    if child["switch_interval_ms"] is not None:
+        sys.setswitchinterval(child["switch_interval_ms"] / 1e3)
+    threading.Thread(target=write_thread_names, args=(Path(child["thread_names"]),), name="bench", daemon=True).start()
+    engine = PprunConfig.from_kwargs(**child["engine"])
     cfg = ServeAppConfig(**{f.name: getattr(engine, f.name) for f in dataclasses.fields(PprunConfig)},
                          serve=ServeConfig(port=0, model_name="bench"))
     serve(cfg)
@@ -207,6 +338,13 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--client-procs", type=int, default=max(1, min(8, (os.cpu_count() or 1) // 4)),
+                        help="processes the clients are spread over (default: a quarter of the cores, 1 to 8)")
+    parser.add_argument("--reorder-check", action="store_true",
+                        help="also run the prompts offline in reverse order and compare (is a difference "
+                             "between served and offline tokens the batches' doing?)")
+    parser.add_argument("--switch-interval-ms", type=float, default=None,
+                        help="the server process's sys.setswitchinterval (default: Python's, 5 ms)")
     parser.add_argument("--serve-child", metavar="JSON", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_child is not None:
@@ -220,15 +358,22 @@ def main() -> int:
     prompts = make_prompts(args.num_prompts or args.clients, args.input_len, vocab, args.seed)
     offline, offline_ids = run_offline(args, prompts)
     served, served_ids = run_served(args, prompts)
+    notes = []
+    if len(prompts) < 4 * args.clients:
+        notes.append(f"{len(prompts)} prompts for {args.clients} clients: the start-up burst is much of the run; "
+                     f"the throughput target is measured with --num-prompts {4 * args.clients} or more")
     print(json.dumps({
         "workload": {"model": args.model, "pp": args.pp, "executor": offline["engine"]["executor"],
-                     "clients": args.clients, "num_prompts": len(prompts), "input_len": args.input_len,
-                     "output_len": args.output_len,
-                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
+                     "clients": args.clients, "client_procs": min(args.client_procs, args.clients),
+                     "num_prompts": len(prompts), "input_len": args.input_len, "output_len": args.output_len,
+                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                     "server_switch_interval_ms": args.switch_interval_ms},
         "offline": offline, "grpc": served,
         "same_tokens": served_ids == offline_ids,
+        "tokens_compared": compare_tokens(offline_ids, served_ids),
         "grpc_over_offline_throughput": served["output_tok_s"] / offline["output_tok_s"],
         "added_ttft_p50_ms": served["added_ttft_p50_ms"],
+        "notes": notes,
     }, indent=2))  # fmt: skip
     return 0
 

@@ -24,6 +24,7 @@ until a batch comes back, so one thread — the engine thread — does everythin
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -43,7 +44,11 @@ from pprun.sampling.params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5
-"""How long the idle engine thread sleeps on its command queue between checks of its stop flag."""
+"""How long the idle engine thread waits on its command queue between checks of its stop flag
+(a command ends the wait at once)."""
+_BLOCKED_WAIT_S = 0.001
+"""How long the engine thread waits on its command queue when it has requests but could schedule
+none of them (a command ends the wait at once)."""
 
 
 class EngineClosedError(RuntimeError):
@@ -179,6 +184,12 @@ class AsyncEngine:
         self.dead: str | None = None
         """Why the engine failed (a stage died); None while healthy."""
         self._health_listeners: list[Callable[[bool], None]] = []
+        self._id_prefix = uuid.uuid4().hex[:12]
+        self._ids = itertools.count()
+        """Request ids the engine assigns: this engine's random prefix and a count (``uuid4`` per
+        request reads the OS's random source, a syscall on the event loop for every request)."""
+        self._plain_token_prompts = self.engine.speech is None and self.engine.resolved.arch.multimodal is None
+        """Token-id prompts need no more than type and range checks (no audio, no image tokens)."""
         self._thread = threading.Thread(target=self._run, name="pprun-engine", daemon=True)
         self._thread.start()
 
@@ -227,9 +238,30 @@ class AsyncEngine:
 
     def check_request(self, prompt: object, params: object, where: str = "request") -> tuple[str | None, list[int]]:
         """Validate a prompt (str or ``{"prompt_token_ids": [...]}``) and its sampling parameters
-        in the caller's thread; returns ``(text, token_ids)`` or raises ValueError naming ``where``."""
+        in the caller's thread; returns ``(text, token_ids)`` or raises ValueError naming ``where``.
+
+        A token-id prompt of a text-only model that is valid is checked at C speed (the element
+        types as a set, then min and max): a burst of requests is validated one after another on
+        the server's event loop, and the element-by-element checks cost 0.1-0.2 ms for 512 ids.
+        Anything else, and every invalid prompt, takes the engine's own checks (same messages)."""
         self.engine.check_params(params, f"{where}.sampling_params")
+        ids = self._valid_token_ids(prompt)
+        if ids is not None:
+            return None, ids
         return self.engine.check_prompt(prompt, f"{where}.prompt")
+
+    def _valid_token_ids(self, prompt: object) -> list[int] | None:
+        """``prompt["prompt_token_ids"]`` as a new list when the prompt is nothing else and passes
+        every check :meth:`LLMEngine.check_prompt` makes of it; None when it needs those checks
+        (to pass or to say what is wrong)."""
+        if not self._plain_token_prompts or type(prompt) is not dict or len(prompt) != 1:
+            return None
+        ids = prompt.get("prompt_token_ids")
+        if type(ids) not in (list, tuple) or not ids or len(ids) >= self.engine.max_model_len:
+            return None
+        if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= self.engine.vocab_size:
+            return None  # a bool, a numpy int, an id outside the vocabulary: the full checks
+        return list(ids)
 
     def chat_prompt(self, messages: object, where: str = "messages", *, add_generation_prompt: bool = True) -> dict:
         """A chat conversation rendered with the model's template into a token-id prompt."""
@@ -255,7 +287,7 @@ class AsyncEngine:
             raise ValueError(f"request_id={request_id!r} is invalid: must be a non-empty string, or None")
         self._check_open()
         text, ids = self.check_request(prompt, params, where)
-        req_id = request_id or uuid.uuid4().hex
+        req_id = request_id or f"{self._id_prefix}-{next(self._ids)}"
         stops = params.stop or []
         active = _Active(
             RequestStream(req_id, loop),
@@ -336,10 +368,12 @@ class AsyncEngine:
 
     # --- the engine thread ------------------------------------------------------------------------
 
-    def _take_commands(self, block: bool) -> list[_Add | _Abort | None]:
+    def _take_commands(self, wait_s: float) -> list[_Add | _Abort | None]:
+        """Every queued command; with ``wait_s`` > 0 and none queued, the first one to come within
+        ``wait_s`` (the queue wakes this thread the moment a caller puts one: no poll tick)."""
         cmds = []
         try:
-            cmds.append(self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait())
+            cmds.append(self._commands.get(timeout=wait_s) if wait_s > 0 else self._commands.get_nowait())
         except queue.Empty:
             return cmds
         while True:
@@ -350,8 +384,10 @@ class AsyncEngine:
 
     def _run(self) -> None:
         eng = self.engine
+        wait_s = 0.0
         while not self._stop:
-            cmds = self._take_commands(block=not eng.has_unfinished_requests())
+            cmds = self._take_commands(_IDLE_WAIT_S if not eng.has_unfinished_requests() else wait_s)
+            wait_s = 0.0
             num_aborts = 0
             for cmd in cmds:
                 if isinstance(cmd, _Add):
@@ -374,7 +410,9 @@ class AsyncEngine:
                 self._fail(eng.dead)
                 continue
             if not finished and not eng.in_flight and not eng.last_updated:
-                time.sleep(0.001)  # nothing could be scheduled this round: do not spin
+                # Nothing could be scheduled this round: do not spin, but wait on the command
+                # queue rather than sleep, so that a new request or an abort is taken at once.
+                wait_s = _BLOCKED_WAIT_S
 
     def _apply_add(self, cmd: _Add) -> None:
         active = self._active.get(cmd.request_id)
@@ -409,20 +447,25 @@ class AsyncEngine:
     def _emit(self, updated: list, finished: list[RequestOutput]) -> None:
         """Deltas of one step: new tokens of running requests, then the finished ones' last."""
         deliveries: list[tuple[_Active, RequestDelta]] = []
+        actives = self._active
+        detokenize = self.engine.tokenizer is not None
         for req in updated:
             if req.is_finished:
                 continue  # its output is among ``finished``
-            active = self._active.get(req.req_id)
-            if active is None or len(req.output_token_ids) <= active.num_sent_tokens:
+            active = actives.get(req.req_id)
+            output_ids = req.output_token_ids
+            if active is None or len(output_ids) <= active.num_sent_tokens:
                 continue
-            new_ids = req.output_token_ids[active.num_sent_tokens :]
-            active.detok.add(new_ids)
-            visible = len(active.detok.text) - active.hold_back
-            text = active.detok.text[active.num_sent_chars : visible] if visible > active.num_sent_chars else ""
-            delta = RequestDelta(
-                req.req_id, list(new_ids), text, self._logprobs(req.req_id, active, len(new_ids)),
-                num_prompt_tokens=active.num_prompt_tokens, num_output_tokens=len(req.output_token_ids),
-            )  # fmt: skip
+            new_ids = output_ids[active.num_sent_tokens :]
+            text = ""
+            if detokenize:
+                active.detok.add(new_ids)
+                visible = len(active.detok.text) - active.hold_back
+                if visible > active.num_sent_chars:
+                    text = active.detok.text[active.num_sent_chars : visible]
+            logprobs = None if active.params.logprobs is None else self._logprobs(req.req_id, active, len(new_ids))
+            delta = RequestDelta(req.req_id, new_ids, text, logprobs, num_prompt_tokens=active.num_prompt_tokens,
+                                 num_output_tokens=len(output_ids))
             active.num_sent_tokens += len(new_ids)
             active.num_sent_chars += len(text)
             deliveries.append((active, delta))

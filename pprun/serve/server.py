@@ -90,12 +90,27 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
     ends with INVALID_ARGUMENT naming the method.
     """
 
+    def __init__(self) -> None:
+        self._wrapped: dict[str, tuple[object, object]] = {}
+        """Method -> (its handler, the wrapped one): built once per method, not once per call
+        (a burst of calls is taken one after another on the event loop)."""
+
     async def intercept_service(self, continuation, handler_call_details):
         """Wrap the handler's deserializer and behaviour (async handlers)."""
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
         method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(handler, method)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, handler, method: str):
+        """``handler`` with a deserializer that turns bad bytes into a MalformedRequest and a
+        behaviour that refuses one."""
         parse = handler.request_deserializer
 
         def deserialize(data: bytes):
