@@ -12,7 +12,6 @@ before temperature, top-k, top-p and min-p), which is what vLLM returns by defau
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,26 +27,21 @@ into ``inf`` and turn softmax into NaN, and the distribution is an argmax anyway
 uses the same threshold)."""
 
 
-_DRAWS_DONE: weakref.WeakKeyDictionary[torch.Generator, int] = weakref.WeakKeyDictionary()
-"""Draws a resumed request's new generator skips before its next one (:func:`make_generator`)."""
-
-
-def make_generator(seed: int | None, device: torch.device | str, num_draws_done: int = 0) -> torch.Generator | None:
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
     """Return a generator seeded with ``seed`` on ``device``, or ``None`` for an unseeded request.
 
     The runner makes one when a seeded request arrives and keeps it for the request's whole
     life: the generator's state advancing step by step is what makes the token sequence
     reproducible regardless of batch composition.  A request preempted and resumed arrives
-    again with its outputs in its prompt: ``num_draws_done`` (its output count) makes the new
-    generator skip the draws those tokens took before its next draw, so the request continues
-    its stream instead of restarting it (the sampler skips them, knowing a draw's size).
+    again with its outputs in its prompt and gets a new generator: the runner keeps, with the
+    request's row, how many draws those outputs took, and hands them to the sampler with the
+    row's next sampling step (``SamplingTensors.skip_draws``), which skips them first, so the
+    request continues its stream instead of restarting it.
     """
     if seed is None:
         return None
     generator = torch.Generator(device=torch.device(device))
     generator.manual_seed(seed)
-    if num_draws_done > 0:
-        _DRAWS_DONE[generator] = num_draws_done
     return generator
 
 
@@ -86,6 +80,9 @@ class SamplingTensors:
     """Optional host copy of the largest ``top_k`` over all rows, ``0`` when some row has top-k
     disabled (keeps the whole vocabulary); when given, top-k alone does not read the device's
     maximum back (a sync)."""
+    skip_draws: list[int] | None = None
+    """Optional, per row: draws the row's generator skips before this step's draw (a resumed
+    seeded request's earlier outputs, see :func:`make_generator`); ``None``: none skips."""
 
     @property
     def num_reqs(self) -> int:
@@ -267,7 +264,7 @@ class Sampler:
             for i in seeded_rows:
                 if greedy_rows is not None and greedy_rows[i]:
                     continue
-                for _ in range(_DRAWS_DONE.pop(t.generators[i], 0)):  # a resumed request's past draws
+                for _ in range(t.skip_draws[i] if t.skip_draws is not None else 0):  # a resumed request's past draws
                     torch.empty(vocab_size, device=probs.device).exponential_(generator=t.generators[i])
                 q[i] = torch.empty(vocab_size, device=probs.device).exponential_(
                     generator=t.generators[i]

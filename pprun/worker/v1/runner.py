@@ -34,6 +34,9 @@ class RequestState:
     generator: torch.Generator | None
     num_prompt_tokens: int = 0
     """Tokens of the original prompt (its first output is sampled at this length)."""
+    draws_to_skip: int = 0
+    """A resumed seeded request's earlier outputs: draws its new generator skips at its next
+    sampling step (``SamplingTensors.skip_draws``)."""
 
 
 class V1ModelRunner(ModelRunner):
@@ -70,12 +73,7 @@ class V1ModelRunner(ModelRunner):
             if self.mm is not None:
                 self.mm.add_request(new.req_id, new.mm_items)
             num_prompt_tokens = new.num_prompt_tokens if new.num_prompt_tokens is not None else len(new.prompt_token_ids)
-            gen = None
-            if self.layout.is_last:
-                # A resumed request's prompt holds its outputs so far: its stream goes on after them.
-                gen = make_generator(
-                    new.sampling_params.seed, self.device, len(new.prompt_token_ids) - num_prompt_tokens
-                )
+            gen = make_generator(new.sampling_params.seed, self.device) if self.layout.is_last else None
             self.requests[new.req_id] = RequestState(
                 new.req_id,
                 list(new.prompt_token_ids),
@@ -84,6 +82,8 @@ class V1ModelRunner(ModelRunner):
                 new.sampling_params,
                 gen,
                 num_prompt_tokens,
+                # A resumed request's prompt holds its outputs so far: its stream goes on after them.
+                len(new.prompt_token_ids) - num_prompt_tokens if gen is not None else 0,
             )
         c = so.scheduled_cached_reqs
         for i, req_id in enumerate(c.req_ids):
@@ -199,6 +199,10 @@ class V1ModelRunner(ModelRunner):
             params = [s.sampling_params for s in states]
             logits = suppress_tokens(logits, params, [len(s.token_ids) == s.num_prompt_tokens for s in states])
             t = SamplingTensors.build(params, [s.generator for s in states], self.device)
+            if any(s.draws_to_skip for s in states):
+                t.skip_draws = [s.draws_to_skip for s in states]
+                for s in states:
+                    s.draws_to_skip = 0
             res = self.sampler(logits, t)
             token_ids = res.sampled_token_ids.tolist()
             lps = to_logprobs(res, [p.logprobs for p in params])

@@ -98,6 +98,10 @@ class RequestTable:
         self.num_logprobs_np = np.full(max_num_reqs, -1, dtype=np.int64)
         """-1: the request asked for no logprobs."""
         self.generators: list[torch.Generator | None] = [None] * max_num_reqs
+        self.draws_to_skip: list[int] = [0] * max_num_reqs
+        """Per row: draws a resumed seeded request's new generator skips at its next sampling
+        step (its earlier outputs; ``SamplingTensors.skip_draws``)."""
+        self.num_skipping = 0
         self.num_seeded = 0
         """Live rows holding a generator (0: skip building the per-row generator list)."""
         self.num_prompt_tokens_np = np.zeros(max_num_reqs, dtype=np.int64)
@@ -271,10 +275,10 @@ class RequestTable:
             )
         self.sampling_flags_np[row] = flags
         self.num_logprobs_np[row] = -1 if params.logprobs is None else params.logprobs
-        self._set_generator(
-            # A resumed request's outputs so far (in its token ids): its stream goes on after them.
-            row, make_generator(params.seed, self.device, num_output_tokens) if self.make_generators else None
-        )
+        generator = make_generator(params.seed, self.device) if self.make_generators else None
+        self._set_generator(row, generator)
+        # A resumed request's outputs so far (in its token ids): its stream goes on after them.
+        self._set_draws_to_skip(row, num_output_tokens if generator is not None else 0)
         self._set_suppression(row, params.suppress_token_ids, params.begin_suppress_token_ids)
 
     def _set_suppression(self, row: int, always: list[int] | None, first: list[int] | None) -> None:
@@ -290,6 +294,10 @@ class RequestTable:
         self.num_seeded += (generator is not None) - (self.generators[row] is not None)
         self.generators[row] = generator
 
+    def _set_draws_to_skip(self, row: int, n: int) -> None:
+        self.num_skipping += bool(n) - bool(self.draws_to_skip[row])
+        self.draws_to_skip[row] = n
+
     def remove(self, req_id: str) -> int | None:
         """Free ``req_id``'s row; returns the row freed.
 
@@ -299,6 +307,7 @@ class RequestTable:
         if row is None:
             return None
         self._set_generator(row, None)
+        self._set_draws_to_skip(row, 0)
         self._set_suppression(row, None, None)
         self.free_rows.append(row)
         return row
@@ -346,8 +355,14 @@ class RequestTable:
                 device_rows = rows.to(self.sampling_params_device.device)
             temperature, top_k, top_p, min_p = _per_row(self.sampling_params_device[:, device_rows])
         max_num_logprobs = int(self.num_logprobs_np[rows_np].max()) if rows_np.size else -1
+        skip_draws = None
         if self.num_seeded:
-            generators = [self.generators[r] for r in rows_np.tolist()]
+            row_list = rows_np.tolist()
+            generators = [self.generators[r] for r in row_list]
+            if self.num_skipping:
+                skip_draws = [self.draws_to_skip[r] for r in row_list]
+                for r in row_list:  # skipped with this step's draws
+                    self._set_draws_to_skip(r, 0)
         else:
             generators = [None] * len(rows_np)
         all_greedy = bool(all_flags & _GREEDY)
@@ -373,6 +388,7 @@ class RequestTable:
             no_top_p=not any_flags & _TOP_P,
             no_min_p=not any_flags & _MIN_P,
             max_num_logprobs=max_num_logprobs if max_num_logprobs >= 0 else None,
+            skip_draws=skip_draws,
             is_greedy_host=is_greedy_host,
             top_k_max_host=top_k_max_host,
         )
