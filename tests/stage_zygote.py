@@ -26,7 +26,8 @@ TEMPLATE = r"""
 import json, os, select, signal, sys, traceback
 
 # What a stage imports before its first step: torch and pprun's stage code, the model loader
-# and its models, both runners, and sympy (torch imports it when the model leaves the meta device).
+# and its models, both runners, and sympy (imported by ``to_empty`` of a model built on the meta
+# device, as Whisper's still is; ``pprun.models.base.allocate`` does not).
 import gc
 import pprun.attention.ref_ops, pprun.executor.remote, pprun.models.checkpoint, pprun.worker.encoder_decoder  # noqa: E401
 import pprun.worker.kv_cache, pprun.worker.model_loader, pprun.worker.v1.runner, pprun.worker.v2.runner  # noqa: E401

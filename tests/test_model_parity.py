@@ -165,3 +165,47 @@ def test_demo_model_logits_per_dtype(demo_model_dir, dtype):
         ref = torch.stack([hf(torch.tensor([p])).logits[0, -1].float() for p in prompts])
     assert (ours - ref).abs().max().item() <= DEMO_TOLERANCE[dtype]
     assert ours.argmax(-1).tolist() == ref.argmax(-1).tolist()
+
+
+def test_allocate_keeps_shared_tensors_and_casts_only_floating_ones():
+    """``allocate`` is ``to_empty(device).to(dtype)``: tensors shared between submodules stay
+    shared, floating ones take the dtype, integer buffers keep theirs."""
+    from torch import nn
+
+    from pprun.models.base import allocate
+
+    with torch.device("meta"):
+        first, second = nn.Linear(4, 4), nn.Linear(4, 4, bias=False)
+        second.weight = first.weight
+        module = nn.Sequential(first, second)
+        module.register_buffer("steps", torch.zeros(2, dtype=torch.int64))
+    allocate(module, "cpu", torch.bfloat16)
+    assert module[0].weight is module[1].weight
+    assert module[0].weight.device.type == "cpu" and module[0].weight.dtype == torch.bfloat16
+    assert module[0].bias.dtype == torch.bfloat16 and module.steps.dtype == torch.int64
+    assert all(not t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def test_building_a_stage_imports_neither_sympy_nor_dynamo(tiny_llama_dir):
+    """A stage is built and loaded through torch's C++ kernels: no ``to_empty`` (its
+    ``empty_like`` of a meta tensor runs a Python reference kernel that imports sympy) and no
+    random draw for embeddings (its meta kernel imports torch._dynamo), each a second or more of
+    every stage's start-up on CPU (docs/performance.md, "Start-up")."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys, torch
+from pprun.attention.backend import reference_backend
+from pprun.distributed.layout import StageLayout
+from pprun.models.hf_config import load_arch_config
+from pprun.worker.model_loader import load_stage_model
+arch = load_arch_config({str(tiny_llama_dir)!r})
+for rank in (0, 1):
+    load_stage_model({str(tiny_llama_dir)!r}, arch, StageLayout.from_partition([2, 2], rank), device=torch.device("cpu"),
+                     dtype=torch.float32, max_positions=64, attn_backend=reference_backend)
+print(sorted(m for m in ("sympy", "torch._dynamo") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"

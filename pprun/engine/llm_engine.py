@@ -42,25 +42,24 @@ class _Tracked:
     error: str | None = None
 
 
-def make_executor(resolved, runner: str):
-    """Start the stages with the resolved executor."""
-    name = resolved.executor
+def executor_class(name: str) -> type:
+    """The executor class of a resolved ``parallel.executor``."""
     if name == "uni":
         from pprun.executor.uni import UniExecutor
 
-        return UniExecutor(resolved, runner)
+        return UniExecutor
     if name == "mp":
         from pprun.executor.mp import MpExecutor
 
-        return MpExecutor(resolved, runner)
+        return MpExecutor
     if name == "ray":
         from pprun.executor.ray_executor import RayExecutor
 
-        return RayExecutor(resolved, runner)
+        return RayExecutor
     if name == "external_launcher":
         from pprun.executor.external import ExternalLauncherExecutor
 
-        return ExternalLauncherExecutor(resolved, runner)
+        return ExternalLauncherExecutor
     raise ValueError(f"parallel.executor={name!r} is unknown")
 
 
@@ -76,7 +75,12 @@ class LLMEngine:
         rc = self.resolved
         self.runner_name = rc.runner
         self.v2_fallback_reasons = unsupported_v2_features(cfg, rc.executor)
-        # The tokenizer (transformers' import and its files) loads while the stages start.
+        # The executor's imports (Ray's for ray: Executor.prepare) come first; then the tokenizer
+        # (transformers' import and its files) loads on a thread while the stages start. Started
+        # before them, its imports would hold up the executor's (one interpreter lock) and so the
+        # stages.
+        executor_cls = executor_class(rc.executor)
+        executor_cls.prepare(rc)
         tokenizer = in_background(load_tokenizer, cfg.model.tokenizer or str(rc.model_dir))
         self.vocab_size = rc.arch.vocab_size
         self.max_model_len = rc.max_model_len
@@ -100,7 +104,7 @@ class LLMEngine:
             rc.device,
             str(rc.dtype).removeprefix("torch."),
         )
-        self.executor = make_executor(rc, self.runner_name)
+        self.executor = executor_cls(rc, self.runner_name)
         try:
             self.tokenizer = tokenizer()
         except BaseException:

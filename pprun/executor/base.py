@@ -39,6 +39,13 @@ class Executor(ABC):
     stage_params: list[int]
     """Parameter count of each stage's model."""
 
+    @classmethod
+    def prepare(cls, resolved) -> None:
+        """Imports the executor's start (``__init__``) will need, done by the engine before it
+        starts its own threads (the tokenizer's), whose imports would slow these down (one
+        interpreter lock); nothing by default."""
+        return None
+
     @abstractmethod
     def init_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` KV blocks on every stage and build the stages' runners."""

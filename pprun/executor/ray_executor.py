@@ -13,9 +13,12 @@ node address as Ray reports it, never at a hard-coded loopback.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import subprocess
 import tempfile
+import time
 
 from pprun.distributed.auth import loopback_env
 from pprun.distributed.layout import StageLayout
@@ -47,7 +50,56 @@ def ensure_ray(address: str | None, num_cpus_needed: float) -> bool:
         log_to_driver=True,
         configure_logging=False,
     )
+    # Runs before Ray's own exit hook (registered when ray was imported: last in, first out).
+    atexit.register(stop_local_ray)
     return True
+
+
+STATELESS_PROCESSES = ("monitor", "dashboard", "log_monitor")
+"""Processes of a local Ray node that hold nothing for the driver (the autoscaler monitor, the
+dashboard head, the log monitor): :func:`stop_local_ray` stops them together."""
+
+
+def stop_local_ray(grace_s: float = 0.2) -> None:
+    """Stop the local cluster :func:`ensure_ray` started (at the interpreter's exit).
+
+    Ray's exit hook first sleeps half a second, then stops the node's processes one after
+    another, giving each up to a second to exit on SIGTERM before SIGKILL; the autoscaler
+    monitor does not exit on SIGTERM, so it costs the whole second (2.2 s of every ``pprun
+    generate`` on a 2-core host in all).  Here the processes that hold nothing for the driver
+    stop together first: the monitor at once by SIGKILL (what Ray ends up sending it; on SIGTERM
+    it would report an autoscaler failure to the still connected driver), the dashboard head
+    and the log monitor by SIGTERM, and SIGKILL after ``grace_s``.  ``ray.shutdown`` then
+    disconnects the driver and stops the raylet (which ends its workers) and the GCS as Ray
+    does, without the pause.  Should Ray's node object look different, only ``ray.shutdown``
+    runs."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    try:
+        node = ray._private.worker._global_node
+        live = [
+            (kind, info.process)
+            for kind in STATELESS_PROCESSES
+            for info in (node.all_processes.get(kind, []) if node is not None else [])
+            if info.process.poll() is None
+        ]
+        for kind, p in live:
+            if kind == "monitor":
+                p.kill()
+            else:
+                p.terminate()
+        deadline = time.monotonic() + grace_s
+        for _, p in live:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=1.0)
+    except Exception:
+        logger.debug("stopping Ray's stateless processes first failed", exc_info=True)
+    ray.shutdown()
 
 
 def check_placement_possible(bundles: list[dict[str, float]], strategy: str) -> None:
@@ -80,6 +132,17 @@ class RayExecutor(RemoteStagesExecutor):
 
     name = "ray"
 
+    @classmethod
+    def prepare(cls, resolved) -> None:
+        """Import Ray, and where this process will start a local cluster (no ``ray_address``,
+        no ``RAY_ADDRESS``, Ray not started yet) the dashboard's dependencies, which
+        ``ray.init`` imports to check them before it starts the dashboard head (aiohttp,
+        OpenTelemetry, Prometheus: half a second of the cluster's start on a 2-core host)."""
+        import ray
+
+        if not ray.is_initialized() and not (resolved.cfg.parallel.ray_address or os.environ.get("RAY_ADDRESS")):
+            ray._private.utils.get_dashboard_dependency_error()
+
     def __init__(self, resolved, runner: str) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -101,7 +164,9 @@ class RayExecutor(RemoteStagesExecutor):
         on_gpu = resolved.device == "cuda"
         cpus = par.ray_num_cpus_per_stage
         # A local cluster started here stays up for the process (a later LLM reuses it).
-        ensure_ray(par.ray_address, cpus * self.pp_size)
+        t0 = time.perf_counter()
+        started = ensure_ray(par.ray_address, cpus * self.pp_size)
+        t1 = time.perf_counter()
         extra = [dict(r) for r in par.stage_resources] if par.stage_resources else [{}] * self.pp_size
         base = {"GPU": 1, "CPU": cpus} if on_gpu else {"CPU": cpus}
         bundles = [{**base, **extra[rank]} for rank in range(self.pp_size)]
@@ -110,18 +175,6 @@ class RayExecutor(RemoteStagesExecutor):
         check_placement_possible(bundles, strategy)
         self.pg = placement_group(bundles, strategy=strategy)
         self._remove_pg = remove_placement_group
-        try:
-            ray.get(self.pg.ready(), timeout=par.stage_timeout_s + 60)
-        except ray.exceptions.GetTimeoutError:
-            self.shutdown(graceful=False)
-            raise ValueError(
-                f"Ray could not place {self.pp_size} stages (bundles {bundles}, "
-                f"parallel.placement_strategy={strategy}) within {par.stage_timeout_s + 60:.0f}s: the "
-                f"cluster lacks the resources (ray.cluster_resources()={ray.cluster_resources()})"
-            ) from None
-        # Where Ray put each stage (docs/cluster.md): node ids by bundle, i.e. by stage.
-        table = ray.util.placement_group_table(self.pg)
-        self.stage_node_ids = [table["bundles_to_node_id"][rank] for rank in range(self.pp_size)]
 
         @ray.remote
         class StageActor:
@@ -136,6 +189,7 @@ class RayExecutor(RemoteStagesExecutor):
             def run(self, spec, address, authkey) -> None:
                 worker_main(address, authkey, spec.layout.pp_rank, spec)
 
+        # Created at once: each starts (its imports) as soon as its bundle is placed.
         self.actors = [
             StageActor.options(
                 num_cpus=cpus,
@@ -149,8 +203,22 @@ class RayExecutor(RemoteStagesExecutor):
             for rank in range(self.pp_size)
         ]
         try:
+            ray.get(self.pg.ready(), timeout=par.stage_timeout_s + 60)
+        except ray.exceptions.GetTimeoutError:
+            self.shutdown(graceful=False)
+            raise ValueError(
+                f"Ray could not place {self.pp_size} stages (bundles {bundles}, "
+                f"parallel.placement_strategy={strategy}) within {par.stage_timeout_s + 60:.0f}s: the "
+                f"cluster lacks the resources (ray.cluster_resources()={ray.cluster_resources()})"
+            ) from None
+        # Where Ray put each stage (docs/cluster.md): node ids by bundle, i.e. by stage.
+        table = ray.util.placement_group_table(self.pg)
+        self.stage_node_ids = [table["bundles_to_node_id"][rank] for rank in range(self.pp_size)]
+
+        try:
             places = ray.get([a.node_ip_and_port.remote() for a in self.actors], timeout=par.stage_timeout_s + 60)
             self.stage_ips = [ip for ip, _ in places]
+            t2 = time.perf_counter()
             ip0, port0 = places[0]
             driver_ip = ray.util.get_node_ip_address()
             # Every stage on the driver's node: loopback sockets and a file rendezvous, as mp does
@@ -174,6 +242,11 @@ class RayExecutor(RemoteStagesExecutor):
                 self.run_refs.append(actor.run.remote(spec, listener.address, self.authkey))
             self._accept_all(listener)
             self._setup_stages()
+            # Where the start-up goes (docs/performance.md, "Start-up").
+            logger.info(
+                "ray: %s in %.2fs, stage actors up (imports done) in %.2fs, stages joined and loaded in %.2fs",
+                "local cluster started" if started else "cluster ready", t1 - t0, t2 - t1, time.perf_counter() - t2,
+            )
         except BaseException:
             self.shutdown()
             raise

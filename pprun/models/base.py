@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import torch
 from torch import nn
 
 
@@ -47,3 +48,31 @@ class PprunModel(nn.Module):
     ``pprun.worker.v2.model_state.ModelState``, which the models do not import: the worker
     depends on them, not the other way round); None gets ``ModelState`` itself, which adds
     nothing (a text-only decoder)."""
+
+
+def allocate(module: nn.Module, device: torch.device | str, dtype: torch.dtype | None = None) -> nn.Module:
+    """Give every parameter and buffer of ``module`` (built on the meta device) uninitialised
+    storage on ``device``, floating ones in ``dtype``: ``module.to_empty(device=device).to(dtype)``
+    in one pass, keeping tensors shared between submodules shared.
+
+    ``to_empty`` makes each tensor with ``empty_like`` of a meta tensor, which runs torch's Python
+    reference kernel, whose first use imports ``sympy`` (about a second of a stage's start-up on
+    CPU); ``torch.empty`` does not."""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        new_dtype = dtype if dtype is not None and (t.is_floating_point() or t.is_complex()) else t.dtype
+        return torch.empty(t.shape, dtype=new_dtype, device=device)
+
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is not None:
+                if id(param) not in made:
+                    made[id(param)] = nn.Parameter(empty(param), requires_grad=param.requires_grad)
+                sub._parameters[name] = made[id(param)]
+        for name, buf in sub._buffers.items():
+            if buf is not None:
+                if id(buf) not in made:
+                    made[id(buf)] = empty(buf)
+                sub._buffers[name] = made[id(buf)]
+    return module

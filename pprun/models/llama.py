@@ -36,7 +36,7 @@ from pprun.layers.attend import attend
 from pprun.layers.embedding import Embedding
 from pprun.layers.norm import RMSNorm
 from pprun.layers.plan import run_decoder_layers
-from pprun.models.base import PprunModel
+from pprun.models.base import PprunModel, allocate
 from pprun.models.hf_config import ModelArchConfig
 
 
@@ -73,7 +73,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding:
     """Precomputed cos/sin tables indexed by position (float32, cast to the activations' dtype).
 
-    A plain object, not a module: the tables are derived state, so ``to_empty``/``.to(dtype)``
+    A plain object, not a module: the tables are derived state, so ``allocate``
     on the model must not touch them, and they are not weights.
     """
 
@@ -184,7 +184,7 @@ class LlamaForCausalLM(PprunModel):
         self.dtype = dtype
         self.device = device
         rotary = RotaryEmbedding(arch, max_positions, device)
-        # Built on the meta device: nothing is allocated until ``to_empty`` below, and then
+        # Built on the meta device: nothing is allocated until ``allocate`` below, and then
         # only this stage's modules exist at all.
         with torch.device("meta"):
             self.embed_tokens = (
@@ -199,8 +199,7 @@ class LlamaForCausalLM(PprunModel):
             else:
                 self.norm = None
                 self.lm_head = None
-        self.to_empty(device=device)
-        self.to(dtype)
+        allocate(self, device, dtype)
         if layout.is_first and layout.is_last and arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

@@ -24,7 +24,7 @@ from torch import nn
 from pprun.attention.metadata import AttentionMetadata
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
-from pprun.models.base import PprunModel
+from pprun.models.base import PprunModel, allocate
 from pprun.models.clip import VisionTransformer, activation
 from pprun.models.hf_config import ModelArchConfig
 from pprun.models.llama import LlamaForCausalLM
@@ -122,8 +122,8 @@ class LlavaForConditionalGeneration(PprunModel):
                     vcfg["hidden_size"] * len(self.feature_layers), arch.hidden_size,
                     mm["projector_hidden_act"], mm["multimodal_projector_bias"],
                 )
-            self.vision_tower.to_empty(device=device).to(dtype)
-            self.multi_modal_projector.to_empty(device=device).to(dtype)
+            allocate(self.vision_tower, device, dtype)
+            allocate(self.multi_modal_projector, device, dtype)
 
     def _build_tower(self, vcfg: dict, num_layers: int) -> nn.Module:
         if self.tower_type == "pixtral":
