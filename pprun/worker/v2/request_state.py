@@ -102,6 +102,7 @@ class RequestTable:
         """Per row: draws a resumed seeded request's new generator skips at its next sampling
         step (its earlier outputs; ``SamplingTensors.skip_draws``)."""
         self.num_skipping = 0
+        """Live rows whose ``draws_to_skip`` is not 0 (0: a step builds no skip list)."""
         self.num_seeded = 0
         """Live rows holding a generator (0: skip building the per-row generator list)."""
         self.num_prompt_tokens_np = np.zeros(max_num_reqs, dtype=np.int64)
