@@ -228,6 +228,13 @@ def test_audio_items_charge_their_encoder_positions():
         default.add_request(audio_request(f"d{i}", f"h{i}"))
     assert default.max_num_encoder_tokens == 2 * 1500  # a full batch (max_num_seqs) of windows
     assert [n.req_id for n in run_step(default).scheduled_new_reqs] == ["d0", "d1"]
+    # A token budget above one window (2048 > 1500) still grows to a full batch: the budget it
+    # gave would admit one window per step, and filling the batch would take max_num_seqs steps.
+    wide = Scheduler(max_num_seqs=4, max_num_batched_tokens=2048, max_model_len=32, block_size=4, num_blocks=64)
+    for i in range(4):
+        wide.add_request(audio_request(f"w{i}", f"w{i}"))
+    assert wide.max_num_encoder_tokens == 4 * 1500
+    assert [n.req_id for n in run_step(wide).scheduled_new_reqs] == ["w0", "w1", "w2", "w3"]
 
     small = Scheduler(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=32, block_size=4, num_blocks=64,
                       max_num_encoder_tokens=1000)

@@ -115,8 +115,9 @@ class SchedulerConfig:
     """Vision-language models: most encoder output rows (image embeddings) one step may compute;
     a prefill chunk is cut before an image that does not fit, and an image larger than this is
     refused.  None: ``max(max_num_batched_tokens, max_model_len)``, so every image of any prompt
-    fits one step; an item larger than that (a Whisper window) raises it to ``max_num_seqs`` such
-    items, so a batch of clips is encoded in one step."""
+    fits one step; an item read through cross-attention (a Whisper window), or an image larger
+    than that, raises it to ``max_num_seqs`` such items, so a batch of clips is encoded in one
+    step."""
 
 
 @dataclass

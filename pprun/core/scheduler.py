@@ -192,13 +192,18 @@ class Scheduler:
             )
         if req.mm_items:
             biggest = max(encoder_cost(item) for item in req.mm_items)
-            if biggest > self.max_num_encoder_tokens and self._default_encoder_budget:
-                # An item larger than the token-sized default (a Whisper window's 1500 encoder
-                # positions against max_num_batched_tokens) raises the default budget to a full
-                # batch of such items: max_num_seqs requests of the largest item start in one
-                # step, as a batch of clips is transcribed (one window per step would take
-                # max_num_seqs steps to fill the batch).
-                self.max_num_encoder_tokens = biggest * self.max_num_seqs
+            if self._default_encoder_budget:
+                # The token-sized default fits every embedded item (its rows are prompt tokens,
+                # which the token budget limits anyway).  An item read through cross-attention
+                # (a Whisper window: encoder positions, no prompt rows) raises it to a full batch
+                # of the largest such item, so max_num_seqs requests start and are encoded in
+                # one step, as a batch of clips is transcribed; a budget that admits fewer
+                # windows per step takes max_num_seqs / fewer steps to fill the batch, each an
+                # eager step with its own encoder call.  An embedded item larger than the
+                # default raises it the same way.
+                reads_cross = any(not item.num_embeds for item in req.mm_items)
+                if reads_cross or biggest > self.max_num_encoder_tokens:
+                    self.max_num_encoder_tokens = max(self.max_num_encoder_tokens, biggest * self.max_num_seqs)
             if biggest > self.max_num_encoder_tokens:
                 raise ValueError(
                     f"request {req.req_id!r} has a multimodal item of {biggest} encoder rows: "
