@@ -39,6 +39,8 @@ from pprun.worker.v2.model_state import ModelState
 class EncoderDecoderModelState(ModelState):
     """Encoder step and persistent cross-attention metadata of one encoder-decoder stage."""
 
+    masks_suppressed_in_graph = True  # every Whisper request suppresses its generation config's ids
+
     def __init__(
         self,
         model: nn.Module,
@@ -67,6 +69,9 @@ class EncoderDecoderModelState(ModelState):
         it in one indexed read, not looked up request by request)."""
         self._added: list[tuple[int, str]] = []
         """(row, request id) of the requests added since the last :meth:`begin_step`."""
+        self._written: tuple[bytes, int] | None = None
+        """The table rows and row count the device buffers hold now (None: unknown), so that a
+        step with the same rows as the last one (steady decode) writes and copies nothing."""
 
     def add_request(self, row: int, new: NewRequestData) -> None:
         """Note the row; its slot is known once :meth:`begin_step` has handed slots out."""
@@ -79,11 +84,18 @@ class EncoderDecoderModelState(ModelState):
         slot_of = self.encoder_decoder.slot_of
         for row, req_id in self._added:
             self._slot_of_row[row] = slot_of[req_id]
+        if self._added:
+            self._written = None  # a row may hold another request's slot now
         self._added.clear()
 
     def _write(self, req_ids: list[str], num_rows: int, rows: np.ndarray | None = None) -> None:
         """Rows ``[:num_rows]`` of both buffers (real rows first, padding zero), then one copy to
-        the device on the current stream."""
+        the device on the current stream; nothing when ``rows`` and ``num_rows`` are what the
+        buffers hold already."""
+        written = None if rows is None else (rows.tobytes(), num_rows)
+        if written is not None and written == self._written:
+            return
+        self._written = written
         if self._copy_pending:
             # The previous copy may still be reading the pinned rows about to be rewritten.
             self._copy_done.synchronize()

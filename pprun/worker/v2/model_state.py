@@ -60,6 +60,14 @@ class ModelState:
         """The runner's CUDA-graph mode (``none``, ``piecewise``, ``full``), set before capture:
         :meth:`capture_inputs` may depend on what the captured graphs replay."""
 
+    masks_suppressed_in_graph: bool = False
+    """Whether the last stage's full decode graphs put each row's ``suppress_token_ids`` at -inf
+    before their greedy argmax (the request table's per-row device mask, gathered by the step's
+    sampling rows): for a family whose every request suppresses ids (Whisper's generation
+    config), so that its greedy decode steps take their ids from the graph with no sampling
+    outside it.  Off by default: a family whose requests rarely suppress would pay the gather and
+    fill in every graph."""
+
     def add_request(self, row: int, new: NewRequestData) -> None:
         """A request took table row ``row`` (write its family-specific per-request state)."""
 

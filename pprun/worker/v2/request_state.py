@@ -424,16 +424,15 @@ class RequestTable:
         due = self.begin_suppresses_np[rows]
         return bool(due.any() and (due & (seq_lens == self.num_prompt_tokens_np[rows])).any())
 
-    def mask_suppressed(self, logits: torch.Tensor, device_rows: torch.Tensor) -> torch.Tensor:
-        """``logits [n, vocab]`` (a new tensor) with each row's ``suppress_token_ids`` at -inf,
-        read from a per-row device mask gathered by ``device_rows [n]`` (the rows, on the device):
-        a step costs one gather and one fill, whatever its size; the host writes mask rows only for
-        rows whose request changed since the last call.  Ids past ``vocab`` are dropped, as
-        ``mask_token_ids`` drops them (the same logits come out)."""
-        vocab = logits.shape[-1]
+    def suppress_mask(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """The per-row mask ``[max_num_reqs, vocab]`` (True: the row's request may not sample that
+        id), brought up to date: the host rewrites only the rows whose request changed since the
+        last call (a row taken or left), with device writes queued on the current stream.  The
+        tensor keeps its address while ``vocab`` and ``device`` stay, so a CUDA graph may read it.
+        Ids past ``vocab`` are dropped, as ``mask_token_ids`` drops them."""
         mask = self._suppress_mask
-        if mask is None or mask.shape[1] != vocab or mask.device != logits.device:
-            mask = torch.zeros((self.max_num_reqs, vocab), dtype=torch.bool, device=logits.device)
+        if mask is None or mask.shape[1] != vocab or mask.device != device:
+            mask = torch.zeros((self.max_num_reqs, vocab), dtype=torch.bool, device=device)
             self._suppress_mask = mask
             self._suppress_mask_stale = set(np.flatnonzero(self.suppresses_np).tolist())
         if self._suppress_mask_stale:
@@ -448,6 +447,13 @@ class RequestTable:
                 keep = cols < vocab
                 index = torch.from_numpy(np.stack([rows[keep], cols[keep]])).to(mask.device)
                 mask[index[0], index[1]] = True
+        return mask
+
+    def mask_suppressed(self, logits: torch.Tensor, device_rows: torch.Tensor) -> torch.Tensor:
+        """``logits [n, vocab]`` (a new tensor) with each row's ``suppress_token_ids`` at -inf,
+        read from the per-row device mask (:meth:`suppress_mask`) gathered by ``device_rows [n]``
+        (the rows, on the device): a step costs one gather and one fill, whatever its size."""
+        mask = self.suppress_mask(logits.shape[-1], logits.device)
         return logits.masked_fill(mask[device_rows], float("-inf"))
 
     def num_logprobs_list(self, rows: torch.Tensor) -> list[int | None]:

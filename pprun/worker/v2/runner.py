@@ -286,6 +286,11 @@ class V2ModelRunner(ModelRunner):
         pool (reused by every graph), and each replay copies its rows once.
         """
         logits = self.model.compute_logits(hidden)
+        if self.model_state.masks_suppressed_in_graph:
+            # Rows of requests that suppress nothing are all False; padding rows read whatever
+            # table rows their stale sample_rows name (their ids are discarded).
+            mask = self.table.suppress_mask(logits.shape[-1], self.device)
+            logits = logits.masked_fill(mask[self.bufs.sample_rows.device[:num_tokens_padded]], float("-inf"))
         if self.graph_logits is None:
             self.graph_logits = torch.empty(
                 (self.graphs.max_size, logits.shape[-1]), dtype=logits.dtype, device=self.device
@@ -414,6 +419,10 @@ class V2ModelRunner(ModelRunner):
             in_graph_buffers = plan.mode != "eager"
             into = self.graph_intermediate if in_graph_buffers else None
             intermediate_tensors = receive(into, hop_in_graph)
+        if plan.mode == "full" and self.model_state.masks_suppressed_in_graph and self.graph_logits is not None:
+            # The graph reads the suppression mask: its rows for requests that joined or left
+            # are rewritten first, in stream order before the replay.
+            self.table.suppress_mask(self.graph_logits.shape[1], self.device)
         out = self._run_model(plan, batch, meta, intermediate_tensors, in_graph_buffers, hop_in_graph)
         clock.lap("launch_us")
         if self._ids_from_last is not None and batch.num_sampled:
@@ -532,6 +541,8 @@ class V2ModelRunner(ModelRunner):
             rows = self.bufs.logits_indices.device[:num_sampled]
             picked = [t[rows] for t in sources]
         suppressed = self._suppressed_ids(batch)
+        if suppressed == "mask" and in_graph and self.model_state.masks_suppressed_in_graph:
+            suppressed = None  # the graph masked its logits before its argmax
         on_host = False  # the graph's argmax wrote the ids to this step's ring row already
         if in_graph and suppressed is None and tensors.all_greedy and tensors.max_num_logprobs is None:
             res = SamplerOutput(picked[1])
