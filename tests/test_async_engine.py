@@ -1,15 +1,20 @@
-"""The async engine: per-step deltas from an engine thread, many callers, abort, failure, drain."""
+"""The async engine: per-step deltas from an engine thread, many callers, abort, failure, drain;
+the engine process (``EngineProcess``): the same deltas, and its death ends every stream."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 
 import pytest
+from leftovers import Snapshot
 
 from pprun import LLM
 from pprun.config.config import PprunConfig
 from pprun.engine.async_engine import AsyncEngine, EngineClosedError, QueueFullError
+from pprun.engine.engine_process import EngineProcess
 from pprun.sampling.params import SamplingParams
 
 TOKEN_PROMPTS = [{"prompt_token_ids": [(7 * i + j) % 250 + 1 for j in range(3 + i)]} for i in range(6)]
@@ -57,9 +62,11 @@ def test_threads_stream_deltas_equal_to_offline(tiny_llama_dir, tiny_offline, ru
         engine.shutdown()
 
 
-def test_text_deltas_join_to_offline_text(demo_model_dir):
+@pytest.mark.parametrize("client", [AsyncEngine, EngineProcess])
+def test_text_deltas_join_to_offline_text(demo_model_dir, client):
     """Incremental detokenization: text deltas joined equal the offline text, a stop string
-    included (never streamed, even in part)."""
+    included (never streamed, even in part), whether the engine steps on a thread of this process
+    or in an engine process (which sends token ids only: the text is made here)."""
     prompts = ["The capital of France is", "Write a haiku about a graphics card."]
     params = [SamplingParams(temperature=0.0, max_tokens=12), SamplingParams(temperature=0.0, max_tokens=12)]
     with LLM(demo_model_dir, executor="uni") as llm:
@@ -71,7 +78,7 @@ def test_text_deltas_join_to_offline_text(demo_model_dir):
         prompts.append(prompts[0])
         offline.append(llm.generate(prompts[0], params[2])[0])
     assert offline[2].outputs[0].finish_reason == "stop"
-    engine = AsyncEngine(PprunConfig.from_kwargs(model=str(demo_model_dir), executor="uni"))
+    engine = client(PprunConfig.from_kwargs(model=str(demo_model_dir), executor="uni"))
     try:
         streams = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         for stream, ref in zip(streams, offline):
@@ -257,3 +264,54 @@ def test_shutdown_drains_then_aborts(tiny_llama_dir, tiny_offline):
     assert results[endless.request_id][-1].finish_reason == "abort"
     with pytest.raises(EngineClosedError, match="shutting down"):
         engine.add_request(TOKEN_PROMPTS[0], GREEDY)
+
+
+def test_engine_process_streams_offline_output_and_frees_blocks(tiny_llama_dir, tiny_offline):
+    """The engine in its own process: streams from many threads equal the offline output; an
+    aborted request's blocks come back (the counts the process reports with every step)."""
+    engine = EngineProcess(tiny_config(tiny_llama_dir))
+    free_at_start = engine.num_free_blocks()
+    results: dict[int, list[int]] = {}
+    try:
+        long = engine.add_request(TOKEN_PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+        it = iter(long)
+        assert not next(it).finished and engine.num_free_blocks() < free_at_start
+        threads = [threading.Thread(target=lambda i=i: results.setdefault(
+            i, [t for d in engine.add_request(TOKEN_PROMPTS[i], GREEDY) for t in d.token_ids]))
+            for i in range(1, len(TOKEN_PROMPTS))]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert results == {i: tiny_offline[i] for i in range(1, len(TOKEN_PROMPTS))}
+        assert engine.abort(long.request_id)
+        assert list(it)[-1].finish_reason == "abort"
+        assert engine.num_free_blocks() == free_at_start and engine.num_unfinished == 0
+        assert engine.describe()["kv_blocks_per_stage"] == free_at_start + 1  # the null block
+    finally:
+        engine.shutdown()
+
+
+def test_engine_process_death_ends_every_stream(tiny_llama_dir):
+    """The engine process killed mid-stream: the server side sees its socket's EOF, every stream
+    ends with an error, health turns false (listeners told), new requests are refused, shutdown
+    returns, and nothing is left behind."""
+    before = Snapshot()
+    engine = EngineProcess(tiny_config(tiny_llama_dir))
+    health: list[bool] = []
+    engine.add_health_listener(health.append)
+    try:
+        streams = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=1900, ignore_eos=True))
+                   for p in TOKEN_PROMPTS[:2]]
+        for s in streams:
+            next(iter(s))
+        os.kill(engine.pid, signal.SIGKILL)
+        for s in streams:
+            last = list(s)[-1]
+            assert last.finish_reason == "error" and "the engine process exited" in last.error
+        assert not engine.healthy and health == [False]
+        with pytest.raises(EngineClosedError, match="the engine has failed"):
+            engine.add_request(TOKEN_PROMPTS[0], GREEDY)
+    finally:
+        engine.shutdown(drain_timeout_s=0.0)
+    assert before.left_behind() == []
