@@ -6,8 +6,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 from leftovers import Snapshot
 
@@ -315,3 +320,40 @@ def test_engine_process_death_ends_every_stream(tiny_llama_dir):
     finally:
         engine.shutdown(drain_timeout_s=0.0)
     assert before.left_behind() == []
+
+
+_SERVER_THAT_DIES = """
+import sys
+from pprun.config.config import PprunConfig
+from pprun.engine.engine_process import EngineProcess
+from pprun.sampling.params import SamplingParams
+engine = EngineProcess(PprunConfig.from_kwargs(model=sys.argv[1], dtype="float32", max_num_seqs=4))
+stream = engine.add_request({"prompt_token_ids": [1, 2, 3]},
+                            SamplingParams(temperature=0.0, max_tokens=1900, ignore_eos=True))
+next(iter(stream))
+print(engine.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_engine_process_exits_with_its_server(tiny_llama_dir):
+    """A server process SIGKILLed while its engine process steps a request: the engine process
+    sees its socket's EOF and exits (its stages with it) instead of stepping for nobody."""
+    server = subprocess.Popen([sys.executable, "-c", _SERVER_THAT_DIES, str(tiny_llama_dir)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        engine_pid = int(server.stdout.readline())
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(engine_pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.1)
+    else:
+        psutil.Process(engine_pid).kill()
+        pytest.fail(f"engine process {engine_pid} outlived its server by 30 s")

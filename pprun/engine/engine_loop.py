@@ -120,6 +120,8 @@ class EngineLoop:
         """Request id -> output tokens reported so far, for every request in the engine."""
         self._ended: list[FinishedUpdate] = []
         """Requests ended while commands were applied (refused by the engine): reported next."""
+        self._last_counters = (-1, -1)
+        """``(num_steps, num_free_blocks)`` of the last report sent."""
 
     def run(self) -> None:
         """Step until a :data:`STOP` command comes."""
@@ -162,6 +164,10 @@ class EngineLoop:
     def _report(self, report: StepReport) -> None:
         report.num_steps = self.engine.num_steps
         report.num_free_blocks = self.engine.scheduler.block_manager.num_free_blocks
+        counters = (report.num_steps, report.num_free_blocks)
+        if not (report.updates or report.finished or report.failure) and counters == self._last_counters:
+            return  # a round that scheduled nothing (waiting for blocks): nothing to wake the caller for
+        self._last_counters = counters
         self.report(report)
 
     def _add(self, cmd: AddCommand) -> None:
