@@ -74,7 +74,7 @@ def test_serve_config_composes_and_validates(tmp_path) -> None:
     register_configs()
     with initialize_config_dir(config_dir=str(default_conf_dir()), version_base="1.3"):
         cfg = OmegaConf.to_object(compose("serve", ["parallel=single", "serve.port=0", "scheduler.max_num_seqs=8"]))
-    assert (cfg.serve.host, cfg.serve.port, cfg.serve.auth_token) == ("127.0.0.1", 0, None)
+    assert (cfg.serve.host, cfg.serve.port, cfg.serve.auth_token, cfg.serve.engine_process) == ("127.0.0.1", 0, None, True)
     assert cfg.pprun_config().scheduler.max_num_seqs == 8
     cfg.serve.validate()
     for kwargs, message in [
@@ -83,6 +83,7 @@ def test_serve_config_composes_and_validates(tmp_path) -> None:
         ({"auth_token": "a", "auth_token_file": "b"}, r"both set"),
         ({"auth_token_file": str(tmp_path / "missing")}, r"serve.auth_token_file=.* is not a file"),
         ({"max_queued_requests": -1}, r"serve.max_queued_requests=-1 is invalid"),
+        ({"engine_process": "yes"}, r"serve.engine_process='yes' is invalid"),
     ]:
         with pytest.raises(ValueError, match=message):
             ServeConfig(**kwargs).validate()

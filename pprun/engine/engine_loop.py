@@ -9,7 +9,7 @@ comes back) and does everything that touches it.  It runs on the async engine's 
   every client join the running batches and an abort frees its blocks within a step;
 * after each step one :class:`StepReport` carries every updated request's new token ids (and
   logprobs when asked), each finished request's :class:`FinishedUpdate` and the engine's counters.
-  No text: detokenizing is the caller's (``async_engine.StreamTable``), so that in the engine
+  No text: detokenizing is the caller's (``async_engine.EngineClient``), so that in the engine
   process the loop steps and nothing else.
 """
 
@@ -128,7 +128,8 @@ class EngineLoop:
         eng = self.engine
         wait_s = 0.0
         while not self.stopped:
-            cmds = self.take(IDLE_WAIT_S if not eng.has_unfinished_requests() else wait_s)
+            idle = self.failure is not None or not eng.has_unfinished_requests()
+            cmds = self.take(IDLE_WAIT_S if idle else wait_s)
             wait_s = 0.0
             num_aborts = 0
             for cmd in cmds:

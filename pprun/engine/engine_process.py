@@ -149,7 +149,7 @@ class EngineProcess(EngineClient):
                 self._on_report(report)
             except Exception:  # a bug here must not leave every later stream waiting
                 logger.exception("engine report not delivered")
-        if self._stopping:
+        if self._stopping or self.dead is not None:  # stopped, or every stream has ended already
             return
         try:
             code = self._proc.wait(timeout=5.0)
