@@ -44,7 +44,8 @@ thread of the server process), to compare the two layouts on one machine.
 The server is started without Hydra (``pprun.serve.server.serve`` on a config built here), so
 with ``--executor uni|mp`` neither Hydra nor Ray is needed; the gRPC packages are.
 ``--switch-interval-ms`` sets the server process's ``sys.setswitchinterval`` (the event loop and
-the engine thread share the GIL: how long one waits for the other when both run Python).  The
+the engine thread, or the reader of the engine process's reports, share the GIL: how long one
+waits for the other when both run Python).  The
 script sets ``OMP_WAIT_POLICY=PASSIVE`` unless it is set (it matters where OpenMP runs the model:
 on CPU): the offline engine steps on its main thread, the server on its engine thread, and on a
 machine whose cores other processes share, an OpenMP team spinning while it waits for a

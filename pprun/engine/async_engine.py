@@ -26,6 +26,7 @@ the model and serving (gRPC, tokenizing, detokenizing) do not share one interpre
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import itertools
 import logging
@@ -155,11 +156,11 @@ def max_unfinished_requests(cfg: PprunConfig, max_queued_requests: int) -> int:
     return cfg.scheduler.max_num_seqs + max_queued_requests
 
 
-class EngineClient:
+class EngineClient(abc.ABC):
     """The callers' side of a serving engine: validation, request streams, detokenizing, health,
     draining.  Where the engine loop runs is the subclass's: it sends commands (:meth:`_send`),
-    feeds each :class:`~pprun.engine.engine_loop.StepReport` to :meth:`_on_report` and stops the
-    loop (:meth:`_stop_engine`).
+    feeds each :class:`~pprun.engine.engine_loop.StepReport` to :meth:`_on_report`, stops the
+    loop (:meth:`_stop_engine`) and says what the engine counts.
 
     Past ``max_unfinished`` unfinished requests :meth:`add_request` raises :class:`QueueFullError`.
     """
@@ -184,24 +185,29 @@ class EngineClient:
 
     # --- what the subclass provides ---------------------------------------------------------------
 
+    @abc.abstractmethod
     def _send(self, cmd: Command) -> None:
         """Hand a command to the engine loop (applied before its next step)."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def _stop_engine(self) -> None:
         """Stop the engine loop and the stages (every request has ended)."""
         raise NotImplementedError
 
     @property
+    @abc.abstractmethod
     def num_steps(self) -> int:
         """Steps the engine has submitted so far (``LLMEngine.num_steps``): what "within one
         step" is counted in."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def num_free_blocks(self) -> int:
         """KV blocks free in the scheduler's block manager."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def describe(self) -> dict:
         """The engine's facts (model, runner, executor, stage layout) plus ``max_model_len`` and
         the block size."""

@@ -219,7 +219,8 @@ def engine_process_main(fd: int) -> int:
     try:
         engine = LLMEngine(cfg, decode_outputs=False)
     except BaseException as e:  # the server raises it: a bad configuration reads as one
-        logger.debug("engine start-up failed", exc_info=True)
+        if not isinstance(e, (ValueError, TypeError)):  # not a configuration error: its traceback helps
+            logger.exception("engine start-up failed")
         try:
             conn.send(("error", e))
         except Exception:  # an exception that does not pickle
