@@ -45,8 +45,9 @@ from pprun.utils.startup import freeze_startup_objects
 logger = logging.getLogger(__name__)
 
 SOCKET_BUFFER_BYTES = 4 * 2**20
-"""Send and receive buffer of each end of the socket pair: a burst of requests (or a step's report)
-is written without waiting for the reader (the server's sends run on its event loop)."""
+"""Send and receive buffer asked for each end of the socket pair (the kernel caps it at
+``net.core.wmem_max``/``rmem_max``): a burst of requests (or a step's report) is written without
+waiting for the reader (the server's sends run on its event loop)."""
 
 
 class EngineProcess(EngineClient):
