@@ -48,6 +48,7 @@ from pprun.engine.engine_loop import (
     EngineLoop,
     FinishedUpdate,
     StepReport,
+    serving_facts,
 )
 from pprun.engine.inputs import InputProcessor
 from pprun.engine.llm_engine import LLMEngine
@@ -482,11 +483,9 @@ class AsyncEngine(EngineClient):
         return self.engine.scheduler.block_manager.num_free_blocks
 
     def describe(self) -> dict:
-        """The engine's facts (model, runner, executor, stage layout) plus the block size."""
-        facts = self.engine.describe()
-        facts["max_model_len"] = self.engine.max_model_len
-        facts["block_size"] = self.cfg.cache.block_size
-        return facts
+        """The engine's facts (model, runner, executor, stage layout) plus ``max_model_len`` and
+        the block size."""
+        return serving_facts(self.engine)
 
     def _send(self, cmd: Command) -> None:
         self._commands.put(cmd)

@@ -97,6 +97,15 @@ class StepReport:
     """KV blocks free after this report's step."""
 
 
+def serving_facts(engine: LLMEngine) -> dict:
+    """:meth:`LLMEngine.describe` plus ``max_model_len`` and the block size: what a server
+    reports of its engine (``GetModelInfo``)."""
+    facts = engine.describe()
+    facts["max_model_len"] = engine.max_model_len
+    facts["block_size"] = engine.cfg.cache.block_size
+    return facts
+
+
 class EngineLoop:
     """Steps ``engine`` on the commands ``take`` returns; ``report`` gets one :class:`StepReport`
     per step.

@@ -38,7 +38,7 @@ from multiprocessing.connection import Connection
 
 from pprun.config.config import PprunConfig
 from pprun.engine.async_engine import EngineClient, max_unfinished_requests
-from pprun.engine.engine_loop import STOP, Command, EngineLoop, StepReport
+from pprun.engine.engine_loop import STOP, Command, EngineLoop, StepReport, serving_facts
 from pprun.engine.inputs import InputProcessor
 from pprun.utils.startup import freeze_startup_objects
 
@@ -228,10 +228,7 @@ def engine_process_main(fd: int) -> int:
             conn.send(("error", RuntimeError(f"{type(e).__name__}: {e}")))
         return 1
     try:
-        facts = engine.describe()
-        facts["max_model_len"] = engine.max_model_len
-        facts["block_size"] = cfg.cache.block_size
-        conn.send(("ready", (facts, engine.scheduler.block_manager.num_free_blocks)))
+        conn.send(("ready", (serving_facts(engine), engine.scheduler.block_manager.num_free_blocks)))
         poller = select.poll()
         poller.register(conn.fileno(), select.POLLIN)
         gone: list[bool] = []
