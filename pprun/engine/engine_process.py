@@ -42,7 +42,7 @@ from pprun.engine.engine_loop import STOP, Command, EngineLoop, StepReport, serv
 from pprun.engine.inputs import InputProcessor
 from pprun.utils.startup import freeze_startup_objects
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("pprun.engine.engine_process")  # by name: the engine process runs this module as __main__
 
 SOCKET_BUFFER_BYTES = 4 * 2**20
 """Send and receive buffer asked for each end of the socket pair (the kernel caps it at
