@@ -272,15 +272,19 @@ def test_shutdown_drains_then_aborts(tiny_llama_dir, tiny_offline):
 
 
 def test_engine_process_streams_offline_output_and_frees_blocks(tiny_llama_dir, tiny_offline):
-    """The engine in its own process: streams from many threads equal the offline output; an
-    aborted request's blocks come back (the counts the process reports with every step)."""
+    """The engine in its own process: streams from many threads equal the offline output, logprobs
+    come with their tokens; an aborted request's blocks come back (the counts the process reports
+    with every step)."""
     engine = EngineProcess(tiny_config(tiny_llama_dir))
     free_at_start = engine.num_free_blocks()
     results: dict[int, list[int]] = {}
     try:
-        long = engine.add_request(TOKEN_PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+        long = engine.add_request(TOKEN_PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True,
+                                                                   logprobs=2))
         it = iter(long)
-        assert not next(it).finished and engine.num_free_blocks() < free_at_start
+        first = next(it)
+        assert not first.finished and engine.num_free_blocks() < free_at_start
+        assert len(first.logprobs) == len(first.token_ids) and len(first.logprobs[0].top_token_ids) == 2
         threads = [threading.Thread(target=lambda i=i: results.setdefault(
             i, [t for d in engine.add_request(TOKEN_PROMPTS[i], GREEDY) for t in d.token_ids]))
             for i in range(1, len(TOKEN_PROMPTS))]  # fmt: skip
