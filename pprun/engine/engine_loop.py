@@ -9,8 +9,9 @@ comes back) and does everything that touches it.  It runs on the async engine's 
   every client join the running batches and an abort frees its blocks within a step;
 * after each step one :class:`StepReport` carries every updated request's new token ids (and
   logprobs when asked), each finished request's :class:`FinishedUpdate` and the engine's counters.
-  No text: detokenizing is the caller's (``async_engine.EngineClient``), so that in the engine
-  process the loop steps and nothing else.
+  No text (but for an output a stop string cut, which the engine decoded to find it): detokenizing
+  is the caller's (``async_engine.EngineClient``), so that in the engine process the loop steps
+  and does little else.
 """
 
 from __future__ import annotations
