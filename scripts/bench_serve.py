@@ -35,13 +35,17 @@ final response's timings), split into ``ingress`` (call start to accepted: the c
 gRPC, parsing and validation) and ``egress`` (first token sampled to the client holding it: the
 hand-over back, serialization, gRPC).  CPU time per output token (the process and its stage
 processes, with psutil) is reported for both sides, and per thread (the server's event loop,
-gRPC's poller, the engine thread, and the rest: torch's and OpenMP's): on a machine that other
-work shares it shows what the server adds when wall times are noise.
+gRPC's poller, the engine thread or the reader of the engine process's reports, and the rest:
+torch's and OpenMP's; with an engine process also its main thread, which steps the engine, and its
+other threads): on a machine that other work shares it shows what the server adds when wall times
+are noise.  ``--no-engine-process`` serves with ``serve.engine_process=false`` (the engine on a
+thread of the server process), to compare the two layouts on one machine.
 
 The server is started without Hydra (``pprun.serve.server.serve`` on a config built here), so
 with ``--executor uni|mp`` neither Hydra nor Ray is needed; the gRPC packages are.
 ``--switch-interval-ms`` sets the server process's ``sys.setswitchinterval`` (the event loop and
-the engine thread share the GIL: how long one waits for the other when both run Python).  The
+the engine thread, or the reader of the engine process's reports, share the GIL: how long one
+waits for the other when both run Python).  The
 script sets ``OMP_WAIT_POLICY=PASSIVE`` unless it is set (it matters where OpenMP runs the model:
 on CPU): the offline engine steps on its main thread, the server on its engine thread, and on a
 machine whose cores other processes share, an OpenMP team spinning while it waits for a
@@ -101,6 +105,29 @@ def thread_cpu_seconds(pid: int, names: dict[int, str]) -> dict[str, float]:
         seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         name = names.get(int(task.name), "other")
         totals[name] = totals.get(name, 0.0) + seconds
+    return totals
+
+
+def engine_process_pid(server_pid: int) -> int | None:
+    """The server's engine process (``serve.engine_process``), None when it steps in process."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    for child in psutil.Process(server_pid).children():
+        if "pprun.engine.engine_process" in child.cmdline():
+            return child.pid
+    return None
+
+
+def server_thread_cpu_seconds(server_pid: int, names: dict[int, str], engine_pid: int | None) -> dict[str, float]:
+    """:func:`thread_cpu_seconds` of the server process, and of its engine process when it has
+    one (its main thread, which steps the engine, as "engine process: main"; the rest, torch's and
+    OpenMP's, as "engine process: other")."""
+    totals = thread_cpu_seconds(server_pid, names)
+    if engine_pid is not None:
+        engine = thread_cpu_seconds(engine_pid, {engine_pid: "main"})
+        totals.update({f"engine process: {name}": t for name, t in engine.items()})
     return totals
 
 
@@ -239,9 +266,9 @@ def stream_from_processes(pool, procs: int, address: str, prompts: list[list[int
 
 def run_served(args, prompts: list[list[int]]) -> tuple[dict, list[list[int]]]:
     """Throughput and TTFT through a server process on loopback, and the outputs."""
-    from serve_helpers import ServerProcess
-
     import multiprocessing
+
+    from serve_helpers import ServerProcess
 
     kwargs = engine_kwargs(args)
     kwargs.setdefault("executor", "uni" if args.pp == 1 else "ray")
@@ -249,15 +276,17 @@ def run_served(args, prompts: list[list[int]]) -> tuple[dict, list[list[int]]]:
     pool = multiprocessing.get_context("spawn").Pool(procs) if procs > 1 else None
     with tempfile.TemporaryDirectory() as tmp:
         names_path = Path(tmp) / "threads.json"
-        child = {"engine": kwargs, "switch_interval_ms": args.switch_interval_ms, "thread_names": str(names_path)}
+        child = {"engine": kwargs, "switch_interval_ms": args.switch_interval_ms, "thread_names": str(names_path),
+                 "engine_process": args.engine_process}
         command = [sys.executable, str(Path(__file__).resolve()), "--serve-child", json.dumps(child)]
         server = ServerProcess(Path(tmp), [], startup_timeout_s=1800, command=command)
         try:
             stream_from_processes(pool, procs, server.address, prompts, min(16, args.output_len), args.clients)  # warm-up
             names = thread_names(names_path)
-            cpu0, threads0 = cpu_seconds(server.proc.pid), thread_cpu_seconds(server.proc.pid, names)
+            engine_pid = engine_process_pid(server.proc.pid)
+            cpu0, threads0 = cpu_seconds(server.proc.pid), server_thread_cpu_seconds(server.proc.pid, names, engine_pid)
             results, wall = stream_from_processes(pool, procs, server.address, prompts, args.output_len, args.clients)
-            cpu1, threads1 = cpu_seconds(server.proc.pid), thread_cpu_seconds(server.proc.pid, names)
+            cpu1, threads1 = cpu_seconds(server.proc.pid), server_thread_cpu_seconds(server.proc.pid, names, engine_pid)
         finally:
             rc = server.terminate()
             if pool is not None:
@@ -320,7 +349,7 @@ def serve_child(child_json: str) -> None:
     threading.Thread(target=write_thread_names, args=(Path(child["thread_names"]),), name="bench", daemon=True).start()
     engine = PprunConfig.from_kwargs(**child["engine"])
     cfg = ServeAppConfig(**{f.name: getattr(engine, f.name) for f in dataclasses.fields(PprunConfig)},
-                         serve=ServeConfig(port=0, model_name="bench"))
+                         serve=ServeConfig(port=0, model_name="bench", engine_process=child["engine_process"]))
     serve(cfg)
 
 
@@ -345,6 +374,9 @@ def main() -> int:
                              "between served and offline tokens the batches' doing?)")
     parser.add_argument("--switch-interval-ms", type=float, default=None,
                         help="the server process's sys.setswitchinterval (default: Python's, 5 ms)")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="the server steps its engine in a process of its own (serve.engine_process; "
+                             "default) or on a thread of the server process (--no-engine-process)")
     parser.add_argument("--serve-child", metavar="JSON", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_child is not None:
@@ -366,7 +398,7 @@ def main() -> int:
         "workload": {"model": args.model, "pp": args.pp, "executor": offline["engine"]["executor"],
                      "clients": args.clients, "client_procs": min(args.client_procs, args.clients),
                      "num_prompts": len(prompts), "input_len": args.input_len, "output_len": args.output_len,
-                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                     "engine_process": args.engine_process, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                      "server_switch_interval_ms": args.switch_interval_ms},
         "offline": offline, "grpc": served,
         "same_tokens": served_ids == offline_ids,

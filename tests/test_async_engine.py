@@ -1,15 +1,25 @@
-"""The async engine: per-step deltas from an engine thread, many callers, abort, failure, drain."""
+"""The async engine: per-step deltas from an engine thread, many callers, abort, failure, drain;
+the engine process (``EngineProcess``): the same deltas, and its death ends every stream."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
+import psutil
 import pytest
+from leftovers import Snapshot
 
 from pprun import LLM
 from pprun.config.config import PprunConfig
 from pprun.engine.async_engine import AsyncEngine, EngineClosedError, QueueFullError
+from pprun.engine.engine_process import EngineProcess
 from pprun.sampling.params import SamplingParams
 
 TOKEN_PROMPTS = [{"prompt_token_ids": [(7 * i + j) % 250 + 1 for j in range(3 + i)]} for i in range(6)]
@@ -57,9 +67,11 @@ def test_threads_stream_deltas_equal_to_offline(tiny_llama_dir, tiny_offline, ru
         engine.shutdown()
 
 
-def test_text_deltas_join_to_offline_text(demo_model_dir):
+@pytest.mark.parametrize("client", [AsyncEngine, EngineProcess])
+def test_text_deltas_join_to_offline_text(demo_model_dir, client):
     """Incremental detokenization: text deltas joined equal the offline text, a stop string
-    included (never streamed, even in part)."""
+    included (never streamed, even in part), whether the engine steps on a thread of this process
+    or in an engine process (which sends token ids only: the text is made here)."""
     prompts = ["The capital of France is", "Write a haiku about a graphics card."]
     params = [SamplingParams(temperature=0.0, max_tokens=12), SamplingParams(temperature=0.0, max_tokens=12)]
     with LLM(demo_model_dir, executor="uni") as llm:
@@ -71,7 +83,7 @@ def test_text_deltas_join_to_offline_text(demo_model_dir):
         prompts.append(prompts[0])
         offline.append(llm.generate(prompts[0], params[2])[0])
     assert offline[2].outputs[0].finish_reason == "stop"
-    engine = AsyncEngine(PprunConfig.from_kwargs(model=str(demo_model_dir), executor="uni"))
+    engine = client(PprunConfig.from_kwargs(model=str(demo_model_dir), executor="uni"))
     try:
         streams = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         for stream, ref in zip(streams, offline):
@@ -257,3 +269,95 @@ def test_shutdown_drains_then_aborts(tiny_llama_dir, tiny_offline):
     assert results[endless.request_id][-1].finish_reason == "abort"
     with pytest.raises(EngineClosedError, match="shutting down"):
         engine.add_request(TOKEN_PROMPTS[0], GREEDY)
+
+
+def test_engine_process_streams_offline_output_and_frees_blocks(tiny_llama_dir, tiny_offline):
+    """The engine in its own process: streams from many threads equal the offline output, logprobs
+    come with their tokens; an aborted request's blocks come back (the counts the process reports
+    with every step)."""
+    engine = EngineProcess(tiny_config(tiny_llama_dir))
+    free_at_start = engine.num_free_blocks()
+    results: dict[int, list[int]] = {}
+    try:
+        long = engine.add_request(TOKEN_PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True,
+                                                                   logprobs=2))
+        it = iter(long)
+        first = next(it)
+        assert not first.finished and engine.num_free_blocks() < free_at_start
+        assert len(first.logprobs) == len(first.token_ids) and len(first.logprobs[0].top_token_ids) == 2
+        threads = [threading.Thread(target=lambda i=i: results.setdefault(
+            i, [t for d in engine.add_request(TOKEN_PROMPTS[i], GREEDY) for t in d.token_ids]))
+            for i in range(1, len(TOKEN_PROMPTS))]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert results == {i: tiny_offline[i] for i in range(1, len(TOKEN_PROMPTS))}
+        assert engine.abort(long.request_id)
+        assert list(it)[-1].finish_reason == "abort"
+        assert engine.num_free_blocks() == free_at_start and engine.num_unfinished == 0
+        assert engine.describe()["kv_blocks_per_stage"] == free_at_start + 1  # the null block
+    finally:
+        engine.shutdown()
+
+
+def test_engine_process_death_ends_every_stream(tiny_llama_dir):
+    """The engine process killed mid-stream: the server side sees its socket's EOF, every stream
+    ends with an error, health turns false (listeners told), new requests are refused, shutdown
+    returns, and nothing is left behind."""
+    before = Snapshot()
+    engine = EngineProcess(tiny_config(tiny_llama_dir))
+    health: list[bool] = []
+    engine.add_health_listener(health.append)
+    try:
+        streams = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=1900, ignore_eos=True))
+                   for p in TOKEN_PROMPTS[:2]]
+        for s in streams:
+            next(iter(s))
+        os.kill(engine.pid, signal.SIGKILL)
+        for s in streams:
+            last = list(s)[-1]
+            assert last.finish_reason == "error" and "the engine process exited" in last.error
+        assert not engine.healthy and health == [False]
+        with pytest.raises(EngineClosedError, match="the engine has failed"):
+            engine.add_request(TOKEN_PROMPTS[0], GREEDY)
+    finally:
+        engine.shutdown(drain_timeout_s=0.0)
+    assert before.left_behind() == []
+
+
+_SERVER_THAT_DIES = """
+import sys
+from pprun.config.config import PprunConfig
+from pprun.engine.engine_process import EngineProcess
+from pprun.sampling.params import SamplingParams
+engine = EngineProcess(PprunConfig.from_kwargs(model=sys.argv[1], dtype="float32", max_num_seqs=4))
+stream = engine.add_request({"prompt_token_ids": [1, 2, 3]},
+                            SamplingParams(temperature=0.0, max_tokens=1900, ignore_eos=True))
+next(iter(stream))
+print(engine.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_engine_process_exits_with_its_server(tiny_llama_dir):
+    """A server process SIGKILLed while its engine process steps a request: the engine process
+    sees its socket's EOF and exits (its stages with it) instead of stepping for nobody."""
+    server = subprocess.Popen([sys.executable, "-c", _SERVER_THAT_DIES, str(tiny_llama_dir)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        engine_pid = int(server.stdout.readline())
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(engine_pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.1)
+    else:
+        psutil.Process(engine_pid).kill()
+        pytest.fail(f"engine process {engine_pid} outlived its server by 30 s")

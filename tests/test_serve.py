@@ -1,9 +1,11 @@
 """``pprun serve`` end to end: real servers on loopback in their own processes, real clients.
 
-Three servers: the tiny random Llama in process (bearer token, small message limit: load,
-bad input, disconnects, token, bind address, SIGTERM), the tiny Llama at pp=2 on local
-processes (queue bound, a stage killed), and the demo model at pp=2 on Ray actors (pprun.v1 and
-tritonclient texts against offline ``LLM.generate``, abort, health, reflection).
+Servers (each stepping its engine in an engine process unless said otherwise): the tiny random
+Llama in one stage (bearer token, small message limit: load, bad input, disconnects, token, bind
+address, SIGTERM), the same with its engine on a thread of the server's process (TLS), one whose
+engine process is killed, the tiny Llama at pp=2 on local processes (queue bound, a stage
+killed), and the demo model at pp=2 on Ray actors (pprun.v1 and tritonclient texts against
+offline ``LLM.generate``, abort, health, reflection).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def test_serve_config_composes_and_validates(tmp_path) -> None:
     register_configs()
     with initialize_config_dir(config_dir=str(default_conf_dir()), version_base="1.3"):
         cfg = OmegaConf.to_object(compose("serve", ["parallel=single", "serve.port=0", "scheduler.max_num_seqs=8"]))
-    assert (cfg.serve.host, cfg.serve.port, cfg.serve.auth_token) == ("127.0.0.1", 0, None)
+    assert (cfg.serve.host, cfg.serve.port, cfg.serve.auth_token, cfg.serve.engine_process) == ("127.0.0.1", 0, None, True)
     assert cfg.pprun_config().scheduler.max_num_seqs == 8
     cfg.serve.validate()
     for kwargs, message in [
@@ -81,6 +83,7 @@ def test_serve_config_composes_and_validates(tmp_path) -> None:
         ({"auth_token": "a", "auth_token_file": "b"}, r"both set"),
         ({"auth_token_file": str(tmp_path / "missing")}, r"serve.auth_token_file=.* is not a file"),
         ({"max_queued_requests": -1}, r"serve.max_queued_requests=-1 is invalid"),
+        ({"engine_process": "yes"}, r"serve.engine_process='yes' is invalid"),
     ]:
         with pytest.raises(ValueError, match=message):
             ServeConfig(**kwargs).validate()
@@ -429,10 +432,11 @@ def test_sigterm_drains_and_exits_0(tiny_server, tiny_reference):
 
 def test_tls_end_to_end(tiny_llama_dir, tiny_reference, tmp_path):
     """A TLS server (a self-signed certificate made here): a client trusting that certificate
-    streams the offline output; a plaintext client and one that does not trust it are refused."""
+    streams the offline output; a plaintext client and one that does not trust it are refused.
+    This server steps its engine on a thread of its own process (``serve.engine_process=false``)."""
     cert, key = make_self_signed_cert(tmp_path)
     server = ServerProcess(tmp_path, [
-        f"model.model={tiny_llama_dir}", "model.dtype=float32", "parallel=single",
+        f"model.model={tiny_llama_dir}", "model.dtype=float32", "parallel=single", "serve.engine_process=false",
         f"serve.tls_cert_file={cert}", f"serve.tls_key_file={key}",
     ])  # fmt: skip
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=LOAD_PROMPTS[0]), sampling=greedy_proto(LOAD_MAX_TOKENS))
@@ -486,42 +490,81 @@ def test_external_launcher_is_refused(tiny_llama_dir, tmp_path, monkeypatch):
 # --- the tiny model at pp=2 on local processes -------------------------------------------------------
 
 
+def _processes(server: ServerProcess, module: str) -> list[psutil.Process]:
+    """The server's descendants running ``python -m <module>``."""
+    found = []
+    for p in psutil.Process(server.proc.pid).children(recursive=True):
+        try:
+            if module in p.cmdline():
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def _streams_end_unavailable_after(server: ServerProcess, kill, pp_size: int, queue_bound: bool = False) -> None:
+    """Two long streams run; ``kill()`` ends part of the engine: both streams end UNAVAILABLE,
+    health turns NOT_SERVING, new requests are refused UNAVAILABLE, GetModelInfo still answers and
+    SIGTERM still exits 0."""
+    with server.channel() as ch:
+        stub = pb_grpc.PprunStub(ch)
+        health = health_pb2_grpc.HealthStub(ch)
+        assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+        calls = [stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[i + 1, 2]), sampling=greedy_proto(1900)),
+                               timeout=120) for i in range(2)]
+        for c in calls:
+            next(c)
+        if queue_bound:
+            _expect(Code.RESOURCE_EXHAUSTED, "2 requests are unfinished",
+                    lambda: list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1])))))
+        kill()
+        for c in calls:
+            with pytest.raises(grpc.RpcError) as err:
+                list(c)
+            assert err.value.code() == Code.UNAVAILABLE
+        deadline = time.monotonic() + 10
+        while (status := health.Check(health_pb2.HealthCheckRequest()).status) == \
+                health_pb2.HealthCheckResponse.SERVING and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        _expect(Code.UNAVAILABLE, "the engine has failed",
+                lambda: list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=greedy_proto(2)))))
+        assert model_info(stub).pipeline_parallel_size == pp_size
+    assert server.terminate() == 0, server.log()[-3000:]
+
+
 def test_queue_bound_then_stage_failure(tiny_llama_dir, tmp_path):
-    """Past max_num_seqs + max_queued_requests: RESOURCE_EXHAUSTED.  A stage killed mid-stream:
-    the streams in flight end UNAVAILABLE, health turns NOT_SERVING, new requests are refused
-    UNAVAILABLE, and the server still answers and exits 0 on SIGTERM."""
+    """Past max_num_seqs + max_queued_requests: RESOURCE_EXHAUSTED.  The stage processes killed
+    mid-stream (the engine process lives on): the streams in flight end UNAVAILABLE, health turns
+    NOT_SERVING, new requests are refused UNAVAILABLE, and the server still answers and exits 0 on
+    SIGTERM, its engine process gone with it."""
     server = ServerProcess(tmp_path, [
         f"model.model={tiny_llama_dir}", "model.dtype=float32", "parallel=pp2_mp", "parallel.stage_timeout_s=10",
         "scheduler.max_num_seqs=2", "serve.max_queued_requests=0",
     ])  # fmt: skip
     try:
-        with server.channel() as ch:
-            stub = pb_grpc.PprunStub(ch)
-            health = health_pb2_grpc.HealthStub(ch)
-            assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
-            calls = [stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[i + 1, 2]), sampling=greedy_proto(1900)),
-                                   timeout=120) for i in range(2)]
-            for c in calls:
-                next(c)
-            _expect(Code.RESOURCE_EXHAUSTED, "2 requests are unfinished",
-                    lambda: list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1])))))
-            stages = [p for p in psutil.Process(server.proc.pid).children(recursive=True) if p.is_running()]
-            assert stages, "no stage processes found"
+        (engine,) = _processes(server, "pprun.engine.engine_process")
+        stages = _processes(server, "pprun.executor.stage_main")
+        assert len(stages) == 2 and all(p.ppid() == engine.pid for p in stages)
+
+        def kill_stages() -> None:
             for p in stages:
                 p.kill()
-            for c in calls:
-                with pytest.raises(grpc.RpcError) as err:
-                    list(c)
-                assert err.value.code() == Code.UNAVAILABLE
-            deadline = time.monotonic() + 10
-            while (status := health.Check(health_pb2.HealthCheckRequest()).status) == \
-                    health_pb2.HealthCheckResponse.SERVING and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-            _expect(Code.UNAVAILABLE, "the engine has failed",
-                    lambda: list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=greedy_proto(2)))))
-            assert model_info(stub).pipeline_parallel_size == 2
-        assert server.terminate() == 0, server.log()[-3000:]
+
+        _streams_end_unavailable_after(server, kill_stages, pp_size=2, queue_bound=True)
+        assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
+    finally:
+        server.kill()
+
+
+def test_engine_process_death(tiny_llama_dir, tmp_path):
+    """The engine process killed mid-stream: the server sees its socket close and ends the streams
+    UNAVAILABLE, turns health NOT_SERVING, refuses new requests, and exits 0 on SIGTERM."""
+    server = ServerProcess(tmp_path, [f"model.model={tiny_llama_dir}", "model.dtype=float32", "parallel=single"])
+    try:
+        (engine,) = _processes(server, "pprun.engine.engine_process")
+        _streams_end_unavailable_after(server, engine.kill, pp_size=1)
+        assert "the engine process exited" in server.log()
     finally:
         server.kill()
 
@@ -774,7 +817,6 @@ def test_malformed_interceptor_wraps_each_method_once():
     pprun.serve.server's own copy would clash with in protobuf's default pool."""
     import subprocess
     import sys
-
     from pathlib import Path
 
     out = subprocess.run([sys.executable, "-c", _INTERCEPTOR_CHECK], capture_output=True, text=True, timeout=120,

@@ -272,7 +272,7 @@ def check_requests_against_model(cfg: GenerateAppConfig, requests: list[Generate
     if not any(r.images for r in requests):
         return
     from pprun.config.validate import validate_config
-    from pprun.engine.llm_engine import load_tokenizer
+    from pprun.engine.inputs import load_tokenizer
 
     resolved = validate_config(cfg.pprun_config())
     tokenizer = load_tokenizer(str(resolved.tokenizer_dir)) if resolved.arch.multimodal is not None else None

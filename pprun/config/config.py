@@ -456,6 +456,9 @@ class ServeConfig:
     request fails with RESOURCE_EXHAUSTED."""
     drain_timeout_s: float = 30.0
     """On SIGTERM/SIGINT: how long running requests get to finish before they are aborted."""
+    engine_process: bool = True
+    """Step the engine in a process of its own (the server process keeps gRPC, tokenizing and
+    detokenizing: no shared interpreter lock); false: on a thread of the server process."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field, its value and what is allowed."""
@@ -469,6 +472,8 @@ class ServeConfig:
             raise ValueError(f"serve.max_queued_requests={self.max_queued_requests!r} is invalid: must be an integer >= 0")
         if not isinstance(self.drain_timeout_s, (int, float)) or not 0 <= self.drain_timeout_s < float("inf"):
             raise ValueError(f"serve.drain_timeout_s={self.drain_timeout_s!r} is invalid: must be a number >= 0")
+        if not isinstance(self.engine_process, bool):
+            raise ValueError(f"serve.engine_process={self.engine_process!r} is invalid: must be true or false")
         if self.auth_token is not None and self.auth_token_file is not None:
             raise ValueError("serve.auth_token and serve.auth_token_file are both set: give one")
         if self.auth_token is not None and (not isinstance(self.auth_token, str) or not self.auth_token.strip()):

@@ -1,28 +1,32 @@
-"""The async engine: one thread owns and steps an :class:`LLMEngine`; many callers stream deltas.
+"""The async engine: many callers stream per-step deltas of requests that one engine loop steps.
 
 Serving needs what offline generation does not: requests arriving from many clients while the
-pipeline runs, tokens going back as they are sampled, and a client that leaves taking its
-request (and its KV blocks) with it.  ``LLMEngine`` is not thread-safe and its ``step`` blocks
-until a batch comes back, so one thread — the engine thread — does everything that touches it:
+pipeline runs, tokens going back as they are sampled, and a client that leaves taking its request
+(and its KV blocks) with it.  An :class:`EngineClient` is the caller's side of that:
 
-* callers validate their request in their own thread (tokenizing is the expensive part), then
-  hand it over through a command queue; the engine thread adds it before its next step, so new
-  requests join the running batches (continuous batching across clients, and across the ``pp``
-  batches in flight, which the scheduler fills as usual);
-* after each step the engine thread turns every updated request's new tokens into a
-  :class:`~pprun.engine.outputs.RequestDelta` (incrementally detokenized) and puts it on that
-  request's :class:`RequestStream`; an asyncio caller's deltas of one step are delivered with a
-  single ``call_soon_threadsafe``;
-* an abort (client cancelled, disconnected, deadline passed) goes through the same queue and is
-  applied before the next step: the scheduler frees the request's blocks at once, so they are
-  back within one step;
-* a stage failure ends every stream with an error delta, and the engine refuses new requests;
-* :meth:`AsyncEngine.shutdown` drains: new requests are refused, running ones get up to a drain
+* callers validate their request in their own thread (tokenizing is the expensive part, done by
+  an :class:`~pprun.engine.inputs.InputProcessor`), then hand it to the engine loop
+  (``pprun.engine.engine_loop``), which adds it before its next step, so new requests join the
+  running batches (continuous batching across clients, and across the ``pp`` batches in flight,
+  which the scheduler fills as usual);
+* after each step the loop reports every updated request's new token ids; the client turns them
+  into :class:`~pprun.engine.outputs.RequestDelta` s (incrementally detokenized, stop strings held
+  back) and puts each on its request's :class:`RequestStream`; an asyncio caller's deltas of one
+  step are delivered with a single ``call_soon_threadsafe``;
+* an abort (client cancelled, disconnected, deadline passed) is applied before the loop's next
+  step: the scheduler frees the request's blocks at once, so they are back within one step;
+* a stage failure ends every stream with an error delta, and the client refuses new requests;
+* :meth:`EngineClient.shutdown` drains: new requests are refused, running ones get up to a drain
   timeout to finish, the rest are aborted.
+
+Two clients: :class:`AsyncEngine` runs the loop on a thread of this process;
+``pprun.engine.engine_process.EngineProcess`` runs it in a process of its own, so that stepping
+the model and serving (gRPC, tokenizing, detokenizing) do not share one interpreter lock.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import itertools
 import logging
@@ -36,19 +40,22 @@ from typing import Any
 
 from pprun.config.config import PprunConfig
 from pprun.engine.detokenizer import IncrementalDetokenizer
+from pprun.engine.engine_loop import (
+    STOP,
+    AbortCommand,
+    AddCommand,
+    Command,
+    EngineLoop,
+    FinishedUpdate,
+    StepReport,
+    serving_facts,
+)
+from pprun.engine.inputs import InputProcessor
 from pprun.engine.llm_engine import LLMEngine
-from pprun.engine.outputs import RequestDelta, RequestOutput
-from pprun.executor.base import StageFailedError
+from pprun.engine.outputs import RequestDelta
 from pprun.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_IDLE_WAIT_S = 0.5
-"""How long the idle engine thread waits on its command queue between checks of its stop flag
-(a command ends the wait at once)."""
-_BLOCKED_WAIT_S = 0.001
-"""How long the engine thread waits on its command queue when it has requests but could schedule
-none of them (a command ends the wait at once)."""
 
 
 class EngineClosedError(RuntimeError):
@@ -126,9 +133,11 @@ def merge_deltas(deltas: list[RequestDelta]) -> RequestDelta:
     )  # fmt: skip
 
 
+
+
 @dataclass
 class _Active:
-    """Engine-thread state of one streaming request."""
+    """The client's state of one streaming request."""
 
     stream: RequestStream
     params: SamplingParams
@@ -138,60 +147,72 @@ class _Active:
     """Characters kept back while they could begin a stop string (longest stop string - 1)."""
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
-    in_engine: bool = False
 
 
-@dataclass
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None
-    arrival_time: float
-    """When the request was accepted (validated and queued): what its TTFT counts from."""
+def max_unfinished_requests(cfg: PprunConfig, max_queued_requests: int) -> int:
+    """Requests a client accepts at once: what the scheduler runs (``scheduler.max_num_seqs``)
+    plus ``max_queued_requests`` waiting; raises ValueError on a bad ``max_queued_requests``."""
+    if not isinstance(max_queued_requests, int) or max_queued_requests < 0:
+        raise ValueError(f"max_queued_requests={max_queued_requests!r} is invalid: must be an integer >= 0")
+    return cfg.scheduler.max_num_seqs + max_queued_requests
 
 
-@dataclass
-class _Abort:
-    request_id: str
+class EngineClient(abc.ABC):
+    """The callers' side of a serving engine: validation, request streams, detokenizing, health,
+    draining.  Where the engine loop runs is the subclass's: it sends commands (:meth:`_send`),
+    feeds each :class:`~pprun.engine.engine_loop.StepReport` to :meth:`_on_report`, stops the
+    loop (:meth:`_stop_engine`) and says what the engine counts.
 
-
-class AsyncEngine:
-    """An :class:`LLMEngine` stepped by its own thread, taking requests from any thread.
-
-    ``max_queued_requests`` bounds the requests accepted beyond what the scheduler runs at once
-    (``scheduler.max_num_seqs``): past ``max_num_seqs + max_queued_requests`` unfinished requests,
-    :meth:`add_request` raises :class:`QueueFullError`.
+    Past ``max_unfinished`` unfinished requests :meth:`add_request` raises :class:`QueueFullError`.
     """
 
-    def __init__(
-        self,
-        cfg: PprunConfig,
-        *,
-        max_queued_requests: int = 1024,
-    ) -> None:
-        if not isinstance(max_queued_requests, int) or max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests={max_queued_requests!r} is invalid: must be an integer >= 0")
-        self.engine = LLMEngine(cfg)
-        self.cfg = cfg
-        self.max_unfinished = cfg.scheduler.max_num_seqs + max_queued_requests
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+    def __init__(self, inputs: InputProcessor, max_unfinished: int) -> None:
+        self.inputs = inputs
+        self.max_unfinished = max_unfinished
         self._active: dict[str, _Active] = {}
         self._lock = threading.Condition()
-        """Guards ``_active`` (added to by callers, removed from by the engine thread)."""
+        """Guards ``_active`` (added to by callers, removed from by whoever delivers reports)."""
         self._closing = False
-        self._stop = False
+        self._stopped = False
         self.dead: str | None = None
         """Why the engine failed (a stage died); None while healthy."""
         self._health_listeners: list[Callable[[bool], None]] = []
         self._id_prefix = uuid.uuid4().hex[:12]
         self._ids = itertools.count()
-        """Request ids the engine assigns: this engine's random prefix and a count (``uuid4`` per
+        """Request ids the client assigns: this client's random prefix and a count (``uuid4`` per
         request reads the OS's random source, a syscall on the event loop for every request)."""
-        self._plain_token_prompts = self.engine.speech is None and self.engine.resolved.arch.multimodal is None
+        self._plain_token_prompts = inputs.speech is None and inputs.resolved.arch.multimodal is None
         """Token-id prompts need no more than type and range checks (no audio, no image tokens)."""
-        self._thread = threading.Thread(target=self._run, name="pprun-engine", daemon=True)
-        self._thread.start()
+
+    # --- what the subclass provides ---------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _send(self, cmd: Command) -> None:
+        """Hand a command to the engine loop (applied before its next step)."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def _stop_engine(self) -> None:
+        """Stop the engine loop and the stages (every request has ended)."""
+        raise NotImplementedError
+
+    @property
+    @abc.abstractmethod
+    def num_steps(self) -> int:
+        """Steps the engine has submitted so far (``LLMEngine.num_steps``): what "within one
+        step" is counted in."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def num_free_blocks(self) -> int:
+        """KV blocks free in the scheduler's block manager."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def describe(self) -> dict:
+        """The engine's facts (model, runner, executor, stage layout) plus ``max_model_len`` and
+        the block size."""
+        raise NotImplementedError
 
     # --- state ------------------------------------------------------------------------------------
 
@@ -217,23 +238,6 @@ class AsyncEngine:
         """Requests accepted whose last delta has not been delivered yet."""
         return len(self._active)
 
-    @property
-    def num_steps(self) -> int:
-        """Steps the engine has submitted so far (``LLMEngine.num_steps``): what "within one
-        step" is counted in."""
-        return self.engine.num_steps
-
-    def num_free_blocks(self) -> int:
-        """KV blocks free in the scheduler's block manager (a consistent snapshot of one int)."""
-        return self.engine.scheduler.block_manager.num_free_blocks
-
-    def describe(self) -> dict:
-        """The engine's facts (model, runner, executor, stage layout) plus the block size."""
-        facts = self.engine.describe()
-        facts["max_model_len"] = self.engine.max_model_len
-        facts["block_size"] = self.cfg.cache.block_size
-        return facts
-
     # --- requests ---------------------------------------------------------------------------------
 
     def check_request(self, prompt: object, params: object, where: str = "request") -> tuple[str | None, list[int]]:
@@ -244,28 +248,28 @@ class AsyncEngine:
         types as a set, then min and max): a burst of requests is validated one after another on
         the server's event loop, and the element-by-element checks cost 0.1-0.2 ms for 512 ids.
         Anything else, and every invalid prompt, takes the engine's own checks (same messages)."""
-        self.engine.check_params(params, f"{where}.sampling_params")
+        self.inputs.check_params(params, f"{where}.sampling_params")
         ids = self._valid_token_ids(prompt)
         if ids is not None:
             return None, ids
-        return self.engine.check_prompt(prompt, f"{where}.prompt")
+        return self.inputs.check_prompt(prompt, f"{where}.prompt")
 
     def _valid_token_ids(self, prompt: object) -> list[int] | None:
         """``prompt["prompt_token_ids"]`` as a new list when the prompt is nothing else and passes
-        every check :meth:`LLMEngine.check_prompt` makes of it; None when it needs those checks
-        (to pass or to say what is wrong)."""
+        every check :meth:`InputProcessor.check_prompt` makes of it; None when it needs those
+        checks (to pass or to say what is wrong)."""
         if not self._plain_token_prompts or type(prompt) is not dict or len(prompt) != 1:
             return None
         ids = prompt.get("prompt_token_ids")
-        if type(ids) not in (list, tuple) or not ids or len(ids) >= self.engine.max_model_len:
+        if type(ids) not in (list, tuple) or not ids or len(ids) >= self.inputs.max_model_len:
             return None
-        if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= self.engine.vocab_size:
+        if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= self.inputs.vocab_size:
             return None  # a bool, a numpy int, an id outside the vocabulary: the full checks
         return list(ids)
 
     def chat_prompt(self, messages: object, where: str = "messages", *, add_generation_prompt: bool = True) -> dict:
         """A chat conversation rendered with the model's template into a token-id prompt."""
-        return self.engine.render_chat(messages, where, add_generation_prompt=add_generation_prompt)
+        return self.inputs.render_chat(messages, where, add_generation_prompt=add_generation_prompt)
 
     def add_request(
         self,
@@ -286,14 +290,14 @@ class AsyncEngine:
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise ValueError(f"request_id={request_id!r} is invalid: must be a non-empty string, or None")
         self._check_open()
-        text, ids = self.check_request(prompt, params, where)
+        _, ids = self.check_request(prompt, params, where)
         req_id = request_id or f"{self._id_prefix}-{next(self._ids)}"
         stops = params.stop or []
         active = _Active(
             RequestStream(req_id, loop),
             params,
             len(ids),
-            IncrementalDetokenizer(self.engine.tokenizer, params.skip_special_tokens),
+            IncrementalDetokenizer(self.inputs.tokenizer, params.skip_special_tokens),
             hold_back=max((len(s) for s in stops), default=1) - 1,
         )
         with self._lock:
@@ -306,7 +310,7 @@ class AsyncEngine:
                     f"(scheduler.max_num_seqs + serve.max_queued_requests = {self.max_unfinished}); retry later"
                 )
             self._active[req_id] = active
-        self._commands.put(_Add(req_id, ids, params, text, time.time()))
+        self._send(AddCommand(req_id, ids, params, time.time()))
         return active.stream
 
     async def generate(self, prompt: str | dict, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestDelta]:
@@ -326,7 +330,7 @@ class AsyncEngine:
         with self._lock:
             if request_id not in self._active:
                 return False
-        self._commands.put(_Abort(request_id))
+        self._send(AbortCommand(request_id))
         return True
 
     def _check_open(self) -> None:
@@ -347,8 +351,8 @@ class AsyncEngine:
 
     def shutdown(self, drain_timeout_s: float = 30.0) -> None:
         """Refuse new requests, give running ones ``drain_timeout_s`` to finish, abort the rest,
-        then stop the engine thread and the stages.  Idempotent."""
-        if self._stop:
+        then stop the engine loop and the stages.  Idempotent."""
+        if self._stopped:
             return
         self.stop_accepting()
         deadline = time.monotonic() + max(0.0, drain_timeout_s)
@@ -358,152 +362,59 @@ class AsyncEngine:
         if left:
             logger.warning("drain timeout (%.1f s): aborting %d unfinished request(s)", drain_timeout_s, len(left))
             for req_id in left:
-                self._commands.put(_Abort(req_id))
+                self._send(AbortCommand(req_id))
             with self._lock:
                 self._lock.wait_for(lambda: not self._active, timeout=10.0)
-        self._stop = True
-        self._commands.put(None)  # wakes an idle engine thread
-        self._thread.join(timeout=max(10.0, self.cfg.parallel.stage_timeout_s + 5))
-        self.engine.shutdown()
+        self._stopped = True
+        self._stop_engine()
 
-    # --- the engine thread ------------------------------------------------------------------------
+    # --- reports into deltas ----------------------------------------------------------------------
 
-    def _take_commands(self, wait_s: float) -> list[_Add | _Abort | None]:
-        """Every queued command; with ``wait_s`` > 0 and none queued, the first one to come within
-        ``wait_s`` (the queue wakes this thread the moment a caller puts one: no poll tick)."""
-        cmds = []
-        try:
-            cmds.append(self._commands.get(timeout=wait_s) if wait_s > 0 else self._commands.get_nowait())
-        except queue.Empty:
-            return cmds
-        while True:
-            try:
-                cmds.append(self._commands.get_nowait())
-            except queue.Empty:
-                return cmds
-
-    def _run(self) -> None:
-        eng = self.engine
-        wait_s = 0.0
-        while not self._stop:
-            cmds = self._take_commands(_IDLE_WAIT_S if not eng.has_unfinished_requests() else wait_s)
-            wait_s = 0.0
-            num_aborts = 0
-            for cmd in cmds:
-                if isinstance(cmd, _Add):
-                    self._apply_add(cmd)
-                elif isinstance(cmd, _Abort):
-                    num_aborts += self._apply_abort(cmd.request_id)
-            if self.dead is not None or not (eng.has_unfinished_requests() or num_aborts):
-                continue
-            try:
-                finished = eng.step()
-            except StageFailedError as e:
-                self._fail(str(e))
-                continue
-            except Exception as e:  # a bug must end the streams, not leave clients waiting forever
-                logger.exception("engine step failed")
-                self._fail(f"{type(e).__name__}: {e}")
-                continue
-            self._emit(eng.last_updated, finished)
-            if eng.dead is not None:  # failed after the step's bookkeeping: the rest end now
-                self._fail(eng.dead)
-                continue
-            if not finished and not eng.in_flight and not eng.last_updated:
-                # Nothing could be scheduled this round: do not spin, but wait on the command
-                # queue rather than sleep, so that a new request or an abort is taken at once.
-                wait_s = _BLOCKED_WAIT_S
-
-    def _apply_add(self, cmd: _Add) -> None:
-        active = self._active.get(cmd.request_id)
-        if active is None:  # aborted and ended before it reached the engine
+    def _on_report(self, report: StepReport) -> None:
+        """One step's deltas: new tokens (and text) of running requests, then the finished ones'
+        last; delivered together."""
+        if report.failure is not None:
+            self._fail(report.failure, report.finished)
             return
-        if self.dead is not None:
-            self._end(active, self._error_delta(active, self.dead))
-            return
-        try:
-            self.engine.add_request(cmd.prompt_token_ids, cmd.params, prompt=cmd.prompt, request_id=cmd.request_id)
-        except Exception as e:  # validated already; anything here is the engine's own refusal
-            self._end(active, self._error_delta(active, f"{type(e).__name__}: {e}"))
-            return
-        # The request arrived when it was accepted, not when this thread got to it: a wait behind
-        # a running step is the engine's scheduling (counted in its TTFT), as for offline requests
-        # added while the engine steps.
-        tracked = self.engine.tracked[cmd.request_id]
-        tracked.req.arrival_time = tracked.metrics.arrival_time = cmd.arrival_time
-        active.in_engine = True
-
-    def _apply_abort(self, request_id: str) -> int:
-        active = self._active.get(request_id)
-        if active is None:
-            return 0
-        if not active.in_engine:  # still in the command queue behind this abort: end it here
-            self._end(active, RequestDelta(request_id, [], "", finished=True, finish_reason="abort",
-                                           num_prompt_tokens=active.num_prompt_tokens))
-            return 0
-        self.engine.abort_request(request_id)
-        return 1
-
-    def _emit(self, updated: list, finished: list[RequestOutput]) -> None:
-        """Deltas of one step: new tokens of running requests, then the finished ones' last."""
         deliveries: list[tuple[_Active, RequestDelta]] = []
         actives = self._active
-        detokenize = self.engine.tokenizer is not None
-        for req in updated:
-            if req.is_finished:
-                continue  # its output is among ``finished``
-            active = actives.get(req.req_id)
-            output_ids = req.output_token_ids
-            if active is None or len(output_ids) <= active.num_sent_tokens:
+        detokenize = self.inputs.tokenizer is not None
+        for req_id, new_ids, logprobs in report.updates:
+            active = actives.get(req_id)
+            if active is None:
                 continue
-            new_ids = output_ids[active.num_sent_tokens :]
             text = ""
             if detokenize:
                 active.detok.add(new_ids)
                 visible = len(active.detok.text) - active.hold_back
                 if visible > active.num_sent_chars:
                     text = active.detok.text[active.num_sent_chars : visible]
-            logprobs = None if active.params.logprobs is None else self._logprobs(req.req_id, active, len(new_ids))
-            delta = RequestDelta(req.req_id, new_ids, text, logprobs, num_prompt_tokens=active.num_prompt_tokens,
-                                 num_output_tokens=len(output_ids))
             active.num_sent_tokens += len(new_ids)
             active.num_sent_chars += len(text)
-            deliveries.append((active, delta))
-        for out in finished:
-            active = self._active.get(out.request_id)
+            deliveries.append((active, RequestDelta(req_id, new_ids, text, logprobs,
+                                                    num_prompt_tokens=active.num_prompt_tokens,
+                                                    num_output_tokens=active.num_sent_tokens)))
+        for fin in report.finished:
+            active = actives.get(fin.request_id)
             if active is not None:
-                deliveries.append((active, self._final_delta(active, out)))
+                deliveries.append((active, self._final_delta(active, fin)))
         self._deliver(deliveries)
 
-    def _logprobs(self, req_id: str, active: _Active, num_new: int) -> list | None:
-        tr = self.engine.tracked.get(req_id)
-        if tr is None or tr.logprobs is None:
-            return None
-        return tr.logprobs[active.num_sent_tokens : active.num_sent_tokens + num_new]
-
-    def _final_delta(self, active: _Active, out: RequestOutput) -> RequestDelta:
-        comp = out.outputs[0]
-        new_ids = comp.token_ids[active.num_sent_tokens :]
-        if self.engine.tokenizer is None:
-            text = ""
-        else:
-            if len(active.detok.token_ids) < active.num_sent_tokens + len(new_ids):
-                active.detok.add(new_ids)
-            text = active.detok.finish(comp.text, active.num_sent_chars)
-        logprobs = comp.logprobs[active.num_sent_tokens :] if comp.logprobs is not None else None
+    def _final_delta(self, active: _Active, fin: FinishedUpdate) -> RequestDelta:
+        text = ""
+        if self.inputs.tokenizer is not None:
+            if fin.new_token_ids:
+                active.detok.add(fin.new_token_ids)
+            text = active.detok.finish(fin.text, active.num_sent_chars)
         return RequestDelta(
-            out.request_id, list(new_ids), text, logprobs, finished=True,
-            finish_reason=comp.finish_reason, stop_reason=comp.stop_reason, error=out.error,
-            num_prompt_tokens=len(out.prompt_token_ids), num_output_tokens=len(comp.token_ids),
-            metrics=out.metrics,
+            fin.request_id, fin.new_token_ids, text, fin.logprobs, finished=True,
+            finish_reason=fin.finish_reason, stop_reason=fin.stop_reason, error=fin.error,
+            num_prompt_tokens=fin.num_prompt_tokens, num_output_tokens=fin.num_output_tokens, metrics=fin.metrics,
         )  # fmt: skip
 
     def _error_delta(self, active: _Active, why: str) -> RequestDelta:
         return RequestDelta(active.stream.request_id, [], "", finished=True, finish_reason="error", error=why,
                             num_prompt_tokens=active.num_prompt_tokens, num_output_tokens=active.num_sent_tokens)
-
-    def _end(self, active: _Active, delta: RequestDelta) -> None:
-        self._deliver([(active, delta)])
 
     def _deliver(self, deliveries: list[tuple[_Active, RequestDelta]]) -> None:
         """Put deltas on their streams (one hand-over per event loop) and forget finished ones."""
@@ -528,19 +439,75 @@ class AsyncEngine:
                     self._active.pop(req_id, None)
                 self._lock.notify_all()
 
-    def _fail(self, why: str) -> None:
-        """A stage failed: every stream ends with an error delta; new requests are refused."""
-        logger.error("engine failed: %s", why)
+    def _fail(self, why: str, finished: list[FinishedUpdate]) -> None:
+        """The engine failed: every stream ends with an error delta (``finished``: what the
+        engine had of some of them); new requests are refused."""
         self.dead = why
         self._health_changed()  # before the streams end: a client that sees its error then asks sees it too
-        outputs = {out.request_id: out for out in self.engine.drain_failed()}
+        by_id = {fin.request_id: fin for fin in finished}
         deliveries = []
         for req_id, active in list(self._active.items()):
-            out = outputs.get(req_id)
-            delta = self._final_delta(active, out) if out is not None else self._error_delta(active, why)
+            fin = by_id.get(req_id)
+            delta = self._final_delta(active, fin) if fin is not None else self._error_delta(active, why)
             delta.finish_reason, delta.error = "error", why
             deliveries.append((active, delta))
         self._deliver(deliveries)
+
+
+class AsyncEngine(EngineClient):
+    """An :class:`LLMEngine` stepped by an engine loop on its own thread of this process, taking
+    requests from any thread.
+
+    ``max_queued_requests`` bounds the requests accepted beyond what the scheduler runs at once
+    (``scheduler.max_num_seqs``): past ``max_num_seqs + max_queued_requests`` unfinished requests,
+    :meth:`add_request` raises :class:`QueueFullError`.
+    """
+
+    def __init__(self, cfg: PprunConfig, *, max_queued_requests: int = 1024) -> None:
+        max_unfinished = max_unfinished_requests(cfg, max_queued_requests)
+        self.engine = LLMEngine(cfg)
+        self.cfg = cfg
+        super().__init__(self.engine, max_unfinished)
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._loop = EngineLoop(self.engine, self._take_commands, self._on_report)
+        self._thread = threading.Thread(target=self._loop.run, name="pprun-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_steps(self) -> int:
+        """Steps the engine has submitted so far (``LLMEngine.num_steps``)."""
+        return self.engine.num_steps
+
+    def num_free_blocks(self) -> int:
+        """KV blocks free in the scheduler's block manager (a consistent snapshot of one int)."""
+        return self.engine.scheduler.block_manager.num_free_blocks
+
+    def describe(self) -> dict:
+        """The engine's facts (model, runner, executor, stage layout) plus ``max_model_len`` and
+        the block size."""
+        return serving_facts(self.engine)
+
+    def _send(self, cmd: Command) -> None:
+        self._commands.put(cmd)
+
+    def _stop_engine(self) -> None:
+        self._commands.put(STOP)  # wakes an idle engine thread
+        self._thread.join(timeout=max(10.0, self.cfg.parallel.stage_timeout_s + 5))
+        self.engine.shutdown()
+
+    def _take_commands(self, wait_s: float) -> list[Command]:
+        """Every queued command; with ``wait_s`` > 0 and none queued, the first one to come within
+        ``wait_s`` (the queue wakes this thread the moment a caller puts one: no poll tick)."""
+        cmds = []
+        try:
+            cmds.append(self._commands.get(timeout=wait_s) if wait_s > 0 else self._commands.get_nowait())
+        except queue.Empty:
+            return cmds
+        while True:
+            try:
+                cmds.append(self._commands.get_nowait())
+            except queue.Empty:
+                return cmds
 
 
 def _put_all(items: list[tuple[RequestStream, Any]]) -> None:

@@ -47,13 +47,17 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
-    def finish(self, final_text: str, sent_len: int) -> str:
+    def finish(self, final_text: str | None, sent_len: int) -> str:
         """The last delta, given the request's final text and how many characters were sent.
 
-        ``final_text`` is the engine's decode of the whole output (cut before a stop string); it
-        normally extends what was sent.  If a tokenizer's clean-up made it differ, what was sent
-        cannot be taken back: the rest of this detokenizer's own text is sent instead.
+        ``final_text`` is the engine's decode of the whole output (cut before a stop string), or
+        None for this detokenizer to decode every token id it was given (the same decode, done
+        where the engine did not do it); it normally extends what was sent.  If a tokenizer's
+        clean-up made it differ, what was sent cannot be taken back: the rest of this
+        detokenizer's own text is sent instead.
         """
+        if final_text is None:
+            final_text = self._decode(self.token_ids)
         sent = self.text[:sent_len]
         if final_text.startswith(sent):
             return final_text[sent_len:]

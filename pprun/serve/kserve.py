@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 import pprun
-from pprun.engine.async_engine import AsyncEngine
+from pprun.engine.async_engine import EngineClient
 from pprun.sampling.params import SamplingParams
 from pprun.serve._proto.inference import grpc_service_pb2 as pb
 from pprun.serve._proto.inference import grpc_service_pb2_grpc as pb_grpc
@@ -157,7 +157,7 @@ def parse_infer_request(req: pb.ModelInferRequest, model_name: str) -> ParsedReq
 class KServeService(pb_grpc.GRPCInferenceServiceServicer):
     """The KServe v2 methods over the async engine, for one model named ``model_name``."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from pprun.engine.async_engine import AsyncEngine
+from pprun.engine.async_engine import EngineClient
 from pprun.engine.outputs import RequestDelta
 from pprun.sampling.params import SamplingParams
 from pprun.serve._proto.pprun.v1 import pprun_pb2, pprun_pb2_grpc
@@ -32,7 +32,7 @@ def sampling_from_proto(msg: pprun_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(**values)
 
 
-def prompt_from_proto(engine: AsyncEngine, request: pprun_pb2.GenerateRequest) -> str | dict:
+def prompt_from_proto(engine: EngineClient, request: pprun_pb2.GenerateRequest) -> str | dict:
     """The request's prompt as the engine takes it (text, token ids, or a rendered chat)."""
     kind = request.WhichOneof("input")
     if kind == "text":
@@ -82,7 +82,7 @@ def response_from_delta(delta: RequestDelta) -> pprun_pb2.GenerateResponse:
 class PprunService(pprun_pb2_grpc.PprunServicer):
     """pprun.v1 over the async engine; ``model_name`` is the name clients may ask for."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
@@ -126,7 +126,7 @@ class PprunService(pprun_pb2_grpc.PprunServicer):
     async def GetModelInfo(self, request: pprun_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pprun_pb2.ModelInfo:  # noqa: N802
         """The served model, its length limit, stage layout, runner and executor."""
         facts = self.engine.describe()
-        tok = self.engine.engine.tokenizer
+        tok = self.engine.inputs.tokenizer
         return pprun_pb2.ModelInfo(
             model=self.model_name,
             max_model_len=facts["max_model_len"],
@@ -138,7 +138,7 @@ class PprunService(pprun_pb2_grpc.PprunServicer):
             dtype=facts["dtype"],
             kv_blocks_per_stage=facts["kv_blocks_per_stage"],
             block_size=facts["block_size"],
-            vocab_size=self.engine.engine.vocab_size,
+            vocab_size=self.engine.inputs.vocab_size,
             has_tokenizer=tok is not None,
             has_chat_template=bool(tok is not None and getattr(tok, "chat_template", None)),
             kv_blocks_free=self.engine.num_free_blocks(),

@@ -1,9 +1,11 @@
 """The gRPC server of ``pprun serve``: services, authentication, TLS, limits, health, draining.
 
-One asyncio event loop runs the gRPC server (``grpc.aio``); the async engine's own thread steps
-the model.  Served: ``pprun.v1.Pprun``, ``inference.GRPCInferenceService`` (KServe v2 / Triton),
-``grpc.health.v1.Health`` (SERVING while the engine takes requests; NOT_SERVING after a stage
-failure and while draining) and server reflection.  With a bearer token configured every call,
+One asyncio event loop runs the gRPC server (``grpc.aio``); the engine steps the model in a
+process of its own (``serve.engine_process``, ``pprun.engine.engine_process``) or on a thread of
+this one (``pprun.engine.async_engine.AsyncEngine``).  Served: ``pprun.v1.Pprun``,
+``inference.GRPCInferenceService`` (KServe v2 / Triton), ``grpc.health.v1.Health`` (SERVING while
+the engine takes requests; NOT_SERVING after a stage failure and while draining) and server
+reflection.  With a bearer token configured every call,
 health and reflection included, must carry ``authorization: Bearer <token>``.
 """
 
@@ -23,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pprun.config.config import ServeAppConfig, ServeConfig
-from pprun.engine.async_engine import AsyncEngine
+from pprun.engine.async_engine import AsyncEngine, EngineClient
 from pprun.serve._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from pprun.serve._proto.pprun.v1 import pprun_pb2, pprun_pb2_grpc
 from pprun.serve.kserve import KServeService
@@ -207,7 +209,7 @@ def bind_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-async def serve_engine(engine: AsyncEngine, cfg: ServeAppConfig, stop: asyncio.Event | None = None) -> None:
+async def serve_engine(engine: EngineClient, cfg: ServeAppConfig, stop: asyncio.Event | None = None) -> None:
     """Serve ``engine`` until SIGTERM/SIGINT (or ``stop`` is set), then drain and return."""
     sc = cfg.serve
     token = read_token(sc)
@@ -282,7 +284,12 @@ def serve(cfg: ServeAppConfig) -> None:
     read_token(cfg.serve)  # a bad token file fails before the model loads
     engine_cfg = engine_config(cfg)
     check_servable(engine_cfg)
-    engine = AsyncEngine(engine_cfg, max_queued_requests=cfg.serve.max_queued_requests)
+    if cfg.serve.engine_process:
+        from pprun.engine.engine_process import EngineProcess
+
+        engine = EngineProcess(engine_cfg, max_queued_requests=cfg.serve.max_queued_requests)
+    else:
+        engine = AsyncEngine(engine_cfg, max_queued_requests=cfg.serve.max_queued_requests)
     try:
         asyncio.run(serve_engine(engine, cfg))
     finally:

@@ -1,0 +1,255 @@
+"""The serving engine's loop: take commands, step the :class:`LLMEngine`, report each step's tokens.
+
+One loop owns an ``LLMEngine`` (which is not thread-safe, and whose ``step`` blocks until a batch
+comes back) and does everything that touches it.  It runs on the async engine's thread
+(``pprun.engine.async_engine``, in the server's process) or as the main loop of the engine process
+(``pprun.engine.engine_process``); both hand it the same commands and get the same reports:
+
+* :class:`AddCommand` / :class:`AbortCommand` are applied before the next step, so requests from
+  every client join the running batches and an abort frees its blocks within a step;
+* after each step one :class:`StepReport` carries every updated request's new token ids (and
+  logprobs when asked), each finished request's :class:`FinishedUpdate` and the engine's counters.
+  No text (but for an output a stop string cut, which the engine decoded to find it): detokenizing
+  is the caller's (``async_engine.EngineClient``), so that in the engine process the loop steps
+  and does little else.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pprun.core.outputs import Logprobs
+from pprun.engine.llm_engine import LLMEngine
+from pprun.engine.outputs import RequestMetrics, RequestOutput
+from pprun.executor.base import StageFailedError
+from pprun.sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5
+"""How long an idle loop waits for a command between checks of its stop flag (a command ends the
+wait at once)."""
+BLOCKED_WAIT_S = 0.001
+"""How long the loop waits for a command when it has requests but could schedule none of them (a
+command ends the wait at once)."""
+
+
+@dataclass
+class AddCommand:
+    """Queue a validated request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    """When the request was accepted (validated and queued): what its TTFT counts from."""
+
+
+@dataclass
+class AbortCommand:
+    """Abort a request (its last report says finish_reason "abort")."""
+
+    request_id: str
+
+
+STOP = None
+"""The command that ends the loop (after the commands taken with it)."""
+
+Command = AddCommand | AbortCommand | None
+
+TokenUpdate = tuple[str, list[int], "list[Logprobs | None] | None"]
+"""``(request_id, new token ids, their logprobs or None)``: what one step added to a running
+request.  A plain tuple: a step reports one per running request, and the engine process sends them
+to the server process every step."""
+
+
+@dataclass
+class FinishedUpdate:
+    """The end of one request: its last new tokens and everything its final delta carries."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[Logprobs | None] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    text: str | None = None
+    """The whole output's text when the engine has it (always in process; where a stop string cut
+    it in the engine process); None: the caller decodes the output itself."""
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class StepReport:
+    """What the loop says after a step (or after commands that ended requests without one)."""
+
+    updates: list[TokenUpdate] = field(default_factory=list)
+    finished: list[FinishedUpdate] = field(default_factory=list)
+    failure: str | None = None
+    """Set when the engine failed: ``finished`` are the requests it ended, every other request of
+    the caller's ends too, and no more steps run."""
+    num_steps: int = 0
+    """``LLMEngine.num_steps`` after this report's step."""
+    num_free_blocks: int = 0
+    """KV blocks free after this report's step."""
+
+
+def serving_facts(engine: LLMEngine) -> dict:
+    """:meth:`LLMEngine.describe` plus ``max_model_len`` and the block size: what a server
+    reports of its engine (``GetModelInfo``)."""
+    facts = engine.describe()
+    facts["max_model_len"] = engine.max_model_len
+    facts["block_size"] = engine.cfg.cache.block_size
+    return facts
+
+
+class EngineLoop:
+    """Steps ``engine`` on the commands ``take`` returns; ``report`` gets one :class:`StepReport`
+    per step.
+
+    ``take(wait_s)`` returns every command queued now, or, with ``wait_s`` > 0 and none queued,
+    those that arrive within ``wait_s`` (it must return the moment one does: no poll tick).
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        take: Callable[[float], list[Command]],
+        report: Callable[[StepReport], None],
+    ) -> None:
+        self.engine = engine
+        self.take = take
+        self.report = report
+        self.stopped = False
+        self.failure: str | None = None
+        self._num_reported: dict[str, int] = {}
+        """Request id -> output tokens reported so far, for every request in the engine."""
+        self._ended: list[FinishedUpdate] = []
+        """Requests ended while commands were applied (refused by the engine): reported next."""
+        self._last_counters = (-1, -1)
+        """``(num_steps, num_free_blocks)`` of the last report sent."""
+
+    def run(self) -> None:
+        """Step until a :data:`STOP` command comes."""
+        eng = self.engine
+        wait_s = 0.0
+        while not self.stopped:
+            idle = self.failure is not None or not eng.has_unfinished_requests()
+            cmds = self.take(IDLE_WAIT_S if idle else wait_s)
+            wait_s = 0.0
+            num_aborts = 0
+            for cmd in cmds:
+                if isinstance(cmd, AddCommand):
+                    self._add(cmd)
+                elif isinstance(cmd, AbortCommand):
+                    num_aborts += self._abort(cmd.request_id)
+                else:
+                    self.stopped = True
+            if self._ended:
+                ended, self._ended = self._ended, []
+                self._report(StepReport(finished=ended))
+            if self.failure is not None or not (eng.has_unfinished_requests() or num_aborts):
+                continue
+            try:
+                finished = eng.step()
+            except StageFailedError as e:
+                self._fail(str(e))
+                continue
+            except Exception as e:  # a bug must end the streams, not leave clients waiting forever
+                logger.exception("engine step failed")
+                self._fail(f"{type(e).__name__}: {e}")
+                continue
+            self._report(StepReport(self._token_updates(eng.last_updated), [self._finished(o) for o in finished]))
+            if eng.dead is not None:  # failed after the step's bookkeeping: the rest end now
+                self._fail(eng.dead)
+                continue
+            if not finished and not eng.in_flight and not eng.last_updated:
+                # Nothing could be scheduled this round: do not spin, but wait for a command
+                # rather than sleep, so that a new request or an abort is taken at once.
+                wait_s = BLOCKED_WAIT_S
+
+    def _report(self, report: StepReport) -> None:
+        report.num_steps = self.engine.num_steps
+        report.num_free_blocks = self.engine.scheduler.block_manager.num_free_blocks
+        counters = (report.num_steps, report.num_free_blocks)
+        if not (report.updates or report.finished or report.failure) and counters == self._last_counters:
+            return  # a round that scheduled nothing (waiting for blocks): nothing to wake the caller for
+        self._last_counters = counters
+        self.report(report)
+
+    def _add(self, cmd: AddCommand) -> None:
+        if self.failure is not None:
+            self._ended.append(FinishedUpdate(cmd.request_id, [], None, "error", error=self.failure,
+                                              num_prompt_tokens=len(cmd.prompt_token_ids)))
+            return
+        eng = self.engine
+        try:
+            eng.add_request(cmd.prompt_token_ids, cmd.params, request_id=cmd.request_id)
+        except Exception as e:  # validated already; anything here is the engine's own refusal
+            self._ended.append(FinishedUpdate(cmd.request_id, [], None, "error", error=f"{type(e).__name__}: {e}",
+                                              num_prompt_tokens=len(cmd.prompt_token_ids)))
+            return
+        # The request arrived when it was accepted, not when the loop got to it: a wait behind a
+        # running step is the engine's scheduling (counted in its TTFT), as for offline requests
+        # added while the engine steps.
+        tracked = eng.tracked[cmd.request_id]
+        tracked.req.arrival_time = tracked.metrics.arrival_time = cmd.arrival_time
+        self._num_reported[cmd.request_id] = 0
+
+    def _abort(self, request_id: str) -> int:
+        """Abort a request in the engine; 0 when it is not there (finished, or refused at add:
+        its end is reported already or with the next report)."""
+        if request_id not in self._num_reported or request_id not in self.engine.tracked:
+            return 0
+        self.engine.abort_request(request_id)
+        return 1
+
+    def _token_updates(self, updated: list) -> list[TokenUpdate]:
+        """New tokens of the step's running requests (the finished ones' are in their
+        :class:`FinishedUpdate`)."""
+        updates = []
+        num_reported = self._num_reported
+        tracked = self.engine.tracked
+        for req in updated:
+            if req.is_finished:
+                continue
+            req_id = req.req_id
+            num_sent = num_reported.get(req_id)
+            output_ids = req.output_token_ids
+            if num_sent is None or len(output_ids) <= num_sent:
+                continue
+            new_ids = output_ids[num_sent:]
+            logprobs = None
+            if req.sampling_params.logprobs is not None:
+                tr = tracked.get(req_id)
+                if tr is not None and tr.logprobs is not None:
+                    logprobs = tr.logprobs[num_sent : num_sent + len(new_ids)]
+            num_reported[req_id] = len(output_ids)
+            updates.append((req_id, new_ids, logprobs))
+        return updates
+
+    def _finished(self, out: RequestOutput) -> FinishedUpdate:
+        num_sent = self._num_reported.pop(out.request_id, 0)
+        comp = out.outputs[0]
+        cut_by_stop_string = comp.finish_reason == "stop" and isinstance(comp.stop_reason, str)
+        return FinishedUpdate(
+            out.request_id, list(comp.token_ids[num_sent:]),
+            comp.logprobs[num_sent:] if comp.logprobs is not None else None,
+            comp.finish_reason, comp.stop_reason,
+            text=comp.text if self.engine.decode_outputs or cut_by_stop_string else None,
+            error=out.error, num_prompt_tokens=len(out.prompt_token_ids), num_output_tokens=len(comp.token_ids),
+            metrics=out.metrics,
+        )  # fmt: skip
+
+    def _fail(self, why: str) -> None:
+        """The engine failed: every request ends with an error; commands are still taken (new
+        requests end at once) until the loop is stopped."""
+        logger.error("engine failed: %s", why)
+        self.failure = why
+        finished = [self._finished(out) for out in self.engine.drain_failed()]
+        self._num_reported.clear()
+        self._report(StepReport(finished=finished, failure=why))
