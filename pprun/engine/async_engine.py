@@ -181,8 +181,6 @@ class EngineClient(abc.ABC):
         self._ids = itertools.count()
         """Request ids the client assigns: this client's random prefix and a count (``uuid4`` per
         request reads the OS's random source, a syscall on the event loop for every request)."""
-        self._plain_token_prompts = inputs.speech is None and inputs.resolved.arch.multimodal is None
-        """Token-id prompts need no more than type and range checks (no audio, no image tokens)."""
 
     # --- what the subclass provides ---------------------------------------------------------------
 
@@ -242,30 +240,10 @@ class EngineClient(abc.ABC):
 
     def check_request(self, prompt: object, params: object, where: str = "request") -> tuple[str | None, list[int]]:
         """Validate a prompt (str or ``{"prompt_token_ids": [...]}``) and its sampling parameters
-        in the caller's thread; returns ``(text, token_ids)`` or raises ValueError naming ``where``.
-
-        A token-id prompt of a text-only model that is valid is checked at C speed (the element
-        types as a set, then min and max): a burst of requests is validated one after another on
-        the server's event loop, and the element-by-element checks cost 0.1-0.2 ms for 512 ids.
-        Anything else, and every invalid prompt, takes the engine's own checks (same messages)."""
+        in the caller's thread; returns ``(text, token_ids)`` or raises ValueError naming ``where``
+        (the engine's own checks and messages, :class:`~pprun.engine.inputs.InputProcessor`)."""
         self.inputs.check_params(params, f"{where}.sampling_params")
-        ids = self._valid_token_ids(prompt)
-        if ids is not None:
-            return None, ids
         return self.inputs.check_prompt(prompt, f"{where}.prompt")
-
-    def _valid_token_ids(self, prompt: object) -> list[int] | None:
-        """``prompt["prompt_token_ids"]`` as a new list when the prompt is nothing else and passes
-        every check :meth:`InputProcessor.check_prompt` makes of it; None when it needs those
-        checks (to pass or to say what is wrong)."""
-        if not self._plain_token_prompts or type(prompt) is not dict or len(prompt) != 1:
-            return None
-        ids = prompt.get("prompt_token_ids")
-        if type(ids) not in (list, tuple) or not ids or len(ids) >= self.inputs.max_model_len:
-            return None
-        if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= self.inputs.vocab_size:
-            return None  # a bool, a numpy int, an id outside the vocabulary: the full checks
-        return list(ids)
 
     def chat_prompt(self, messages: object, where: str = "messages", *, add_generation_prompt: bool = True) -> dict:
         """A chat conversation rendered with the model's template into a token-id prompt."""

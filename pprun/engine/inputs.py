@@ -103,19 +103,26 @@ class InputProcessor:
         text = prompt.get("prompt")
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)) or not all(
-                is_int(t) for t in ids
-            ):
+            if not isinstance(ids, (list, tuple)):
                 raise ValueError(
                     f"{where}.prompt_token_ids={_short(ids)} is invalid: must be a list of ints"
                 )
             ids = list(ids)
-            for i, t in enumerate(ids):
-                if not 0 <= t < self.vocab_size:
+            # At C speed when every id is a plain int in the vocabulary (the element types as a
+            # set, then min and max): a server validates a burst of requests one after another on
+            # its event loop, and the element-by-element checks below cost 0.1-0.2 ms for 512 ids.
+            # They run only to find and name what is wrong.
+            if not ids or set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= self.vocab_size:
+                if not all(is_int(t) for t in ids):
                     raise ValueError(
-                        f"{where}.prompt_token_ids[{i}]={t} is outside the vocabulary: "
-                        f"token ids must be in [0, {self.vocab_size})"
+                        f"{where}.prompt_token_ids={_short(ids)} is invalid: must be a list of ints"
                     )
+                for i, t in enumerate(ids):
+                    if not 0 <= t < self.vocab_size:
+                        raise ValueError(
+                            f"{where}.prompt_token_ids[{i}]={t} is outside the vocabulary: "
+                            f"token ids must be in [0, {self.vocab_size})"
+                        )
         else:
             if not isinstance(text, str):
                 raise ValueError(f"{where}.prompt={_short(text)} has type {type(text).__name__}: must be a str")
