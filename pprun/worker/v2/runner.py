@@ -18,6 +18,7 @@ It samples on the last stage only, so it does not serve SPMD torchrun ranks at p
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
@@ -59,6 +60,17 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
+
+
+class _Suppression(enum.Enum):
+    """How a step's sampling rows are kept from their suppressed ids (besides per-request id
+    lists, when some request samples its first output and has ``begin_suppress_token_ids``)."""
+
+    NONE = "none"
+    """No sampling request suppresses anything."""
+    TABLE_MASK = "table mask"
+    """Only ``suppress_token_ids``: the request table's per-row device mask
+    (:meth:`RequestTable.suppress_mask`), gathered by the step's sampling rows."""
 
 
 class _AnySample(Mapping[str, int]):
@@ -498,19 +510,20 @@ class V2ModelRunner(ModelRunner):
         rows = batch.rows if num_sampled == batch.num_reqs else batch.rows[batch.sample_batch_idx]
         return self.table.sampling_tensors(rows, self.bufs.sample_rows.device[:num_sampled])
 
-    def _suppressed_ids(self, batch: StepBatch) -> list[Any] | str | None:
-        """What the step's sampling requests may not sample: None (nothing), ``"mask"`` (only
-        their ``suppress_token_ids``: the table's device mask, :meth:`RequestTable.mask_suppressed`),
-        or per request the ids (some request samples its first output and has begin ids)."""
+    def _suppressed_ids(self, batch: StepBatch) -> list[Any] | _Suppression:
+        """What the step's sampling requests may not sample: :class:`_Suppression` (nothing, or
+        only their ``suppress_token_ids`` through the table's device mask), or per request the ids
+        (some request samples its first output and has begin ids)."""
         table = self.table
         if not table.num_suppressing:
-            return None
+            return _Suppression.NONE
         idx = batch.sample_batch_idx.numpy()
         rows = batch.rows.numpy()[idx]
         seq_lens = batch.num_computed_tokens[idx] + batch.num_scheduled_tokens.numpy()[idx]
         if table.begin_suppression_due(rows, seq_lens):
-            return table.suppressed_ids(rows, seq_lens)
-        return "mask" if table.suppresses_np[rows].any() else None
+            ids = table.suppressed_ids(rows, seq_lens)
+            return _Suppression.NONE if ids is None else ids
+        return _Suppression.TABLE_MASK if table.suppresses_np[rows].any() else _Suppression.NONE
 
     def sample(
         self, so: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor, full_graph: bool = False
@@ -541,17 +554,17 @@ class V2ModelRunner(ModelRunner):
             rows = self.bufs.logits_indices.device[:num_sampled]
             picked = [t[rows] for t in sources]
         suppressed = self._suppressed_ids(batch)
-        if suppressed == "mask" and in_graph and self.model_state.masks_suppressed_in_graph:
-            suppressed = None  # the graph masked its logits before its argmax
+        if suppressed is _Suppression.TABLE_MASK and in_graph and self.model_state.masks_suppressed_in_graph:
+            suppressed = _Suppression.NONE  # the graph masked its logits before its argmax
         on_host = False  # the graph's argmax wrote the ids to this step's ring row already
-        if in_graph and suppressed is None and tensors.all_greedy and tensors.max_num_logprobs is None:
+        if in_graph and suppressed is _Suppression.NONE and tensors.all_greedy and tensors.max_num_logprobs is None:
             res = SamplerOutput(picked[1])
             on_host = self._graph_ids_to_host and num_sampled == batch.num_tokens
         else:
             logits = picked[0] if in_graph else self.model.compute_logits(picked[0])
-            if suppressed == "mask":  # a decode step: one gather of the rows' device mask
+            if suppressed is _Suppression.TABLE_MASK:  # a decode step: one gather of the rows' device mask
                 logits = self.table.mask_suppressed(logits, self.bufs.sample_rows.device[:num_sampled])
-            elif suppressed is not None:
+            elif suppressed is not _Suppression.NONE:
                 logits = mask_token_ids(logits, suppressed)
             res = self.sampler(logits, tensors)
         self.prev_sampled = res.sampled_token_ids
