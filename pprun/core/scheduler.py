@@ -23,7 +23,12 @@ from pprun.core.outputs import (
     SchedulerOutput,
 )
 from pprun.core.request import FINISH_REASON_TO_STATUS, Request, RequestStatus
-from pprun.multimodal.encoder_budget import EncoderCacheManager, encoder_cost, plan_encoder_inputs
+from pprun.multimodal.encoder_budget import (
+    EncoderCacheManager,
+    encoder_cost,
+    plan_encoder_inputs,
+    reads_cross_attention,
+)
 
 __all__ = ["Scheduler", "min_blocks_for_one_request"]
 
@@ -201,7 +206,7 @@ class Scheduler:
                 # windows per step takes max_num_seqs / fewer steps to fill the batch, each an
                 # eager step with its own encoder call.  An embedded item larger than the
                 # default raises it the same way.
-                reads_cross = any(not item.num_embeds for item in req.mm_items)
+                reads_cross = any(reads_cross_attention(item) for item in req.mm_items)
                 if reads_cross or biggest > self.max_num_encoder_tokens:
                     self.max_num_encoder_tokens = max(self.max_num_encoder_tokens, biggest * self.max_num_seqs)
             if biggest > self.max_num_encoder_tokens:

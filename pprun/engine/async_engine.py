@@ -133,8 +133,6 @@ def merge_deltas(deltas: list[RequestDelta]) -> RequestDelta:
     )  # fmt: skip
 
 
-
-
 @dataclass
 class _Active:
     """The client's state of one streaming request."""
@@ -420,11 +418,14 @@ class EngineClient(abc.ABC):
     def _fail(self, why: str, finished: list[FinishedUpdate]) -> None:
         """The engine failed: every stream ends with an error delta (``finished``: what the
         engine had of some of them); new requests are refused."""
-        self.dead = why
+        with self._lock:
+            # Under the lock add_request checks and adds under: a request is refused or ends here.
+            self.dead = why
+            active_now = list(self._active.items())
         self._health_changed()  # before the streams end: a client that sees its error then asks sees it too
         by_id = {fin.request_id: fin for fin in finished}
         deliveries = []
-        for req_id, active in list(self._active.items()):
+        for req_id, active in active_now:
             fin = by_id.get(req_id)
             delta = self._final_delta(active, fin) if fin is not None else self._error_delta(active, why)
             delta.finish_reason, delta.error = "error", why

@@ -109,7 +109,14 @@ class EngineProcess(EngineClient):
                 f"the engine process exited during start-up (exit code {code}); its log is above"
             ) from None
         if kind == "error":
-            raise payload
+            category, name, message = payload
+            # A configuration's refusal stays a ValueError / TypeError (the server reports it as
+            # one); anything else is a RuntimeError that names what the engine process raised.
+            if category == "ValueError":
+                raise ValueError(message)
+            if category == "TypeError":
+                raise TypeError(message)
+            raise RuntimeError(f"the engine process failed to start: {name}: {message}")
         return payload
 
     # --- EngineClient -----------------------------------------------------------------------------
@@ -148,8 +155,10 @@ class EngineProcess(EngineClient):
                 break
             try:
                 self._on_report(report)
-            except Exception:  # a bug here must not leave every later stream waiting
+            except Exception as e:  # a bug here must not leave streams waiting forever
                 logger.exception("engine report not delivered")
+                self._fail(f"a step's report could not be delivered: {type(e).__name__}: {e}", [])
+                break
         if self._stopping or self.dead is not None:  # stopped, or every stream has ended already
             return
         try:
@@ -203,11 +212,18 @@ def _take(conn: Connection, poller: select.poll, gone: list[bool]) -> Callable[[
     return take
 
 
+def _ignore_signal(signum: int, frame: object) -> None:
+    """SIGINT and SIGTERM in the engine process: the server drains it (see the module docstring)."""
+
+
 def engine_process_main(fd: int) -> int:
     """Run the engine on socket ``fd``: build it from the config the server sends, then step on
     its commands until STOP or EOF; returns the exit status."""
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+        # A handler that does nothing, not SIG_IGN: an ignored signal stays ignored in the
+        # programs this process starts (stage processes, a local Ray cluster), which must still
+        # stop on SIGTERM; a handler is reset to the default in a new program.
+        signal.signal(sig, _ignore_signal)
     conn = Connection(fd)
     try:
         cfg, log_level = conn.recv()
@@ -222,10 +238,10 @@ def engine_process_main(fd: int) -> int:
     except BaseException as e:  # the server raises it: a bad configuration reads as one
         if not isinstance(e, (ValueError, TypeError)):  # not a configuration error: its traceback helps
             logger.exception("engine start-up failed")
-        try:
-            conn.send(("error", e))
-        except Exception:  # an exception that does not pickle
-            conn.send(("error", RuntimeError(f"{type(e).__name__}: {e}")))
+        # By type name and message, not pickled: an exception class whose __init__ takes other
+        # arguments pickles here and fails to unpickle in the server, hiding the error.
+        category = "ValueError" if isinstance(e, ValueError) else "TypeError" if isinstance(e, TypeError) else ""
+        conn.send(("error", (category, type(e).__name__, str(e))))
         return 1
     try:
         conn.send(("ready", (serving_facts(engine), engine.scheduler.block_manager.num_free_blocks)))

@@ -75,10 +75,16 @@ class EncoderCacheManager:
         return len(self._holders)
 
 
+def reads_cross_attention(item: MultiModalItem) -> bool:
+    """Whether ``item`` reaches the decoder through cross-attention (a Whisper window: no
+    embedding rows in the prompt) rather than through its embedding rows."""
+    return not item.num_embeds
+
+
 def encoder_cost(item: MultiModalItem) -> int:
     """Encoder output rows that encoding ``item`` computes (its share of a step's encoder budget):
     its embedding rows, or for an item read through cross-attention its encoder positions."""
-    return item.num_embeds if item.num_embeds else item.num_encoder_positions
+    return item.num_encoder_positions if reads_cross_attention(item) else item.num_embeds
 
 
 def plan_encoder_inputs(

@@ -428,7 +428,8 @@ class RequestTable:
         """The per-row mask ``[max_num_reqs, vocab]`` (True: the row's request may not sample that
         id), brought up to date: the host rewrites only the rows whose request changed since the
         last call (a row taken or left), with device writes queued on the current stream.  The
-        tensor keeps its address while ``vocab`` and ``device`` stay, so a CUDA graph may read it.
+        tensor keeps its address while ``vocab`` and ``device`` stay, so a CUDA graph may read it
+        (callers pass a tensor's device, which names its index: ``cuda`` and ``cuda:0`` differ).
         Ids past ``vocab`` are dropped, as ``mask_token_ids`` drops them."""
         mask = self._suppress_mask
         if mask is None or mask.shape[1] != vocab or mask.device != device:

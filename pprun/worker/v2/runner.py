@@ -299,9 +299,12 @@ class V2ModelRunner(ModelRunner):
         """
         logits = self.model.compute_logits(hidden)
         if self.model_state.masks_suppressed_in_graph:
-            # Rows of requests that suppress nothing are all False; padding rows read whatever
-            # table rows their stale sample_rows name (their ids are discarded).
-            mask = self.table.suppress_mask(logits.shape[-1], self.device)
+            # Row i is masked by the i-th sampling request's table row: token i's request when
+            # every token of the step samples, the only case in which :meth:`sample` takes these
+            # logits (a 1-token prefill chunk short of its prompt's end samples nothing, and
+            # shifts the rows after it).  Rows of requests that suppress nothing are all False;
+            # padding rows read whatever rows their stale sample_rows name (discarded).
+            mask = self.table.suppress_mask(logits.shape[-1], logits.device)
             logits = logits.masked_fill(mask[self.bufs.sample_rows.device[:num_tokens_padded]], float("-inf"))
         if self.graph_logits is None:
             self.graph_logits = torch.empty(
@@ -434,7 +437,7 @@ class V2ModelRunner(ModelRunner):
         if plan.mode == "full" and self.model_state.masks_suppressed_in_graph and self.graph_logits is not None:
             # The graph reads the suppression mask: its rows for requests that joined or left
             # are rewritten first, in stream order before the replay.
-            self.table.suppress_mask(self.graph_logits.shape[1], self.device)
+            self.table.suppress_mask(self.graph_logits.shape[1], self.graph_logits.device)
         out = self._run_model(plan, batch, meta, intermediate_tensors, in_graph_buffers, hop_in_graph)
         clock.lap("launch_us")
         if self._ids_from_last is not None and batch.num_sampled:
@@ -546,6 +549,10 @@ class V2ModelRunner(ModelRunner):
             return PendingOutput.of(empty)  # nothing to wait for: the stage answers at once
         tensors = self.sampling_tensors(batch)
         in_graph = full_graph and self.graph_logits is not None  # the graph computed logits and argmax
+        if in_graph and self.model_state.masks_suppressed_in_graph and num_sampled != batch.num_tokens:
+            # The graph masked its rows by the sampling requests in order, right only when every
+            # token samples: the logits are computed again from the graph's hidden states.
+            in_graph = False
         sources = (self.graph_logits, self.graph_greedy) if in_graph else (hidden,)
         if num_sampled == batch.num_tokens:
             # Every token samples (a decode step): the rows are 0..n-1, views, no gather.
