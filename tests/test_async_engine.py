@@ -323,6 +323,33 @@ def test_engine_process_death_ends_every_stream(tiny_llama_dir):
     assert before.left_behind() == []
 
 
+def test_engine_process_report_not_delivered_ends_every_stream(tiny_llama_dir, monkeypatch):
+    """A step's report that the server side fails to turn into deltas (a bug there) fails the
+    engine: every stream ends with an error that says so, instead of waiting for deltas that will
+    never come; health turns false and shutdown leaves nothing behind."""
+    before = Snapshot()
+    engine = EngineProcess(tiny_config(tiny_llama_dir))
+    original = engine._on_report
+
+    def broken(report):
+        if report.updates:
+            raise RuntimeError("a bug in delivery")
+        original(report)
+
+    monkeypatch.setattr(engine, "_on_report", broken)
+    try:
+        streams = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+                   for p in TOKEN_PROMPTS[:2]]
+        for s in streams:
+            last = list(s)[-1]
+            assert last.finish_reason == "error" and "could not be delivered" in last.error
+            assert "a bug in delivery" in last.error
+        assert not engine.healthy
+    finally:
+        engine.shutdown(drain_timeout_s=0.0)
+    assert before.left_behind() == []
+
+
 _SERVER_THAT_DIES = """
 import sys
 from pprun.config.config import PprunConfig
