@@ -235,12 +235,11 @@ class EngineLoop:
     def _finished(self, out: RequestOutput) -> FinishedUpdate:
         num_sent = self._num_reported.pop(out.request_id, 0)
         comp = out.outputs[0]
-        cut_by_stop_string = comp.finish_reason == "stop" and isinstance(comp.stop_reason, str)
         return FinishedUpdate(
             out.request_id, list(comp.token_ids[num_sent:]),
             comp.logprobs[num_sent:] if comp.logprobs is not None else None,
             comp.finish_reason, comp.stop_reason,
-            text=comp.text if self.engine.decode_outputs or cut_by_stop_string else None,
+            text=comp.text if self.engine.decode_outputs or comp.cut_by_stop_string else None,
             error=out.error, num_prompt_tokens=len(out.prompt_token_ids), num_output_tokens=len(comp.token_ids),
             metrics=out.metrics,
         )  # fmt: skip

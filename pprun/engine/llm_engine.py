@@ -21,7 +21,7 @@ from pprun.core.outputs import SchedulerOutput
 from pprun.core.request import Request, RequestStatus
 from pprun.core.scheduler import Scheduler, min_blocks_for_one_request
 from pprun.engine.inputs import InputProcessor, load_tokenizer
-from pprun.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pprun.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, stopped_by_string
 from pprun.executor.base import StageFailedError
 from pprun.sampling.params import SamplingParams
 from pprun.utils.startup import freeze_startup_objects, in_background
@@ -357,7 +357,7 @@ class LLMEngine(InputProcessor):
         tr.metrics.finished_time = time.time()
         self.num_preemptions += req.num_preemptions
         params = req.sampling_params
-        if self.decode_outputs and not (req.finish_reason == "stop" and isinstance(req.stop_reason, str)):
+        if self.decode_outputs and not stopped_by_string(req.finish_reason, req.stop_reason):
             tr.text = self.decode(req.output_token_ids, params)
         lps = tr.logprobs[: len(req.output_token_ids)] if tr.logprobs is not None else None
         return RequestOutput(

@@ -44,6 +44,16 @@ class CompletionOutput:
     logprobs: list[Logprobs | None] | None = None
     """Per output token, when ``SamplingParams.logprobs`` was set."""
 
+    @property
+    def cut_by_stop_string(self) -> bool:
+        """A stop string ended it: its text is cut before the string (decoded to find it)."""
+        return stopped_by_string(self.finish_reason, self.stop_reason)
+
+
+def stopped_by_string(finish_reason: str | None, stop_reason: int | str | None) -> bool:
+    """Whether a request with these reasons was ended by a stop string (not a stop token)."""
+    return finish_reason == "stop" and isinstance(stop_reason, str)
+
 
 @dataclass
 class RequestOutput:
