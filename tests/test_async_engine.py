@@ -231,17 +231,27 @@ def test_token_id_prompts_fast_path_checks_as_the_engine_does(tiny_llama_dir, ti
         engine.shutdown()
 
 
+def long_streams(engine, num: int, max_tokens: int) -> list:
+    """``num`` greedy requests of the token prompts that run ``max_tokens`` steps (no EOS)."""
+    return [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+            for p in TOKEN_PROMPTS[:num]]
+
+
+def last_deltas_are_errors(streams, *fragments: str) -> list:
+    """Read each stream to its end; its last delta is an error naming every fragment."""
+    lasts = [list(s)[-1] for s in streams]
+    for last in lasts:
+        assert last.finish_reason == "error" and all(f in last.error for f in fragments), last
+    return lasts
+
+
 def test_stage_failure_ends_every_stream_with_an_error(tiny_llama_dir, inject_faults):
     with inject_faults({0: {"raise_at_step": 4}}):
         engine = AsyncEngine(tiny_config(tiny_llama_dir))
     health: list[bool] = []
     engine.add_health_listener(health.append)
     try:
-        streams = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
-                   for p in TOKEN_PROMPTS[:3]]
-        for s in streams:
-            last = list(s)[-1]
-            assert last.finish_reason == "error" and "injected failure" in last.error
+        last_deltas_are_errors(long_streams(engine, 3, 100), "injected failure")
         assert not engine.healthy and health == [False]
         with pytest.raises(EngineClosedError, match="the engine has failed"):
             engine.add_request(TOKEN_PROMPTS[0], GREEDY)
@@ -307,14 +317,11 @@ def test_engine_process_death_ends_every_stream(tiny_llama_dir):
     health: list[bool] = []
     engine.add_health_listener(health.append)
     try:
-        streams = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=1900, ignore_eos=True))
-                   for p in TOKEN_PROMPTS[:2]]
+        streams = long_streams(engine, 2, 1900)
         for s in streams:
             next(iter(s))
         os.kill(engine.pid, signal.SIGKILL)
-        for s in streams:
-            last = list(s)[-1]
-            assert last.finish_reason == "error" and "the engine process exited" in last.error
+        last_deltas_are_errors(streams, "the engine process exited")
         assert not engine.healthy and health == [False]
         with pytest.raises(EngineClosedError, match="the engine has failed"):
             engine.add_request(TOKEN_PROMPTS[0], GREEDY)
@@ -338,12 +345,7 @@ def test_engine_process_report_not_delivered_ends_every_stream(tiny_llama_dir, m
 
     monkeypatch.setattr(engine, "_on_report", broken)
     try:
-        streams = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
-                   for p in TOKEN_PROMPTS[:2]]
-        for s in streams:
-            last = list(s)[-1]
-            assert last.finish_reason == "error" and "could not be delivered" in last.error
-            assert "a bug in delivery" in last.error
+        last_deltas_are_errors(long_streams(engine, 2, 50), "could not be delivered", "a bug in delivery")
         assert not engine.healthy
     finally:
         engine.shutdown(drain_timeout_s=0.0)
