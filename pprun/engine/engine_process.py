@@ -33,7 +33,6 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from pprun.config.config import PprunConfig
@@ -192,24 +191,28 @@ class EngineProcess(EngineClient):
 # --- the engine process ---------------------------------------------------------------------------
 
 
-def _take(conn: Connection, poller: select.poll, gone: list[bool]) -> Callable[[float], list[Command]]:
+class _SocketCommands:
     """The engine loop's ``take``: every command on the socket, waiting up to ``wait_s`` for the
-    first; EOF (the server is gone) is a STOP."""
+    first; EOF (the server is gone) is a STOP and sets :attr:`server_gone`."""
 
-    def take(wait_s: float) -> list[Command]:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.poller = select.poll()
+        self.poller.register(conn.fileno(), select.POLLIN)
+        self.server_gone = False
+
+    def __call__(self, wait_s: float) -> list[Command]:
         cmds: list[Command] = []
         timeout_ms = 1000 * wait_s
-        while poller.poll(timeout_ms):
+        while self.poller.poll(timeout_ms):
             try:
-                cmds.append(conn.recv())
+                cmds.append(self.conn.recv())
             except (EOFError, OSError):
-                gone.append(True)
+                self.server_gone = True
                 cmds.append(STOP)
                 break
             timeout_ms = 0
         return cmds
-
-    return take
 
 
 def _ignore_signal(signum: int, frame: object) -> None:
@@ -245,14 +248,12 @@ def engine_process_main(fd: int) -> int:
         return 1
     try:
         conn.send(("ready", (serving_facts(engine), engine.scheduler.block_manager.num_free_blocks)))
-        poller = select.poll()
-        poller.register(conn.fileno(), select.POLLIN)
-        gone: list[bool] = []
-        loop = EngineLoop(engine, _take(conn, poller, gone), report=lambda r: _send_report(conn, r, loop))
+        commands = _SocketCommands(conn)
+        loop = EngineLoop(engine, commands, report=lambda r: _send_report(conn, r, loop))
         loop.run()
     finally:
         engine.shutdown()
-    if gone:
+    if commands.server_gone:
         logger.warning("engine process: the server is gone; stages stopped")
     return 0
 
