@@ -2,10 +2,19 @@
 
 The YAML lives in the repository's top-level ``conf/``; ``setup.py`` ships it in the wheel as the
 package data ``pprun/conf``. A checkout (or an editable install) reads ``conf/`` directly, so
-nothing else in the suite would notice if the wheel lost it. This test copies the sources,
-installs the copy with ``pip install --no-deps --no-build-isolation .`` into a fresh virtual
-environment that sees the system's packages (so nothing is downloaded), and runs that
-environment's ``pprun`` from a directory outside any checkout.
+nothing else in the suite would notice if the wheel lost it. This test copies the sources, builds
+a wheel from the copy with this interpreter's pip (``pip wheel --no-deps --no-build-isolation``:
+nothing is downloaded, so the running environment's setuptools builds it, which is why the
+``test`` extra asks for one with ``bdist_wheel`` built in), installs that wheel into a fresh
+virtual environment, and runs that environment's ``pprun`` from a directory outside any checkout.
+
+The fresh environment sees the *running* interpreter's packages (pprun's dependencies, pip)
+through a ``.pth`` file listing this interpreter's site-packages directories. That works the
+same inside a virtual environment and outside one; ``venv --system-site-packages`` would not: from
+inside a virtual environment it exposes the base interpreter's packages, not the active ones.
+A ``.pth`` file adds plain directories without running the ``.pth`` files inside them, so an
+editable pprun installed in the running environment stays invisible, and the wheel's copy,
+installed in the fresh environment's own site-packages, is the only pprun there.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -38,30 +48,45 @@ def run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int = 300) -> s
 
 @pytest.fixture(scope="module")
 def installed_venv(tmp_path_factory) -> Path:
-    """A fresh venv (system site packages visible) holding a non-editable install of a copy of pprun."""
+    """A fresh venv (the running interpreter's packages visible) holding a wheel install of a copy of pprun."""
     root = tmp_path_factory.mktemp("install")
     src = root / "src"
     src.mkdir()
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
     for name in SOURCES:
         path = REPO_ROOT / name
         if path.is_dir():
             shutil.copytree(path, src / name, ignore=ignore)
         else:
             shutil.copy2(path, src / name)
-    venv = root / "venv"
-    # --without-pip: the venv would otherwise get the interpreter's bundled pip and setuptools, and
-    # an old bundled setuptools shadows the system's (no bdist_wheel); the system's pip installs
-    # into whichever interpreter runs it.
-    subprocess.run(
-        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True
-    )
-    python = venv / "bin" / "python"
     env = clean_env()
-    run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "."], src, env)
+    dist = root / "dist"
+    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist), "."],
+        src, env)  # fmt: skip
+    (wheel,) = dist.glob("pprun-*.whl")
     # The source copy goes away: the installed package must not lean on it.
     shutil.rmtree(src)
+
+    venv = root / "venv"
+    # --without-pip: the running environment's pip (seen through the .pth file) installs into
+    # whichever interpreter runs it.
+    run([sys.executable, "-m", "venv", "--without-pip", str(venv)], root, env)
+    python = venv / "bin" / "python"
+    purelib = run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], root, env)
+    (Path(purelib.stdout.strip()) / "_running_env.pth").write_text("\n".join(site_dirs()) + "\n")
+    # --ignore-installed: an editable pprun of the running environment may be visible to pip's
+    # metadata scan; the wheel goes into the fresh environment regardless.
+    run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", str(wheel)],
+        root, env)  # fmt: skip
     return venv
+
+
+def site_dirs() -> list[str]:
+    """The running interpreter's site-packages directories (its user site too, when it uses one)."""
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE and site.getusersitepackages() in sys.path:
+        dirs.append(site.getusersitepackages())
+    return [d for d in dirs if os.path.isdir(d)]
 
 
 def clean_env() -> dict[str, str]:
