@@ -3,7 +3,7 @@
     python scripts/gen_protos.py              # regenerate in place
     python scripts/gen_protos.py --out DIR    # write elsewhere (the drift test compares)
 
-Run it with the pinned ``grpcio-tools`` (pyproject's ``serve`` pins): the generated modules
+Run it with the pinned ``grpcio-tools`` (``pip install -e ".[dev]"``): the generated modules
 check the protobuf runtime against the version that generated them.  protoc writes imports
 relative to ``protos/`` (``from pprun.v1 import ...``), which would resolve to the ``pprun``
 package itself; they are rewritten to the package path of the output
