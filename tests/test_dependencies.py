@@ -1,10 +1,10 @@
 """pprun at run time needs none of the packages that only the ``dev`` and ``test`` extras bring.
 
-``grpcio-tools`` (the ``dev`` extra) only regenerates ``pprun/serve/_proto``; the test tools
-(``tritonclient``, ``hypothesis``, ``pytest``) only drive the suite. Here they are made
-unimportable in every process a ``pprun serve`` starts (a ``sitecustomize`` module on
-``PYTHONPATH`` puts a finder first on ``sys.meta_path`` that refuses them), and the server still
-starts, answers and streams the offline engine's tokens.
+``grpcio-tools`` (the ``dev`` extra) only regenerates ``pprun/serve/_proto``; ``tritonclient``
+(the ``test`` extra) is only the serve tests' client. Here they are made unimportable in every
+process a ``pprun serve`` starts (a ``sitecustomize`` module on ``PYTHONPATH`` sets their
+``sys.modules`` entries to None), and the server still starts, answers and streams the offline
+engine's tokens.
 """
 
 from __future__ import annotations
@@ -23,21 +23,19 @@ from pprun.sampling.params import SamplingParams
 from pprun.serve._proto.pprun.v1 import pprun_pb2 as pb
 from pprun.serve._proto.pprun.v1 import pprun_pb2_grpc as pb_grpc
 
-NOT_AT_RUN_TIME = ("grpc_tools", "tritonclient", "hypothesis", "pytest")
-"""Top-level modules of the dev and test extras' packages that no run-time path may import."""
+NOT_AT_RUN_TIME = ("grpc_tools", "tritonclient")
+"""Top-level modules of the dev and test extras' packages that no run-time path may import (not
+pytest or hypothesis: some libraries read ``"pytest" in sys.modules`` as "under test", and a None
+entry would say so)."""
 
-BLOCKER = f'''
-import importlib.abc
+BLOCKER = f"""
 import sys
 
-class _NotAtRunTime(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in {NOT_AT_RUN_TIME!r}:
-            raise ModuleNotFoundError(f"No module named {{name!r}} (made unimportable by the test)", name=name)
-        return None
-
-sys.meta_path.insert(0, _NotAtRunTime())
-'''
+# None in sys.modules is how Python spells "not installed" to both `import` (ModuleNotFoundError)
+# and importlib.util.find_spec (None), so optional-import checks see the package as absent.
+for name in {NOT_AT_RUN_TIME!r}:
+    sys.modules[name] = None
+"""
 
 PROMPT = [3, 14, 15, 92, 65]
 MAX_TOKENS = 6
@@ -59,12 +57,12 @@ def test_blocker_refuses_the_dev_packages(without_dev_packages):
     for module in NOT_AT_RUN_TIME:
         proc = subprocess.run([sys.executable, "-c", f"import {module}"], env=without_dev_packages,
                               capture_output=True, text=True)  # fmt: skip
-        assert proc.returncode != 0 and "made unimportable by the test" in proc.stderr, (module, proc.stderr)
+        assert proc.returncode != 0 and "None in sys.modules" in proc.stderr, (module, proc.stderr)
 
 
 def test_serve_runs_without_dev_packages(without_dev_packages, tiny_llama_dir, tmp_path):
     """``pprun serve`` (engine in its own process) starts, reports its model and streams the tokens
-    ``LLM.generate`` gives offline, with grpc_tools and the test tools unimportable."""
+    ``LLM.generate`` gives offline, with grpc_tools and tritonclient unimportable."""
     with LLM(str(tiny_llama_dir), dtype="float32") as llm:
         (offline,) = llm.generate([{"prompt_token_ids": PROMPT}],
                                   SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
@@ -83,4 +81,4 @@ def test_serve_runs_without_dev_packages(without_dev_packages, tiny_llama_dir, t
         assert server.terminate() == 0, server.log()[-3000:]
     finally:
         server.kill()
-    assert "made unimportable by the test" not in server.log()
+    assert "None in sys.modules" not in server.log()
