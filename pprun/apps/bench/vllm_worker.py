@@ -48,9 +48,11 @@ def _prompt(req: dict[str, Any], arrays: Any, encoder_decoder: bool, sample_rate
     return ids
 
 
-def _run(engine: Any, prompts: list[dict[str, Any]], params: list[Any]) -> dict[str, Any]:
-    """Queue every prompt, step until all finish; what came back and when (perf_counter s)."""
+def _run(engine: Any, tag: str, prompts: list[dict[str, Any]], params: list[Any]) -> dict[str, Any]:
+    """Queue every prompt (request ids ``tag`` + index, so no run reuses another's), step until
+    all finish; what came back and when (perf_counter seconds)."""
     n = len(prompts)
+    index = {f"{tag}{i}": i for i in range(n)}
     tokens: list[list[int]] = [[] for _ in range(n)]
     queued = [0.0] * n
     first: list[float | None] = [None] * n
@@ -58,7 +60,7 @@ def _run(engine: Any, prompts: list[dict[str, Any]], params: list[Any]) -> dict[
     prompt_lens = [len(p.get("decoder_prompt", p)["prompt_token_ids"]) for p in prompts]
     start = time.perf_counter()
     for i, (prompt, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), prompt, sp)
+        engine.add_request(f"{tag}{i}", prompt, sp)
         # As in pprun, a request counts from its queueing, after its own prompt processing.
         queued[i] = time.perf_counter()
     steps = []
@@ -67,7 +69,7 @@ def _run(engine: Any, prompts: list[dict[str, Any]], params: list[Any]) -> dict[
         now = time.perf_counter()
         num_tokens = num_reqs = num_prefill_tokens = 0
         for out in outputs:
-            i = int(out.request_id)
+            i = index[out.request_id]
             new = list(out.outputs[0].token_ids) if out.outputs else []
             if new:
                 if first[i] is None:
@@ -141,8 +143,8 @@ def main(argv: list[str]) -> int:
         load_s = time.perf_counter() - t0
         engine = llm.llm_engine
         if spec["warmup"]:
-            _run(engine, *job(spec["warmup"]))
-        timed = _run(engine, *job(spec["requests"]))
+            _run(engine, "warmup-", *job(spec["warmup"]))
+        timed = _run(engine, "request-", *job(spec["requests"]))
         result = {
             "vllm_version": vllm.__version__,
             "engine_args": spec["engine_args"],

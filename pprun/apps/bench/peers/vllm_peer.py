@@ -80,6 +80,12 @@ def unsupported(job: PeerJob) -> str | None:
         return "pprun ran under torchrun (executor=external_launcher); vLLM's peer runs as one process of its own"
     if pp > 1 and executor not in EXECUTOR_BACKENDS:
         return f"pipeline_parallel_size={pp} with executor={executor!r}: vLLM's pipeline backends are mp and ray"
+    if pp > 1:
+        import torch
+
+        num_gpus = torch.cuda.device_count()
+        if num_gpus < pp:
+            return f"vLLM's pipeline puts each of its {pp} stages on its own GPU; {num_gpus} visible"
     return None
 
 
