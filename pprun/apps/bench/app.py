@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from pprun.apps.bench.checks import check_bench_config, check_model_for_workload
@@ -11,6 +12,7 @@ from pprun.apps.bench.peers import PEERS, PeerFailed, PeerJob, PeerSkipped
 from pprun.apps.bench.pprun_engine import run_pprun
 from pprun.apps.bench.results import config_facts, emit, job_overrides, peer_entry
 from pprun.apps.bench.workloads import (
+    Workload,
     build_workload,
     check_workload_fits,
     warmup_prompts,
@@ -28,9 +30,48 @@ def free_device_memory(device: str) -> None:
     if str(device).startswith("cuda"):
         import torch
 
+        if not torch.cuda.is_initialized():
+            return  # the stages ran in their own processes; a context here would only take memory
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
+        # What the next engine (a peer in another process) can have: printed for its errors.
         logger.info("bench: %s has %.1f of %.1f GiB free", device, free / 2**30, total / 2**30)
+
+
+@dataclass
+class PprunRun:
+    """pprun's timed run, and what the peer needs of its settings (kept after its engine is gone)."""
+
+    workload: Workload
+    facts: dict[str, Any]
+    """``LLM.describe()``."""
+    peer_settings: dict[str, Any]
+    """:class:`PeerJob` fields taken from the engine."""
+    metrics: dict[str, Any]
+    tokens: list[list[int]]
+
+
+def time_pprun(cfg: BenchAppConfig, llm: Any, entries: list[tuple[str, dict, int]] | None) -> PprunRun:
+    """Build the workload for the started ``llm`` and time it (no reference to the engine
+    outlives this call, so shutting ``llm`` down frees the device)."""
+    engine = llm.engine
+    num_warmup = warmup_prompts(cfg, cfg.num_prompts if entries is None else len(entries))
+    workload = build_workload(cfg, engine, entries, num_warmup)
+    check_workload_fits(workload.requests, engine.max_model_len)
+    facts = llm.describe()
+    resolved = engine.resolved
+    peer_settings = {
+        "model_dir": str(resolved.model_dir),
+        "device": str(facts["device"]),
+        "dtype": facts["dtype"],
+        "max_model_len": engine.max_model_len,
+        "eos_token_ids": set(engine.eos_token_ids),
+        "executor": str(resolved.executor),
+        "pp_size": len(resolved.layer_partition),
+    }
+    logger.info("bench: %d %s requests (%s), timing pprun", len(workload.requests), cfg.workload, workload.source)
+    metrics, tokens = run_pprun(llm, workload, cfg.ignore_eos)
+    return PprunRun(workload, facts, peer_settings, metrics, tokens)
 
 
 def run(cfg: BenchAppConfig) -> dict[str, Any]:
@@ -45,33 +86,18 @@ def run(cfg: BenchAppConfig) -> dict[str, Any]:
     llm = LLM(config=cfg.pprun_config())
     device = str(cfg.device)
     try:
-        engine = llm.engine
-        num_warmup = warmup_prompts(cfg, cfg.num_prompts if entries is None else len(entries))
-        workload = build_workload(cfg, engine, entries, num_warmup)
-        check_workload_fits(workload.requests, engine.max_model_len)
-        facts = llm.describe()
-        device = str(facts["device"])
-        resolved = engine.resolved
-        job_settings = {
-            "model_dir": str(resolved.model_dir),
-            "device": device,
-            "dtype": facts["dtype"],
-            "max_model_len": engine.max_model_len,
-            "eos_token_ids": set(engine.eos_token_ids),
-            "executor": str(resolved.executor),
-            "pp_size": len(resolved.layer_partition),
-        }
-        logger.info("bench: %d %s requests (%s), timing pprun", len(workload.requests), cfg.workload, workload.source)
-        pprun_result, pprun_tokens = run_pprun(llm, workload, cfg.ignore_eos)
+        device = str(llm.describe()["device"])
+        ours = time_pprun(cfg, llm, entries)
     finally:
         # The peer loads a second copy of the weights: free pprun's stages (and KV cache) first.
         llm.shutdown()
         del llm
         free_device_memory(device)
+    workload, pprun_result, pprun_tokens = ours.workload, ours.metrics, ours.tokens
     pprun_result.update(workload_rates(cfg, workload.requests, pprun_result["elapsed_s"]))
     result: dict[str, Any] = {
         "workload": workload_facts(cfg, workload),
-        "config": config_facts(cfg, facts),
+        "config": config_facts(cfg, ours.facts),
         "pprun": pprun_result,
         "peer": None,
         "ratio": None,
@@ -84,7 +110,7 @@ def run(cfg: BenchAppConfig) -> dict[str, Any]:
         logger.info("bench: timing the peer (%s, batch %d)", peer.name, cfg.scheduler.max_num_seqs)
         job = PeerJob(
             cfg=cfg, requests=workload.requests, warmup=workload.warmup, batch_size=cfg.scheduler.max_num_seqs,
-            **job_settings,
+            **ours.peer_settings,
         )  # fmt: skip
         try:
             peer_result = peer.run(job)
