@@ -233,7 +233,7 @@ def test_vllm_spec_carries_the_same_token_ids_images_and_audio():
 
 
 def test_vllm_figures_use_pprun_rules():
-    """Two requests queued at 0; their first tokens at 1.0 s (the step where both prefills
+    """Throughput from the LLM.generate pass; from the streamed pass: two requests queued at 0; their first tokens at 1.0 s (the step where both prefills
     ended), then one token each per second for 12 steps, one finishing at 13 s and one at 12 s:
     TTFT 1 s, and a steady decode of 2 tokens per second over the full-batch steps after the
     last prefill (what ``EngineTrace.steady_decode`` says of pprun's steps)."""
@@ -241,17 +241,23 @@ def test_vllm_figures_use_pprun_rules():
     reqs = [BenchRequest([1, 2, 3], 13), BenchRequest([4, 5, 6], 12)]
     steps = [[0.5, 0, 0, 0], [1.0, 2, 2, 6]]
     steps += [[float(t), 2, 2, 0] for t in range(2, 13)] + [[13.0, 1, 1, 0]]
-    record = {
-        "vllm_version": "0.26.0", "engine_args": {"model": "/ckpt"}, "effective": {}, "load_s": 9.0,
+    stream = {
         "elapsed_s": 13.0, "tokens": [[1] * 13, [2] * 12], "queued": [0.0, 0.0], "first_token": [1.0, 1.0],
         "finished": [13.0, 12.0], "steps": steps,
     }  # fmt: skip
-    m = metrics_from_worker(record, _job(cfg, reqs)).metrics
+    record = {
+        "vllm_version": "0.26.0", "engine_args": {"model": "/ckpt"}, "effective": {}, "load_s": 9.0,
+        "generate": {"elapsed_s": 5.0, "tokens": [[1] * 13, [2] * 12]}, "stream": stream,
+    }  # fmt: skip
+    result = metrics_from_worker(record, _job(cfg, reqs))
+    m = result.metrics
     assert (m["name"], m["version"], m["num_output_tokens"]) == ("vllm.LLM", "0.26.0", 25)
+    assert m["output_tokens_per_s"] == 5.0  # the LLM.generate pass: 25 tokens in 5 s
+    assert m["streamed_output_tokens_per_s"] == round(25 / 13.0, 2)
     assert m["ttft_ms_p50"] == m["ttft_ms_p99"] == 1000.0
     assert m["tpot_ms_p50"] == pytest.approx(1000.0)
     assert (m["decode_tokens_per_s"], m["decode_batch"], m["decode_steps"]) == (2.0, 2, 11)
-    assert m["output_tokens_per_s"] == round(25 / 13.0, 2)
+    assert result.tokens == [[1] * 13, [2] * 12]
 
 
 # --- the vLLM peer: the worker protocol against a stand-in vllm package ---------------------------
@@ -273,6 +279,9 @@ def _log(obj):
 
 class SamplingParams:
     def __init__(self, **kwargs):
+        from vllm.sampling_params import RequestOutputKind
+
+        self.output_kind = RequestOutputKind.CUMULATIVE
         self.__dict__.update(kwargs)
 
 
@@ -320,6 +329,18 @@ class LLM:
             raise RuntimeError(os.environ["FAKE_VLLM_FAIL"])
         _log({"engine_args": kwargs})
         self.llm_engine = _Engine()
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        from vllm.sampling_params import RequestOutputKind
+
+        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            params.output_kind = RequestOutputKind.FINAL_ONLY  # as vLLM's LLM.generate does
+            self.llm_engine.add_request(f"generate-{i}", prompt, params)
+        tokens = {f"generate-{i}": [] for i in range(len(prompts))}
+        while self.llm_engine.has_unfinished_requests():
+            for out in self.llm_engine.step():
+                tokens[out.request_id] += out.outputs[0].token_ids
+        return [_Output(key, ids, True) for key, ids in tokens.items()]
 '''
 
 FAKE_SAMPLING_PARAMS = '''
@@ -359,13 +380,16 @@ def test_vllm_worker_protocol(fake_vllm: Path):
     assert calls[0]["engine_args"]["max_num_seqs"] == cfg.scheduler.max_num_seqs
     assert calls[0]["engine_args"]["limit_mm_per_prompt"] == {"image": 1}
     requests = calls[1:]
-    assert [c["prompt_token_ids"] for c in requests] == [[9, 5, 6], [9, 1, 2], [9, 3, 4]]  # warm-up first
-    assert [c["max_tokens"] for c in requests] == [14, 14, 14]
-    assert all(c["temperature"] == 0.0 and c["ignore_eos"] and c["output_kind"] == "DELTA" for c in requests)
+    # The warm-up, the timed LLM.generate pass, the timed streamed pass.
+    assert [c["prompt_token_ids"] for c in requests] == [[9, 5, 6]] + [[9, 1, 2], [9, 3, 4]] * 2
+    assert [c["output_kind"] for c in requests] == ["FINAL_ONLY"] * 3 + ["DELTA"] * 2
+    assert [c["max_tokens"] for c in requests] == [14] * 5
+    assert all(c["temperature"] == 0.0 and c["ignore_eos"] for c in requests)
     assert all(c["image_sizes"] == [[10, 12]] for c in requests)  # PIL size is (width, height)
     assert result.tokens == [[(12 + k) % 97 for k in range(14)], [(16 + k) % 97 for k in range(14)]]
     m = result.metrics
     assert m["version"] == "0.0-protocol-test" and m["num_output_tokens"] == 28
+    assert m["streamed_output_tokens_per_s"] > 0
     assert m["ttft_ms_p50"] is not None and m["decode_batch"] == 2 and m["decode_steps"] == 13
     assert m["images_per_s"] > 0
 
@@ -376,8 +400,8 @@ def test_vllm_worker_protocol_audio_goes_to_the_encoder(fake_vllm: Path):
     reqs = [BenchRequest([50257, 50362], 3, {"audio": (clip, 16000)})]
     result = VllmPeer().measure(_job(cfg, reqs, warmup=[]))
     calls = [json.loads(line) for line in fake_vllm.read_text().splitlines()]
-    assert calls[1]["audio"] == [8000, 16000] and calls[1]["prompt_token_ids"] == [50257, 50362]
-    assert calls[1]["ignore_eos"] is False
+    assert [c["audio"] for c in calls[1:]] == [[8000, 16000]] * 2  # generate, then streamed
+    assert calls[1]["prompt_token_ids"] == [50257, 50362] and calls[1]["ignore_eos"] is False
     assert result.metrics["audio_seconds_per_s"] > 0 and len(result.tokens[0]) == 3
 
 

@@ -2,12 +2,13 @@
 ``python vllm_worker.py SPEC.json ARRAYS.npz RESULT.json``.
 
 It imports only the standard library, NumPy, Pillow and vLLM (never pprun), so it runs in an
-environment that has vLLM and nothing of pprun's.  It builds ``vllm.LLM(**engine_args)``, runs
-the warm-up requests, then the timed ones through ``LLM.llm_engine``'s ``add_request``/``step``
-loop with streamed outputs (``RequestOutputKind.DELTA``), and writes what it saw: each request's
-token ids, when it was queued, when its first token and its last came back, and per step how many
-tokens came back for how many requests (and the prompt tokens of requests whose first token came
-back, i.e. whose prefill ended in that step).  pprun computes every figure from that
+environment that has vLLM and nothing of pprun's.  It builds ``vllm.LLM(**engine_args)``, warms up
+on the warm-up requests (one ``LLM.generate``), then times the requests twice: through ``LLM.generate`` (final outputs
+only, as vLLM's users run it: the throughput), then through ``LLM.llm_engine``'s
+``add_request``/``step`` loop with streamed outputs (``RequestOutputKind.DELTA``), recording each
+request's token ids, when it was queued, when its first token and its last came back, and per step
+how many tokens came back for how many requests (and the prompt tokens of requests whose first
+token came back, i.e. whose prefill ended in that step).  pprun computes every figure from that
 (``pprun.apps.bench.peers.vllm_peer``), the same way as its own.  On any error it writes
 ``{"error": ..., "traceback": ...}`` and exits with status 1.
 
@@ -126,13 +127,15 @@ def main(argv: list[str]) -> int:
         enc_dec = bool(spec["encoder_decoder"])
         sample_rate = int(spec["sample_rate"])
 
-        def job(requests: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+        def job(requests: list[dict[str, Any]], stream: bool) -> tuple[list[dict[str, Any]], list[Any]]:
             prompts = [_prompt(r, arrays, enc_dec, sample_rate) for r in requests]
+            # Streamed: every step's new tokens come back (DELTA); else vLLM's own offline default.
+            kind = {"output_kind": RequestOutputKind.DELTA} if stream else {}
             params = [
                 SamplingParams(
                     temperature=0.0, max_tokens=int(r["max_tokens"]), ignore_eos=bool(spec["ignore_eos"]),
                     stop_token_ids=None if spec["ignore_eos"] else list(spec["stop_token_ids"]),
-                    detokenize=False, output_kind=RequestOutputKind.DELTA,
+                    detokenize=False, **kind,
                 )
                 for r in requests
             ]  # fmt: skip
@@ -141,16 +144,25 @@ def main(argv: list[str]) -> int:
         t0 = time.perf_counter()
         llm = LLM(**spec["engine_args"])
         load_s = time.perf_counter() - t0
-        engine = llm.llm_engine
         if spec["warmup"]:
-            _run(engine, "warmup-", *job(spec["warmup"]))
-        timed = _run(engine, "request-", *job(spec["requests"]))
+            llm.generate(*job(spec["warmup"], stream=False), use_tqdm=False)
+        # Throughput as vLLM's users get it: LLM.generate, final outputs only.
+        prompts, params = job(spec["requests"], stream=False)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        generate_s = time.perf_counter() - start
+        generated = [[int(t) for t in o.outputs[0].token_ids] for o in outputs]
+        if spec["engine_args"].get("enable_prefix_caching"):
+            llm.reset_prefix_cache()  # the streamed pass must not find the prompts cached
+        # Latencies and per-step rates: the same requests again, every step's tokens streamed.
+        timed = _run(llm.llm_engine, "request-", *job(spec["requests"], stream=True))
         result = {
             "vllm_version": vllm.__version__,
             "engine_args": spec["engine_args"],
             "effective": _effective_settings(llm),
             "load_s": load_s,
-            **timed,
+            "generate": {"elapsed_s": generate_s, "tokens": generated},
+            "stream": timed,
         }
     except BaseException as e:  # everything goes back to pprun, which reports it
         Path(out_path).write_text(

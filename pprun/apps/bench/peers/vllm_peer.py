@@ -8,11 +8,13 @@ without them, the same pipeline size (``distributed_executor_backend`` "mp" agai
 ``mp``, "ray" against ``ray``), one warm-up pass on the same warm-up requests.  ``vllm_args``
 adds or overrides ``vllm.LLM`` arguments.
 
-The worker (``pprun/apps/bench/vllm_worker.py``, run by path with ``vllm_python``) records what
-came back from each engine step and when; the figures are computed here, the same way as pprun's
-(:func:`metrics_from_worker`): TTFT from a request's queueing to its first token, TPOT over the
-rest, and the steady decode rate by ``EngineTrace.steady_decode``'s rule (the steps after the
-last prefill while the batch is full) applied to vLLM's steps.
+The worker (``pprun/apps/bench/vllm_worker.py``, run by path with ``vllm_python``) times the
+requests through ``LLM.generate`` (the throughput, as pprun's comes from its ``LLM.generate``),
+then again streamed step by step, recording what came back from each engine step and when; the
+figures are computed here, the same way as pprun's (:func:`metrics_from_worker`): TTFT from a
+request's queueing to its first token, TPOT over the rest, and the steady decode rate by
+``EngineTrace.steady_decode``'s rule (the steps after the last prefill while the batch is full)
+applied to vLLM's steps.
 
 vLLM is never a dependency of pprun: it pins its own torch and needs CUDA.  ``peer=vllm`` without
 it fails before pprun starts, saying how to install it.
@@ -162,16 +164,21 @@ def _steps_as_trace(steps: list[list[float]]) -> Any:
 
 
 def metrics_from_worker(result: dict[str, Any], job: PeerJob) -> PeerResult:
-    """pprun's figures for vLLM's run, from what the worker recorded."""
-    tokens = [list(t) for t in result["tokens"]]
+    """pprun's figures for vLLM's run, from what the worker recorded: throughput from its
+    ``LLM.generate`` pass (as pprun's comes from ``LLM.generate``), latencies and the steady decode
+    rate from its streamed pass."""
+    generated = result["generate"]
+    tokens = [list(t) for t in generated["tokens"]]
+    stream = result["stream"]
     ttfts, tpots = [], []
-    for queued, first, done, toks in zip(result["queued"], result["first_token"], result["finished"], tokens):
+    for queued, first, done, toks in zip(stream["queued"], stream["first_token"], stream["finished"], stream["tokens"]):
         if first is not None:
             ttfts.append(first - queued)
             if done is not None and len(toks) > 1:
                 tpots.append((done - first) / (len(toks) - 1))
-    elapsed_s = float(result["elapsed_s"])
-    steady = _steps_as_trace(result["steps"]).steady_decode() or dict.fromkeys(STEADY_DECODE_KEYS)
+    elapsed_s = float(generated["elapsed_s"])
+    steady = _steps_as_trace(stream["steps"]).steady_decode() or dict.fromkeys(STEADY_DECODE_KEYS)
+    streamed = throughput_metrics(float(stream["elapsed_s"]), job.requests, stream["tokens"])
     metrics: dict[str, Any] = {
         "name": "vllm.LLM",
         "version": result["vllm_version"],
@@ -181,6 +188,8 @@ def metrics_from_worker(result: dict[str, Any], job: PeerJob) -> PeerResult:
         **latency_metrics(ttfts, tpots),
         **steady,
         **workload_rates(job.cfg, job.requests, elapsed_s),
+        # The streamed pass's own rate: what streaming every step's tokens back costs vLLM.
+        "streamed_output_tokens_per_s": streamed["output_tokens_per_s"],
         "load_s": round(float(result.get("load_s", 0.0)), 2),
     }
     return PeerResult(metrics, tokens)
