@@ -94,6 +94,49 @@ def test_warmup_requests_have_the_shape_and_not_the_prompts_of_the_timed_ones(wo
     if workload == "shared_prefix":
         assert w.warmup[0].prompt_token_ids[:8] != w.requests[0].prompt_token_ids[:8]
     assert build_workload(cfg, _Engine(), None, num_warmup=0).warmup == []
+    assert len(build_workload(cfg, _Engine(), None, num_warmup=9).warmup) == 5  # at most the timed count
+
+
+class _Outputs:
+    """What run_pprun reads of one RequestOutput."""
+
+    def __init__(self, token_ids: list[int]):
+        from types import SimpleNamespace
+
+        self.outputs = [SimpleNamespace(token_ids=token_ids)]
+        self.metrics = SimpleNamespace(time_to_first_token=0.5, time_per_output_token=0.1)
+
+
+class _LLM:
+    """An LLM front end as run_pprun drives it, without an engine behind it."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.engine = SimpleNamespace(trace=None)
+        self.calls = []
+
+    def generate(self, prompts, params):
+        self.calls.append([p["prompt_token_ids"] for p in prompts])
+        return [_Outputs([1] * sp.max_tokens) for sp in params]
+
+
+class _CachingLLM(_LLM):
+    def cache_stats(self) -> dict:
+        return {"hit_rate": 0.5, "cached_blocks": 12}
+
+
+def test_engine_cache_stats_are_copied_when_the_llm_reports_them():
+    """The declared hook (ReportsCacheStats): an LLM with cache_stats() gets its dict into
+    pprun's figures after the timed run; one without it gets no key."""
+    w = build_workload(BenchAppConfig(num_prompts=2, input_len=3, output_len=5), _Engine(), None, num_warmup=1)
+    plain = _LLM()
+    metrics, tokens = bench.run_pprun(plain, w, ignore_eos=True)
+    assert "cache_stats" not in metrics and tokens == [[1] * 5] * 2
+    assert plain.calls == [[r.prompt_token_ids for r in w.warmup], [r.prompt_token_ids for r in w.requests]]
+    metrics, _ = bench.run_pprun(_CachingLLM(), w, ignore_eos=True)
+    assert metrics["cache_stats"] == {"hit_rate": 0.5, "cached_blocks": 12}
+    assert metrics["ttft_ms_p50"] == 500.0 and metrics["num_output_tokens"] == 10
 
 
 @pytest.mark.parametrize(

@@ -300,6 +300,7 @@ def build_workload(
     if cfg.workload == "audio":
         _check_audio_fits(cfg, engine.speech)
     seed = cfg.workload_seed
+    num_warmup = min(num_warmup, cfg.num_prompts)  # never more than the timed requests
     requests = _generate(cfg, engine, cfg.num_prompts, seed)
     warmup = _generate(cfg, engine, num_warmup, seed + WARMUP_SEED_OFFSET) if num_warmup else []
     source = cfg.audio_source if cfg.workload == "audio" else "random"
