@@ -152,8 +152,13 @@ def main(argv: list[str]) -> int:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         generate_s = time.perf_counter() - start
         generated = [[int(t) for t in o.outputs[0].token_ids] for o in outputs]
+        # The streamed pass must find nothing of the first pass cached: neither its prompts' KV
+        # blocks nor its processed images or audio (vLLM's multimodal processor cache; the method
+        # is looked up because releases before it have no such cache).
         if spec["engine_args"].get("enable_prefix_caching"):
-            llm.reset_prefix_cache()  # the streamed pass must not find the prompts cached
+            llm.reset_prefix_cache()
+        if hasattr(llm, "reset_mm_cache"):
+            llm.reset_mm_cache()
         # Latencies and per-step rates: the same requests again, every step's tokens streamed.
         timed = _run(llm.llm_engine, "request-", *job(spec["requests"], stream=True))
         result = {
