@@ -485,12 +485,18 @@ def test_bench_with_vllm_on_cpu_says_why_it_skipped(
 
 
 @pytest.mark.gpu
-def test_bench_against_vllm_on_gpu(tmp_path: Path, capsys: pytest.CaptureFixture):
-    """pprun and vLLM on one random bf16 Llama, one after the other; needs vLLM importable by
-    this interpreter (or PPRUN_VLLM_PYTHON naming one that has it)."""
+@pytest.mark.parametrize(("executor", "pp"), [("uni", 1), ("mp", 2), ("ray", 2)])
+def test_bench_against_vllm_on_gpu(executor: str, pp: int, tmp_path: Path, capsys: pytest.CaptureFixture):
+    """pprun and vLLM on one random bf16 Llama, one after the other, on one GPU and as a two-stage
+    pipeline against vLLM's (its mp and Ray backends); needs vLLM importable by this interpreter
+    (or PPRUN_VLLM_PYTHON naming one that has it)."""
     import os
     import subprocess
 
+    import torch
+
+    if torch.cuda.device_count() < pp:
+        pytest.skip(f"pp={pp} needs {pp} GPUs")
     python = os.environ.get("PPRUN_VLLM_PYTHON", sys.executable)
     if subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode != 0:
         pytest.skip(f"vLLM does not import in {python}")
@@ -500,7 +506,7 @@ def test_bench_against_vllm_on_gpu(tmp_path: Path, capsys: pytest.CaptureFixture
                             num_key_value_heads=4, intermediate_size=1024, vocab_size=1024)
     cfg = BenchAppConfig(num_prompts=8, input_len=32, output_len=32, peer="vllm", vllm_python=python)
     cfg.model.model, cfg.model.dtype, cfg.model.max_model_len = str(model), "bfloat16", 256
-    cfg.device, cfg.parallel.executor = "cuda", "uni"
+    cfg.device, cfg.parallel.executor, cfg.parallel.pipeline_parallel_size = "cuda", executor, pp
     cfg.scheduler.max_num_seqs = 8
     data = bench.run(cfg)
     capsys.readouterr()
@@ -508,5 +514,9 @@ def test_bench_against_vllm_on_gpu(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "peer_error" not in peer and "peer_skipped" not in peer, peer
     assert peer["num_output_tokens"] == data["pprun"]["num_output_tokens"] == 8 * 32
     assert peer["settings"]["max_num_seqs"] == 8 and peer["settings"]["max_model_len"] == 256
+    if pp > 1:
+        assert (peer["settings"]["pipeline_parallel_size"], peer["settings"]["distributed_executor_backend"]) == (
+            2, executor,
+        )  # fmt: skip
     assert peer["ttft_ms_p50"] > 0 and data["ratio"] > 0
     assert set(peer["pprun_over_peer"]) >= {"output_tokens_per_s", "ttft_ms_p50"}
