@@ -145,6 +145,7 @@ def test_engine_cache_stats_are_copied_when_the_llm_reports_them():
         ({"workload": "shared_prefix", "prefix_len": 0}, r"prefix_len=0 must be an integer of at least 1"),
         ({"peer": "sglang"}, r"peer='sglang' is not allowed: choose one of hf, vllm, none"),
         ({"workload": "chat", "input_file": "w.jsonl"}, r"input_file='w.jsonl' is for workload=text"),
+        ({"peer": "vllm", "vllm_args": {"hf_overrides": object()}}, r"vllm_args=.* must hold JSON values"),
     ],
 )
 def test_bench_rejects_bad_new_settings(change: dict, match: str):

@@ -3,6 +3,8 @@ lines, and that the model can run the workload."""
 
 from __future__ import annotations
 
+import json
+
 from pprun.apps.bench.peers import PEERS
 from pprun.apps.bench.workloads import (
     AUDIO_SOURCES,
@@ -37,6 +39,13 @@ def check_bench_config(cfg: BenchAppConfig) -> list[tuple[str, dict, int]] | Non
             f"input_file={cfg.input_file!r} is for workload=text; workload={cfg.workload} makes its own "
             "requests (drop input_file)"
         )
+    if cfg.peer == "vllm":
+        try:
+            json.dumps(dict(cfg.vllm_args))
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"vllm_args={cfg.vllm_args!r} must hold JSON values: they cross to vLLM's process as JSON ({e})"
+            ) from None
     if cfg.workload == "shared_prefix" and (not is_int(cfg.prefix_len) or cfg.prefix_len < 1):
         raise ValueError(f"prefix_len={cfg.prefix_len!r} must be an integer of at least 1 (workload=shared_prefix)")
     if cfg.workload == "image":
