@@ -380,16 +380,23 @@ class BenchAppConfig(PprunConfig):
     """The ``pprun bench`` app: PprunConfig's keys at top level, plus the synthetic workload."""
 
     workload: str = "text"
-    """text|image|audio.  text: random token ids (or ``input_file``).  image: a vision-language
-    model (Llava); each request is ``num_images`` random images then ``input_len`` random text
-    tokens, the peer transformers' ``LlavaForConditionalGeneration.generate``.  audio: a speech
-    model (Whisper); each request is one clip of ``audio_seconds``, the peer transformers'
-    ``WhisperForConditionalGeneration.generate``; both report audio seconds per second too."""
+    """text|image|audio|chat|shared_prefix.  text: random token ids (or ``input_file``).  image: a
+    vision-language model (Llava); each request is ``num_images`` random images then ``input_len``
+    random text tokens, the transformers peer ``LlavaForConditionalGeneration.generate``.  audio: a
+    speech model (Whisper); each request is one clip of ``audio_seconds``, the transformers peer
+    ``WhisperForConditionalGeneration.generate``; both report audio seconds per second too.  chat:
+    one user message of ``input_len`` random common words per request, rendered through the
+    model's chat template.  shared_prefix: every request starts with the same ``prefix_len``
+    random tokens (a shared system prompt), then its own ``input_len``."""
     num_prompts: int = 64
     """Number of requests submitted at once."""
     input_len: int = 128
     """Prompt length in tokens (random token ids; with workload=image the text after the images;
-    unused by workload=audio, whose prompt is the checkpoint's decoder prompt)."""
+    with workload=chat words in the user message; with workload=shared_prefix each request's own
+    tokens after the shared prefix; unused by workload=audio, whose prompt is the checkpoint's
+    decoder prompt)."""
+    prefix_len: int = 1024
+    """workload=shared_prefix: tokens of the prefix every request shares (at least 1)."""
     output_len: int = 128
     """Tokens generated per request (EOS ignored, so every request runs to this length)."""
     num_images: int = 1
@@ -419,8 +426,16 @@ class BenchAppConfig(PprunConfig):
     workload_seed: int = 0
     """Seed for the random prompts, images and audio offsets or synthetic audio."""
     peer: str = "hf"
-    """hf|none: also time Hugging Face transformers' generate() on the same workload, same
-    process and device, after pprun's engine is shut down."""
+    """hf|vllm|none: also time another engine on the same workload after pprun's engine is shut
+    down.  hf: Hugging Face transformers' generate(), same process and device.  vllm: vLLM's
+    offline engine in its own process (``vllm_python``), same checkpoint, dtype, token ids,
+    ``max_num_seqs`` and ``max_model_len``."""
+    vllm_python: str | None = None
+    """peer=vllm: the Python interpreter of an environment with vLLM installed (vLLM pins its own
+    torch, so it usually lives in its own environment); None: this interpreter."""
+    vllm_args: dict[str, Any] = field(default_factory=dict)
+    """peer=vllm: extra keyword arguments for ``vllm.LLM`` (e.g. ``+vllm_args.gpu_memory_utilization=0.8``),
+    applied over the settings taken from pprun's configuration; they are reported in the JSON."""
     output_json: str | None = None
     """Write the result JSON here as well as printing it."""
 

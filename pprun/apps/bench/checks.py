@@ -1,0 +1,92 @@
+"""What ``pprun bench`` checks before any engine starts: the workload settings, an input file's
+lines, and that the model can run the workload."""
+
+from __future__ import annotations
+
+import json
+
+from pprun.apps.bench.peers import PEERS
+from pprun.apps.bench.workloads import (
+    AUDIO_SOURCES,
+    MAX_IMAGE_SIZE,
+    MAX_NUM_IMAGES,
+    SPEECH_DIR,
+    TOKEN_WORKLOADS,
+    WORKLOADS,
+    read_workload_file,
+)
+from pprun.checks import is_int
+from pprun.config.config import BenchAppConfig
+
+
+def check_bench_config(cfg: BenchAppConfig) -> list[tuple[str, dict, int]] | None:
+    """Reject workload settings no run can use (ValueError naming the field, the value and what is
+    allowed), and an ``input_file`` whose lines are malformed, before the engine starts; returns
+    that file's entries (:func:`read_workload_file`), None without one."""
+    if cfg.peer not in PEERS:
+        raise ValueError(f"peer={cfg.peer!r} is not allowed: choose one of {', '.join(PEERS)}")
+    if cfg.workload not in WORKLOADS:
+        raise ValueError(f"workload={cfg.workload!r} is not allowed: choose one of {', '.join(WORKLOADS)}")
+    for name in ("num_prompts", "input_len", "output_len"):
+        value = getattr(cfg, name)
+        if not is_int(value) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an integer of at least 1")
+    warmup = cfg.num_warmup_prompts
+    if warmup is not None and (not is_int(warmup) or warmup < 0):
+        raise ValueError(f"num_warmup_prompts={warmup!r} must be an integer of at least 0 (or null: one full batch)")
+    if cfg.workload != "text" and cfg.input_file is not None:
+        raise ValueError(
+            f"input_file={cfg.input_file!r} is for workload=text; workload={cfg.workload} makes its own "
+            "requests (drop input_file)"
+        )
+    if cfg.peer == "vllm":
+        try:
+            json.dumps(dict(cfg.vllm_args))
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"vllm_args={cfg.vllm_args!r} must hold JSON values: they cross to vLLM's process as JSON ({e})"
+            ) from None
+    if cfg.workload == "shared_prefix" and (not is_int(cfg.prefix_len) or cfg.prefix_len < 1):
+        raise ValueError(f"prefix_len={cfg.prefix_len!r} must be an integer of at least 1 (workload=shared_prefix)")
+    if cfg.workload == "image":
+        for name, top in (("num_images", MAX_NUM_IMAGES), ("image_size", MAX_IMAGE_SIZE)):
+            value = getattr(cfg, name)
+            if not is_int(value) or not 1 <= value <= top:
+                raise ValueError(f"{name}={value!r} must be an integer in [1, {top}] (workload=image)")
+    if cfg.workload == "audio":
+        seconds = cfg.audio_seconds
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= 30:
+            raise ValueError(
+                f"audio_seconds={seconds!r} must be a number above 0 and at most 30 (one Whisper window; "
+                "workload=audio)"
+            )
+        if cfg.audio_source not in AUDIO_SOURCES:
+            raise ValueError(
+                f"audio_source={cfg.audio_source!r} is not allowed: choose one of {', '.join(AUDIO_SOURCES)}"
+            )
+        if cfg.audio_source == "speech" and not any(SPEECH_DIR.glob("*.*")):
+            raise ValueError(
+                f"audio_source=speech reads the recordings in {SPEECH_DIR} (a pprun checkout), which are not "
+                "there; use audio_source=synthetic"
+            )
+    return read_workload_file(cfg.input_file, cfg.output_len) if cfg.input_file is not None else None
+
+
+def check_model_for_workload(cfg: BenchAppConfig) -> None:
+    """The model can run the workload (from its config, before the engine starts): image needs a
+    vision-language model, audio a speech model, the token workloads (text, chat, shared_prefix)
+    a text or vision-language model."""
+    from pprun.config.validate import validate_config
+
+    arch = validate_config(cfg.pprun_config()).arch
+    # The workload the model runs: audio for a speech model, image for a vision-language one
+    # (which runs token prompts as well).
+    kind = "audio" if arch.audio_encoder is not None else "image" if arch.multimodal is not None else "text"
+    if cfg.workload == kind or (cfg.workload in TOKEN_WORKLOADS and kind in ("text", "image")):
+        return
+    needs = {"image": "a vision-language model (Llava)", "audio": "a speech model (Whisper)"}
+    is_a = {"text": "a text-only model", "image": "a vision-language model", "audio": "a speech model"}
+    raise ValueError(
+        f"workload={cfg.workload} needs {needs.get(cfg.workload, 'a text model')}; model.model={cfg.model.model!r} "
+        f"({arch.architecture}) is {is_a[kind]}: use workload={kind} or another model"
+    )

@@ -1,0 +1,266 @@
+"""``peer=vllm``: vLLM's offline engine on the same workload, in its own process, after pprun's
+engine is shut down and the device freed (the two never run at once).
+
+What vLLM runs is taken from pprun's run: the checkpoint, dtype, the token-id prompts (with the
+same images or audio), ``max_tokens`` with EOS ignored or not as pprun, greedy, the same
+``max_num_seqs``, ``max_model_len`` and ``max_num_batched_tokens``, CUDA graphs on unless pprun ran
+without them, the same pipeline size (``distributed_executor_backend`` "mp" against pprun's
+``mp``, "ray" against ``ray``), one warm-up pass on the same warm-up requests.  ``vllm_args``
+adds or overrides ``vllm.LLM`` arguments.
+
+The worker (``pprun/apps/bench/vllm_worker.py``, run by path with ``vllm_python``) times the
+requests through ``LLM.generate`` (the throughput, as pprun's comes from its ``LLM.generate``),
+then again streamed step by step, recording what came back from each engine step and when; the
+figures are computed here, the same way as pprun's (:func:`metrics_from_worker`): TTFT from a
+request's queueing to its first token, TPOT over the rest, and the steady decode rate by
+``EngineTrace.steady_decode``'s rule (the steps after the last prefill while the batch is full)
+applied to vLLM's steps.
+
+vLLM is never a dependency of pprun: it pins its own torch and needs CUDA.  ``peer=vllm`` without
+it fails before pprun starts, saying how to install it.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import subprocess
+import sys
+import tempfile
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from pprun.apps.bench.metrics import STEADY_DECODE_KEYS, latency_metrics, throughput_metrics
+from pprun.apps.bench.peers.base import PeerFailed, PeerJob, PeerResult, PeerSkipped
+from pprun.apps.bench.workloads import SAMPLE_RATE, workload_rates
+from pprun.config.config import BenchAppConfig
+
+logger = logging.getLogger(__name__)
+
+WORKER = Path(__file__).resolve().parents[1] / "vllm_worker.py"
+"""The script vLLM runs in (stdlib, NumPy, Pillow and vLLM only)."""
+
+VLLM_VERSION = "0.26.0"
+"""The vLLM release the comparison is made with (built for torch 2.11 with CUDA)."""
+
+INSTALL_HINT = (
+    "vLLM is a benchmark peer, not a pprun dependency: it pins its own torch and needs a CUDA GPU. "
+    f"Install it in a separate environment (python -m venv /opt/vllm && /opt/vllm/bin/pip install "
+    f"vllm=={VLLM_VERSION}) and pass vllm_python=/opt/vllm/bin/python, or run in an image that has it"
+)
+
+EXECUTOR_BACKENDS = {"mp": "mp", "ray": "ray"}
+"""pprun's executor -> vLLM's ``distributed_executor_backend`` for a pipeline (pp > 1)."""
+
+CHECK_TIMEOUT_S = 300
+"""Seconds ``import vllm`` may take in the check (a cold start imports torch and CUDA libraries)."""
+
+TAIL_LINES = 60
+"""Lines of the worker's output quoted in ``peer_error`` when it fails."""
+
+
+def vllm_python(cfg: BenchAppConfig) -> str:
+    """The interpreter that runs vLLM (``vllm_python``, else this one)."""
+    return cfg.vllm_python or sys.executable
+
+
+def prefix_caching(cfg: BenchAppConfig) -> bool:
+    """Whether pprun caches prompt prefixes in this configuration (``cache.enable_prefix_caching``
+    where the cache config declares it), so that vLLM does the same."""
+    declared = {f.name for f in fields(cfg.cache)}
+    return bool(cfg.cache.enable_prefix_caching) if "enable_prefix_caching" in declared else False
+
+
+def unsupported(job: PeerJob) -> str | None:
+    """Why vLLM cannot run this job's workload or configuration (None: it can)."""
+    if not str(job.device).startswith("cuda"):
+        return f"vLLM runs on CUDA GPUs; pprun ran on device={job.device!r}"
+    executor, pp = job.executor, job.pp_size
+    if executor == "external_launcher":
+        return "pprun ran under torchrun (executor=external_launcher); vLLM's peer runs as one process of its own"
+    if pp > 1 and executor not in EXECUTOR_BACKENDS:
+        return f"pipeline_parallel_size={pp} with executor={executor!r}: vLLM's pipeline backends are mp and ray"
+    if pp > 1:
+        import torch
+
+        num_gpus = torch.cuda.device_count()
+        if num_gpus < pp:
+            return f"vLLM's pipeline puts each of its {pp} stages on its own GPU; {num_gpus} visible"
+    return None
+
+
+def engine_args(job: PeerJob) -> dict[str, Any]:
+    """The ``vllm.LLM`` keyword arguments matching pprun's run, ``vllm_args`` applied over them."""
+    cfg = job.cfg
+    args: dict[str, Any] = {
+        "model": job.model_dir,
+        "dtype": job.dtype,
+        "max_num_seqs": job.batch_size,
+        "max_model_len": job.max_model_len,
+        "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+        "enforce_eager": cfg.compilation.cudagraph_mode == "none",
+        "enable_prefix_caching": prefix_caching(cfg),
+        "seed": 0,
+        # Token-id prompts need no tokenizer (nor does a random checkpoint have one); images
+        # and audio go through vLLM's processors, which do.
+        "skip_tokenizer_init": cfg.workload not in ("image", "audio"),
+    }
+    if job.pp_size > 1:
+        args["pipeline_parallel_size"] = job.pp_size
+        args["distributed_executor_backend"] = EXECUTOR_BACKENDS[job.executor]
+    if cfg.workload == "image":
+        args["limit_mm_per_prompt"] = {"image": cfg.num_images}
+    if cfg.workload == "audio":
+        args["limit_mm_per_prompt"] = {"audio": 1}
+    args.update(dict(cfg.vllm_args))
+    return args
+
+
+def build_spec(job: PeerJob) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The worker's spec (JSON-serialisable) and its arrays (images, audio) by key."""
+    arrays: dict[str, Any] = {}
+
+    def entry(tag: str, r: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {"prompt_token_ids": [int(t) for t in r.prompt_token_ids], "max_tokens": r.max_tokens}
+        mm = r.multi_modal_data or {}
+        if "image" in mm:
+            out["images"] = []
+            for j, image in enumerate(mm["image"]):
+                arrays[f"{tag}_image{j}"] = image
+                out["images"].append(f"{tag}_image{j}")
+        if "audio" in mm:
+            samples, rate = mm["audio"]
+            if rate != SAMPLE_RATE:
+                raise ValueError(f"audio at {rate} Hz: the bench's clips are {SAMPLE_RATE} Hz")
+            arrays[f"{tag}_audio"] = samples
+            out["audio"] = f"{tag}_audio"
+        return out
+
+    spec = {
+        "engine_args": engine_args(job),
+        "ignore_eos": job.ignore_eos,
+        "stop_token_ids": sorted(job.eos_token_ids),
+        "encoder_decoder": job.cfg.workload == "audio",
+        "sample_rate": SAMPLE_RATE,
+        "requests": [entry(f"r{i}", r) for i, r in enumerate(job.requests)],
+        "warmup": [entry(f"w{i}", r) for i, r in enumerate(job.warmup)],
+    }
+    return spec, arrays
+
+
+def _steps_as_trace(steps: list[list[float]]) -> Any:
+    """vLLM's steps as an ``EngineTrace`` (answer time, tokens, requests), so that its steady
+    decode rate is computed by the very rule pprun's is: a step where a prefill ended carries
+    those prompt tokens too, which marks it as a prefill step as pprun's scheduled-token count
+    does."""
+    from pprun.utils.step_trace import EngineStep, EngineTrace
+
+    trace = EngineTrace()
+    for t, num_tokens, num_reqs, num_prefill_tokens in steps:
+        trace.record(EngineStep(t, t, t, 1, int(num_tokens + num_prefill_tokens), int(num_reqs)))
+    return trace
+
+
+def metrics_from_worker(result: dict[str, Any], job: PeerJob) -> PeerResult:
+    """pprun's figures for vLLM's run, from what the worker recorded: throughput from its
+    ``LLM.generate`` pass (as pprun's comes from ``LLM.generate``), latencies and the steady decode
+    rate from its streamed pass."""
+    generated = result["generate"]
+    tokens = [list(t) for t in generated["tokens"]]
+    stream = result["stream"]
+    ttfts, tpots = [], []
+    for queued, first, done, toks in zip(stream["queued"], stream["first_token"], stream["finished"], stream["tokens"]):
+        if first is not None:
+            ttfts.append(first - queued)
+            if done is not None and len(toks) > 1:
+                tpots.append((done - first) / (len(toks) - 1))
+    elapsed_s = float(generated["elapsed_s"])
+    steady = _steps_as_trace(stream["steps"]).steady_decode() or dict.fromkeys(STEADY_DECODE_KEYS)
+    streamed = throughput_metrics(float(stream["elapsed_s"]), job.requests, stream["tokens"])
+    metrics: dict[str, Any] = {
+        "name": "vllm.LLM",
+        "version": result["vllm_version"],
+        "settings": result["engine_args"],
+        "effective_settings": result.get("effective", {}),
+        **throughput_metrics(elapsed_s, job.requests, tokens),
+        **latency_metrics(ttfts, tpots),
+        **steady,
+        **workload_rates(job.cfg, job.requests, elapsed_s),
+        # The streamed pass's own rate: what streaming every step's tokens back costs vLLM.
+        "streamed_output_tokens_per_s": streamed["output_tokens_per_s"],
+        "load_s": round(float(result.get("load_s", 0.0)), 2),
+    }
+    return PeerResult(metrics, tokens)
+
+
+def run_worker(python: str, spec: dict[str, Any], arrays: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+    """Run the worker on ``spec`` with ``python``; its result object.  The worker's output goes to
+    this process's stderr as it comes (stdout carries only the bench JSON); a failure raises
+    :class:`PeerFailed` with the worker's error, traceback and last lines of output."""
+    import numpy as np
+
+    with tempfile.TemporaryDirectory(prefix="pprun-bench-vllm-") as tmp:
+        spec_path, arrays_path, out_path = Path(tmp, "spec.json"), Path(tmp, "arrays.npz"), Path(tmp, "result.json")
+        spec_path.write_text(json.dumps(spec))
+        np.savez(arrays_path, **arrays)
+        cmd = [python, str(WORKER), str(spec_path), str(arrays_path), str(out_path)]
+        logger.info("bench: running vLLM: %s", " ".join(cmd))
+        tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+        try:
+            assert proc.stdout is not None  # PIPE was asked for
+            for line in proc.stdout:
+                sys.stderr.write(line)
+                tail.append(line.rstrip("\n"))
+            status = proc.wait(timeout=timeout_s)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        result = json.loads(out_path.read_text()) if out_path.is_file() else None
+    if result is None or "error" in result or status != 0:
+        why = (result or {}).get("error") or f"the worker exited with status {status} and wrote no result"
+        raise PeerFailed(
+            f"vLLM failed: {why}\n--- command: {' '.join(cmd)}\n--- last {len(tail)} lines of its output:\n"
+            + "\n".join(tail)
+        )
+    return result
+
+
+class VllmPeer:
+    """``peer=vllm``: vLLM's offline ``LLM`` in its own process (see the module docstring)."""
+
+    name = "vllm"
+
+    def check(self, cfg: BenchAppConfig) -> None:
+        """vLLM imports in ``vllm_python``; else a ValueError saying how to install it."""
+        python = vllm_python(cfg)
+        try:
+            probe = subprocess.run(
+                [python, "-c", "import vllm; print(vllm.__version__)"],
+                capture_output=True, text=True, timeout=CHECK_TIMEOUT_S,
+            )  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise ValueError(f"peer=vllm: cannot run vllm_python={python!r} ({e}). {INSTALL_HINT}") from None
+        if probe.returncode != 0:
+            lines = (probe.stderr or probe.stdout).strip().splitlines()
+            raise ValueError(
+                f"peer=vllm: vLLM does not import in {python} ({lines[-1] if lines else 'no output'}). {INSTALL_HINT}"
+            )
+        version = probe.stdout.strip().splitlines()[-1] if probe.stdout.strip() else "?"
+        if version != VLLM_VERSION:
+            logger.warning("bench: vLLM %s in %s; the published comparison uses %s", version, python, VLLM_VERSION)
+
+    def run(self, job: PeerJob) -> PeerResult:
+        """Skip what vLLM cannot run (the reason in the result), else :meth:`measure`."""
+        reason = unsupported(job)
+        if reason is not None:
+            raise PeerSkipped(reason)
+        return self.measure(job)
+
+    def measure(self, job: PeerJob) -> PeerResult:
+        """Run the job in the worker and compute its figures."""
+        spec, arrays = build_spec(job)
+        return metrics_from_worker(run_worker(vllm_python(job.cfg), spec, arrays), job)

@@ -1,0 +1,183 @@
+"""The vLLM side of ``pprun bench peer=vllm``, run as a script in its own process:
+``python vllm_worker.py SPEC.json ARRAYS.npz RESULT.json``.
+
+It imports only the standard library, NumPy, Pillow and vLLM (never pprun), so it runs in an
+environment that has vLLM and nothing of pprun's.  It builds ``vllm.LLM(**engine_args)``, warms up
+on the warm-up requests (one ``LLM.generate``), then times the requests twice: through ``LLM.generate`` (final outputs
+only, as vLLM's users run it: the throughput), then through ``LLM.llm_engine``'s
+``add_request``/``step`` loop with streamed outputs (``RequestOutputKind.DELTA``), recording each
+request's token ids, when it was queued, when its first token and its last came back, and per step
+how many tokens came back for how many requests (and the prompt tokens of requests whose first
+token came back, i.e. whose prefill ended in that step).  pprun computes every figure from that
+(``pprun.apps.bench.peers.vllm_peer``), the same way as its own.  On any error it writes
+``{"error": ..., "traceback": ...}`` and exits with status 1.
+
+The spec (JSON): ``engine_args`` (keyword arguments of ``vllm.LLM``), ``ignore_eos``,
+``stop_token_ids`` (EOS ids, used when not ``ignore_eos``), ``encoder_decoder`` (Whisper: the
+audio goes to the encoder prompt, the token ids are the decoder prompt), and ``requests`` /
+``warmup``: lists of ``{"prompt_token_ids": [...], "max_tokens": n, "images": [key, ...],
+"audio": key}`` whose keys name arrays in the ``.npz`` file (images HxWx3 uint8, audio float32 at
+``sample_rate``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+if __name__ in ("__main__", "__mp_main__"):
+    # Run by path, Python puts this folder first on sys.path: drop it, so that the names of
+    # pprun's bench modules next to this file never shadow a module vLLM imports.
+    _here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if not p or Path(p).resolve() != _here]
+
+
+def _prompt(req: dict[str, Any], arrays: Any, encoder_decoder: bool, sample_rate: int) -> dict[str, Any]:
+    """The vLLM prompt of one request: token ids, with its images or audio."""
+    ids = {"prompt_token_ids": list(req["prompt_token_ids"])}
+    if encoder_decoder:
+        audio = (arrays[req["audio"]], sample_rate)
+        return {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": audio}}, "decoder_prompt": ids}
+    if req.get("images"):
+        from PIL import Image
+
+        ids["multi_modal_data"] = {"image": [Image.fromarray(arrays[k]) for k in req["images"]]}
+    return ids
+
+
+def _run(engine: Any, tag: str, prompts: list[dict[str, Any]], params: list[Any]) -> dict[str, Any]:
+    """Queue every prompt (request ids ``tag`` + index, so no run reuses another's), step until
+    all finish; what came back and when (perf_counter seconds)."""
+    n = len(prompts)
+    index = {f"{tag}{i}": i for i in range(n)}
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    queued = [0.0] * n
+    first: list[float | None] = [None] * n
+    finished: list[float | None] = [None] * n
+    prompt_lens = [len(p.get("decoder_prompt", p)["prompt_token_ids"]) for p in prompts]
+    start = time.perf_counter()
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"{tag}{i}", prompt, sp)
+        # As in pprun, a request counts from its queueing, after its own prompt processing.
+        queued[i] = time.perf_counter()
+    steps = []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        num_tokens = num_reqs = num_prefill_tokens = 0
+        for out in outputs:
+            i = index[out.request_id]
+            new = list(out.outputs[0].token_ids) if out.outputs else []
+            if new:
+                if first[i] is None:
+                    first[i] = now
+                    num_prefill_tokens += prompt_lens[i]
+                tokens[i].extend(int(t) for t in new)
+                num_tokens += len(new)
+                num_reqs += 1
+            if out.finished:
+                finished[i] = now
+        steps.append([now, num_tokens, num_reqs, num_prefill_tokens])
+    end = time.perf_counter()
+    return {
+        "elapsed_s": end - start,
+        "start": start,
+        "tokens": tokens,
+        "queued": queued,
+        "first_token": first,
+        "finished": finished,
+        "steps": steps,
+    }
+
+
+def _effective_settings(llm: Any) -> dict[str, Any]:
+    """A few of the settings vLLM resolved (what it chose where we left its defaults), as text.
+    Reporting only: a field a vLLM release lacks is left out."""
+    out: dict[str, Any] = {}
+    config = getattr(llm.llm_engine, "vllm_config", None)
+    for section, name in (
+        ("compilation_config", "cudagraph_mode"), ("compilation_config", "mode"), ("compilation_config", "level"),
+        ("scheduler_config", "async_scheduling"), ("scheduler_config", "max_num_batched_tokens"),
+        ("scheduler_config", "enable_chunked_prefill"), ("cache_config", "enable_prefix_caching"),
+        ("cache_config", "num_gpu_blocks"), ("cache_config", "gpu_memory_utilization"),
+        ("parallel_config", "pipeline_parallel_size"), ("parallel_config", "distributed_executor_backend"),
+        ("model_config", "dtype"), ("model_config", "max_model_len"), ("model_config", "enforce_eager"),
+    ):  # fmt: skip
+        value = getattr(getattr(config, section, None), name, None)
+        if value is not None:
+            out[f"{section}.{name}"] = value if isinstance(value, (bool, int, float)) else str(value)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """Run the spec in ``argv[0]`` with the arrays in ``argv[1]``; write the result to ``argv[2]``."""
+    spec_path, arrays_path, out_path = argv
+    try:
+        import numpy as np
+        import vllm
+        from vllm import LLM, SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        spec = json.loads(Path(spec_path).read_text())
+        arrays = np.load(arrays_path)
+        enc_dec = bool(spec["encoder_decoder"])
+        sample_rate = int(spec["sample_rate"])
+
+        def job(requests: list[dict[str, Any]], stream: bool) -> tuple[list[dict[str, Any]], list[Any]]:
+            prompts = [_prompt(r, arrays, enc_dec, sample_rate) for r in requests]
+            # Streamed: every step's new tokens come back (DELTA); else vLLM's own offline default.
+            kind = {"output_kind": RequestOutputKind.DELTA} if stream else {}
+            params = [
+                SamplingParams(
+                    temperature=0.0, max_tokens=int(r["max_tokens"]), ignore_eos=bool(spec["ignore_eos"]),
+                    stop_token_ids=None if spec["ignore_eos"] else list(spec["stop_token_ids"]),
+                    detokenize=False, **kind,
+                )
+                for r in requests
+            ]  # fmt: skip
+            return prompts, params
+
+        t0 = time.perf_counter()
+        llm = LLM(**spec["engine_args"])
+        load_s = time.perf_counter() - t0
+        if spec["warmup"]:
+            llm.generate(*job(spec["warmup"], stream=False), use_tqdm=False)
+        # Throughput as vLLM's users get it: LLM.generate, final outputs only.
+        prompts, params = job(spec["requests"], stream=False)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        generate_s = time.perf_counter() - start
+        generated = [[int(t) for t in o.outputs[0].token_ids] for o in outputs]
+        # The streamed pass must find nothing of the first pass cached: neither its prompts' KV
+        # blocks nor its processed images or audio (vLLM's multimodal processor cache; the method
+        # is looked up because releases before it have no such cache).
+        if spec["engine_args"].get("enable_prefix_caching"):
+            llm.reset_prefix_cache()
+        if hasattr(llm, "reset_mm_cache"):
+            llm.reset_mm_cache()
+        # Latencies and per-step rates: the same requests again, every step's tokens streamed.
+        timed = _run(llm.llm_engine, "request-", *job(spec["requests"], stream=True))
+        result = {
+            "vllm_version": vllm.__version__,
+            "engine_args": spec["engine_args"],
+            "effective": _effective_settings(llm),
+            "load_s": load_s,
+            "generate": {"elapsed_s": generate_s, "tokens": generated},
+            "stream": timed,
+        }
+    except BaseException as e:  # everything goes back to pprun, which reports it
+        Path(out_path).write_text(
+            json.dumps({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        )
+        print(traceback.format_exc(), file=sys.stderr, flush=True)
+        return 1
+    Path(out_path).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
