@@ -27,6 +27,7 @@ from torch import nn
 
 from pprun.attention.metadata import AttentionMetadata
 from pprun.distributed.intermediate import IntermediateTensors
+from pprun.distributed.layout import StageLayout
 from pprun.models.hf_config import AudioEncoderArch, ModelArchConfig
 from pprun.multimodal.items import MultiModalItem
 
@@ -49,6 +50,10 @@ class PprunModel(nn.Module, metaclass=ABCMeta):
     :class:`EncoderDecoderModel`): the worker gives each request an encoder step and a
     cross-cache slot (``pprun.worker.encoder_decoder``)."""
 
+    arch: ModelArchConfig
+    """The checkpoint's architecture (``config.json``), as the model was built from it."""
+    layout: StageLayout
+    """The stage the model was built for (which layers, first and last)."""
     layers: nn.ModuleList
     """The stage's decoder layers, one KV cache each (what :meth:`bind_kv_caches` binds)."""
 
@@ -126,8 +131,8 @@ class MultiModalModel(Protocol):
     """What a model that merges encoder output into its token embeddings (``supports_multimodal``)
     adds for the first stage's multimodal state (``pprun.worker.multimodal``)."""
 
-    hidden_size: int
-    """Width of the token embeddings (and of each encoder output row)."""
+    arch: ModelArchConfig
+    """``arch.hidden_size``: the width of the token embeddings and of each encoder output row."""
 
     def encode_items(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
         """Each item's encoder output ``[num_embeds, hidden]`` (first stage)."""

@@ -103,8 +103,8 @@ class ModelRunner(ABC):
         receive: Receive | None = None,
     ) -> StepResult:
         """Run one step and wait for it: non-last stages return what to send, the last its
-        ModelRunnerOutput (never pending).  ``receive`` (non-first stages, instead of ``intermediate_tensors``)
-        is called once the step's inputs are on the device."""
+        ModelRunnerOutput (never pending).  ``receive`` (non-first stages, instead of
+        ``intermediate_tensors``) is called once the step's inputs are on the device."""
 
     def execute_model_async(
         self,

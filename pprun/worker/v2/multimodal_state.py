@@ -2,12 +2,14 @@
 embeddings (vision-language models; the same path serves audio items).
 
 First stage: the plug-in keeps each request's items and the encoder cache
-(:class:`~pprun.worker.multimodal.MultiModalRunnerState`, shared with the V1 runner), runs the encoder for the items a
-step schedules (:meth:`begin_step`) and builds the step's ``inputs_embeds`` in a persistent
-``[max_num_tokens, hidden]`` buffer: token embeddings, then the encoder rows of the scheduled
-window scattered in where ``is_mm_embed`` is True.  The buffer's address never changes, so a CUDA
-graph captured over it replays any decode step (decode windows meet no placeholder range: only the
-embedding lookup runs before the replay).  Later stages hold nothing (no encoder is loaded there).
+(:class:`~pprun.worker.multimodal.MultiModalRunnerState`, shared with the V1 runner), runs the
+encoder for the items a step schedules (:meth:`begin_step`) and builds the step's
+``inputs_embeds`` in a persistent ``[max_num_tokens, hidden]`` buffer: token embeddings, then the
+encoder rows of the scheduled window scattered in where ``is_mm_embed`` is True.  The buffer's
+address never changes, so a CUDA graph captured over it replays any decode step (decode windows
+meet no placeholder range: only the embedding lookup runs before the replay).  Later stages hold
+nothing (no encoder is loaded there).  The V2 runner gives it to every model declaring
+``supports_multimodal`` (``pprun.worker.v2.plugins``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class MultiModalModelState(ModelState):
         self._req_of_row: dict[int, str] = {}
         if layout.is_first:
             self.mm = MultiModalRunnerState(model)
-            self.inputs_embeds = torch.zeros((max_num_tokens, model.hidden_size), dtype=dtype, device=device)
+            self.inputs_embeds = torch.zeros((max_num_tokens, model.arch.hidden_size), dtype=dtype, device=device)
 
     def add_request(self, row: int, new: NewRequestData) -> None:
         """Remember the request's items (first stage)."""
