@@ -11,15 +11,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("pprun.apps.generate", "complete prompts (arguments or a JSONL file) and print a summary"),
-    "bench": ("pprun.apps.bench", "offline throughput/latency as JSON, against transformers' generate()"),
-    "serve": ("pprun.apps.serve", "serve the model over gRPC (pprun.v1, KServe v2 / Triton), loopback by default"),
-    "submit": ("pprun.apps.submit", "run an app as a job on a Ray cluster (Ray Jobs); status, logs, stop"),
-    "transcribe": ("pprun.apps.transcribe", "transcribe audio files with a speech model (Whisper); text per file, JSONL"),
-    "report": ("pprun.apps.report", "table (CSV, Markdown) and throughput plot (PNG) of a bench sweep's JSONs"),
-}
-"""Subcommand -> (module with a ``main()``, one-line description)."""
+from pprun.apps import SUBCOMMANDS
 
 
 def usage() -> str:

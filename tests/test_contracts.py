@@ -66,9 +66,11 @@ class TwoStagesInProcess:
         self.workers = workers
 
     def execute_model(self, so, intermediate_tensors=None):
+        from pprun.worker.runner_base import StepResult
+
         assert intermediate_tensors is None
         assert self.workers[0].execute_model(so) is None  # it sent its output down the pipeline
-        return self.workers[1].execute_model(so)
+        return StepResult(self.workers[1].execute_model(so))
 
 
 def run_with(monkeypatch, model_cls, model_dir, runner):
@@ -182,3 +184,38 @@ def test_auto_runner_is_v2_and_reported(tiny_llama_dir):
         executor = llm.engine.executor
         assert executor.worker.runner_facts()["runner"] == "v2"
         assert executor.async_steps is True and executor.max_in_flight == 2
+
+
+def test_every_model_class_implements_the_model_interface():
+    """Every architecture the loader builds is a ``PprunModel`` with no method of the interface
+    left abstract, and a class missing one cannot be built (the error names it)."""
+    from pprun.models.base import PprunModel
+
+    for name, cls in model_loader.MODEL_CLASSES.items():
+        assert issubclass(cls, PprunModel), name
+        assert not cls.__abstractmethods__, (name, sorted(cls.__abstractmethods__))
+
+    class NoLogits(PprunModel):
+        def forward(self, input_ids, positions, inputs_embeds, intermediate_tensors, attn_metadata):
+            return positions
+
+    with pytest.raises(TypeError, match="compute_logits"):
+        NoLogits()
+
+
+def test_v2_plugins_follow_the_declarations():
+    """The V2 runner's registry maps declarations to plug-ins, first match first: a text-only
+    decoder gets the plain ``ModelState``, Whisper (encoder-decoder) and Llava (multimodal)
+    theirs, and a model declaring both takes the first entry's."""
+    from pprun.worker.v2.encoder_decoder_state import EncoderDecoderModelState
+    from pprun.worker.v2.model_state import ModelState
+    from pprun.worker.v2.multimodal_state import MultiModalModelState
+    from pprun.worker.v2.plugins import MODEL_STATES, model_state_class
+
+    classes = model_loader.MODEL_CLASSES
+    assert model_state_class(classes["LlamaForCausalLM"]) is ModelState
+    assert model_state_class(classes["WhisperForConditionalGeneration"]) is EncoderDecoderModelState
+    assert model_state_class(classes["LlavaForConditionalGeneration"]) is MultiModalModelState
+    assert model_state_class(EmbedsModel) is MultiModalModelState  # declared on a Llama subclass
+    both = type("Both", (LlamaForCausalLM,), {"is_encoder_decoder": True, "supports_multimodal": True})
+    assert model_state_class(both) is MODEL_STATES[0][1]

@@ -140,3 +140,146 @@ def test_no_import_cycles():
     assert len(graph) > 50  # the walk saw the package
     cycles = find_cycles(graph)
     assert not cycles, "import cycles in pprun:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+# --- models never reach into the runners ------------------------------------------------------
+
+RUNNER_PACKAGES = ("pprun.worker", "pprun.executor", "pprun.engine")
+"""What a model module may not import: the runners and their model-state plug-ins
+(``pprun.worker``, V1 and V2 alike) and everything that drives them."""
+
+
+def imported_names(path: Path, module: str) -> list[tuple[int, str]]:
+    """Every module name ``path`` imports, as (line, absolute name), wherever the import stands
+    (inside functions, methods and ``if TYPE_CHECKING:`` too); relative imports resolved against
+    ``module``.  Names need not exist: a typo still counts."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")
+                anchor = anchor[: len(anchor) - node.level + (1 if path.name == "__init__.py" else 0)]
+                base = ".".join([*anchor, base] if base else anchor)
+            found += [(node.lineno, base)] + [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
+def runner_imports(models_dir: Path) -> list[str]:
+    """``file:line: name`` for every import of a runner package by a module of ``models_dir``."""
+    bad = []
+    for path in sorted(models_dir.rglob("*.py")):
+        for line, name in imported_names(path, module_name(path, models_dir.parent)):
+            if any(name == p or name.startswith(p + ".") for p in RUNNER_PACKAGES):
+                bad.append(f"{path.name}:{line}: {name}")
+    return sorted(set(bad))
+
+
+def test_runner_import_check_finds_a_deferred_import(tmp_path):
+    """The checker itself: imports inside methods, relative ones and plain ones are found."""
+    models = tmp_path / "pprun" / "models"
+    models.mkdir(parents=True)
+    (tmp_path / "pprun" / "__init__.py").write_text("")
+    (models / "__init__.py").write_text("")
+    (models / "ok.py").write_text("from pprun.models.base import PprunModel\nimport torch\n")
+    (models / "a.py").write_text(
+        "class M:\n    @property\n    def plugin(self):\n"
+        "        from pprun.worker.v2.model_state import ModelState\n        return ModelState\n"
+    )
+    (models / "b.py").write_text("from ..worker import v2\n")
+    (models / "c.py").write_text("import pprun.engine.llm\n")
+    assert runner_imports(models) == [
+        "a.py:4: pprun.worker.v2.model_state",
+        "a.py:4: pprun.worker.v2.model_state.ModelState",
+        "b.py:1: pprun.worker",
+        "b.py:1: pprun.worker.v2",
+        "c.py:1: pprun.engine.llm",
+    ]
+
+
+def test_models_never_import_a_runner():
+    """No module under ``pprun/models/`` imports the runners or their plug-ins, lazily or not:
+    models declare what they are, and the runners choose their plug-ins from that."""
+    assert len(list((ROOT / "models").glob("*.py"))) > 5  # the walk saw the models
+    bad = runner_imports(ROOT / "models")
+    assert not bad, "pprun/models imports runner code:\n" + "\n".join(bad)
+
+
+# --- layers: every import runs down -----------------------------------------------------------
+
+LAYERS: list[tuple[str, ...]] = [
+    ("switches", "checks", "utils"),
+    ("audio", "multimodal"),
+    ("attention", "layers"),
+    ("sampling",),
+    ("core",),
+    ("distributed",),
+    ("models",),
+    ("config",),
+    ("worker",),
+    ("executor",),
+    ("engine",),
+    ("pprun",),
+    ("serve",),
+    ("apps",),
+    ("cli", "__main__"),
+]
+"""The packages of ``pprun`` from the bottom up (docs/architecture.md, "Layers"): a package
+imports only packages of its own layer or below.  ``pprun`` is the package's ``__init__`` (the
+public names ``LLM``, ``SamplingParams``, ``RequestOutput``); a top-level module is a package
+of its own."""
+
+UPWARD_ALLOWED: dict[tuple[str, str], str] = {}
+"""(importer, imported) package pairs allowed to import upward, each with its reason (also in
+docs/architecture.md).  At most two."""
+
+
+def package_of(module: str) -> str:
+    """``pprun.worker.v2.runner`` -> ``worker``; ``pprun.checks`` -> ``checks``; ``pprun`` -> ``pprun``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def upward_imports(graph: dict[str, set[str]], layers: list[tuple[str, ...]]) -> dict[tuple[str, str], list[str]]:
+    """(importer package, imported package) -> the module imports that run from a lower layer
+    to a higher one."""
+    rank = {pkg: i for i, layer in enumerate(layers) for pkg in layer}
+    unplaced = sorted({package_of(m) for m in graph} - set(rank))
+    assert not unplaced, f"packages with no layer (add them to LAYERS): {unplaced}"
+    up: dict[tuple[str, str], list[str]] = {}
+    for module, deps in graph.items():
+        for dep in deps:
+            a, b = package_of(module), package_of(dep)
+            if rank[a] < rank[b]:
+                up.setdefault((a, b), []).append(f"{module} -> {dep}")
+    return up
+
+
+def test_layer_check_finds_an_upward_import():
+    """The checker itself: an import from a lower layer to a higher one is reported; one down,
+    or within a layer, is not."""
+    graph = {
+        "pprun.models.llama": {"pprun.layers.norm", "pprun.worker.v2.model_state"},
+        "pprun.worker.v2.model_state": {"pprun.models.base"},
+        "pprun.models.base": set(),
+        "pprun.layers.norm": {"pprun.attention.backend"},
+        "pprun.attention.backend": {"pprun.layers.partials"},
+        "pprun.layers.partials": set(),
+    }
+    layers = [("attention", "layers"), ("models",), ("worker",)]
+    assert upward_imports(graph, layers) == {("models", "worker"): ["pprun.models.llama -> pprun.worker.v2.model_state"]}
+
+
+def test_imports_run_down_the_layers():
+    """Every import inside ``pprun`` runs from a package to one of its own layer or below,
+    except the few named in ``UPWARD_ALLOWED`` (each of which must still be needed)."""
+    assert len(UPWARD_ALLOWED) <= 2
+    up = upward_imports(import_graph(), LAYERS)
+    unexpected = {pair: edges for pair, edges in up.items() if pair not in UPWARD_ALLOWED}
+    assert not unexpected, "imports up the layers:\n" + "\n".join(
+        e for edges in unexpected.values() for e in sorted(edges)
+    )
+    stale = sorted(set(UPWARD_ALLOWED) - set(up))
+    assert not stale, f"allowed upward imports no longer made (remove them here and in the docs): {stale}"

@@ -163,7 +163,7 @@ def test_chunks_cut_image_ranges_and_the_encoder_budget_holds(clip_dir, runner, 
         plans.append((plan, [list(r) for r in ranges]))
         return plan
 
-    monkeypatch.setattr("pprun.multimodal.runner_state.build_scatter_plan", recording)
+    monkeypatch.setattr("pprun.worker.multimodal.build_scatter_plan", recording)
     with LLM(str(clip_dir), dtype="float32", max_model_len=256, runner=runner, executor="uni",
              max_num_batched_tokens=16, max_num_encoder_tokens=25, kv_cache_memory_bytes=SMALL_KV) as llm:
         calls = _count_encodes(_stage_mm(llm))

@@ -49,7 +49,7 @@ def test_batch_of_requests_with_query_starts_scatters_each_window():
     import torch
 
     from pprun.multimodal.items import MultiModalItem
-    from pprun.multimodal.runner_state import MultiModalRunnerState
+    from pprun.worker.multimodal import MultiModalRunnerState
 
     windows = [StepWindow(0, 0, 5), StepWindow(5, 3, 6), StepWindow(11, 0, 6)]
     ranges = [

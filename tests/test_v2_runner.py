@@ -329,7 +329,7 @@ def drive(
     for step in range(num_decode_steps + 1):
         if before_step is not None:
             before_step(step, so)
-        out = runner.execute_model(so, None)
+        out = runner.execute_model(so, None).output
         for i, r in enumerate(ids):
             outputs[i] += out.sampled_token_ids[out.req_ids.index(r)]
         cached = CachedRequestData()

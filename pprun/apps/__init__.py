@@ -16,6 +16,17 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("pprun.apps.generate", "complete prompts (arguments or a JSONL file) and print a summary"),
+    "bench": ("pprun.apps.bench", "offline throughput/latency as JSON, against transformers' generate()"),
+    "serve": ("pprun.apps.serve", "serve the model over gRPC (pprun.v1, KServe v2 / Triton), loopback by default"),
+    "submit": ("pprun.apps.submit", "run an app as a job on a Ray cluster (Ray Jobs); status, logs, stop"),
+    "transcribe": ("pprun.apps.transcribe", "transcribe audio files with a speech model (Whisper); text per file, JSONL"),
+    "report": ("pprun.apps.report", "table (CSV, Markdown) and throughput plot (PNG) of a bench sweep's JSONs"),
+}
+"""``pprun`` subcommand -> (module with a ``main()``, one-line description): what ``pprun.cli``
+dispatches and ``pprun submit`` runs on a cluster."""
+
 
 def run_hydra_app(config_name: str, task: Callable[[Any], None]) -> None:
     """Compose ``conf/<config_name>.yaml`` with the overrides in ``sys.argv[1:]`` and call

@@ -53,7 +53,7 @@ ENV_PREFIXES = ("PPRUN_",)
 
 
 def _apps() -> list[str]:
-    from pprun.cli import SUBCOMMANDS
+    from pprun.apps import SUBCOMMANDS
 
     return [name for name in SUBCOMMANDS if name != "submit"]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from pprun.multimodal.items import MultiModalItem
+from pprun.sampling.logprobs import Logprobs
 from pprun.sampling.params import SamplingParams
 
 
@@ -101,15 +102,6 @@ class SchedulerOutput:
             for new in self.scheduled_new_reqs
         ]
         return replace(self, scheduled_new_reqs=new_reqs)
-
-
-@dataclass
-class Logprobs:
-    """Log-probabilities for one sampled position."""
-
-    sampled_logprob: float
-    top_token_ids: list[int]
-    top_logprobs: list[float]
 
 
 @dataclass

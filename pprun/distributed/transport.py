@@ -39,10 +39,6 @@ PACK_MAX_BYTES = 4 * 2**20
 tensor: there the stack and unstack copies cost more than the saved operation
 (docs/performance.md, "Pipeline settings")."""
 
-SENT_IN_GRAPH = object()
-"""What a non-last stage's step returns instead of tensors when its CUDA graph sent them itself
-(:meth:`PipelineTransport.send_in_graph`): nothing is left to send."""
-
 
 class PipelineTransport:
     """Point-to-point channel of one stage to its neighbours.

@@ -5,7 +5,7 @@ the language model's embedding width; the language model is pprun's Llama family
 (:class:`~pprun.models.llama.LlamaForCausalLM`, from the config's ``text_config``).  The tower
 and projector live on the first stage only: later stages never build or read them.  The first
 stage's runner scatters the image rows into the token embeddings where ``is_mm_embed`` is True
-(``pprun.multimodal``) and calls :meth:`LlavaForConditionalGeneration.forward` with
+(``pprun.worker.multimodal``) and calls :meth:`LlavaForConditionalGeneration.forward` with
 ``input_ids=None`` and those ``inputs_embeds``.
 
 Checkpoint names: :func:`canonical_name` is the one place that maps what a checkpoint stores
@@ -136,13 +136,6 @@ class LlavaForConditionalGeneration(PprunModel):
     def layers(self) -> nn.ModuleList:
         """The language model's decoder layers on this stage (what the KV cache serves)."""
         return self.language_model.layers
-
-    @property
-    def model_state_cls(self) -> type:
-        """The V2 runner's plug-in for this family."""
-        from pprun.multimodal.model_state import MultiModalModelState
-
-        return MultiModalModelState
 
     # --- encoder -----------------------------------------------------------------------------
 

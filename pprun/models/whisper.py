@@ -167,14 +167,6 @@ class WhisperForConditionalGeneration(PprunModel):
     is_encoder_decoder = True
     """The engine gives its requests an encoder input and a cross-cache slot."""
 
-    @property
-    def model_state_cls(self) -> type:
-        """The V2 runner's plug-in: encoder step and persistent cross metadata (imported here so
-        the model does not depend on the runner)."""
-        from pprun.worker.v2.encoder_decoder_state import EncoderDecoderModelState
-
-        return EncoderDecoderModelState
-
     def __init__(
         self,
         arch: ModelArchConfig,

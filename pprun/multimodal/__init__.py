@@ -1,5 +1,9 @@
-"""Multimodal inputs (images, audio): request items, their placeholder ranges, the batch mask.
+"""Multimodal inputs (images, audio), the request side: items and their placeholder ranges
+(``items``), processing (``processing``), the scheduler's encoder budget (``encoder_budget``) and
+the batch mask (``mask``).
 
-Modality-agnostic and torch-free at this level (the scheduler imports it); processing and the
-runner-side encoder cache live in submodules that import torch themselves.
+Modality-agnostic and torch-free at this level (the scheduler imports it); processing imports
+torch itself.  What the runners keep on the first stage (items, the encoder cache, the scatter
+into a step's embeddings) is runner-side code under ``pprun.worker`` (``pprun.worker.multimodal``
+and the V2 plug-in ``pprun.worker.v2.multimodal_state``).
 """

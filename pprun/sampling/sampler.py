@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pprun.core.outputs import Logprobs
+from pprun.sampling.logprobs import Logprobs
 from pprun.sampling.params import SamplingParams
 
 SAMPLING_EPS = 1e-5

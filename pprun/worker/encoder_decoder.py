@@ -30,13 +30,12 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from torch import nn
 
 from pprun.attention.cross import CrossAttentionMetadata
 from pprun.audio import AUDIO_SAMPLES_KEY, LogMelSpectrogram
 from pprun.core.outputs import SchedulerOutput
 from pprun.distributed.layout import StageLayout
-from pprun.models.base import PprunModel
+from pprun.models.base import EncoderDecoderModel, PprunModel
 from pprun.worker.kv_cache import allocate_cross_caches
 
 ENCODER_MAX_WINDOWS = 64
@@ -55,7 +54,7 @@ class EncoderDecoderState:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: EncoderDecoderModel,
         layout: StageLayout,
         device: torch.device,
         dtype: torch.dtype,

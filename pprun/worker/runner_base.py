@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -54,9 +54,25 @@ class PendingOutput:
         return self._value  # type: ignore[return-value]
 
 
-StepResult = Any
-"""What a step returns: the last stage's output (maybe still pending), a non-last stage's
-tensors to send (or ``pprun.distributed.transport.SENT_IN_GRAPH``), or None for an empty step."""
+@dataclass
+class StepResult:
+    """What one step of a stage's runner hands the worker: on the last stage its output, on
+    the others what the next stage receives (nothing for an empty step)."""
+
+    output: ModelRunnerOutput | PendingOutput | None = None
+    """The last stage's output: a :class:`PendingOutput` while the sampled ids may still be on
+    their way to the host (:meth:`ModelRunner.execute_model_async`); None on other stages."""
+    to_send: IntermediateTensors | None = None
+    """A non-last stage's tensors for the next stage; None when the step computed nothing or
+    its full CUDA graph sent them itself (:attr:`sent_in_graph`)."""
+    sent_in_graph: bool = False
+    """A non-last stage's decode graph sent its tensors to the next stage inside the replay."""
+
+    def finished(self) -> StepResult:
+        """The same result with a pending output waited for (see :func:`resolve`)."""
+        if isinstance(self.output, PendingOutput):
+            return StepResult(self.output.result(), self.to_send, self.sent_in_graph)
+        return self
 
 
 def resolve(out: ModelRunnerOutput | PendingOutput) -> ModelRunnerOutput:
@@ -87,8 +103,8 @@ class ModelRunner(ABC):
         receive: Receive | None = None,
     ) -> StepResult:
         """Run one step and wait for it: non-last stages return what to send, the last its
-        ModelRunnerOutput.  ``receive`` (non-first stages, instead of ``intermediate_tensors``)
-        is called once the step's inputs are on the device."""
+        ModelRunnerOutput (never pending).  ``receive`` (non-first stages, instead of
+        ``intermediate_tensors``) is called once the step's inputs are on the device."""
 
     def execute_model_async(
         self,

@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pprun.core.outputs import SchedulerOutput
+from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
-from pprun.distributed.transport import SENT_IN_GRAPH, PipelineTransport
+from pprun.distributed.transport import PipelineTransport
+from pprun.models.base import PprunModel
 from pprun.utils.startup import freeze_startup_objects
 from pprun.utils.step_trace import NullStageTrace, StageTrace, trace_prefix
-from pprun.worker.runner_base import ModelRunner
+from pprun.worker.runner_base import ModelRunner, PendingOutput
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class Worker:
                 self.layout, self.device, spec.init_method, rc.cfg.parallel.stage_timeout_s,
                 feedback=spec.sample_feedback_slots > 0, feedback_host=spec.feedback_host, authkey=spec.authkey,
             )
-        self.model = None
+        self.model: PprunModel | None = None
         self.runner: ModelRunner | None = None
         self.encoder_decoder = None
         """An encoder-decoder stage's ``pprun.worker.encoder_decoder.EncoderDecoderState``."""
@@ -190,7 +191,7 @@ class Worker:
             )
         freeze_startup_objects()
 
-    def execute_model(self, so: SchedulerOutput, wait: bool = True):
+    def execute_model(self, so: SchedulerOutput, wait: bool = True) -> ModelRunnerOutput | PendingOutput | None:
         """One step of this stage: receive, compute, send (or sample on the last stage).
 
         With ``wait=False`` the last stage may return a pending output (V2: ``PendingOutput``,
@@ -221,22 +222,22 @@ class Worker:
         # Only on a GPU does launching return before the work is done; on CPU a pending output
         # would only be sent later for nothing.
         run = self.runner.execute_model_async if not wait and self.device.type == "cuda" else self.runner.execute_model
-        out = run(so, receive=receive)
+        result = run(so, receive=receive)
         trace.mark()
         trace.note(self.runner.host_times)
         if not self.layout.is_last:
-            if out is None and num_tokens > 0:
+            to_send = result.to_send
+            if to_send is None and not result.sent_in_graph and num_tokens > 0:
                 raise RuntimeError(
                     f"stage {self.layout.pp_rank}: step {so.step_id} computed {num_tokens} tokens but the "
                     "runner returned nothing to send (the next stage would wait for them)"
                 )
-            if out is not None and out is not SENT_IN_GRAPH:
+            if to_send is not None:
                 if self.spec.faults and self.spec.faults.get("rename_sent_keys"):
-                    out = IntermediateTensors({f"{k}_renamed": v for k, v in out.items()})
-                self.transport.send(out)
-            out = None
+                    to_send = IntermediateTensors({f"{k}_renamed": v for k, v in to_send.items()})
+                self.transport.send(to_send)
         trace.end()
-        return out
+        return result.output
 
     def runner_facts(self) -> dict[str, object]:
         """What this stage's runner does (diagnostics and tests): its name, its CUDA-graph mode
@@ -263,7 +264,7 @@ class Worker:
         # them.
         return self.runner.launches_quickly(so)
 
-    def execute_model_async(self, so: SchedulerOutput):
+    def execute_model_async(self, so: SchedulerOutput) -> ModelRunnerOutput | PendingOutput | None:
         """The only stage's step, returning before the device finishes when the runner can
         (V2: a ``PendingOutput``); used by the in-process executor for async scheduling."""
         if self.layout.pp_size != 1:
@@ -271,11 +272,11 @@ class Worker:
         self._begin_step()
         self.trace.begin(so.total_num_scheduled_tokens, so.num_reqs)
         self.trace.mark()
-        out = self.runner.execute_model_async(so, None)
+        result = self.runner.execute_model_async(so, None)
         self.trace.mark()
         self.trace.note(self.runner.host_times)
         self.trace.end()
-        return out
+        return result.output
 
     def _begin_step(self) -> None:
         """Count the step; in tests, apply the injected delay or failure."""

@@ -15,10 +15,12 @@ from pprun.attention.metadata import AttentionMetadata
 from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
+from pprun.models.base import PprunModel
 from pprun.sampling.params import SamplingParams
 from pprun.sampling.sampler import Sampler, SamplingTensors, make_generator, suppress_tokens, to_logprobs
+from pprun.worker.encoder_decoder import EncoderDecoderState
 from pprun.worker.model_inputs import build_model_inputs, uses_inputs_embeds
-from pprun.worker.runner_base import ModelRunner
+from pprun.worker.runner_base import ModelRunner, StepResult
 
 
 @dataclass
@@ -45,7 +47,12 @@ class V1ModelRunner(ModelRunner):
     name = "v1"
 
     def __init__(
-        self, model, layout: StageLayout, device: torch.device, block_size: int, encoder_decoder=None
+        self,
+        model: PprunModel,
+        layout: StageLayout,
+        device: torch.device,
+        block_size: int,
+        encoder_decoder: EncoderDecoderState | None = None,
     ) -> None:
         self.model = model
         self.encoder_decoder = encoder_decoder
@@ -59,7 +66,7 @@ class V1ModelRunner(ModelRunner):
         """First stage of a multimodal model: items, encoder cache, embeddings scatter (the V2
         runner's plug-in does the same through ``MultiModalModelState``)."""
         if layout.is_first and uses_inputs_embeds(model):
-            from pprun.multimodal.runner_state import MultiModalRunnerState
+            from pprun.worker.multimodal import MultiModalRunnerState
 
             self.mm = MultiModalRunnerState(model)
 
@@ -145,8 +152,8 @@ class V1ModelRunner(ModelRunner):
         so: SchedulerOutput,
         intermediate_tensors: IntermediateTensors | None = None,
         receive: Callable[[], IntermediateTensors] | None = None,
-    ) -> ModelRunnerOutput | IntermediateTensors | None:
-        """Run one step; non-last stages return what to send, the last returns sampled tokens.
+    ) -> StepResult:
+        """Run one step; non-last stages return what to send, the last its sampled tokens.
 
         ``receive`` (non-first stages, instead of ``intermediate_tensors``) is called once the
         step's inputs are on the device, to get the previous stage's tensors.
@@ -155,7 +162,7 @@ class V1ModelRunner(ModelRunner):
         if self.encoder_decoder is not None:
             self.encoder_decoder.begin_step(so)
         if so.is_empty():
-            return ModelRunnerOutput(so.step_id, [], []) if self.layout.is_last else None
+            return StepResult(ModelRunnerOutput(so.step_id, [], [])) if self.layout.is_last else StepResult()
         ids, positions, meta, last_rows = self.prepare_inputs(so)
         if receive is not None:
             intermediate_tensors = receive()
@@ -180,8 +187,8 @@ class V1ModelRunner(ModelRunner):
         )
         out = self.model(**inputs)
         if not self.layout.is_last:
-            return out
-        return self.sample(so, out, last_rows)
+            return StepResult(to_send=out)
+        return StepResult(self.sample(so, out, last_rows))
 
     def sample(self, so: SchedulerOutput, hidden: torch.Tensor, last_rows: list[int]) -> ModelRunnerOutput:
         """Sample for each request whose scheduled tokens reach the end of what it knows."""

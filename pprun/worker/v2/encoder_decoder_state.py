@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from pprun.attention.cross import CrossAttentionMetadata
 from pprun.core.outputs import NewRequestData, SchedulerOutput
 from pprun.distributed.layout import StageLayout
+from pprun.models.base import EncoderDecoderModel
 from pprun.worker.encoder_decoder import EncoderDecoderState
 from pprun.worker.v2.inputs import StepBatch, _Arena
 from pprun.worker.v2.model_state import ModelState
@@ -43,7 +43,7 @@ class EncoderDecoderModelState(ModelState):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: EncoderDecoderModel,
         layout: StageLayout,
         device: torch.device,
         dtype: torch.dtype,

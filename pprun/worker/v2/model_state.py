@@ -17,12 +17,13 @@ metadata, graphs and sampling.  A :class:`ModelState` adds what a family needs b
 - :meth:`ModelState.attention_layers`: the modules whose ``backend`` the runner may wrap for
   piecewise graphs.
 
-An encoder-decoder model's plug-in (``pprun.worker.v2.encoder_decoder_state``) also takes the
-stage's ``EncoderDecoderState`` as ``encoder_decoder=`` (:func:`make_model_state` passes it).
-
-A model class names its plug-in in its ``model_state_cls`` attribute (a subclass of
-:class:`ModelState`; declared by :class:`pprun.models.base.PprunModel`); a text-only decoder (the
-Llama family) names none and gets :class:`ModelState` itself, whose defaults add nothing.
+Which plug-in a model gets follows from its declarations (:class:`pprun.models.base.PprunModel`:
+``is_encoder_decoder``, ``supports_multimodal``, ...), through the one registry
+``pprun.worker.v2.plugins.MODEL_STATES``; a text-only decoder (the Llama family) matches no entry
+and gets :class:`ModelState` itself, whose defaults add nothing.  An encoder-decoder model's
+plug-in (``pprun.worker.v2.encoder_decoder_state``) also takes the stage's
+``EncoderDecoderState`` as ``encoder_decoder=`` (``pprun.worker.v2.plugins.make_model_state``
+passes it).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class ModelState:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: PprunModel,
         layout: StageLayout,
         device: torch.device,
         dtype: torch.dtype,
@@ -109,22 +110,3 @@ class ModelState:
             return "the reference attention backend reads lengths on the host (not capture-safe)"
         return None
 
-
-def make_model_state(
-    model: PprunModel,
-    layout: StageLayout,
-    device: torch.device,
-    dtype: torch.dtype,
-    max_num_reqs: int,
-    max_num_tokens: int,
-    encoder_decoder: Any = None,
-) -> ModelState:
-    """The model's own plug-in (``model.model_state_cls``, declared by
-    :class:`~pprun.models.base.PprunModel`) or the default :class:`ModelState` (a text-only
-    decoder's: nothing extra)."""
-    cls = model.model_state_cls or ModelState
-    if encoder_decoder is not None:
-        # An encoder-decoder stage's cross caches, slots and encoder step, built by the worker
-        # (``pprun.worker.encoder_decoder.EncoderDecoderState``): its plug-in takes them.
-        return cls(model, layout, device, dtype, max_num_reqs, max_num_tokens, encoder_decoder=encoder_decoder)
-    return cls(model, layout, device, dtype, max_num_reqs, max_num_tokens)

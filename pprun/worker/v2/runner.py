@@ -10,7 +10,8 @@ Compared with V1 (``pprun.worker.v1.runner``):
   captured size with inert padding rows;
 - sampled token ids reach the host through a pinned buffer and an event;
 - whatever one model family needs (multimodal embeddings, encoder lengths) lives in its
-  :class:`ModelState` plug-in, not here.
+  :class:`ModelState` plug-in, not here; the plug-in follows from the model's declarations
+  through one registry (``pprun.worker.v2.plugins``).
 
 It samples on the last stage only, so it does not serve SPMD torchrun ranks at pp > 1
 (``unsupported_v2_features``).
@@ -25,23 +26,25 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
 from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pprun.distributed.feedback import SampleFeedback
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
 from pprun.distributed.pipeline import agree_on_graph_hops, open_sample_feedback
-from pprun.distributed.transport import SENT_IN_GRAPH, PipelineTransport
+from pprun.distributed.transport import PipelineTransport
 from pprun.layers import fused_ops_for
+from pprun.models.base import PprunModel
 from pprun.sampling.sampler import Sampler, SamplerOutput, SamplingTensors, mask_token_ids, to_logprobs
 from pprun.switches import enabled_unless
 from pprun.utils.step_trace import HostClock, trace_prefix
+from pprun.worker.encoder_decoder import EncoderDecoderState
 from pprun.worker.model_inputs import build_model_inputs
-from pprun.worker.runner_base import ModelRunner, PendingOutput
+from pprun.worker.runner_base import ModelRunner, PendingOutput, StepResult
 from pprun.worker.v2.cuda_graphs import CudaGraphManager, GraphPlan
 from pprun.worker.v2.inputs import InputBuffers, StepBatch, prepare_step
-from pprun.worker.v2.model_state import ModelState, make_model_state
+from pprun.worker.v2.model_state import ModelState
+from pprun.worker.v2.plugins import make_model_state
 from pprun.worker.v2.request_state import RequestTable
 
 logger = logging.getLogger(__name__)
@@ -125,7 +128,7 @@ class V2ModelRunner(ModelRunner):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: PprunModel,
         layout: StageLayout,
         device: torch.device,
         resolved: Any,
@@ -133,7 +136,7 @@ class V2ModelRunner(ModelRunner):
         transport: PipelineTransport | None = None,
         sample_feedback_slots: int = 0,
         feedback_spin_s: float = 0.0,
-        encoder_decoder: Any = None,
+        encoder_decoder: EncoderDecoderState | None = None,
     ) -> None:
         """``transport``: the stage's channel when the pipeline has more than one stage (its
         decode graphs may then carry the hop, see ``pprun.distributed.pipeline``);
@@ -361,10 +364,9 @@ class V2ModelRunner(ModelRunner):
         so: SchedulerOutput,
         intermediate_tensors: IntermediateTensors | None = None,
         receive: Callable[[IntermediateTensors | None, bool], IntermediateTensors] | None = None,
-    ) -> ModelRunnerOutput | IntermediateTensors | None:
+    ) -> StepResult:
         """Run one step and wait for its result (see :meth:`execute_model_async`)."""
-        out = self.execute_model_async(so, intermediate_tensors, receive)
-        return out.result() if isinstance(out, PendingOutput) else out
+        return self.execute_model_async(so, intermediate_tensors, receive).finished()
 
     @torch.inference_mode()
     def execute_model_async(
@@ -372,8 +374,9 @@ class V2ModelRunner(ModelRunner):
         so: SchedulerOutput,
         intermediate_tensors: IntermediateTensors | None = None,
         receive: Callable[[IntermediateTensors | None, bool], IntermediateTensors] | None = None,
-    ) -> PendingOutput | IntermediateTensors | None:
-        """Run one step; non-last stages return what to send, the last returns sampled tokens.
+    ) -> StepResult:
+        """Run one step; non-last stages return what to send, the last its sampled tokens (a
+        :class:`PendingOutput`).
 
         Host work never waits on the device here except for the previous step's input copies
         (they precede its forward) and, on the last stage, the sampled ids.  ``receive``
@@ -381,7 +384,7 @@ class V2ModelRunner(ModelRunner):
         inputs are copied, so that in stream order the copies do not wait for the previous
         stage's tensors; it is handed the buffers to land in (the graph's inputs on a graph
         step, else None: the worker's own) and whether the graph receives by itself.  A non-last
-        stage returns ``SENT_IN_GRAPH`` when its graph sent the tensors itself.
+        stage's result says ``sent_in_graph`` when its graph sent the tensors itself.
         """
         # The deltas rewrite pinned staging memory (sampling parameters) that the previous
         # step's non-blocking copies may still be reading.
@@ -391,7 +394,7 @@ class V2ModelRunner(ModelRunner):
         self.update_states(so)
         clock.lap("update_us")
         if so.is_empty():
-            return ModelRunnerOutput(so.step_id, [], []) if self.layout.is_last else None
+            return StepResult(ModelRunnerOutput(so.step_id, [], [])) if self.layout.is_last else StepResult()
         num_tokens = so.total_num_scheduled_tokens
         plan = self.plan(so)
         if self.layout.pp_size == 1:
@@ -444,10 +447,10 @@ class V2ModelRunner(ModelRunner):
             self._ids_from_last.expect(batch.req_ids, batch.sample_batch_idx, batch.num_sampled)
             clock.lap("expect_us")
         if not self.layout.is_last:
-            return SENT_IN_GRAPH if hop_in_graph else out[:num_tokens]
+            return StepResult(sent_in_graph=True) if hop_in_graph else StepResult(to_send=out[:num_tokens])
         pending = self.sample(so, batch, out, plan.mode == "full")
         clock.lap("sample_us")
-        return pending
+        return StepResult(pending)
 
     def plan(self, so: SchedulerOutput) -> GraphPlan:
         """How ``so`` runs: a full or piecewise graph (with its padded counts) or eagerly."""

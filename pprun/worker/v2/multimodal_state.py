@@ -2,23 +2,25 @@
 embeddings (vision-language models; the same path serves audio items).
 
 First stage: the plug-in keeps each request's items and the encoder cache
-(:class:`~pprun.multimodal.runner_state.MultiModalRunnerState`), runs the encoder for the items a
-step schedules (:meth:`begin_step`) and builds the step's ``inputs_embeds`` in a persistent
-``[max_num_tokens, hidden]`` buffer: token embeddings, then the encoder rows of the scheduled
-window scattered in where ``is_mm_embed`` is True.  The buffer's address never changes, so a CUDA
-graph captured over it replays any decode step (decode windows meet no placeholder range: only the
-embedding lookup runs before the replay).  Later stages hold nothing (no encoder is loaded there).
+(:class:`~pprun.worker.multimodal.MultiModalRunnerState`, shared with the V1 runner), runs the
+encoder for the items a step schedules (:meth:`begin_step`) and builds the step's
+``inputs_embeds`` in a persistent ``[max_num_tokens, hidden]`` buffer: token embeddings, then the
+encoder rows of the scheduled window scattered in where ``is_mm_embed`` is True.  The buffer's
+address never changes, so a CUDA graph captured over it replays any decode step (decode windows
+meet no placeholder range: only the embedding lookup runs before the replay).  Later stages hold
+nothing (no encoder is loaded there).  The V2 runner gives it to every model declaring
+``supports_multimodal`` (``pprun.worker.v2.plugins``).
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from pprun.core.outputs import NewRequestData, SchedulerOutput
 from pprun.distributed.layout import StageLayout
+from pprun.models.base import MultiModalModel
 from pprun.multimodal.mask import StepWindow
-from pprun.multimodal.runner_state import MultiModalRunnerState
+from pprun.worker.multimodal import MultiModalRunnerState
 from pprun.worker.v2.inputs import StepBatch
 from pprun.worker.v2.model_state import ModelState
 
@@ -28,7 +30,7 @@ class MultiModalModelState(ModelState):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: MultiModalModel,
         layout: StageLayout,
         device: torch.device,
         dtype: torch.dtype,
@@ -42,7 +44,7 @@ class MultiModalModelState(ModelState):
         self._req_of_row: dict[int, str] = {}
         if layout.is_first:
             self.mm = MultiModalRunnerState(model)
-            self.inputs_embeds = torch.zeros((max_num_tokens, model.hidden_size), dtype=dtype, device=device)
+            self.inputs_embeds = torch.zeros((max_num_tokens, model.arch.hidden_size), dtype=dtype, device=device)
 
     def add_request(self, row: int, new: NewRequestData) -> None:
         """Remember the request's items (first stage)."""

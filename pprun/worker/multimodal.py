@@ -1,10 +1,12 @@
 """The first stage's multimodal state, shared by both runners: each request's items, the encoder
-cache, and the scatter of encoder output into a step's token embeddings.
+cache, and the scatter of encoder output into a step's token embeddings (runner side; the request
+side, items, processing, the encoder budget and the mask, is ``pprun.multimodal``).
 
 The scheduler decides what to encode and what to free (``SchedulerOutput.scheduled_encoder_inputs``
 and ``free_encoder_hashes``, see :mod:`pprun.multimodal.encoder_budget`); this class follows it.
-The model provides two methods: ``encode_items(items) -> list[Tensor]`` (one ``[num_embeds,
-hidden]`` tensor per item) and ``embed_input_ids(input_ids)``.
+The model provides two methods (:class:`pprun.models.base.MultiModalModel`):
+``encode_items(items) -> list[Tensor]`` (one ``[num_embeds, hidden]`` tensor per item) and
+``embed_input_ids(input_ids)``.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from torch import nn
 
 from pprun.core.outputs import SchedulerOutput
+from pprun.models.base import MultiModalModel
 from pprun.multimodal.items import MultiModalItem
 from pprun.multimodal.mask import ScatterPlan, StepWindow, build_scatter_plan
 
@@ -23,7 +25,7 @@ from pprun.multimodal.mask import ScatterPlan, StepWindow, build_scatter_plan
 class MultiModalRunnerState:
     """Items by request, encoder outputs by content hash, and the step's scatter."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: MultiModalModel) -> None:
         self.model = model
         self.items: dict[str, list[MultiModalItem]] = {}
         """Request id -> its items (ranges, hashes; tensors until encoded)."""
