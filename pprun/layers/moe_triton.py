@@ -162,6 +162,14 @@ def align_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> 
 
 
 @triton.jit
+def _dot(a, b, DOT_F32: tl.constexpr):
+    """``a @ b`` accumulated in fp32: fp32 operands in IEEE fp32 where ``DOT_F32``."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
     num_entries, hidden, inter,
@@ -170,7 +178,7 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
 ):
     """One block of one expert's rows times ``BLOCK_N`` columns of its gate and of its up
@@ -195,8 +203,8 @@ def _gate_up_kernel(
         w_mask = col_ok[None, :] & k_ok[:, None]
         g = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)
         u = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
-        acc_gate = tl.dot(a, g, acc_gate, input_precision=PRECISION)
-        acc_up = tl.dot(a, u, acc_up, input_precision=PRECISION)
+        acc_gate += _dot(a, g, DOT_F32)
+        acc_up += _dot(a, u, DOT_F32)
     dtype = act_ptr.dtype.element_ty
     act = silu_mul(acc_gate.to(dtype), acc_up.to(dtype), PRECISE_EXP)
     out = act_ptr + entries[:, None].to(tl.int64) * stride_act + cols[None, :]
@@ -211,7 +219,7 @@ def _down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     """One block of one expert's rows times ``BLOCK_N`` columns of its down projection, scaled
     by each row's routing weight in the epilogue, stored at the row's entry."""
@@ -231,7 +239,7 @@ def _down_kernel(
         k_ok = ks < inter
         a = tl.load(act_ptr + rows[:, None] * stride_act + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_cols + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        acc += _dot(a, w, DOT_F32)
     dtype = y_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
     # Rounded as the reference rounds: the expert's output in the activation dtype, then scaled.
@@ -288,14 +296,16 @@ def fused_experts(
     cfg = config or default_config(num_entries, num_experts, x.dtype)
     align = align_by_expert(ids, num_experts, cfg.block_m)
     num_blocks = align.block_expert.shape[0]
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    # fp32 products in fp32 (no TF32), as torch's reference; the interpreter's bf16 dot is
+    # broken (Triton 3.7), so there bf16 tiles are multiplied in fp32 too (exact products).
+    dot_f32 = x.dtype == torch.float32 or INTERPRETED
     act = torch.empty(num_entries, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
         x, w13, act, align.sorted_entries, align.block_expert, align.num_rows,
         num_entries, hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PRECISION=precision, PRECISE_EXP=not INTERPRETED, num_warps=cfg.num_warps, **NO_FMA,
+        DOT_F32=dot_f32, PRECISE_EXP=not INTERPRETED, num_warps=cfg.num_warps, **NO_FMA,
     )
     y = torch.empty(num_entries, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(num_blocks, triton.cdiv(hidden, cfg.block_n))](
@@ -303,7 +313,7 @@ def fused_experts(
         num_entries, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PRECISION=precision, num_warps=cfg.num_warps, **NO_FMA,
+        DOT_F32=dot_f32, num_warps=cfg.num_warps, **NO_FMA,
     )
     torch.sum(y.view(num_tokens, top_k, hidden), dim=1, out=out)
     return out
