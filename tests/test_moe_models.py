@@ -221,8 +221,8 @@ def greedy_reference(model_dirs) -> dict[str, tuple[list[list[int]], list[list[i
 
 
 # Each family runs at pp 1, 2 and 3, on every executor and both runners; chunked prefill
-# (8-token chunks, the 22-token prompt in three) and preemption (a cache of 5 blocks for 7
-# requests of up to 2 blocks) are spread over them.
+# (8-token chunks, the 22-token prompt in three) and preemption (a cache of 6 blocks of 8, one the null block,
+# tokens for 7 requests needing 15) are spread over them.
 ENGINE_CASES = [
     ("qwen3", "uni", 1, "v1", {}),
     ("qwen3", "mp", 2, "v2", {"chunked": True}),
@@ -250,10 +250,11 @@ def test_engine_greedy_matches_transformers(model_dirs, greedy_reference, reques
     if mix.get("preempt"):
         arch = load_arch_config(model_dirs[name])
         most_layers = max(even_partition(arch.num_hidden_layers, pp))
-        kwargs["kv_cache_memory_bytes"] = 5 * bytes_per_block(arch, most_layers, 16, torch.float32)
+        kwargs["block_size"] = 8
+        kwargs["kv_cache_memory_bytes"] = 6 * bytes_per_block(arch, most_layers, 8, torch.float32)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     with LLM(str(model_dirs[name]), dtype="float32", executor=executor, pipeline_parallel_size=pp,
-             runner=runner, max_model_len=48, **kwargs) as llm:
+             runner=runner, max_model_len=40, **kwargs) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         preemptions = llm.engine.num_preemptions
     assert [o.outputs[0].token_ids for o in outs] == want
