@@ -149,3 +149,32 @@ def test_fused_experts_replay_in_a_cuda_graph_for_any_routing():
     graph.replay()
     want = experts_reference(x, w13, w2, weights, ids)
     torch.testing.assert_close(out.float(), want.float(), atol=8e-2, rtol=2e-2)
+
+
+# --- Qwen3's per-head q/k norm ----------------------------------------------------------------
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_norm_kernel_matches_the_attention_reference(dtype):
+    """``head_rms_norm_`` in place equals ``Attention.norm_heads``' plain torch (q and k heads
+    each through their RMSNorm, v untouched); head_dim 20 (a masked tile)."""
+    from pprun.layers.head_norm import head_rms_norm_
+    from pprun.layers.norm import RMSNorm
+
+    num_heads, num_kv_heads, head_dim = 4, 2, 20
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype).to(DEVICE)
+    q_norm, k_norm = RMSNorm(head_dim, 1e-6), RMSNorm(head_dim, 1e-6)
+    with torch.no_grad():
+        q_norm.weight.uniform_(0.5, 1.5, generator=gen)
+        k_norm.weight.uniform_(0.5, 1.5, generator=gen)
+    q_norm, k_norm = q_norm.to(dtype), k_norm.to(dtype)
+    q, k, v = qkv.cpu().split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    want = torch.cat([q_norm(q.reshape(-1, head_dim))[0].reshape(5, -1),
+                      k_norm(k.reshape(-1, head_dim))[0].reshape(5, -1), v], dim=-1)
+    got = head_rms_norm_(qkv, q_norm.weight.to(DEVICE), k_norm.weight.to(DEVICE), 1e-6, num_heads, num_kv_heads, head_dim)
+    assert got.data_ptr() == qkv.data_ptr()
+    tol = 1e-6 if dtype == torch.float32 else 2e-2  # bf16: one ulp (rsqrt's last bits)
+    torch.testing.assert_close(got.cpu(), want, atol=tol, rtol=tol)
+    assert torch.equal(got.cpu()[:, -num_kv_heads * head_dim:], v)

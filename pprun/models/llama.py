@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import pprun.layers as layers
 from pprun.attention.metadata import AttentionMetadata
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
@@ -135,6 +136,11 @@ class Attention(nn.Module):
         else ``qkv`` itself."""
         if self.q_norm is None:
             return qkv
+        if layers.fused_ops_for(qkv) is not None:  # in place, one launch
+            from pprun.layers.head_norm import head_rms_norm_
+
+            return head_rms_norm_(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                  self.num_heads, self.num_kv_heads, self.head_dim)
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, _ = self.q_norm(q.reshape(-1, self.head_dim))
