@@ -260,3 +260,53 @@ def test_engine_greedy_matches_transformers(model_dirs, greedy_reference, reques
     assert [o.outputs[0].token_ids for o in outs] == want
     if mix.get("preempt"):
         assert preemptions > 0
+
+
+# --- on CUDA: the fused path (grouped expert kernels, head norm) and full CUDA graphs ---------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("prompts", [[[42]], [[42, 7, 9], [13, 5], [8]], PROMPTS], ids=["one_row", "six_rows", "prefill"])
+def test_fused_path_matches_torch_path_on_cuda(monkeypatch, switch, model_dirs, name, dtype, prompts):
+    """A whole model on CUDA, fused ops on vs off: the head norm and the grouped expert kernels
+    run once per layer (per sparse layer) on the fused path and the logits agree."""
+    from test_fused_ops import _tiny_llama_on_cuda
+
+    from pprun.layers import head_norm, moe_triton
+
+    arch, model_logits = _tiny_llama_on_cuda(model_dirs[name], dtype, prompts)
+    calls = {"head_norm": 0, "experts": 0}
+
+    def counted(key, fn):
+        def wrapper(*args, **kwargs):
+            calls[key] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(head_norm, "head_rms_norm_", counted("head_norm", head_norm.head_rms_norm_))
+    monkeypatch.setattr(moe_triton, "fused_experts", counted("experts", moe_triton.fused_experts))
+    switch("PPRUN_DISABLE_FUSED", False)
+    want = model_logits()
+    assert calls == {"head_norm": 0, "experts": 0}
+    switch("PPRUN_DISABLE_FUSED", True)
+    got = model_logits()
+    num_sparse = sum(arch.moe.is_sparse(i) for i in range(arch.num_hidden_layers)) if arch.moe else 0
+    assert calls == {"head_norm": arch.num_hidden_layers if arch.qk_norm else 0, "experts": num_sparse}
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-moe", "mixtral"])
+def test_full_cuda_graphs_match_transformers(model_dirs, greedy_reference, name):
+    """V2 with full decode graphs on one GPU (the grouped expert kernels captured, replayed for
+    every step's routing): transformers' greedy tokens."""
+    prompts, want = greedy_reference[name]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(str(model_dirs[name]), dtype="float32", device="cuda", runner="v2", cudagraph_mode="full",
+             executor="uni", max_model_len=40, max_num_seqs=8) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts * 2], params)
+    assert [o.outputs[0].token_ids for o in outs] == want * 2
