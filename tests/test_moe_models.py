@@ -310,3 +310,49 @@ def test_full_cuda_graphs_match_transformers(model_dirs, greedy_reference, name)
              executor="uni", max_model_len=40, max_num_seqs=8) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts * 2], params)
     assert [o.outputs[0].token_ids for o in outs] == want * 2
+
+
+# --- scripts/make_random_model.py --------------------------------------------------------------
+
+
+def _load_maker():
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "make_random_model.py"
+    spec = importlib.util.spec_from_file_location("make_random_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_random_model_presets_are_the_published_shapes():
+    """Qwen3-30B-A3B and Qwen3-8B as published (``--num-layers`` overrides the depth)."""
+    maker = _load_maker()
+    a3b = maker.parse_args(["out", "--preset", "qwen3-30b-a3b"])
+    assert (a3b.arch, a3b.hidden, a3b.layers, a3b.experts, a3b.top_k, a3b.expert_intermediate) == (
+        "qwen3-moe", 2048, 48, 128, 8, 768)
+    assert (a3b.heads, a3b.kv_heads, a3b.head_dim, a3b.vocab) == (32, 4, 128, 151936)
+    assert maker.parse_args(["out", "--preset", "qwen3-30b-a3b", "--num-layers", "24"]).layers == 24
+    dense = maker.parse_args(["out", "--preset", "qwen3-8b"])
+    assert (dense.arch, dense.hidden, dense.layers, dense.intermediate, dense.kv_heads) == ("qwen3", 4096, 36, 12288, 8)
+    with pytest.raises(SystemExit):
+        maker.parse_args(["out", "--preset", "mixtral-8x7b", "--top-k", "9"])
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen3-8b", "mixtral-8x7b"])
+def test_random_model_script_writes_what_transformers_and_pprun_load_alike(tmp_path, preset):
+    """A narrow copy of each preset, sharded: transformers loads it as its architecture and pprun's
+    stages (pp 2) give its logits."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / preset
+    info = _load_maker().main([str(out), "--preset", preset, "--num-layers", "2", "--hidden", "64", "--heads", "4",
+                               "--kv-heads", "2", "--head-dim", "16", "--intermediate", "48", "--expert-intermediate",
+                               "32", "--experts", "9", "--top-k", "3", "--vocab", "300", "--dtype", "float32", "--shard-gb", "0.0002"])
+    assert info["files"] > 1 and (out / "model.safetensors.index.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(model).__name__ == load_arch_config(out).architecture == info["architecture"]
+    prompts = [[5, 6, 7, 8], [9]]
+    with torch.no_grad():
+        ref = torch.stack([model(torch.tensor([p])).logits[0, -1] for p in prompts])
+    torch.testing.assert_close(run_stages(out, 2, prompts), ref, atol=1e-4, rtol=1e-4)
