@@ -166,7 +166,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block; carries the residual stream separately."""
 
-    def __init__(self, arch: ModelArchConfig, layer: int, rotary: RotaryEmbedding, backend: Callable) -> None:
+    def __init__(self, arch: ModelArchConfig, rotary: RotaryEmbedding, backend: Callable, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, rotary, backend)
@@ -219,7 +219,7 @@ class LlamaForCausalLM(PprunModel):
                 Embedding(arch.vocab_size, arch.hidden_size) if layout.is_first else None
             )
             self.layers = nn.ModuleList(
-                DecoderLayer(arch, i, rotary, attn_backend) for i in layout.layer_range
+                DecoderLayer(arch, rotary, attn_backend, layer=i) for i in layout.layer_range
             )
             if layout.is_last:
                 self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
