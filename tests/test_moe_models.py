@@ -266,12 +266,15 @@ def test_engine_greedy_matches_transformers(model_dirs, greedy_reference, reques
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["qwen3", "qwen3-moe", "mixtral"])
 @pytest.mark.parametrize("prompts", [[[42]], [[42, 7, 9], [13, 5], [8]], PROMPTS], ids=["one_row", "six_rows", "prefill"])
-def test_fused_path_matches_torch_path_on_cuda(monkeypatch, switch, model_dirs, name, dtype, prompts):
-    """A whole model on CUDA, fused ops on vs off: the head norm and the grouped expert kernels
-    run once per layer (per sparse layer) on the fused path and the logits agree."""
+def test_fused_path_matches_torch_path_on_cuda(monkeypatch, switch, model_dirs, name, prompts):
+    """A whole fp32 model on CUDA, fused ops on vs off: the head norm and the grouped expert
+    kernels run once per layer (per sparse layer) on the fused path and the logits agree.  fp32
+    only: in bf16 the two paths' roundings may flip a near-tie in some token's top-k, which
+    changes that token's output by design (the kernels' bf16 arithmetic is checked against
+    the reference loop on one routing in test_moe_kernels.py)."""
+    dtype = torch.float32
     from test_fused_ops import _tiny_llama_on_cuda
 
     from pprun.layers import head_norm, moe_triton
@@ -295,8 +298,7 @@ def test_fused_path_matches_torch_path_on_cuda(monkeypatch, switch, model_dirs, 
     got = model_logits()
     num_sparse = sum(arch.moe.is_sparse(i) for i in range(arch.num_hidden_layers)) if arch.moe else 0
     assert calls == {"head_norm": arch.num_hidden_layers if arch.qk_norm else 0, "experts": num_sparse}
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
