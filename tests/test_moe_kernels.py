@@ -178,3 +178,32 @@ def test_head_norm_kernel_matches_the_attention_reference(dtype):
     tol = 1e-6 if dtype == torch.float32 else 2e-2  # bf16: one ulp (rsqrt's last bits)
     torch.testing.assert_close(got.cpu(), want, atol=tol, rtol=tol)
     assert torch.equal(got.cpu()[:, -num_kv_heads * head_dim:], v)
+
+
+# --- compiled for an H100/H200 without a GPU ----------------------------------------------------
+
+_EXPERT_POINTERS = {"sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_rows_ptr": "*i32", "ids_ptr": "*i64",
+                    "weights_ptr": "*fp32"}
+
+
+def test_expert_kernels_compile_for_sm90():
+    """The sort and both grouped GEMMs compile for sm_90 (``sm90_compile``) in bf16, the GEMMs'
+    K loops on tensor-core MMAs (fp32 differs only in taking IEEE fp32 dots)."""
+    from sm90_compile import compile_sm90
+
+    options = {"num_warps": 4, "enable_fp_fusion": False}
+    compile_sm90("pprun.layers.moe_triton", "_align_kernel",
+                 {"EXPERTS_P2": 128, "BLOCK_M": 16, "CHUNK": 64}, options=options, pointers=_EXPERT_POINTERS)
+    gemm = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_F32": False}
+    for kernel, extra in (("_gate_up_kernel", {"TOP_K": 8, "PRECISE_EXP": True}), ("_down_kernel", {})):
+        ptx = compile_sm90("pprun.layers.moe_triton", kernel, {**gemm, **extra}, options=options,
+                           pointers=_EXPERT_POINTERS, default_pointer="*bf16", divisible=("hidden", "inter"))
+        assert "mma" in ptx, kernel
+
+
+def test_head_norm_kernel_compiles_for_sm90():
+    """Qwen3's head norm compiles for sm_90 with PDL (its weights read before the wait)."""
+    from sm90_compile import compile_sm90
+
+    compile_sm90("pprun.layers.head_norm", "_head_rms_norm_kernel", {"NUM_HEADS": 32, "BLOCK": 128, "USE_PDL": True},
+                 options={"num_warps": 1}, default_pointer="*bf16", float_args=("inv_head_dim", "eps"))
