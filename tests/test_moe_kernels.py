@@ -76,6 +76,24 @@ def test_align_kernel_sorts_by_expert_as_torch_does(num_tokens, num_experts, top
     assert torch.equal(got.num_rows, want.num_rows)
 
 
+@triton_only
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, renormalize", [
+    (1, 5, 2, True), (9, 6, 3, False), (4, 128, 8, True), (3, 7, 1, False),
+])
+def test_route_kernel_matches_torch_routing(logits_dtype, num_tokens, num_experts, top_k, renormalize):
+    """One launch per step: the same experts, in the same (descending) order, and their weights."""
+    from pprun.layers import moe_triton
+
+    gen = torch.Generator().manual_seed(num_experts)
+    logits = (torch.randn(num_tokens, num_experts, generator=gen) * 2).to(logits_dtype)
+    want_w, want_ids = route(logits, top_k, renormalize)
+    got_w, got_ids = moe_triton.fused_route(logits.to(DEVICE), top_k, renormalize)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
+    assert torch.equal(got_ids.cpu(), want_ids)
+    torch.testing.assert_close(got_w.cpu(), want_w, atol=1e-6, rtol=1e-5)
+
+
 def run_case(num_tokens, hidden, inter, num_experts, top_k, dtype, config=None, seed=0):
     from pprun.layers.moe_triton import fused_experts
 
@@ -187,11 +205,14 @@ _EXPERT_POINTERS = {"sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_rows_
 
 
 def test_expert_kernels_compile_for_sm90():
-    """The sort and both grouped GEMMs compile for sm_90 (``sm90_compile``) in bf16, the GEMMs'
+    """The routing, the sort and both grouped GEMMs compile for sm_90 (``sm90_compile``) in bf16, the GEMMs'
     K loops on tensor-core MMAs (fp32 differs only in taking IEEE fp32 dots)."""
     from sm90_compile import compile_sm90
 
     options = {"num_warps": 4, "enable_fp_fusion": False}
+    compile_sm90("pprun.layers.moe_triton", "_route_kernel",
+                 {"TOP_K": 8, "TOP_K_P2": 8, "EXPERTS_P2": 128, "RENORMALIZE": True}, options={"num_warps": 1},
+                 pointers={"ids_ptr": "*i64", "weights_ptr": "*fp32"}, default_pointer="*bf16")
     compile_sm90("pprun.layers.moe_triton", "_align_kernel",
                  {"EXPERTS_P2": 128, "BLOCK_M": 16, "CHUNK": 64}, options=options, pointers=_EXPERT_POINTERS)
     gemm = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_F32": False}

@@ -26,7 +26,12 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     them: softmax over the experts in float32, the ``top_k`` largest, renormalised to sum to one
     when ``renormalize`` (Mixtral always; Qwen3-MoE's ``norm_topk_prob``).
 
-    Returns ``(weights [T, top_k] float32, ids [T, top_k] int64)``."""
+    Returns ``(weights [T, top_k] float32, ids [T, top_k] int64)``; one launch where the fused
+    ops run."""
+    if layers.fused_ops_for(router_logits) is not None:
+        from pprun.layers import moe_triton
+
+        return moe_triton.fused_route(router_logits, top_k, renormalize)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

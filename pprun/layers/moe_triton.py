@@ -14,8 +14,9 @@ whatever the routing, so every shape and grid depends on ``T`` alone: no host sy
 data-dependent shape, and a full CUDA graph captured for ``T`` tokens replays for any routing.
 Blocks past ``num_rows`` return at once.
 
-Then two grouped GEMM launches, each a grid of (block, output tile) programs reading one
-expert's weights:
+The routing that chooses the experts (softmax, top-k, renormalisation) is one launch as well
+(:func:`fused_route`).  After the sort, two grouped GEMM launches, each a grid of (block,
+output tile) programs reading one expert's weights:
 
 - gate_up: ``act[entry] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T)``, the SwiGLU in the
   epilogue (``[N, inter]``);
@@ -44,6 +45,63 @@ from pprun.layers.triton_utils import INTERPRETED, NO_FMA
 ALIGN_KERNEL_MAX_ENTRIES = 4096
 """Up to this many token -> expert assignments a step sorts them in one Triton program (its
 loop is ``N / 64`` steps); more (long prefill chunks) go to torch's sort."""
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_experts,
+    stride_logits,
+    TOP_K: tl.constexpr,
+    TOP_K_P2: tl.constexpr,
+    EXPERTS_P2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    """One token: softmax over its expert logits in fp32, the ``TOP_K`` largest (the lowest
+    index first among equals, in descending order), renormalised where ``RENORMALIZE``."""
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, EXPERTS_P2)
+    x = tl.load(logits_ptr + token * stride_logits + experts, mask=experts < num_experts,
+                other=float("-inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    probs = e / tl.sum(e, axis=0)
+    slots = tl.arange(0, TOP_K_P2)
+    top = tl.zeros([TOP_K_P2], dtype=tl.float32)
+    top_ids = tl.zeros([TOP_K_P2], dtype=tl.int64)
+    total = 0.0
+    for j in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=0)
+        chosen = tl.min(tl.where(probs == best, experts, EXPERTS_P2), axis=0)
+        top = tl.where(slots == j, best, top)
+        top_ids = tl.where(slots == j, chosen, top_ids)
+        total += best
+        probs = tl.where(experts == chosen, -1.0, probs)
+    if RENORMALIZE:
+        top = top / total
+    out = token * TOP_K + slots
+    tl.store(weights_ptr + out, top, mask=slots < TOP_K)
+    tl.store(ids_ptr + out, top_ids, mask=slots < TOP_K)
+
+
+def fused_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pprun.layers.moe.route`` in one launch (one program per token): ``(weights [T, top_k]
+    float32, ids [T, top_k] int64)``."""
+    num_tokens, num_experts = router_logits.shape
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must be between 1 and the expert count {num_experts}")
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    _route_kernel[(num_tokens,)](
+        logits, weights, ids, num_experts, logits.stride(0),
+        TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), EXPERTS_P2=triton.next_power_of_2(num_experts),
+        RENORMALIZE=renormalize, num_warps=1 if num_experts <= 128 else 4, **NO_FMA,
+    )
+    return weights, ids
 
 
 class ExpertAlignment(NamedTuple):
