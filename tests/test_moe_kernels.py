@@ -129,6 +129,32 @@ def test_fused_experts_over_blocks_of_several_experts_and_k_tiles():
 
 
 @triton_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_experts_left_to_the_next_norm_as_partials(dtype):
+    """``then="norm"``: each token's ``top_k`` weighted expert rows come back unsummed, fp32
+    ``[top_k, T, hidden]`` split partials; the fused add + RMSNorm sums them as it reads them
+    and gives the norm of the summed output."""
+    from pprun.layers import fused
+    from pprun.layers.moe_triton import fused_experts
+    from pprun.layers.partials import SplitPartials
+
+    x, w13, w2, weights, ids = make_experts(6, 40, 36, 5, 3, dtype, seed=2)
+    parts = fused_experts(x, w13, w2, weights, ids, then="norm")
+    assert isinstance(parts, SplitPartials) and parts.parts.shape == (3, 6, 40) and parts.dtype == dtype
+    summed = fused_experts(x, w13, w2, weights, ids)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(parts.merge().float(), summed.float(), atol=tol * 4, rtol=tol)
+    residual = torch.randn(6, 40, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    norm_weight = torch.rand(40, generator=torch.Generator().manual_seed(2)).add(0.5).to(dtype).to(DEVICE)
+    got, got_residual = fused.fused_add_rms_norm(parts, residual, norm_weight, 1e-6)
+    want, want_residual = fused.fused_add_rms_norm(parts.merge(), residual, norm_weight, 1e-6)
+    # The same rounding steps; in bf16 the interpreter's conversions may land one ulp apart.
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got_residual, want_residual, atol=tol, rtol=tol)
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@triton_only
 def test_fused_experts_use_torch_sort_past_the_align_kernel(monkeypatch):
     """Past ALIGN_KERNEL_MAX_ENTRIES the torch sort lays the rows out for the same kernels."""
     from pprun.layers import moe_triton
@@ -216,9 +242,13 @@ def test_expert_kernels_compile_for_sm90():
     compile_sm90("pprun.layers.moe_triton", "_align_kernel",
                  {"EXPERTS_P2": 128, "BLOCK_M": 16, "CHUNK": 64}, options=options, pointers=_EXPERT_POINTERS)
     gemm = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_F32": False}
-    for kernel, extra in (("_gate_up_kernel", {"TOP_K": 8, "PRECISE_EXP": True}), ("_down_kernel", {})):
+    for kernel, extra, pointers in (
+        ("_gate_up_kernel", {"TOP_K": 8, "PRECISE_EXP": True}, {}),
+        ("_down_kernel", {"TOP_K": 8, "PARTIALS": True}, {"y_ptr": "*fp32"}),  # partials for the next norm
+    ):
         ptx = compile_sm90("pprun.layers.moe_triton", kernel, {**gemm, **extra}, options=options,
-                           pointers=_EXPERT_POINTERS, default_pointer="*bf16", divisible=("hidden", "inter"))
+                           pointers={**_EXPERT_POINTERS, **pointers}, default_pointer="*bf16",
+                           divisible=("hidden", "inter"))
         assert "mma" in ptx, kernel
 
 

@@ -24,7 +24,9 @@ output tile) programs reading one expert's weights:
   epilogue (``[N, hidden]``);
 
 and the sum over each token's ``top_k`` rows (``y.view(T, top_k, hidden).sum(1)``, one
-reduction in a fixed order, so the output does not depend on the order rows were computed in).
+reduction in a fixed order, so the output does not depend on the order rows were computed in),
+or, where a fused add + RMSNorm reads the output, none: the rows are left to that kernel as
+split partials, which it sums in slot order as it reads them.
 
 The sort runs in one Triton program (:func:`_align_kernel`) up to :data:`ALIGN_KERNEL_MAX_ENTRIES`
 entries (decode steps, what full CUDA graphs hold); longer prefill steps sort with torch ops
@@ -40,6 +42,7 @@ import triton
 import triton.language as tl
 
 from pprun.layers.fused import silu_mul
+from pprun.layers.partials import SplitPartials, check_defer_merge
 from pprun.layers.triton_utils import INTERPRETED, NO_FMA
 
 ALIGN_KERNEL_MAX_ENTRIES = 4096
@@ -272,15 +275,18 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     act_ptr, w_ptr, weights_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
-    num_entries, hidden, inter,
+    num_entries, num_tokens, hidden, inter,
     stride_act, stride_we, stride_wn, stride_y,
+    TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
+    PARTIALS: tl.constexpr,
 ):
     """One block of one expert's rows times ``BLOCK_N`` columns of its down projection, scaled
-    by each row's routing weight in the epilogue, stored at the row's entry."""
+    by each row's routing weight in the epilogue, stored at the row's entry (``PARTIALS``: in
+    fp32 at row ``slot * num_tokens + token``, a ``[TOP_K, T, hidden]`` partial sum per slot)."""
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
@@ -298,11 +304,13 @@ def _down_kernel(
         a = tl.load(act_ptr + rows[:, None] * stride_act + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_cols + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
         acc += _dot(a, w, DOT_F32)
-    dtype = y_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
     # Rounded as the reference rounds: the expert's output in the activation dtype, then scaled.
-    y = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype)
-    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y, mask=valid[:, None] & col_ok[None, :])
+    y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
+    if PARTIALS:
+        rows = (rows % TOP_K) * num_tokens + rows // TOP_K
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=valid[:, None] & col_ok[None, :])
 
 
 class GemmConfig(NamedTuple):
@@ -331,10 +339,15 @@ def fused_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     config: GemmConfig | None = None,
-) -> torch.Tensor:
+    then: str | None = None,
+) -> torch.Tensor | SplitPartials:
     """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for ``x [T, hidden]`` (module
     docstring): ``w13 [E, 2 * inter, hidden]``, ``w2 [E, hidden, inter]``, ``weights`` and
-    ``ids [T, top_k]``.  Returns ``[T, hidden]`` in ``x``'s dtype."""
+    ``ids [T, top_k]``.  Returns ``[T, hidden]`` in ``x``'s dtype; with ``then="norm"`` (a
+    fused add + RMSNorm reads the output) the ``top_k`` weighted expert outputs unsummed, as
+    :class:`~pprun.layers.partials.SplitPartials` ``[top_k, T, hidden]`` in fp32 that the
+    norm's kernel sums as it reads them (one launch and one pass over the output fewer)."""
+    check_defer_merge(then)
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -346,9 +359,8 @@ def fused_experts(
         raise ValueError(f"routing weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must both be "
                          f"[{num_tokens}, top_k]")
     num_entries = num_tokens * top_k
-    out = torch.empty_like(x)
     if num_entries == 0:
-        return out
+        return torch.zeros_like(x)
     x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
     cfg = config or default_config(num_entries, num_experts, x.dtype)
@@ -365,13 +377,15 @@ def fused_experts(
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_F32=dot_f32, PRECISE_EXP=not INTERPRETED, num_warps=cfg.num_warps, **NO_FMA,
     )
-    y = torch.empty(num_entries, hidden, dtype=x.dtype, device=x.device)
+    partials = then == "norm"
+    y = torch.empty(num_entries, hidden, dtype=torch.float32 if partials else x.dtype, device=x.device)
     _down_kernel[(num_blocks, triton.cdiv(hidden, cfg.block_n))](
         act, w2, weights.reshape(-1).contiguous(), y, align.sorted_entries, align.block_expert, align.num_rows,
-        num_entries, hidden, inter,
+        num_entries, num_tokens, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_F32=dot_f32, num_warps=cfg.num_warps, **NO_FMA,
+        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DOT_F32=dot_f32, PARTIALS=partials, num_warps=cfg.num_warps, **NO_FMA,
     )
-    torch.sum(y.view(num_tokens, top_k, hidden), dim=1, out=out)
-    return out
+    if partials:
+        return SplitPartials(y.view(top_k, num_tokens, hidden), None, x.dtype)
+    return torch.sum(y.view(num_tokens, top_k, hidden), dim=1)

@@ -85,11 +85,12 @@ def fused_decoder_layer(
     out = attend(attn.backend, attn.rotary, positions, qkv, attn.kv_cache, meta, attn.scale,
                  attn.num_heads, attn.num_kv_heads, attn.head_dim)
     h = layers.linear(attn.o_proj, out, after="attention", then="norm")
-    if not hasattr(mlp, "gate_up_proj"):
-        # A sparse layer (pprun.models.moe.SparseMoeBlock): the router, the grouped expert kernels.
-        x, residual = layer.post_attention_layernorm(h, residual)
-        return mlp(x), residual
     down_then = "norm" if feeds_norm else None
+    if not hasattr(mlp, "gate_up_proj"):
+        # A sparse layer (pprun.models.moe.SparseMoeBlock): the router, the grouped expert
+        # kernels, each token's expert outputs left to the next norm to sum.
+        x, residual = layer.post_attention_layernorm(h, residual)
+        return mlp(x, then=down_then), residual
     folded = layers.norm_linear(layer.post_attention_layernorm, mlp.gate_up_proj, h, residual, swiglu=True)
     if folded is not None:
         act, residual = folded

@@ -14,6 +14,7 @@ from torch import nn
 
 from pprun.layers import linear
 from pprun.layers.moe import moe_experts, route
+from pprun.layers.partials import SplitPartials
 from pprun.models.hf_config import MoeArch
 
 
@@ -34,11 +35,13 @@ class SparseMoeBlock(nn.Module):
         gate, up, down = moe.expert_names
         self._slices = {gate: ("w13", 0), up: ("w13", inter), down: ("w2", 0)}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The experts' weighted sum for ``x [T, hidden]`` (the post-attention norm's output)."""
+    def forward(self, x: torch.Tensor, then: str | None = None) -> torch.Tensor | SplitPartials:
+        """The experts' weighted sum for ``x [T, hidden]`` (the post-attention norm's output);
+        ``then="norm"`` (``pprun.layers.plan``: a fused norm reads it) may leave it unsummed
+        (``pprun.layers.moe.moe_experts``)."""
         # Logits in the activation dtype and softmax in float32, as transformers' routers.
         weights, ids = route(linear(self.gate, x), self.top_k, self.renormalize)
-        return moe_experts(x, self.w13, self.w2, weights, ids)
+        return moe_experts(x, self.w13, self.w2, weights, ids, then=then)
 
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> None:
         """Copy one expert's checkpoint tensor (``proj``: its gate, up or down name) into place."""
