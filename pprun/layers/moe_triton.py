@@ -76,7 +76,9 @@ def _route_kernel(
     total = 0.0
     for j in tl.static_range(TOP_K):
         best = tl.max(probs, axis=0)
-        chosen = tl.min(tl.where(probs == best, experts, EXPERTS_P2), axis=0)
+        # Clamped: a row of NaN (a padding row's garbage) matches nothing, and must still name
+        # an expert that exists (its output is dropped; the kernels after index by it).
+        chosen = tl.minimum(tl.min(tl.where(probs == best, experts, EXPERTS_P2), axis=0), num_experts - 1)
         top = tl.where(slots == j, best, top)
         top_ids = tl.where(slots == j, chosen, top_ids)
         total += best
