@@ -316,12 +316,18 @@ def _down_kernel(
 
 
 class GemmConfig(NamedTuple):
-    """Tile sizes of the grouped GEMMs."""
+    """Tile sizes and launch settings of the grouped GEMMs (``scripts/bench_moe_kernels.py
+    --tune`` times the alternatives)."""
 
     block_m: int
+    """Rows per block (each expert's rows padded to a multiple)."""
     block_n: int
+    """Output columns per program."""
     block_k: int
+    """Reduction width per loop step."""
     num_warps: int
+    num_stages: int | None = None
+    """Software-pipelining depth of the K loop; None: Triton's default."""
 
 
 def default_config(num_entries: int, num_experts: int, dtype: torch.dtype) -> GemmConfig:
@@ -371,13 +377,14 @@ def fused_experts(
     # fp32 products in fp32 (no TF32), as torch's reference; the interpreter's bf16 dot is
     # broken (Triton 3.7), so there bf16 tiles are multiplied in fp32 too (exact products).
     dot_f32 = x.dtype == torch.float32 or INTERPRETED
+    stages = {} if cfg.num_stages is None else {"num_stages": cfg.num_stages}
     act = torch.empty(num_entries, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
         x, w13, act, align.sorted_entries, align.block_expert, align.num_rows,
         num_entries, hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_F32=dot_f32, PRECISE_EXP=not INTERPRETED, num_warps=cfg.num_warps, **NO_FMA,
+        DOT_F32=dot_f32, PRECISE_EXP=not INTERPRETED, num_warps=cfg.num_warps, **stages, **NO_FMA,
     )
     partials = then == "norm"
     y = torch.empty(num_entries, hidden, dtype=torch.float32 if partials else x.dtype, device=x.device)
@@ -386,7 +393,7 @@ def fused_experts(
         num_entries, num_tokens, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_F32=dot_f32, PARTIALS=partials, num_warps=cfg.num_warps, **NO_FMA,
+        DOT_F32=dot_f32, PARTIALS=partials, num_warps=cfg.num_warps, **stages, **NO_FMA,
     )
     if partials:
         return SplitPartials(y.view(top_k, num_tokens, hidden), None, x.dtype)
