@@ -264,10 +264,3 @@ def test_expert_kernels_compile_for_sm90():
                            divisible=("hidden", "inter"))
         assert "mma" in ptx, kernel
 
-
-def test_head_norm_kernel_compiles_for_sm90():
-    """Qwen3's head norm compiles for sm_90 with PDL (its weights read before the wait)."""
-    from sm90_compile import compile_sm90
-
-    compile_sm90("pprun.layers.head_norm", "_head_rms_norm_kernel", {"NUM_HEADS": 32, "BLOCK": 128, "USE_PDL": True},
-                 options={"num_warps": 1}, default_pointer="*bf16", float_args=("inv_head_dim", "eps"))
