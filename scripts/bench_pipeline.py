@@ -23,7 +23,7 @@ Prints one JSON object (and writes it to ``--out``).  Four parts, each selectabl
 
 On a machine with two GPUs (docs/performance.md's pipeline figures)::
 
-    python scripts/make_random_llama.py /tmp/llama1b --device cuda
+    python scripts/make_random_model.py /tmp/llama1b --device cuda
     python scripts/bench_pipeline.py --device cuda --model /tmp/llama1b --parts throughput,hop,control \
         --num-prompts 64 --input-len 512 --output-len 512
 """
@@ -488,7 +488,7 @@ def hop_rank_main(
 def make_tiny_model(out_dir: Path) -> None:
     """A 2-layer, hidden-64 random Llama (fp32): stage compute is tiny next to the control path."""
     cmd = [
-        sys.executable, str(REPO / "scripts" / "make_random_llama.py"), str(out_dir),
+        sys.executable, str(REPO / "scripts" / "make_random_model.py"), str(out_dir),
         "--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
         "--intermediate", "128", "--vocab", "256", "--max-pos", "2048", "--dtype", "float32",
     ]  # fmt: skip

@@ -23,7 +23,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout 600 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  [ -d /tmp/llama1b ] || python3 scripts/make_random_llama.py /tmp/llama1b --device cuda
+  [ -d /tmp/llama1b ] || python3 scripts/make_random_model.py /tmp/llama1b --device cuda
   common="model.model=/tmp/llama1b input_len=512 output_len=128 hydra.run.dir=/tmp/hy"
   for B in 1 32; do
     timeout 200 python3 -m pprun bench $common num_prompts=$B scheduler.max_num_seqs=$B runner=v2 \

@@ -1,7 +1,7 @@
 """Images and audio on the command line: ``pprun generate`` with ``images=`` and the JSONL
 ``"images"`` key on a tiny Llava, each bad input's message (before the engine starts), ``pprun
 bench`` with ``workload=image`` (tiny Llava) and ``workload=audio`` (tiny Whisper) against
-transformers' ``generate``, and ``scripts/make_random_llama.py --llava`` (which builds the tiny
+transformers' ``generate``, and ``scripts/make_random_model.py --llava`` (which builds the tiny
 Llava every test here uses: it must load in transformers and in pprun with the same tokens)."""
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ IMAGE_ROWS = 4
 
 
 def load_maker():
-    """``scripts/make_random_llama.py`` as a module."""
-    spec = importlib.util.spec_from_file_location("make_random_llama", REPO_ROOT / "scripts" / "make_random_llama.py")
+    """``scripts/make_random_model.py`` as a module."""
+    spec = importlib.util.spec_from_file_location("make_random_model", REPO_ROOT / "scripts" / "make_random_model.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 
-def _save(model_cls: type, config: Any, path: Path, seed: int) -> Path:
-    """Build ``model_cls(config)`` with seeded float32 weights and save it to ``path``."""
+def _save(model_cls: type, config: Any, path: Path, seed: int, adjust: Any = None) -> Path:
+    """Build ``model_cls(config)`` with seeded float32 weights (then ``adjust(model)``, if given,
+    still under the seed) and save it to ``path``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     # Fork the RNG so building a tiny model leaves the caller's torch seed untouched.
@@ -27,6 +28,8 @@ def _save(model_cls: type, config: Any, path: Path, seed: int) -> Path:
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.uniform_(0.5, 1.5)
+        if adjust is not None:
+            adjust(model)
     model.save_pretrained(path)
     return path
 
@@ -132,6 +135,137 @@ def make_tiny_mistral(
         **config_kwargs,
     )
     return _save(MistralForCausalLM, config, Path(path), seed)
+
+
+def make_tiny_qwen3(
+    path: Path | str,
+    tied: bool = False,
+    num_layers: int = 4,
+    *,
+    hidden_size: int = 48,
+    intermediate_size: int = 80,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int = 20,
+    vocab_size: int = 256,
+    max_position_embeddings: int = 2048,
+    seed: int = 0,
+    **config_kwargs: Any,
+) -> Path:
+    """A random ``Qwen3ForCausalLM`` checkpoint in ``path``: per-head q/k norms, and ``head_dim``
+    (20) other than ``hidden_size / num_attention_heads`` (12) unless given."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+        **config_kwargs,
+    )
+    return _save(Qwen3ForCausalLM, config, Path(path), seed)
+
+
+ROUTER_STD = 0.5
+"""Router weights of the tiny mixture-of-experts models: wider than transformers' 0.02, so that
+each token's top-k experts are chosen by clear margins (no near-ties that rounding could flip)
+and different tokens choose different experts."""
+
+
+def _spread_routers(model: Any) -> None:
+    """Redraw every router (``*.gate.weight`` of a sparse block) with :data:`ROUTER_STD`."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight"):
+                param.normal_(0.0, ROUTER_STD)
+
+
+def make_tiny_qwen3_moe(
+    path: Path | str,
+    num_layers: int = 4,
+    *,
+    hidden_size: int = 48,
+    intermediate_size: int = 72,
+    moe_intermediate_size: int = 40,
+    num_experts: int = 5,
+    num_experts_per_tok: int = 2,
+    norm_topk_prob: bool = True,
+    mlp_only_layers: tuple[int, ...] = (1,),
+    decoder_sparse_step: int = 1,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int = 20,
+    vocab_size: int = 256,
+    tied: bool = False,
+    seed: int = 0,
+    **config_kwargs: Any,
+) -> Path:
+    """A random ``Qwen3MoeForCausalLM`` of odd sizes: 5 experts (not a power of two), top-2,
+    layer 1 dense (``mlp_only_layers``), ``head_dim`` 20 of a 48-wide model with 4 heads."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        moe_intermediate_size=moe_intermediate_size,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        norm_topk_prob=norm_topk_prob,
+        mlp_only_layers=list(mlp_only_layers),
+        decoder_sparse_step=decoder_sparse_step,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        vocab_size=vocab_size,
+        max_position_embeddings=2048,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+        **config_kwargs,
+    )
+    return _save(Qwen3MoeForCausalLM, config, Path(path), seed, _spread_routers)
+
+
+def make_tiny_mixtral(
+    path: Path | str,
+    num_layers: int = 4,
+    *,
+    hidden_size: int = 48,
+    intermediate_size: int = 56,
+    num_local_experts: int = 6,
+    num_experts_per_tok: int = 3,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    vocab_size: int = 256,
+    seed: int = 0,
+    **config_kwargs: Any,
+) -> Path:
+    """A random ``MixtralForCausalLM``: 6 experts (not a power of two), top-3, every layer sparse."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_local_experts=num_local_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        vocab_size=vocab_size,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        **config_kwargs,
+    )
+    return _save(MixtralForCausalLM, config, Path(path), seed, _spread_routers)
 
 
 def make_tiny_whisper(path: Path | str, *, decoder_layers: int = 3, seed: int = 0) -> Path:

@@ -78,11 +78,19 @@ def fused_decoder_layer(
         qkv, residual = folded
     else:
         x, residual = layer.input_layernorm(h, residual)
-        qkv = layers.linear(attn.qkv_proj, x, after="norm", then=attention_input(attn.backend, meta, x))
+        # Per-head q/k norms (Qwen3) read the projection merged; else the attention may merge it.
+        then = attention_input(attn.backend, meta, x) if attn.q_norm is None else None
+        qkv = layers.linear(attn.qkv_proj, x, after="norm", then=then)
+    qkv = attn.norm_heads(qkv)
     out = attend(attn.backend, attn.rotary, positions, qkv, attn.kv_cache, meta, attn.scale,
                  attn.num_heads, attn.num_kv_heads, attn.head_dim)
     h = layers.linear(attn.o_proj, out, after="attention", then="norm")
     down_then = "norm" if feeds_norm else None
+    if not hasattr(mlp, "gate_up_proj"):
+        # A sparse layer (pprun.models.moe.SparseMoeBlock): the router, the grouped expert
+        # kernels, each token's expert outputs left to the next norm to sum.
+        x, residual = layer.post_attention_layernorm(h, residual)
+        return mlp(x, then=down_then), residual
     folded = layers.norm_linear(layer.post_attention_layernorm, mlp.gate_up_proj, h, residual, swiglu=True)
     if folded is not None:
         act, residual = folded

@@ -17,6 +17,9 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
     "WhisperForConditionalGeneration",
     "LlavaForConditionalGeneration",
 )
@@ -39,6 +42,9 @@ _MODEL_TYPE_TO_ARCHITECTURE: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "whisper": "WhisperForConditionalGeneration",
 }
 
@@ -52,13 +58,13 @@ class ModelArchConfig:
     architecture: str
     """``config.json``'s ``architectures[0]`` (or derived from ``model_type``), e.g. ``LlamaForCausalLM``."""
     model_type: str
-    """``config.json``'s ``model_type`` (``llama``, ``mistral``, ``qwen2``)."""
+    """``config.json``'s ``model_type`` (``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``mixtral``)."""
     vocab_size: int
     """Rows of the embedding table and of the LM head."""
     hidden_size: int
     """Width of the residual stream."""
     intermediate_size: int
-    """Width of the MLP's gate/up projections."""
+    """Width of the MLP's gate/up projections (a mixture-of-experts model's dense layers'; its experts': ``moe``)."""
     num_hidden_layers: int
     """Number of decoder layers (what pipeline stages split)."""
     num_attention_heads: int
@@ -94,12 +100,47 @@ class ModelArchConfig:
     audio_encoder: AudioEncoderArch | None = None
     """An encoder-decoder speech model's encoder (Whisper); None for decoder-only models.  The
     fields above then describe the decoder, which is what pipeline stages split."""
+    qk_norm: bool = False
+    """Each attention head's q and k go through an RMSNorm over ``head_dim`` before RoPE
+    (``self_attn.q_norm`` / ``k_norm``: Qwen3, Qwen3-MoE)."""
+    moe: MoeArch | None = None
+    """Mixture-of-experts decoders (Qwen3-MoE, Mixtral): the experts and which layers have them;
+    None for dense models."""
     multimodal: dict[str, Any] | None = None
     """Vision-language models (``LlavaForConditionalGeneration``): the fields above describe the
     language model (``text_config``); this holds the rest, normalised by ``transformers``'
     ``LlavaConfig``: ``image_token_index``, ``vision_feature_layer``,
     ``vision_feature_select_strategy``, ``projector_hidden_act``, ``multimodal_projector_bias``,
     ``vision_config`` (the full dict) and ``text_architecture``.  None for text-only models."""
+
+
+@dataclass(frozen=True)
+class MoeArch:
+    """The sparse MLP of a mixture-of-experts decoder: a router picks ``top_k`` of ``num_experts``
+    SwiGLU experts per token and sums their outputs weighted by the router's probabilities."""
+
+    num_experts: int
+    """Experts per sparse layer (Qwen3-MoE's ``num_experts``, Mixtral's ``num_local_experts``)."""
+    top_k: int
+    """Experts each token is routed to (``num_experts_per_tok``)."""
+    expert_intermediate_size: int
+    """Width of each expert's gate/up projections (Qwen3-MoE's ``moe_intermediate_size``,
+    Mixtral's ``intermediate_size``)."""
+    norm_topk_prob: bool
+    """The top-k probabilities are renormalised to sum to one (always for Mixtral)."""
+    dense_layers: tuple[int, ...]
+    """Layers with a dense MLP of ``intermediate_size`` instead (Qwen3-MoE's ``mlp_only_layers``
+    and the layers ``decoder_sparse_step`` skips); empty for Mixtral."""
+    checkpoint_prefix: str
+    """The sparse block's name in a layer's tensor names: ``mlp`` (Qwen3-MoE) or
+    ``block_sparse_moe`` (Mixtral)."""
+    expert_names: tuple[str, str, str]
+    """An expert's gate, up and down projections as the checkpoint names them:
+    ``gate_proj, up_proj, down_proj`` (Qwen3-MoE) or ``w1, w3, w2`` (Mixtral)."""
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (global index) has the experts."""
+        return layer not in self.dense_layers
 
 
 @dataclass(frozen=True)
@@ -183,8 +224,8 @@ def _sliding_window(config: dict[str, Any], architecture: str) -> int | None:
     window = config.get("sliding_window")
     if window is None:
         return None
-    if architecture == "Qwen2ForCausalLM":
-        # Qwen2 ships a sliding_window value even when it is switched off; it only applies to layers
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        # Qwen2 and Qwen3 ship a sliding_window value even when it is switched off; it only applies to layers
         # marked sliding (transformers 5's layer_types, or use_sliding_window + max_window_layers).
         layer_types = config.get("layer_types")
         if layer_types is not None:
@@ -193,7 +234,7 @@ def _sliding_window(config: dict[str, Any], architecture: str) -> int | None:
         if config.get("use_sliding_window") and max_window_layers < config["num_hidden_layers"]:
             return int(window)
         return None
-    if architecture == "MistralForCausalLM":
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         return int(window)
     return None
 
@@ -325,7 +366,7 @@ def _decoder_arch(config: dict[str, Any], architecture: str, model_dir: Path, co
 
     if architecture == "Qwen2ForCausalLM":
         attention_bias, o_proj_bias = True, False
-    elif architecture == "LlamaForCausalLM":
+    elif architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         attention_bias = o_proj_bias = bool(config.get("attention_bias", False))
     else:
         attention_bias = o_proj_bias = False
@@ -365,6 +406,54 @@ def _decoder_arch(config: dict[str, Any], architecture: str, model_dir: Path, co
         eos_token_ids=tuple(eos_token_ids),
         sliding_window=_sliding_window(config, architecture),
         audio_encoder=config.get("_audio_encoder"),
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        moe=_moe_arch(config, architecture, config_path),
+    )
+
+
+def _positive_int(config: dict[str, Any], key: str, source: Path) -> int:
+    """``config[key]`` as an int of at least 1; ValueError naming the field otherwise."""
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{source}: {key}={value!r} must be an integer of at least 1")
+    return value
+
+
+def _moe_arch(config: dict[str, Any], architecture: str, source: Path) -> MoeArch | None:
+    """The experts of a Qwen3-MoE or Mixtral config (None for other architectures), checked:
+    ``top_k`` between 1 and the expert count, every ``mlp_only_layers`` entry a layer."""
+    if architecture == "MixtralForCausalLM":
+        num_experts = _positive_int(config, "num_local_experts", source)
+        top_k = _positive_int(config, "num_experts_per_tok", source)
+        expert_intermediate = int(config["intermediate_size"])
+        norm_topk_prob, dense_layers = True, ()
+        prefix, names = "block_sparse_moe", ("w1", "w3", "w2")
+    elif architecture == "Qwen3MoeForCausalLM":
+        # Published checkpoints say num_experts; transformers 5 saves num_local_experts.
+        key = "num_experts" if config.get("num_experts") is not None else "num_local_experts"
+        num_experts = _positive_int(config, key, source)
+        top_k = _positive_int(config, "num_experts_per_tok", source)
+        expert_intermediate = _positive_int(config, "moe_intermediate_size", source)
+        norm_topk_prob = bool(config.get("norm_topk_prob", False))
+        num_layers = int(config["num_hidden_layers"])
+        step = _positive_int({"decoder_sparse_step": config.get("decoder_sparse_step", 1)},
+                             "decoder_sparse_step", source)
+        mlp_only = config.get("mlp_only_layers") or []
+        bad = [i for i in mlp_only if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(f"{source}: mlp_only_layers={mlp_only!r} names {bad}, not layers of "
+                             f"the model's {num_layers} (0 to {num_layers - 1})")
+        # As transformers' Qwen3MoeDecoderLayer chooses: dense where listed or off the step.
+        dense_layers = tuple(i for i in range(num_layers) if i in mlp_only or (i + 1) % step)
+        prefix, names = "mlp", ("gate_proj", "up_proj", "down_proj")
+    else:
+        return None
+    if top_k > num_experts:
+        raise ValueError(f"{source}: num_experts_per_tok={top_k} must be at most the expert count {num_experts}")
+    return MoeArch(
+        num_experts=num_experts, top_k=top_k, expert_intermediate_size=expert_intermediate,
+        norm_topk_prob=norm_topk_prob, dense_layers=dense_layers, checkpoint_prefix=prefix,
+        expert_names=names,
     )
 
 
@@ -403,7 +492,21 @@ def expected_tensor_shapes(
             shapes[f"{prefix}.self_attn.v_proj.bias"] = (kv_size,)
         if arch.o_proj_bias:
             shapes[f"{prefix}.self_attn.o_proj.bias"] = (hidden,)
+        if arch.qk_norm:
+            shapes[f"{prefix}.self_attn.q_norm.weight"] = (arch.head_dim,)
+            shapes[f"{prefix}.self_attn.k_norm.weight"] = (arch.head_dim,)
         shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
+        moe = arch.moe
+        if moe is not None and moe.is_sparse(i):
+            block = f"{prefix}.{moe.checkpoint_prefix}"
+            gate, up, down = moe.expert_names
+            inter = moe.expert_intermediate_size
+            shapes[f"{block}.gate.weight"] = (moe.num_experts, hidden)
+            for e in range(moe.num_experts):
+                shapes[f"{block}.experts.{e}.{gate}.weight"] = (inter, hidden)
+                shapes[f"{block}.experts.{e}.{up}.weight"] = (inter, hidden)
+                shapes[f"{block}.experts.{e}.{down}.weight"] = (hidden, inter)
+            continue
         shapes[f"{prefix}.mlp.gate_proj.weight"] = (arch.intermediate_size, hidden)
         shapes[f"{prefix}.mlp.up_proj.weight"] = (arch.intermediate_size, hidden)
         shapes[f"{prefix}.mlp.down_proj.weight"] = (hidden, arch.intermediate_size)

@@ -1,4 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2) as Hugging Face checkpoints describe it, built per stage.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3; Qwen3-MoE and Mixtral with their experts) as Hugging
+Face checkpoints describe it, built per stage.
 
 One plain module tree, read top to bottom: rotary helpers, ``Attention``, ``MLP``,
 ``DecoderLayer``, ``LlamaForCausalLM`` (``RMSNorm`` comes from ``pprun.layers.norm``).  The model
@@ -7,8 +8,10 @@ fused ops run (CUDA with Triton), ``pprun.layers.plan`` runs the same layers fro
 modules and decides each launch: the norm folded into the matmul after it, split-K partials
 merged by the next kernel, the one-kernel decode attention.  A model is built for one pipeline
 stage: the first stage owns the embedding, the last the final norm and LM head (a tied head
-reads the embedding weights), and only the stage's own layers are ever allocated.  Checkpoint quirks (separate
-q/k/v and gate/up tensors fused into one matmul each) are handled in ``load_weights``.
+reads the embedding weights), and only the stage's own layers are ever allocated (a sparse
+layer's experts included: a stage reads no other stage's experts).  Checkpoint quirks (separate
+q/k/v and gate/up tensors fused into one matmul each, per-expert tensors stacked into two per
+layer) are handled in ``load_weights``.
 
 Forward follows docs/design.md contract 1: ``forward(input_ids, positions, inputs_embeds,
 intermediate_tensors, attn_metadata)``; a non-last stage returns ``IntermediateTensors`` with
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import pprun.layers as layers
 from pprun.attention.metadata import AttentionMetadata
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
@@ -38,6 +42,7 @@ from pprun.layers.norm import RMSNorm
 from pprun.layers.plan import run_decoder_layers
 from pprun.models.base import PprunModel, allocate
 from pprun.models.hf_config import ModelArchConfig
+from pprun.models.moe import SparseMoeBlock
 
 
 def rope_inv_freq(arch: ModelArchConfig) -> torch.Tensor:
@@ -110,6 +115,9 @@ class Attention(nn.Module):
             arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias)
+        # Qwen3: each head's q and k normalised over head_dim before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.rotary = rotary
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None
@@ -118,10 +126,26 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attend ``x [T, hidden]`` (the input norm's output) over the request contexts described
         by ``meta``: ``o_proj`` of the attention over the rotated q/k, the new k/v cached."""
-        qkv = self.qkv_proj(x)
+        qkv = self.norm_heads(self.qkv_proj(x))
         out = attend(self.backend, self.rotary, positions, qkv, self.kv_cache, meta, self.scale,
                      self.num_heads, self.num_kv_heads, self.head_dim)
         return self.o_proj(out)
+
+    def norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """``qkv`` with each q and k head through ``q_norm`` / ``k_norm`` (a model with them),
+        else ``qkv`` itself."""
+        if self.q_norm is None:
+            return qkv
+        if layers.fused_ops_for(qkv) is not None:  # in place, one launch
+            from pprun.layers.head_norm import head_rms_norm_
+
+            return head_rms_norm_(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                  self.num_heads, self.num_kv_heads, self.head_dim)
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, _ = self.q_norm(q.reshape(-1, self.head_dim))
+        k, _ = self.k_norm(k.reshape(-1, self.head_dim))
+        return torch.cat([q.view(num_tokens, -1), k.view(num_tokens, -1), v], dim=-1)
 
 
 class MLP(nn.Module):
@@ -142,12 +166,16 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block; carries the residual stream separately."""
 
-    def __init__(self, arch: ModelArchConfig, rotary: RotaryEmbedding, backend: Callable) -> None:
+    def __init__(self, arch: ModelArchConfig, rotary: RotaryEmbedding, backend: Callable, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, rotary, backend)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        # A mixture-of-experts model's sparse layers (``layer``: the global index) hold experts.
+        if arch.moe is not None and arch.moe.is_sparse(layer):
+            self.mlp: nn.Module = SparseMoeBlock(arch.moe, arch.hidden_size)
+        else:
+            self.mlp = MLP(arch)
 
     def forward(
         self,
@@ -191,7 +219,7 @@ class LlamaForCausalLM(PprunModel):
                 Embedding(arch.vocab_size, arch.hidden_size) if layout.is_first else None
             )
             self.layers = nn.ModuleList(
-                DecoderLayer(arch, rotary, attn_backend) for _ in layout.layer_range
+                DecoderLayer(arch, rotary, attn_backend, layer=i) for i in layout.layer_range
             )
             if layout.is_last:
                 self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -306,14 +334,26 @@ class LlamaForCausalLM(PprunModel):
                     getattr(layer.self_attn.qkv_proj, param).data[row0 : row0 + rows].copy_(tensor)
                     loaded.add(name)
                     continue
-                if part in ("mlp.gate_proj", "mlp.up_proj"):
+                if isinstance(layer.mlp, SparseMoeBlock) and part.startswith(f"{a.moe.checkpoint_prefix}."):
+                    # The sparse block (Mixtral's block_sparse_moe, Qwen3-MoE's mlp) is layer.mlp.
+                    sub = part[len(a.moe.checkpoint_prefix) + 1 :]
+                    if sub.startswith("experts.") and sub.count(".") == 2:
+                        _, expert, proj = sub.split(".")
+                        layer.mlp.load_expert(int(expert), proj, tensor)
+                        loaded.add(name)
+                        continue
+                    if sub != "gate":
+                        raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
+                    target = layer.mlp.gate.get_parameter(param)
+                elif part in ("mlp.gate_proj", "mlp.up_proj"):
                     row0 = 0 if part == "mlp.gate_proj" else a.intermediate_size
                     getattr(layer.mlp.gate_up_proj, param).data[
                         row0 : row0 + a.intermediate_size
                     ].copy_(tensor)
                     loaded.add(name)
                     continue
-                target = layer.get_submodule(part).get_parameter(param)
+                if target is None:
+                    target = layer.get_submodule(part).get_parameter(param)
             if target is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
             target.data.copy_(tensor)

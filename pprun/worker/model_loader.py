@@ -16,11 +16,15 @@ from pprun.models.whisper import WhisperForConditionalGeneration
 
 logger = logging.getLogger(__name__)
 
-# The Llama code serves these architectures as they are the same network.
+# The Llama code serves these architectures as they are the same network (Qwen3 with its
+# per-head q/k norms, Qwen3-MoE and Mixtral with their sparse layers: pprun.models.moe).
 MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
     "WhisperForConditionalGeneration": WhisperForConditionalGeneration,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }

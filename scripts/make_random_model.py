@@ -1,9 +1,23 @@
-"""Write a Llama-shaped checkpoint with random weights, or a Llava-shaped one (``--llava``).
+"""Write a decoder checkpoint with random weights (Llama, Qwen3, Qwen3-MoE, Mixtral), or a
+Llava-shaped one (``--llava``).
 
-Default shape: the 1.1B model of the GPU benchmarks (hidden 2048, 16 layers, 32 heads / 8 KV
-heads, intermediate 8192, vocab 32000), bf16: config.json + model.safetensors, no tokenizer.
+Default shape: the 1.1B Llama of the GPU benchmarks (hidden 2048, 16 layers, 32 heads / 8 KV
+heads, intermediate 8192, vocab 32000), bf16: config.json + safetensors weights, no tokenizer.
+``--preset`` picks a published model's shape instead (any option given explicitly overrides it):
+
+- ``qwen3-30b-a3b``: ``Qwen3MoeForCausalLM``, hidden 2048, 48 layers, 32 heads / 4 KV heads of
+  128, 128 experts, top-8 (renormalised), expert intermediate 768, vocab 151936 (61 GB in bf16;
+  ``--num-layers 24`` halves it);
+- ``qwen3-8b``: ``Qwen3ForCausalLM``, hidden 4096, 36 layers, 32 heads / 8 KV heads of 128,
+  intermediate 12288, vocab 151936;
+- ``mixtral-8x7b``: ``MixtralForCausalLM``, hidden 4096, 32 layers, 32 heads / 8 KV heads,
+  8 experts, top-2, intermediate 14336, vocab 32000;
+- ``llama-1b``: the default above.
+
 Weights ~ N(0, 0.02), norms 1 (LayerNorm biases 0): speed does not depend on the values, and
-the output stays finite.
+the output stays finite.  Decoders are written shard by shard (``--shard-gb``, with a
+``model.safetensors.index.json`` past one shard), each shard's tensors drawn on ``--device`` and
+freed once written, so host memory stays near one shard whatever the model's size.
 
 ``--llava`` wraps that language model into a ``LlavaForConditionalGeneration``: a CLIP
 ViT-L/14-336 shaped vision tower (hidden 1024, 24 layers, 16 heads, intermediate 4096, patch 14,
@@ -22,10 +36,12 @@ config and a tokenizer that has an ``<image>`` token:
 - prompts take one ``<image>`` per image (pprun and ``LlavaProcessor`` expand it to the 576
   rows), and the chat template renders ``USER: ... ASSISTANT:`` turns.
 
-    python scripts/make_random_llama.py /tmp/llama-1b [--device cuda] [--layers 16] ...
-    python scripts/make_random_llama.py /tmp/llava-1b --llava [--dtype float32]
+    python scripts/make_random_model.py /tmp/llama-1b [--device cuda] [--layers 16] ...
+    python scripts/make_random_model.py /tmp/qwen3-30b-a3b --preset qwen3-30b-a3b --device cuda [--num-layers 24]
+    python scripts/make_random_model.py /tmp/qwen3-8b --preset qwen3-8b --device cuda
+    python scripts/make_random_model.py /tmp/llava-1b --llava [--dtype float32]
     # a tiny Llava for CPU tests:
-    python scripts/make_random_llama.py /tmp/llava-tiny --llava --dtype float32 --hidden 64 --layers 2 \\
+    python scripts/make_random_model.py /tmp/llava-tiny --llava --dtype float32 --hidden 64 --layers 2 \\
         --heads 4 --kv-heads 2 --intermediate 128 --vocab 320 --vision-hidden 32 --vision-layers 2 \\
         --vision-heads 2 --vision-intermediate 64 --image-size 28
 """
@@ -34,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -56,21 +73,54 @@ CHAT_TEMPLATE = (
 so the BOS comes from the template); an image in a turn is the text ``<image>``."""
 
 
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "mixtral": ("MixtralForCausalLM", "mixtral"),
+}
+"""``--arch`` -> (``architectures[0]``, ``model_type``)."""
+
+PRESETS: dict[str, dict] = {
+    "llama-1b": dict(arch="llama", hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192,
+                     vocab=32000, max_pos=4096, rope_theta=10000.0, rms_eps=1e-5),
+    "qwen3-30b-a3b": dict(arch="qwen3-moe", hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128,
+                          intermediate=6144, experts=128, top_k=8, expert_intermediate=768,
+                          vocab=151936, max_pos=40960, rope_theta=1e6, rms_eps=1e-6),
+    "qwen3-8b": dict(arch="qwen3", hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128,
+                     intermediate=12288, vocab=151936, max_pos=40960, rope_theta=1e6, rms_eps=1e-6),
+    "mixtral-8x7b": dict(arch="mixtral", hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336,
+                         experts=8, top_k=2, vocab=32000, max_pos=32768, rope_theta=1e6, rms_eps=1e-5),
+}
+"""Published models' shapes (the module docstring); explicit options override them."""
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--intermediate", type=int, default=8192)
-    ap.add_argument("--vocab", type=int, default=32000,
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="llama-1b",
+                    help="a published model's shape (default llama-1b); the options below override it")
+    ap.add_argument("--arch", choices=sorted(ARCHITECTURES))
+    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--layers", "--num-layers", dest="layers", type=int)
+    ap.add_argument("--heads", type=int)
+    ap.add_argument("--kv-heads", type=int)
+    ap.add_argument("--head-dim", type=int, help="per-head width (default hidden / heads)")
+    ap.add_argument("--intermediate", type=int, help="MLP width (a Qwen3-MoE's dense layers'; Mixtral's experts')")
+    ap.add_argument("--experts", type=int, help="experts per sparse layer (qwen3-moe, mixtral)")
+    ap.add_argument("--top-k", type=int, help="experts per token (qwen3-moe, mixtral)")
+    ap.add_argument("--expert-intermediate", type=int, help="each expert's width (qwen3-moe)")
+    ap.add_argument("--vocab", type=int,
                     help="language model vocabulary (with --llava: the tokenizer's base vocabulary, at least 259)")
-    ap.add_argument("--max-pos", type=int, default=4096)
+    ap.add_argument("--max-pos", type=int)
+    ap.add_argument("--rope-theta", type=float)
+    ap.add_argument("--rms-eps", type=float)
+    ap.add_argument("--tied", action="store_true", help="tie the LM head to the embeddings")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shard-gb", type=float, default=4.0, help="most GB of tensors per safetensors file")
     llava = ap.add_argument_group("Llava (--llava)")
     llava.add_argument("--llava", action="store_true", help="a LlavaForConditionalGeneration with a CLIP tower")
     llava.add_argument("--vision-hidden", type=int, default=1024)
@@ -82,7 +132,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     llava.add_argument("--vision-feature-layer", type=int, default=-2)
     llava.add_argument("--vision-feature-select-strategy", default="default", choices=("default", "full"))
     args = ap.parse_args(argv)
+    preset = dict(PRESETS[args.preset])
+    for key in ("arch", "hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "experts", "top_k",
+                "expert_intermediate", "vocab", "max_pos", "rope_theta", "rms_eps"):
+        if getattr(args, key) is None:
+            setattr(args, key, preset.get(key))
+    moe = args.arch in ("qwen3-moe", "mixtral")
+    if moe:
+        args.experts = args.experts or 8
+        args.top_k = args.top_k or 2
+        if args.arch == "qwen3-moe" and args.expert_intermediate is None:
+            args.expert_intermediate = args.intermediate
+        if not 1 <= args.top_k <= args.experts:
+            ap.error(f"--top-k={args.top_k} must be between 1 and --experts={args.experts}")
+    for key in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "max_pos"):
+        if getattr(args, key) < 1:
+            ap.error(f"--{key.replace('_', '-')}={getattr(args, key)} must be at least 1")
+    if args.heads % args.kv_heads:
+        ap.error(f"--heads={args.heads} must be a multiple of --kv-heads={args.kv_heads}")
     if args.llava:
+        if args.arch != "llama":
+            ap.error(f"--llava wraps a Llama language model, not --arch={args.arch}")
         if args.vocab < len(SPECIAL_TOKENS) + 256:
             ap.error(f"--vocab={args.vocab}: a Llava tokenizer needs at least {len(SPECIAL_TOKENS) + 256} "
                      "base tokens (3 special tokens and the 256 bytes)")
@@ -104,10 +174,11 @@ def random_tensor(name: str, shape: Sequence[int], dtype: torch.dtype, device: s
 
 
 def text_config(args: argparse.Namespace, vocab_size: int) -> dict:
-    """The language model's config (a Llama)."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    """The language model's config.json (``--arch``'s architecture, in its own field names)."""
+    architecture, model_type = ARCHITECTURES[args.arch]
+    config = {
+        "architectures": [architecture],
+        "model_type": model_type,
         "hidden_size": args.hidden,
         "intermediate_size": args.intermediate,
         "num_hidden_layers": args.layers,
@@ -115,18 +186,31 @@ def text_config(args: argparse.Namespace, vocab_size: int) -> dict:
         "num_key_value_heads": args.kv_heads,
         "vocab_size": vocab_size,
         "max_position_embeddings": args.max_pos,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
+        "rms_norm_eps": args.rms_eps,
+        "rope_theta": args.rope_theta,
+        "tie_word_embeddings": args.tied,
         "torch_dtype": args.dtype,
         "bos_token_id": 1,
         "eos_token_id": 2,
         "hidden_act": "silu",
     }
+    if args.head_dim is not None:
+        config["head_dim"] = args.head_dim
+    if args.arch in ("qwen3", "qwen3-moe"):
+        config["head_dim"] = args.head_dim or args.hidden // args.heads
+        config.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
+    if args.arch == "qwen3-moe":
+        config.update(num_experts=args.experts, num_experts_per_tok=args.top_k,
+                      moe_intermediate_size=args.expert_intermediate, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[])
+    if args.arch == "mixtral":
+        config.update(num_local_experts=args.experts, num_experts_per_tok=args.top_k, sliding_window=None)
+    return config
 
 
-def write_llama(args: argparse.Namespace) -> dict:
-    """config.json + model.safetensors of a random Llama, tensors named as pprun expects them."""
+def write_decoder(args: argparse.Namespace) -> dict:
+    """config.json + safetensors shards (and their index past one) of a random decoder, tensors
+    named as pprun and transformers expect them, drawn and written one shard at a time."""
     from safetensors.torch import save_file
 
     from pprun.models.hf_config import expected_tensor_shapes, load_arch_config
@@ -135,12 +219,32 @@ def write_llama(args: argparse.Namespace) -> dict:
     arch = load_arch_config(args.out)
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
-    tensors = {
-        name: random_tensor(name, shape, dtype, args.device, gen).cpu().contiguous()
-        for name, shape in expected_tensor_shapes(arch).items()
-    }
-    save_file(tensors, str(args.out / "model.safetensors"), metadata={"format": "pt"})
-    return {"path": str(args.out), "parameters": sum(t.numel() for t in tensors.values()), "dtype": args.dtype}
+    shapes = expected_tensor_shapes(arch)
+    shard_bytes = int(args.shard_gb * 1e9)
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * dtype.itemsize
+        if groups[-1] and size + nbytes > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    files = ["model.safetensors"] if len(groups) == 1 else [
+        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    for file_name, names in zip(files, groups):
+        tensors = {name: random_tensor(name, shapes[name], dtype, args.device, gen).cpu().contiguous()
+                   for name in names}
+        save_file(tensors, str(args.out / file_name), metadata={"format": "pt"})
+        del tensors
+    if len(files) > 1:
+        total = sum(math.prod(shape) * dtype.itemsize for shape in shapes.values())
+        weight_map = {name: file_name for file_name, names in zip(files, groups) for name in names}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (args.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return {"path": str(args.out), "architecture": arch.architecture,
+            "parameters": sum(math.prod(shape) for shape in shapes.values()), "dtype": args.dtype,
+            "files": len(files)}
 
 
 def byte_pair_tokenizer(base_vocab: int, total_vocab: int):
@@ -288,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     """Write the checkpoint; print and return ``{path, parameters, dtype, ...}``."""
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    info = write_llava(args) if args.llava else write_llama(args)
+    info = write_llava(args) if args.llava else write_decoder(args)
     print(json.dumps(info))
     return info
 

@@ -1,0 +1,75 @@
+"""Per-head RMSNorm of q and k inside a fused q/k/v projection, in place, in one Triton launch
+(Qwen3's ``q_norm`` / ``k_norm``, applied before RoPE).
+
+``qkv [T, (H + 2 * KVH) * D]`` holds each token's ``H`` query heads, then ``KVH`` key heads,
+then the values; each q head is normalised over its ``D`` entries with ``q_weight [D]`` and each
+k head with ``k_weight [D]``, rounded as ``pprun.layers.norm.RMSNorm`` (the plain-torch
+reference, ``pprun.models.llama.Attention.norm_heads``) rounds: fp32 mean of squares, the
+normalised value rounded to the activation dtype, then times the weight.  The values are not
+touched.  One program per (token, head); capture-safe (grid from shapes, written in place).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pprun.layers.triton_utils import NO_FMA, pdl_options, pdl_sync
+
+
+@triton.jit
+def _head_rms_norm_kernel(
+    qkv_ptr,
+    q_w_ptr,
+    k_w_ptr,
+    stride_t,
+    head_dim,
+    inv_head_dim,
+    eps,
+    NUM_HEADS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < head_dim
+    if head < NUM_HEADS:
+        w = tl.load(q_w_ptr + offs, mask=mask, other=0.0)
+    else:
+        w = tl.load(k_w_ptr + offs, mask=mask, other=0.0)
+    pdl_sync(USE_PDL)
+    ptr = qkv_ptr + token * stride_t + head * head_dim + offs
+    x = tl.load(ptr, mask=mask, other=0.0)
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, axis=0) * inv_head_dim
+    normed = (h * tl.math.rsqrt(var + eps)).to(x.dtype)
+    tl.store(ptr, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
+
+
+def head_rms_norm_(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """Normalise ``qkv``'s q and k heads in place (module docstring); returns ``qkv``."""
+    if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"qkv must be a [tokens, {(num_heads + 2 * num_kv_heads) * head_dim}] tensor "
+                         f"contiguous in its last dim, got shape {tuple(qkv.shape)}, strides {qkv.stride()}")
+    if q_weight.shape != (head_dim,) or k_weight.shape != (head_dim,):
+        raise ValueError(f"q/k norm weights must be ({head_dim},), got {tuple(q_weight.shape)} "
+                         f"and {tuple(k_weight.shape)}")
+    num_tokens = qkv.shape[0]
+    if num_tokens == 0:
+        return qkv
+    _head_rms_norm_kernel[(num_tokens, num_heads + num_kv_heads)](
+        qkv, q_weight, k_weight, qkv.stride(0), head_dim, 1.0 / head_dim, eps,
+        NUM_HEADS=num_heads, BLOCK=triton.next_power_of_2(head_dim), num_warps=1,
+        **pdl_options(qkv.device), **NO_FMA,
+    )
+    return qkv

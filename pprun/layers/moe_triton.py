@@ -1,0 +1,400 @@
+"""The experts of a mixture-of-experts layer as grouped Triton GEMMs (CUDA; the CPU interpreter in tests).
+
+A step's ``T`` tokens each chose ``top_k`` experts: ``N = T * top_k`` assignments, numbered
+``entry = t * top_k + j``.  :func:`align_by_expert` sorts the entries by expert (stable: in
+entry order within an expert) and pads each expert's run to a multiple of ``BLOCK_M`` rows, so
+that every ``BLOCK_M``-row block of the sorted list belongs to one expert:
+
+- ``sorted_entries [max_rows]``: the entries in that order, padding rows holding ``N``;
+- ``block_expert [max_blocks]``: each block's expert, ``-1`` past the rows in use;
+- ``num_rows [1]``: the rows in use (a multiple of ``BLOCK_M``), on the device.
+
+``max_rows = N + min(N, E) * (BLOCK_M - 1)`` (rounded up to a block) bounds the padded length
+whatever the routing, so every shape and grid depends on ``T`` alone: no host sync and no
+data-dependent shape, and a full CUDA graph captured for ``T`` tokens replays for any routing.
+Blocks past ``num_rows`` return at once.
+
+The routing that chooses the experts (softmax, top-k, renormalisation) is one launch as well
+(:func:`fused_route`).  After the sort, two grouped GEMM launches, each a grid of (block,
+output tile) programs reading one expert's weights:
+
+- gate_up: ``act[entry] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T)``, the SwiGLU in the
+  epilogue (``[N, inter]``);
+- down: ``y[entry] = weight[entry] * (act[entry] @ down_e^T)``, the routing weight in the
+  epilogue (``[N, hidden]``);
+
+and the sum over each token's ``top_k`` rows (``y.view(T, top_k, hidden).sum(1)``, one
+reduction in a fixed order, so the output does not depend on the order rows were computed in),
+or, where a fused add + RMSNorm reads the output, none: the rows are left to that kernel as
+split partials, which it sums in slot order as it reads them.
+
+The sort runs in one Triton program (:func:`_align_kernel`) up to :data:`ALIGN_KERNEL_MAX_ENTRIES`
+entries (decode steps, what full CUDA graphs hold); longer prefill steps sort with torch ops
+(:func:`align_by_expert_torch`, the same layout, also free of host syncs).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from pprun.layers.fused import silu_mul
+from pprun.layers.partials import SplitPartials, check_defer_merge
+from pprun.layers.triton_utils import INTERPRETED, NO_FMA
+
+ALIGN_KERNEL_MAX_ENTRIES = 4096
+"""Up to this many token -> expert assignments a step sorts them in one Triton program (its
+loop is ``N / 64`` steps); more (long prefill chunks) go to torch's sort."""
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_experts,
+    stride_logits,
+    TOP_K: tl.constexpr,
+    TOP_K_P2: tl.constexpr,
+    EXPERTS_P2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    """One token: softmax over its expert logits in fp32, the ``TOP_K`` largest (the lowest
+    index first among equals, in descending order), renormalised where ``RENORMALIZE``."""
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, EXPERTS_P2)
+    x = tl.load(logits_ptr + token * stride_logits + experts, mask=experts < num_experts,
+                other=float("-inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    probs = e / tl.sum(e, axis=0)
+    slots = tl.arange(0, TOP_K_P2)
+    top = tl.zeros([TOP_K_P2], dtype=tl.float32)
+    top_ids = tl.zeros([TOP_K_P2], dtype=tl.int64)
+    total = 0.0
+    for j in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=0)
+        # Clamped: a row of NaN (a padding row's garbage) matches nothing, and must still name
+        # an expert that exists (its output is dropped; the kernels after index by it).
+        chosen = tl.minimum(tl.min(tl.where(probs == best, experts, EXPERTS_P2), axis=0), num_experts - 1)
+        top = tl.where(slots == j, best, top)
+        top_ids = tl.where(slots == j, chosen, top_ids)
+        total += best
+        probs = tl.where(experts == chosen, -1.0, probs)
+    if RENORMALIZE:
+        top = top / total
+    out = token * TOP_K + slots
+    tl.store(weights_ptr + out, top, mask=slots < TOP_K)
+    tl.store(ids_ptr + out, top_ids, mask=slots < TOP_K)
+
+
+def fused_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pprun.layers.moe.route`` in one launch (one program per token): ``(weights [T, top_k]
+    float32, ids [T, top_k] int64)``."""
+    num_tokens, num_experts = router_logits.shape
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must be between 1 and the expert count {num_experts}")
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    _route_kernel[(num_tokens,)](
+        logits, weights, ids, num_experts, logits.stride(0),
+        TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), EXPERTS_P2=triton.next_power_of_2(num_experts),
+        RENORMALIZE=renormalize, num_warps=1 if num_experts <= 128 else 4, **NO_FMA,
+    )
+    return weights, ids
+
+
+class ExpertAlignment(NamedTuple):
+    """Assignments sorted by expert and padded per expert to whole blocks (module docstring)."""
+
+    sorted_entries: torch.Tensor
+    """``[max_rows]`` int32: the entries (``t * top_k + j``) by expert; padding rows hold ``N``."""
+    block_expert: torch.Tensor
+    """``[max_blocks]`` int32: each ``block_m``-row block's expert; ``-1`` past ``num_rows``."""
+    num_rows: torch.Tensor
+    """``[1]`` int32: the padded rows in use (a multiple of ``block_m``)."""
+    block_m: int
+    """Rows per block."""
+
+
+def max_padded_rows(num_entries: int, num_experts: int, block_m: int) -> int:
+    """The most rows ``num_entries`` assignments take once each expert's run is padded to whole
+    blocks (at most ``min(num_entries, num_experts)`` experts are used), rounded up to a block."""
+    rows = num_entries + min(num_entries, num_experts) * (block_m - 1)
+    return triton.cdiv(rows, block_m) * block_m
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_rows_ptr,
+    num_entries,
+    max_rows,
+    EXPERTS_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """One program: per-expert counts, padded run starts, each entry's row (its expert's start
+    plus the entries of that expert before it), padding rows and each block's expert."""
+    experts = tl.arange(0, EXPERTS_P2)
+    counts = tl.zeros([EXPERTS_P2], dtype=tl.int32)
+    for c0 in range(0, num_entries, CHUNK):
+        idx = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + idx, mask=idx < num_entries, other=EXPERTS_P2)  # matches no expert
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    tl.store(num_rows_ptr, tl.sum(padded, axis=0))
+
+    # Entries to their rows, in entry order within an expert (a stable sort).
+    seen = tl.zeros([EXPERTS_P2], dtype=tl.int32)
+    for c0 in range(0, num_entries, CHUNK):
+        idx = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + idx, mask=idx < num_entries, other=EXPERTS_P2)
+        hit = (ids[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, EXPERTS_P2]
+        before = tl.cumsum(hit, axis=0) - hit  # same-expert entries earlier in the chunk
+        row = tl.sum(hit * (before + starts[None, :] + seen[None, :]), axis=1)
+        tl.store(sorted_ptr + row, idx.to(tl.int32), mask=idx < num_entries)
+        seen += tl.sum(hit, axis=0)
+
+    # Rows no entry took: padding (disjoint from the rows stored above, so no ordering needed).
+    for r0 in range(0, max_rows, CHUNK):
+        rows = r0 + tl.arange(0, CHUNK)
+        used = (starts[None, :] <= rows[:, None]) & (rows[:, None] < starts[None, :] + counts[None, :])
+        is_used = tl.sum(used.to(tl.int32), axis=1) > 0
+        tl.store(sorted_ptr + rows, tl.zeros([CHUNK], dtype=tl.int32) + num_entries,
+                 mask=(rows < max_rows) & ~is_used)
+    # Each block's expert: the one whose padded run holds the block's first row; -1 past them.
+    for b0 in range(0, max_rows // BLOCK_M, CHUNK):
+        blocks = b0 + tl.arange(0, CHUNK)
+        first = blocks * BLOCK_M
+        owner = (starts[None, :] <= first[:, None]) & (first[:, None] < ends[None, :])
+        expert = tl.max(tl.where(owner, experts[None, :], -1), axis=1)
+        tl.store(block_expert_ptr + blocks, expert.to(tl.int32), mask=blocks < max_rows // BLOCK_M)
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
+    """Sort the assignments ``ids [T, top_k]`` by expert, each expert's run padded to whole
+    ``block_m``-row blocks (module docstring); one Triton program, or torch's sort past
+    :data:`ALIGN_KERNEL_MAX_ENTRIES` entries."""
+    num_entries = ids.numel()
+    if num_entries > ALIGN_KERNEL_MAX_ENTRIES:
+        return align_by_expert_torch(ids, num_experts, block_m)
+    max_rows = max_padded_rows(num_entries, num_experts, block_m)
+    device = ids.device
+    sorted_entries = torch.empty(max_rows, dtype=torch.int32, device=device)
+    block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=device)
+    num_rows = torch.empty(1, dtype=torch.int32, device=device)
+    _align_kernel[(1,)](
+        ids.reshape(-1), sorted_entries, block_expert, num_rows, num_entries, max_rows,
+        EXPERTS_P2=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=64, num_warps=4,
+    )
+    return ExpertAlignment(sorted_entries, block_expert, num_rows, block_m)
+
+
+def align_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
+    """:func:`align_by_expert` in torch ops (a stable sort, scatters and a search): the same
+    layout, fixed shapes, no host sync."""
+    flat = ids.reshape(-1).long()
+    num_entries = flat.numel()
+    device = flat.device
+    max_rows = max_padded_rows(num_entries, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded
+    order = torch.sort(flat, stable=True).indices
+    by_expert = flat[order]
+    first = torch.cumsum(counts, 0) - counts
+    rows = starts[by_expert] + torch.arange(num_entries, device=device) - first[by_expert]
+    sorted_entries = torch.full((max_rows,), num_entries, dtype=torch.int32, device=device)
+    sorted_entries[rows] = order.to(torch.int32)
+    block_first = torch.arange(max_rows // block_m, device=device) * block_m
+    block_expert = torch.searchsorted(ends, block_first, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return ExpertAlignment(sorted_entries, block_expert, ends[-1:].to(torch.int32), block_m)
+
+
+@triton.jit
+def _dot(a, b, DOT_F32: tl.constexpr):
+    """``a @ b`` accumulated in fp32: fp32 operands in IEEE fp32 where ``DOT_F32``."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
+    num_entries, hidden, inter,
+    stride_x, stride_we, stride_wn, stride_act,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISE_EXP: tl.constexpr,
+):
+    """One block of one expert's rows times ``BLOCK_N`` columns of its gate and of its up
+    projection; SwiGLU in the epilogue, stored at each row's entry."""
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    entries = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = entries < num_entries
+    tokens = (entries // TOP_K).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    w_gate = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
+    w_up = w_gate + inter * stride_wn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden
+        a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w_mask = col_ok[None, :] & k_ok[:, None]
+        g = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)
+        u = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
+        acc_gate += _dot(a, g, DOT_F32)
+        acc_up += _dot(a, u, DOT_F32)
+    dtype = act_ptr.dtype.element_ty
+    act = silu_mul(acc_gate.to(dtype), acc_up.to(dtype), PRECISE_EXP)
+    out = act_ptr + entries[:, None].to(tl.int64) * stride_act + cols[None, :]
+    tl.store(out, act, mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, w_ptr, weights_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
+    num_entries, num_tokens, hidden, inter,
+    stride_act, stride_we, stride_wn, stride_y,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PARTIALS: tl.constexpr,
+):
+    """One block of one expert's rows times ``BLOCK_N`` columns of its down projection, scaled
+    by each row's routing weight in the epilogue, stored at the row's entry (``PARTIALS``: in
+    fp32 at row ``slot * num_tokens + token``, a ``[TOP_K, T, hidden]`` partial sum per slot)."""
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    entries = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = entries < num_entries
+    rows = entries.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    w_cols = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < inter
+        a = tl.load(act_ptr + rows[:, None] * stride_act + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_cols + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        acc += _dot(a, w, DOT_F32)
+    weight = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
+    # Rounded as the reference rounds: the expert's output in the activation dtype, then scaled.
+    y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
+    if PARTIALS:
+        rows = (rows % TOP_K) * num_tokens + rows // TOP_K
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=valid[:, None] & col_ok[None, :])
+
+
+class GemmConfig(NamedTuple):
+    """Tile sizes and launch settings of the grouped GEMMs (``scripts/bench_moe_kernels.py
+    --tune`` times the alternatives)."""
+
+    block_m: int
+    """Rows per block (each expert's rows padded to a multiple)."""
+    block_n: int
+    """Output columns per program."""
+    block_k: int
+    """Reduction width per loop step."""
+    num_warps: int
+    num_stages: int | None = None
+    """Software-pipelining depth of the K loop; None: Triton's default."""
+
+
+def default_config(num_entries: int, num_experts: int, dtype: torch.dtype) -> GemmConfig:
+    """Tiles for ``num_entries`` assignments over ``num_experts``: 16-row blocks while experts
+    get a few rows each (decode: the weights are what is read, and a block past an expert's
+    rows is wasted), larger blocks as the rows per expert grow (prefill)."""
+    rows_per_expert = num_entries / num_experts
+    block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 64 else 64
+    block_k = 32 if dtype == torch.float32 else 64
+    return GemmConfig(block_m=block_m, block_n=64, block_k=block_k, num_warps=4)
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    config: GemmConfig | None = None,
+    then: str | None = None,
+) -> torch.Tensor | SplitPartials:
+    """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for ``x [T, hidden]`` (module
+    docstring): ``w13 [E, 2 * inter, hidden]``, ``w2 [E, hidden, inter]``, ``weights`` and
+    ``ids [T, top_k]``.  Returns ``[T, hidden]`` in ``x``'s dtype; with ``then="norm"`` (a
+    fused add + RMSNorm reads the output) the ``top_k`` weighted expert outputs unsummed, as
+    :class:`~pprun.layers.partials.SplitPartials` ``[top_k, T, hidden]`` in fp32 that the
+    norm's kernel sums as it reads them (one launch and one pass over the output fewer)."""
+    check_defer_merge(then)
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    top_k = ids.shape[1]
+    if w13.shape != (num_experts, 2 * inter, hidden) or w2.shape != (num_experts, hidden, inter):
+        raise ValueError(f"expert weights w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit "
+                         f"hidden={hidden}: expected [E, 2 * inter, {hidden}] and [E, {hidden}, inter]")
+    if weights.shape != ids.shape or ids.shape[0] != num_tokens:
+        raise ValueError(f"routing weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must both be "
+                         f"[{num_tokens}, top_k]")
+    num_entries = num_tokens * top_k
+    if num_entries == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    cfg = config or default_config(num_entries, num_experts, x.dtype)
+    align = align_by_expert(ids, num_experts, cfg.block_m)
+    num_blocks = align.block_expert.shape[0]
+    # fp32 products in fp32 (no TF32), as torch's reference; the interpreter's bf16 dot is
+    # broken (Triton 3.7), so there bf16 tiles are multiplied in fp32 too (exact products).
+    dot_f32 = x.dtype == torch.float32 or INTERPRETED
+    stages = {} if cfg.num_stages is None else {"num_stages": cfg.num_stages}
+    act = torch.empty(num_entries, inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
+        x, w13, act, align.sorted_entries, align.block_expert, align.num_rows,
+        num_entries, hidden, inter,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DOT_F32=dot_f32, PRECISE_EXP=not INTERPRETED, num_warps=cfg.num_warps, **stages, **NO_FMA,
+    )
+    partials = then == "norm"
+    y = torch.empty(num_entries, hidden, dtype=torch.float32 if partials else x.dtype, device=x.device)
+    _down_kernel[(num_blocks, triton.cdiv(hidden, cfg.block_n))](
+        act, w2, weights.reshape(-1).contiguous(), y, align.sorted_entries, align.block_expert, align.num_rows,
+        num_entries, num_tokens, hidden, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DOT_F32=dot_f32, PARTIALS=partials, num_warps=cfg.num_warps, **stages, **NO_FMA,
+    )
+    if partials:
+        return SplitPartials(y.view(top_k, num_tokens, hidden), None, x.dtype)
+    return torch.sum(y.view(num_tokens, top_k, hidden), dim=1)

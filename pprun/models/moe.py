@@ -1,0 +1,53 @@
+"""The sparse MLP of a mixture-of-experts decoder layer (Qwen3-MoE, Mixtral), as one module.
+
+``SparseMoeBlock`` holds the router (``gate``, a linear map to one logit per expert) and every
+expert's SwiGLU weights stacked in two tensors, ``w13 [E, 2 * inter, hidden]`` (gate rows, then
+up rows) and ``w2 [E, hidden, inter]``; a checkpoint's per-expert tensors are copied into their
+slices by :meth:`SparseMoeBlock.load_expert`.  What it computes (the routing and the experts'
+weighted sum, fused kernels where they run) is ``pprun.layers.moe``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pprun.layers import linear
+from pprun.layers.moe import moe_experts, route
+from pprun.layers.partials import SplitPartials
+from pprun.models.hf_config import MoeArch
+
+
+class SparseMoeBlock(nn.Module):
+    """Router plus experts: each token's output is its ``top_k`` experts' outputs weighted by the
+    router's probabilities (renormalised over the ``top_k`` where the model says so)."""
+
+    def __init__(self, moe: MoeArch, hidden_size: int) -> None:
+        super().__init__()
+        self.top_k = moe.top_k
+        self.num_experts = moe.num_experts
+        self.renormalize = moe.norm_topk_prob
+        self.intermediate_size = moe.expert_intermediate_size
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
+        inter = moe.expert_intermediate_size
+        self.w13 = nn.Parameter(torch.empty(moe.num_experts, 2 * inter, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(moe.num_experts, hidden_size, inter))
+        gate, up, down = moe.expert_names
+        self._slices = {gate: ("w13", 0), up: ("w13", inter), down: ("w2", 0)}
+
+    def forward(self, x: torch.Tensor, then: str | None = None) -> torch.Tensor | SplitPartials:
+        """The experts' weighted sum for ``x [T, hidden]`` (the post-attention norm's output);
+        ``then="norm"`` (``pprun.layers.plan``: a fused norm reads it) may leave it unsummed
+        (``pprun.layers.moe.moe_experts``)."""
+        # Logits in the activation dtype and softmax in float32, as transformers' routers.
+        weights, ids = route(linear(self.gate, x), self.top_k, self.renormalize)
+        return moe_experts(x, self.w13, self.w2, weights, ids, then=then)
+
+    def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> None:
+        """Copy one expert's checkpoint tensor (``proj``: its gate, up or down name) into place."""
+        if proj not in self._slices or not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert tensor {expert}.{proj} has no place in this block "
+                             f"({self.num_experts} experts, projections {sorted(self._slices)})")
+        name, row0 = self._slices[proj]
+        param = getattr(self, name)
+        param.data[expert, row0 : row0 + tensor.shape[0]].copy_(tensor)

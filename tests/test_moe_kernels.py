@@ -1,0 +1,266 @@
+"""The grouped expert kernels (``pprun.layers.moe_triton``) against the reference loop
+(``pprun.layers.moe.experts_reference``), and their sort by expert against torch's.
+
+They run on CUDA (``-m gpu`` runs the larger shapes there), or on CPU under the Triton
+interpreter at tiny sizes (the default without CUDA; ``PPRUN_TEST_TRITON_INTERPRET=0`` skips)::
+
+    pytest tests/test_moe_kernels.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_env import DEVICE, HAS_CUDA, triton_only  # noqa: E402  (sets TRITON_INTERPRET)
+
+from pprun.layers.moe import experts_reference, route
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def make_experts(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int, dtype: torch.dtype,
+                 seed: int = 0, renormalize: bool = True):
+    """Random activations, expert weights and a routing of ``num_tokens`` tokens (on DEVICE)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+    x = randn(num_tokens, hidden)
+    w13 = randn(num_experts, 2 * inter, hidden, scale=hidden**-0.5)
+    w2 = randn(num_experts, hidden, inter, scale=inter**-0.5)
+    logits = torch.randn(num_tokens, num_experts, generator=gen).to(DEVICE)
+    weights, ids = route(logits, top_k, renormalize)
+    return x, w13, w2, weights, ids
+
+
+def check_alignment(ids: torch.Tensor, num_experts: int, align) -> None:
+    """Every entry once, in its expert's blocks, in entry order within an expert; padding rows
+    ``N``; blocks past the rows in use ``-1``."""
+    flat = ids.reshape(-1).cpu()
+    num_entries = flat.numel()
+    rows = align.sorted_entries.cpu()
+    num_rows = int(align.num_rows.item())
+    assert num_rows % align.block_m == 0 and num_rows <= rows.numel()
+    block_expert = align.block_expert.cpu()
+    real = rows[rows < num_entries]
+    assert sorted(real.tolist()) == list(range(num_entries))
+    assert (rows[num_rows:] == num_entries).all()
+    for block in range(block_expert.numel()):
+        part = rows[block * align.block_m : (block + 1) * align.block_m]
+        if block * align.block_m >= num_rows:
+            assert block_expert[block] == -1
+            continue
+        expert = int(block_expert[block])
+        entries = part[part < num_entries]
+        assert (flat[entries.long()] == expert).all()
+    for expert in range(num_experts):
+        mine = real[flat[real.long()] == expert]
+        assert mine.tolist() == sorted(mine.tolist())  # stable: entry order within an expert
+
+
+@triton_only
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, block_m", [
+    (1, 5, 2, 16), (7, 6, 3, 16), (40, 3, 2, 16), (33, 128, 8, 16), (9, 7, 7, 32),
+])
+def test_align_kernel_sorts_by_expert_as_torch_does(num_tokens, num_experts, top_k, block_m):
+    from pprun.layers.moe_triton import align_by_expert, align_by_expert_torch
+
+    _, _, _, _, ids = make_experts(num_tokens, 16, 16, num_experts, top_k, torch.float32, seed=num_tokens)
+    got = align_by_expert(ids, num_experts, block_m)
+    want = align_by_expert_torch(ids, num_experts, block_m)
+    check_alignment(ids, num_experts, got)
+    check_alignment(ids, num_experts, want)
+    assert torch.equal(got.sorted_entries, want.sorted_entries)
+    assert torch.equal(got.block_expert, want.block_expert)
+    assert torch.equal(got.num_rows, want.num_rows)
+
+
+@triton_only
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, renormalize", [
+    (1, 5, 2, True), (9, 6, 3, False), (4, 128, 8, True), (3, 7, 1, False),
+])
+def test_route_kernel_matches_torch_routing(logits_dtype, num_tokens, num_experts, top_k, renormalize):
+    """One launch per step: the same experts, in the same (descending) order, and their weights."""
+    from pprun.layers import moe_triton
+
+    gen = torch.Generator().manual_seed(num_experts)
+    logits = (torch.randn(num_tokens, num_experts, generator=gen) * 2).to(logits_dtype)
+    want_w, want_ids = route(logits, top_k, renormalize)
+    got_w, got_ids = moe_triton.fused_route(logits.to(DEVICE), top_k, renormalize)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
+    assert torch.equal(got_ids.cpu(), want_ids)
+    torch.testing.assert_close(got_w.cpu(), want_w, atol=1e-6, rtol=1e-5)
+
+
+@triton_only
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on NaN
+def test_route_kernel_names_real_experts_for_a_nan_row():
+    """A padding row of NaN (garbage in a captured graph's padded rows) still routes to experts
+    that exist, so the kernels after it stay within the weights."""
+    from pprun.layers import moe_triton
+
+    logits = torch.randn(3, 6)
+    logits[1] = float("nan")
+    _, ids = moe_triton.fused_route(logits.to(DEVICE), 2, True)
+    assert ((ids >= 0) & (ids < 6)).all()
+
+
+def run_case(num_tokens, hidden, inter, num_experts, top_k, dtype, config=None, seed=0):
+    from pprun.layers.moe_triton import fused_experts
+
+    x, w13, w2, weights, ids = make_experts(num_tokens, hidden, inter, num_experts, top_k, dtype, seed=seed)
+    got = fused_experts(x, w13, w2, weights, ids, config)
+    want = experts_reference(x.float(), w13.float(), w2.float(), weights, ids).to(dtype)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    else:  # the reference in the same dtype rounds alike; the fp32 one bounds both
+        same = experts_reference(x, w13, w2, weights, ids)
+        torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype] * 4, rtol=TOLERANCE[dtype])
+        torch.testing.assert_close(got.float(), same.float(), atol=TOLERANCE[dtype] * 4, rtol=TOLERANCE[dtype])
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens, hidden, inter, num_experts, top_k", [
+    (1, 32, 24, 5, 2),     # one decode row, 5 experts
+    (6, 40, 36, 6, 3),     # odd widths (masked tiles), top-3
+    (19, 32, 20, 3, 1),    # several rows per expert, top-1
+])
+def test_fused_experts_match_the_reference_loop(dtype, num_tokens, hidden, inter, num_experts, top_k):
+    run_case(num_tokens, hidden, inter, num_experts, top_k, dtype)
+
+
+@triton_only
+def test_fused_experts_over_blocks_of_several_experts_and_k_tiles():
+    """Rows spanning several 16-row blocks of one expert, and hidden/inter over several K tiles
+    (BLOCK_K 32 in fp32)."""
+    from pprun.layers.moe_triton import GemmConfig
+
+    run_case(37, 72, 40, 4, 2, torch.float32, config=GemmConfig(block_m=16, block_n=16, block_k=32, num_warps=4))
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_experts_left_to_the_next_norm_as_partials(dtype):
+    """``then="norm"``: each token's ``top_k`` weighted expert rows come back unsummed, fp32
+    ``[top_k, T, hidden]`` split partials; the fused add + RMSNorm sums them as it reads them
+    and gives the norm of the summed output."""
+    from pprun.layers import fused
+    from pprun.layers.moe_triton import fused_experts
+    from pprun.layers.partials import SplitPartials
+
+    x, w13, w2, weights, ids = make_experts(6, 40, 36, 5, 3, dtype, seed=2)
+    parts = fused_experts(x, w13, w2, weights, ids, then="norm")
+    assert isinstance(parts, SplitPartials) and parts.parts.shape == (3, 6, 40) and parts.dtype == dtype
+    summed = fused_experts(x, w13, w2, weights, ids)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(parts.merge().float(), summed.float(), atol=tol * 4, rtol=tol)
+    residual = torch.randn(6, 40, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    norm_weight = torch.rand(40, generator=torch.Generator().manual_seed(2)).add(0.5).to(dtype).to(DEVICE)
+    got, got_residual = fused.fused_add_rms_norm(parts, residual, norm_weight, 1e-6)
+    want, want_residual = fused.fused_add_rms_norm(parts.merge(), residual, norm_weight, 1e-6)
+    # The same rounding steps; in bf16 the interpreter's conversions may land one ulp apart.
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got_residual, want_residual, atol=tol, rtol=tol)
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@triton_only
+def test_fused_experts_use_torch_sort_past_the_align_kernel(monkeypatch):
+    """Past ALIGN_KERNEL_MAX_ENTRIES the torch sort lays the rows out for the same kernels."""
+    from pprun.layers import moe_triton
+
+    monkeypatch.setattr(moe_triton, "ALIGN_KERNEL_MAX_ENTRIES", 4)
+    run_case(5, 32, 24, 5, 2, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens, num_experts, top_k", [
+    (1, 128, 8), (32, 128, 8), (256, 128, 8), (3000, 128, 8), (7, 8, 2), (64, 60, 4),
+])
+def test_fused_experts_gpu_shapes(dtype, num_tokens, num_experts, top_k):
+    """Qwen3-30B-A3B-like widths (hidden 2048, expert intermediate 768), Mixtral's 8 experts
+    top-2, an expert count off powers of two; decode rows and a prefill past the align kernel."""
+    run_case(num_tokens, 2048, 768, num_experts, top_k, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_fused_experts_replay_in_a_cuda_graph_for_any_routing():
+    """Captured once, the kernels replay for a routing other than the captured one (no host
+    sync and no shape depends on the routing)."""
+    from pprun.layers.moe_triton import fused_experts
+
+    x, w13, w2, weights, ids = make_experts(8, 256, 128, 16, 4, torch.bfloat16)
+    fused_experts(x, w13, w2, weights, ids)  # compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts(x, w13, w2, weights, ids)
+    _, _, _, new_weights, new_ids = make_experts(8, 256, 128, 16, 4, torch.bfloat16, seed=5)
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    graph.replay()
+    want = experts_reference(x, w13, w2, weights, ids)
+    torch.testing.assert_close(out.float(), want.float(), atol=8e-2, rtol=2e-2)
+
+
+# --- Qwen3's per-head q/k norm ----------------------------------------------------------------
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_norm_kernel_matches_the_attention_reference(dtype):
+    """``head_rms_norm_`` in place equals ``Attention.norm_heads``' plain torch (q and k heads
+    each through their RMSNorm, v untouched); head_dim 20 (a masked tile)."""
+    from pprun.layers.head_norm import head_rms_norm_
+    from pprun.layers.norm import RMSNorm
+
+    num_heads, num_kv_heads, head_dim = 4, 2, 20
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype).to(DEVICE)
+    q_norm, k_norm = RMSNorm(head_dim, 1e-6), RMSNorm(head_dim, 1e-6)
+    with torch.no_grad():
+        q_norm.weight.uniform_(0.5, 1.5, generator=gen)
+        k_norm.weight.uniform_(0.5, 1.5, generator=gen)
+    q_norm, k_norm = q_norm.to(dtype), k_norm.to(dtype)
+    q, k, v = qkv.cpu().split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    want = torch.cat([q_norm(q.reshape(-1, head_dim))[0].reshape(5, -1),
+                      k_norm(k.reshape(-1, head_dim))[0].reshape(5, -1), v], dim=-1)
+    got = head_rms_norm_(qkv, q_norm.weight.to(DEVICE), k_norm.weight.to(DEVICE), 1e-6, num_heads, num_kv_heads, head_dim)
+    assert got.data_ptr() == qkv.data_ptr()
+    tol = 1e-6 if dtype == torch.float32 else 2e-2  # bf16: one ulp (rsqrt's last bits)
+    torch.testing.assert_close(got.cpu(), want, atol=tol, rtol=tol)
+    assert torch.equal(got.cpu()[:, -num_kv_heads * head_dim:], v)
+
+
+# --- compiled for an H100/H200 without a GPU ----------------------------------------------------
+
+_EXPERT_POINTERS = {"sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_rows_ptr": "*i32", "ids_ptr": "*i64",
+                    "weights_ptr": "*fp32"}
+
+
+def test_expert_kernels_compile_for_sm90():
+    """The routing, the sort and both grouped GEMMs compile for sm_90 (``sm90_compile``) in bf16, the GEMMs'
+    K loops on tensor-core MMAs (fp32 differs only in taking IEEE fp32 dots)."""
+    from sm90_compile import compile_sm90
+
+    options = {"num_warps": 4, "enable_fp_fusion": False}
+    compile_sm90("pprun.layers.moe_triton", "_route_kernel",
+                 {"TOP_K": 8, "TOP_K_P2": 8, "EXPERTS_P2": 128, "RENORMALIZE": True}, options={"num_warps": 1},
+                 pointers={"ids_ptr": "*i64", "weights_ptr": "*fp32"}, default_pointer="*bf16")
+    compile_sm90("pprun.layers.moe_triton", "_align_kernel",
+                 {"EXPERTS_P2": 128, "BLOCK_M": 16, "CHUNK": 64}, options=options, pointers=_EXPERT_POINTERS)
+    gemm = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_F32": False}
+    for kernel, extra, pointers in (
+        ("_gate_up_kernel", {"TOP_K": 8, "PRECISE_EXP": True}, {}),
+        ("_down_kernel", {"TOP_K": 8, "PARTIALS": True}, {"y_ptr": "*fp32"}),  # partials for the next norm
+    ):
+        ptx = compile_sm90("pprun.layers.moe_triton", kernel, {**gemm, **extra}, options=options,
+                           pointers={**_EXPERT_POINTERS, **pointers}, default_pointer="*bf16",
+                           divisible=("hidden", "inter"))
+        assert "mma" in ptx, kernel
+
