@@ -86,6 +86,15 @@ class Request:
     """Position in the scheduler's arrival order (set by ``Scheduler.add_request``)."""
     mm_items: list[MultiModalItem] = field(default_factory=list)
     """Multimodal items (images, audio) whose placeholder ranges sit in the prompt, in prompt order."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Prefix caching: the hash chain of this request's full blocks of known tokens, first block
+    first (``pprun.core.block_manager``); grown as tokens become known, kept over preemption."""
+    num_registered_blocks: int = 0
+    """Prefix caching: leading blocks of ``block_ids`` already offered to the cache (registered
+    under their hash, or found there)."""
+    num_cached_tokens: int = -1
+    """Prompt tokens found in the prefix cache when the request was first admitted (-1: not
+    admitted yet)."""
 
     @property
     def in_flight(self) -> bool:

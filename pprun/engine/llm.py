@@ -206,6 +206,10 @@ class LLM:
         """Runner, executor and stage partition in use."""
         return self.engine.describe()
 
+    def cache_stats(self) -> dict:
+        """Prefix-cache hit rate, queries, hits and block counts (:meth:`LLMEngine.cache_stats`)."""
+        return self.engine.cache_stats()
+
     def shutdown(self) -> None:
         """Stop every stage process and free their memory; idempotent."""
         self.engine.shutdown()

@@ -67,6 +67,8 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     """Why the request ended with finish_reason "error"."""
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache (not computed for this request)."""
 
 
 @dataclass
