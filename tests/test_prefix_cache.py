@@ -85,6 +85,11 @@ def test_caching_on_gives_the_tokens_of_caching_off(tiny_llama_dir, reference, c
         assert llm.describe()["prefix_caching"] is True
         tokens, second = two_rounds(llm)
         stats = llm.cache_stats()
+        # Reset: BASE is computed again, as on a fresh engine.
+        assert llm.reset_prefix_cache()
+        again = llm.generate(token_prompts([BASE]), GREEDY)[0]
+        assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == reference[0]
+        assert llm.cache_stats()["num_queries"] == 1
     assert tokens == reference
     assert {name: o.num_cached_tokens for name, o in zip(SECOND, second)} == EXPECTED_CACHED
     # Every request was looked up once; the SECOND batch found at least what BASE left.
@@ -92,6 +97,25 @@ def test_caching_on_gives_the_tokens_of_caching_off(tiny_llama_dir, reference, c
     assert stats["num_hit_tokens"] == sum(EXPECTED_CACHED.values())
     assert stats["num_hits"] == 4 and 0 < stats["hit_rate"] < 1
     assert stats["num_cached_blocks"] > 0 and stats["num_evicted_blocks"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("pp", "executor", "mode"), [(1, "uni", "full"), (1, "uni", "piecewise"), (2, "mp", "full")])
+def test_caching_on_gives_the_tokens_of_caching_off_under_cuda_graphs_gpu(tiny_llama_dir, pp, executor, mode):
+    """On CUDA (V2, fp32, Triton attention, CUDA graphs): the same two rounds with caching on and
+    off give the same tokens; decode steps of requests admitted at a cached prefix replay the
+    graphs."""
+    import torch
+
+    if torch.cuda.device_count() < pp:
+        pytest.skip(f"needs {pp} GPUs")
+    got = {}
+    for on in (False, True):
+        with LLM(str(tiny_llama_dir), dtype="float32", device="cuda", runner="v2", executor=executor,
+                 pipeline_parallel_size=pp, block_size=BS, cudagraph_mode=mode, enable_prefix_caching=on) as llm:  # fmt: skip
+            got[on], second = two_rounds(llm)
+    assert got[True] == got[False]
+    assert {name: o.num_cached_tokens for name, o in zip(SECOND, second)} == EXPECTED_CACHED
 
 
 EVICT_PROMPTS = [BASE, _tokens(44), _tokens(44), BASE, BASE[:20] + _tokens(13)]

@@ -126,6 +126,21 @@ def test_without_prefix_caching_nothing_is_named_or_found():
     assert bm.num_cached_blocks == 0 and bm.find_cached_prefix(req("b", list(range(10, 19)))) == []
 
 
+def test_reset_forgets_every_cached_block_once_none_is_owned():
+    bm = BlockManager(32, BS, enable_prefix_caching=True)
+    a = req("a", list(range(10, 19)))
+    admit(bm, a)
+    bm.record_admission(a, 0)
+    assert not bm.reset_prefix_cache() and bm.num_cached_blocks == 2  # a still owns its blocks
+    bm.free(a)
+    assert bm.reset_prefix_cache()
+    assert bm.num_cached_blocks == 0 and bm.num_free_blocks == 31 and bm.stats.num_queries == 0
+    assert bm.find_cached_prefix(req("b", list(range(10, 19)))) == []
+    b = req("b", list(range(10, 19)))
+    admit(bm, b)  # the forgotten blocks are plain free blocks again
+    assert bm.num_cached_blocks == 2
+
+
 # --- eviction ---------------------------------------------------------------------------------------
 
 

@@ -254,6 +254,20 @@ class BlockManager:
         s.num_usable_blocks = self.num_usable_blocks
         return s
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block and zero the counters (a benchmark's timed run after its
+        warm-up on the same prompts).  Only while no request owns a block: returns False, with
+        nothing changed, otherwise."""
+        if self.num_free_blocks != self.num_usable_blocks:
+            return False
+        for block_id in self._evictable:
+            self._block_hash[block_id] = None
+        self._free_block_ids.extend(self._evictable)
+        self._evictable.clear()
+        self._cached.clear()
+        self.stats = PrefixCacheStats(enabled=self.enable_prefix_caching)
+        return True
+
     # --- allocation -------------------------------------------------------------------------------
 
     def _take_free_block(self) -> int:

@@ -178,6 +178,14 @@ class LLMEngine(InputProcessor):
         ``num_free_blocks``, ``num_usable_blocks``): what benchmarks and server metrics read."""
         return self.scheduler.block_manager.snapshot_stats().as_dict()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block and zero the prefix-cache counters, so that a timed run
+        after a warm-up on the same prompts computes them again; False (nothing changed) while
+        a request holds blocks."""
+        if self.in_flight:
+            return False
+        return self.scheduler.block_manager.reset_prefix_cache()
+
     def _init_cache(self) -> None:
         cache = self.cfg.cache
         available = self.executor.num_blocks
