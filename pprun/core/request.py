@@ -63,7 +63,8 @@ class Request:
     num_computed_tokens: int = 0
     """Tokens whose KV is in the cache (advanced when a step is scheduled, not when it ends)."""
     block_ids: list[int] = field(default_factory=list)
-    """KV-cache blocks this request owns, in token order."""
+    """KV-cache blocks this request owns, in token order (with prefix caching, its cached prefix
+    blocks are shared with other requests)."""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     """``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` once finished."""
