@@ -199,3 +199,29 @@ def test_an_encoder_decoder_model_runs_without_it_and_says_so(tmp_path, caplog):
     assert facts["prefix_caching"] is False and stats["enabled"] is False and stats["num_cached_blocks"] == 0
     said = [r for r in caplog.records if "prefix caching is off" in r.getMessage()]
     assert len(said) == 1 and "encoder-decoder" in said[0].getMessage()
+
+
+# --- serving: the engine clients ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("client", ["AsyncEngine", "EngineProcess"])
+def test_engine_clients_report_cached_tokens_and_stats(tiny_llama_dir, reference, client):
+    """Through the serving engine (on a thread or in its own process): a stream's last delta says
+    how many prompt tokens were cached, and ``cache_stats()`` the hits, as offline."""
+    from pprun.config.config import PprunConfig
+    from pprun.engine.async_engine import AsyncEngine
+    from pprun.engine.engine_process import EngineProcess
+
+    cls = {"AsyncEngine": AsyncEngine, "EngineProcess": EngineProcess}[client]
+    engine = cls(PprunConfig.from_kwargs(model=str(tiny_llama_dir), dtype="float32", block_size=BS))
+    try:
+        assert engine.cache_stats()["enabled"] is True
+        first = list(engine.add_request({"prompt_token_ids": BASE}, GREEDY))
+        again = list(engine.add_request({"prompt_token_ids": SECOND["extends"]}, GREEDY))
+        stats = engine.cache_stats()
+    finally:
+        engine.shutdown()
+    assert [t for d in first for t in d.token_ids] == reference[0]
+    assert [t for d in again for t in d.token_ids] == reference[1 + list(SECOND).index("extends")]
+    assert (first[-1].num_cached_tokens, again[-1].num_cached_tokens) == (0, EXPECTED_CACHED["extends"])
+    assert (stats["num_queries"], stats["num_hit_tokens"]) == (2, EXPECTED_CACHED["extends"])

@@ -100,3 +100,5 @@ class RequestDelta:
     """Output tokens so far (all of them on the last delta)."""
     metrics: RequestMetrics | None = None
     """Timings, on the last delta."""
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache, on the last delta."""
