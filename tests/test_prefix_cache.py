@@ -40,6 +40,9 @@ SECOND = {
     "aligned": BASE[:32],  # exactly four blocks: three found
 }
 EXPECTED_CACHED = {"none": 0, "part": 16, "all": 32, "extends": 40, "aligned": 24}
+ONE_LEFT = BASE[:32] + _tokens(1)
+"""Four cached blocks and one token to compute: alone, its first step is shaped like a decode
+step (one token, one request; a full CUDA graph on GPU)."""
 
 
 def token_prompts(prompts: list[list[int]]) -> list[dict]:
@@ -47,10 +50,12 @@ def token_prompts(prompts: list[list[int]]) -> list[dict]:
 
 
 def two_rounds(llm) -> tuple[list[list[int]], list]:
-    """BASE alone (it fills the cache), then every SECOND prompt in one batch."""
+    """BASE alone (it fills the cache), then every SECOND prompt in one batch, then ONE_LEFT
+    alone; returns every output's tokens and the outputs of the last two rounds."""
     first = llm.generate(token_prompts([BASE]), GREEDY)
     second = llm.generate(token_prompts(list(SECOND.values())), GREEDY)
-    return [o.outputs[0].token_ids for o in first + second], second
+    third = llm.generate(token_prompts([ONE_LEFT]), GREEDY)
+    return [o.outputs[0].token_ids for o in first + second + third], second + third
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +97,11 @@ def test_caching_on_gives_the_tokens_of_caching_off(tiny_llama_dir, reference, c
         assert llm.cache_stats()["num_queries"] == 1
     assert tokens == reference
     assert {name: o.num_cached_tokens for name, o in zip(SECOND, second)} == EXPECTED_CACHED
-    # Every request was looked up once; the SECOND batch found at least what BASE left.
-    assert stats["num_queries"] == 1 + len(SECOND)
-    assert stats["num_hit_tokens"] == sum(EXPECTED_CACHED.values())
-    assert stats["num_hits"] == 4 and 0 < stats["hit_rate"] < 1
+    assert second[-1].num_cached_tokens == 32  # ONE_LEFT
+    # Every request was looked up once.
+    assert stats["num_queries"] == 2 + len(SECOND)
+    assert stats["num_hit_tokens"] == sum(EXPECTED_CACHED.values()) + 32
+    assert stats["num_hits"] == 5 and 0 < stats["hit_rate"] < 1
     assert stats["num_cached_blocks"] > 0 and stats["num_evicted_blocks"] == 0
 
 
@@ -116,6 +122,7 @@ def test_caching_on_gives_the_tokens_of_caching_off_under_cuda_graphs_gpu(tiny_l
             got[on], second = two_rounds(llm)
     assert got[True] == got[False]
     assert {name: o.num_cached_tokens for name, o in zip(SECOND, second)} == EXPECTED_CACHED
+    assert second[-1].num_cached_tokens == 32  # ONE_LEFT
 
 
 EVICT_PROMPTS = [BASE, _tokens(44), _tokens(44), BASE, BASE[:20] + _tokens(13)]
