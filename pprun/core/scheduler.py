@@ -370,9 +370,10 @@ class Scheduler:
                 req.num_output_tokens_sent = len(outputs)
                 self._mark_scheduled(req, num_new_tokens, num_scheduled_tokens, scheduled)
                 token_budget -= num_new_tokens
-                if prefix_caching:
+                if prefix_caching and req.num_computed_tokens >= (req.num_registered_blocks + 1) * block_size:
                     # Blocks this step fills, as far as their token ids are known (an async
                     # step may compute a token the host learns later: named in a later step).
+                    # Checked inline first: most decode steps fill no block.
                     block_manager.register_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
 
         take_running(candidates)
