@@ -1,6 +1,6 @@
 """Prefix caching end to end: greedy tokens with caching on equal those with it off, token for
-token (fp32 on CPU), on every executor (uni, mp, ray) and both runners, pp = 1 and 2, with and
-without chunked prefill; requests that share none, part or all of their prompt with what is
+token (fp32 on CPU), on every executor (uni, mp, ray, external_launcher under torchrun) and both
+runners, pp = 1 and 2, with and without chunked prefill; requests that share none, part or all of their prompt with what is
 cached; a cached block evicted and recomputed mid-run; Llava prompts whose blocks differ only in
 their image; an encoder-decoder model runs without it."""
 
@@ -123,6 +123,43 @@ def test_caching_on_gives_the_tokens_of_caching_off_under_cuda_graphs_gpu(tiny_l
     assert got[True] == got[False]
     assert {name: o.num_cached_tokens for name, o in zip(SECOND, second)} == EXPECTED_CACHED
     assert second[-1].num_cached_tokens == 32  # ONE_LEFT
+
+
+SPMD_SCRIPT = r"""
+import json, os, sys
+from pprun import LLM, SamplingParams
+model_dir, out_dir, rounds, block_size, max_tokens = json.loads(sys.argv[1])
+params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+tokens, cached = [], []
+with LLM(model=model_dir, dtype="float32", device="cpu", pipeline_parallel_size=2, block_size=block_size,
+         cpu_kv_cache_bytes=1 << 22) as llm:
+    for prompts in rounds:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        tokens += [o.outputs[0].token_ids for o in outs]
+        cached += [o.num_cached_tokens for o in outs]
+    stats = llm.cache_stats()
+with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
+    json.dump({"tokens": tokens, "cached": cached, "stats": stats}, f)
+"""
+
+
+def test_spmd_ranks_agree_on_cached_blocks_under_torchrun(tiny_llama_dir, reference, tmp_path):
+    """executor=external_launcher, pp=2: every rank runs its own scheduler, and both name, find
+    and reuse the same blocks (SHA-256 names): each rank's tokens are caching off's."""
+    import json
+
+    from test_torchrun import _torchrun
+
+    script = tmp_path / "spmd.py"
+    script.write_text(SPMD_SCRIPT)
+    rounds = [[BASE], list(SECOND.values()), [ONE_LEFT]]
+    _torchrun([str(script), json.dumps([str(tiny_llama_dir), str(tmp_path), rounds, BS, MAX_TOKENS])], cwd=tmp_path)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for res in ranks:
+        assert res["tokens"] == reference
+        assert res["cached"] == [0, *EXPECTED_CACHED.values(), 32]
+        assert res["stats"]["num_hit_tokens"] == sum(EXPECTED_CACHED.values()) + 32
+    assert ranks[0]["stats"] == ranks[1]["stats"]
 
 
 EVICT_PROMPTS = [BASE, _tokens(44), _tokens(44), BASE, BASE[:20] + _tokens(13)]
