@@ -185,11 +185,12 @@ def test_chunks_cut_image_ranges_and_the_encoder_budget_holds(clip_dir, runner, 
 def test_preempted_requests_keep_their_encoder_outputs(clip_dir, runner):
     """A KV cache of 19 blocks for ten image prompts preempts (recompute) again and again; a
     preempted request resumes from the cached encoder outputs: three distinct images, three
-    encodings.  Tokens stay transformers'."""
+    encodings.  Tokens stay transformers'.  Prefix caching is off: the repeated prompts would
+    share their blocks and need too few to preempt."""
     prompts = PROMPTS * 3 + [PROMPTS[1]]
     params = SamplingParams(temperature=0.0, max_tokens=10)
     with LLM(str(clip_dir), dtype="float32", max_model_len=256, runner=runner, executor="uni",
-             max_num_batched_tokens=32, kv_cache_memory_bytes=19 * 8192) as llm:
+             max_num_batched_tokens=32, kv_cache_memory_bytes=19 * 8192, enable_prefix_caching=False) as llm:
         assert llm.engine.num_blocks == 19
         calls = _count_encodes(_stage_mm(llm))
         outs = llm.generate(pprun_prompts(prompts), params)

@@ -133,6 +133,11 @@ class CacheConfig:
     cpu_kv_cache_bytes: int = 1024 * 1024 * 1024
     """On CPU, KV-cache bytes per stage when kv_cache_memory_bytes is not set (1 GiB: the demo
     model needs ~380 MB for one 8192-token request across its 30 layers)."""
+    enable_prefix_caching: bool = True
+    """Keep full KV blocks after their request ends, named by a hash chain over their tokens (and
+    multimodal items), and reuse them for any later request whose prompt starts with the same
+    blocks; evicted least-recently-used when the pool needs blocks.  Encoder-decoder models
+    (Whisper) run without it (logged once)."""
 
 
 @dataclass

@@ -29,7 +29,8 @@ class NewRequestData:
     block_ids: list[int]
     """KV-cache blocks owned by this request, in order (the same ids on every stage)."""
     num_computed_tokens: int
-    """Tokens whose KV is already in the cache before this step (0 for a fresh request)."""
+    """Tokens whose KV is already in the cache before this step: 0 for a fresh request, or the
+    cached prefix (whole blocks, shared with earlier requests) with prefix caching."""
     mm_items: list[MultiModalItem] = field(default_factory=list)
     """The request's multimodal items; their tensors only in the first stage's copy of the step
     (:meth:`SchedulerOutput.without_payload`)."""

@@ -63,7 +63,8 @@ class Request:
     num_computed_tokens: int = 0
     """Tokens whose KV is in the cache (advanced when a step is scheduled, not when it ends)."""
     block_ids: list[int] = field(default_factory=list)
-    """KV-cache blocks this request owns, in token order."""
+    """KV-cache blocks this request owns, in token order (with prefix caching, its cached prefix
+    blocks are shared with other requests)."""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     """``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` once finished."""
@@ -86,6 +87,15 @@ class Request:
     """Position in the scheduler's arrival order (set by ``Scheduler.add_request``)."""
     mm_items: list[MultiModalItem] = field(default_factory=list)
     """Multimodal items (images, audio) whose placeholder ranges sit in the prompt, in prompt order."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Prefix caching: the hash chain of this request's full blocks of known tokens, first block
+    first (``pprun.core.block_manager``); grown as tokens become known, kept over preemption."""
+    num_registered_blocks: int = 0
+    """Prefix caching: leading blocks of ``block_ids`` already offered to the cache (registered
+    under their hash, or found there)."""
+    num_cached_tokens: int = -1
+    """Prompt tokens found in the prefix cache when the request was first admitted (-1: not
+    admitted yet)."""
 
     @property
     def in_flight(self) -> bool:

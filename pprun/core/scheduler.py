@@ -6,8 +6,9 @@ step's :class:`ModelRunnerOutput` comes back through ``update_from_output``.  Up
 flight); a request is in at most one of them, because a decode needs the token sampled by
 the previous step.
 
-Every decision depends only on the order of calls, never on time or hashing, so SPMD ranks
-that each run their own scheduler on the same inputs emit identical outputs.
+Every decision depends only on the order of calls and the token ids, never on time or
+process-dependent hashing (prefix-cache hashes are SHA-256), so SPMD ranks that each run their
+own scheduler on the same inputs emit identical outputs.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ class Scheduler:
     that does not fit blocks those behind it.  When a running request needs a KV block and
     none is free, the most recently arrived running request that is not in flight (possibly
     itself) is preempted: its blocks are freed and it is recomputed later from its prompt and
-    outputs.
+    outputs.  With prefix caching, a waiting request is admitted with its cached prefix (whole
+    blocks, never its last token) already computed, and a preempted one's freed blocks stay
+    cached for its resumption until the pool needs them.
     """
 
     def __init__(
@@ -63,6 +66,7 @@ class Scheduler:
         spread_over_in_flight: bool = False,
         async_scheduling: bool = False,
         max_num_encoder_tokens: int | None = None,
+        enable_prefix_caching: bool = False,
     ) -> None:
         _positive_int("max_num_seqs", max_num_seqs)
         _positive_int("max_num_batched_tokens", max_num_batched_tokens)
@@ -87,7 +91,10 @@ class Scheduler:
         step may compute: the encoder budget."""
         self.encoder_cache = EncoderCacheManager()
         """Which multimodal items' encoder outputs the first stage holds, and who needs them."""
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.enable_prefix_caching = enable_prefix_caching
+        """Reuse cached full KV blocks a new request's tokens start with (``pprun.core.block_manager``):
+        the request is admitted with ``num_computed_tokens`` at the cached prefix's end."""
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         min_blocks = min_blocks_for_one_request(max_model_len, block_size)
         if self.block_manager.num_usable_blocks < min_blocks:
             raise ValueError(
@@ -284,6 +291,10 @@ class Scheduler:
         preempted_this_step = False
         num_unfinished = min(len(self._requests), self.max_num_seqs)
         step_cap = self._step_request_cap(num_unfinished)
+        block_manager = self.block_manager
+        prefix_caching = self.enable_prefix_caching
+        if prefix_caching:
+            block_manager.begin_step()
 
         # Running requests first, earliest arrival first.  The common case (a decode token
         # within the request's last block) allocates nothing and reads lengths directly: with a
@@ -359,6 +370,11 @@ class Scheduler:
                 req.num_output_tokens_sent = len(outputs)
                 self._mark_scheduled(req, num_new_tokens, num_scheduled_tokens, scheduled)
                 token_budget -= num_new_tokens
+                if prefix_caching and req.num_computed_tokens >= (req.num_registered_blocks + 1) * block_size:
+                    # Blocks this step fills, as far as their token ids are known (an async
+                    # step may compute a token the host learns later: named in a later step).
+                    # Checked inline first: most decode steps fill no block.
+                    block_manager.register_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
 
         take_running(candidates)
 
@@ -372,21 +388,41 @@ class Scheduler:
             and len(scheduled) < step_cap
         ):
             req = self._waiting[0]
-            # A waiting request is never in flight: only requests out of flight are preempted.
-            num_new_tokens = req.num_tokens - req.num_computed_tokens
+            # A waiting request is never in flight: only requests out of flight are preempted,
+            # and its num_computed_tokens is 0.
+            cached_block_ids = block_manager.find_cached_prefix(req) if prefix_caching else []
+            num_computed = len(cached_block_ids) * block_size
+            num_new_tokens = req.num_tokens - num_computed
             if num_new_tokens > token_budget:
                 if not self.enable_chunked_prefill:
                     break
                 num_new_tokens = token_budget
+            if num_new_tokens == 1 and cached_block_ids:
+                # A one-token step may run as a fused decode kernel that writes each token's KV
+                # and attends in one launch: no block this very step writes may be read.
+                num_kept = next(
+                    (i for i, b in enumerate(cached_block_ids) if block_manager.registered_this_step(b)),
+                    len(cached_block_ids),
+                )
+                if num_kept < len(cached_block_ids):
+                    cached_block_ids = cached_block_ids[:num_kept]
+                    num_computed = num_kept * block_size
+                    num_new_tokens = min(req.num_tokens - num_computed, token_budget)
             if req.mm_items:
                 num_whole = num_new_tokens
                 num_new_tokens, to_encode, cost = plan_encoder_inputs(
-                    req.mm_items, req.num_computed_tokens, num_new_tokens, encoder_budget, self.encoder_cache
+                    req.mm_items, num_computed, num_new_tokens, encoder_budget, self.encoder_cache
                 )
                 if num_new_tokens == 0 or (num_new_tokens < num_whole and not self.enable_chunked_prefill):
                     break  # the step's encoder budget is spent: FCFS, so the rest wait too
-            if self.block_manager.allocate(req, req.num_computed_tokens + num_new_tokens) is None:
+                if num_new_tokens == 1 and any(block_manager.registered_this_step(b) for b in cached_block_ids):
+                    break  # cut to one token on a block this step writes (see above): next step
+            if block_manager.allocate(req, num_computed + num_new_tokens, cached_block_ids) is None:
                 break
+            req.num_computed_tokens = num_computed
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_computed
+                block_manager.record_admission(req, num_computed)
             if req.mm_items and to_encode:
                 encoder_inputs[req.req_id] = to_encode
                 encoder_budget -= cost
@@ -409,6 +445,8 @@ class Scheduler:
             req.num_output_tokens_sent = req.num_output_tokens
             self._mark_scheduled(req, num_new_tokens, num_scheduled_tokens, scheduled)
             token_budget -= num_new_tokens
+            if prefix_caching:
+                block_manager.register_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
         if joiners:
             take_running(joiners)
 

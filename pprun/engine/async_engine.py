@@ -210,6 +210,11 @@ class EngineClient(abc.ABC):
         the block size."""
         raise NotImplementedError
 
+    @abc.abstractmethod
+    def cache_stats(self) -> dict:
+        """Prefix-cache hit rate, queries, hits and block counts (``LLMEngine.cache_stats``)."""
+        raise NotImplementedError
+
     # --- state ------------------------------------------------------------------------------------
 
     @property
@@ -386,6 +391,7 @@ class EngineClient(abc.ABC):
             fin.request_id, fin.new_token_ids, text, fin.logprobs, finished=True,
             finish_reason=fin.finish_reason, stop_reason=fin.stop_reason, error=fin.error,
             num_prompt_tokens=fin.num_prompt_tokens, num_output_tokens=fin.num_output_tokens, metrics=fin.metrics,
+            num_cached_tokens=fin.num_cached_tokens,
         )  # fmt: skip
 
     def _error_delta(self, active: _Active, why: str) -> RequestDelta:
@@ -465,6 +471,10 @@ class AsyncEngine(EngineClient):
         """The engine's facts (model, runner, executor, stage layout) plus ``max_model_len`` and
         the block size."""
         return serving_facts(self.engine)
+
+    def cache_stats(self) -> dict:
+        """The engine's prefix-cache stats now (read from the engine thread's counters)."""
+        return self.engine.cache_stats()
 
     def _send(self, cmd: Command) -> None:
         self._commands.put(cmd)

@@ -81,6 +81,8 @@ class FinishedUpdate:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache (``RequestOutput.num_cached_tokens``)."""
 
 
 @dataclass
@@ -96,6 +98,9 @@ class StepReport:
     """``LLMEngine.num_steps`` after this report's step."""
     num_free_blocks: int = 0
     """KV blocks free after this report's step."""
+    cache_stats: dict | None = None
+    """``LLMEngine.cache_stats()`` when a request was admitted or a block evicted since the last
+    report that carried them (None otherwise: nothing to resend on every step)."""
 
 
 def serving_facts(engine: LLMEngine) -> dict:
@@ -132,6 +137,8 @@ class EngineLoop:
         """Requests ended while commands were applied (refused by the engine): reported next."""
         self._last_counters = (-1, -1)
         """``(num_steps, num_free_blocks)`` of the last report sent."""
+        self._last_cache_counters = (0, 0)
+        """``(num_queries, num_evicted_blocks)`` of the last report that carried cache stats."""
 
     def run(self) -> None:
         """Step until a :data:`STOP` command comes."""
@@ -179,6 +186,11 @@ class EngineLoop:
         if not (report.updates or report.finished or report.failure) and counters == self._last_counters:
             return  # a round that scheduled nothing (waiting for blocks): nothing to wake the caller for
         self._last_counters = counters
+        stats = self.engine.scheduler.block_manager.stats
+        cache_counters = (stats.num_queries, stats.num_evicted_blocks)
+        if cache_counters != self._last_cache_counters:
+            self._last_cache_counters = cache_counters
+            report.cache_stats = self.engine.cache_stats()
         self.report(report)
 
     def _add(self, cmd: AddCommand) -> None:
@@ -241,7 +253,7 @@ class EngineLoop:
             comp.finish_reason, comp.stop_reason,
             text=comp.text if self.engine.decode_outputs or comp.cut_by_stop_string else None,
             error=out.error, num_prompt_tokens=len(out.prompt_token_ids), num_output_tokens=len(comp.token_ids),
-            metrics=out.metrics,
+            metrics=out.metrics, num_cached_tokens=out.num_cached_tokens,
         )  # fmt: skip
 
     def _fail(self, why: str) -> None:

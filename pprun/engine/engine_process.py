@@ -36,6 +36,7 @@ import threading
 from multiprocessing.connection import Connection
 
 from pprun.config.config import PprunConfig
+from pprun.core.block_manager import PrefixCacheStats
 from pprun.engine.async_engine import EngineClient, max_unfinished_requests
 from pprun.engine.engine_loop import STOP, Command, EngineLoop, StepReport, serving_facts
 from pprun.engine.inputs import InputProcessor
@@ -87,6 +88,7 @@ class EngineProcess(EngineClient):
             self._kill()
             raise
         self._facts, self._num_free_blocks = ready
+        self._cache_stats = PrefixCacheStats(enabled=bool(self._facts.get("prefix_caching"))).as_dict()
         self._num_steps = 0
         super().__init__(inputs, max_unfinished)
         logger.info("engine process %d started", self._proc.pid)
@@ -133,6 +135,11 @@ class EngineProcess(EngineClient):
         """The engine's facts as the engine process gave them at start-up."""
         return dict(self._facts)
 
+    def cache_stats(self) -> dict:
+        """The prefix-cache stats of the engine's last report that carried them (sent when a
+        request is admitted or a block evicted)."""
+        return dict(self._cache_stats)
+
     def _send(self, cmd: Command) -> None:
         try:
             with self._send_lock:
@@ -142,6 +149,8 @@ class EngineProcess(EngineClient):
 
     def _on_report(self, report: StepReport) -> None:
         self._num_steps, self._num_free_blocks = report.num_steps, report.num_free_blocks
+        if report.cache_stats is not None:
+            self._cache_stats = report.cache_stats
         super()._on_report(report)
 
     def _read(self) -> None:

@@ -206,6 +206,14 @@ class LLM:
         """Runner, executor and stage partition in use."""
         return self.engine.describe()
 
+    def cache_stats(self) -> dict:
+        """Prefix-cache hit rate, queries, hits and block counts (:meth:`LLMEngine.cache_stats`)."""
+        return self.engine.cache_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block and zero the counters (:meth:`LLMEngine.reset_prefix_cache`)."""
+        return self.engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stop every stage process and free their memory; idempotent."""
         self.engine.shutdown()

@@ -161,7 +161,30 @@ class LLMEngine(InputProcessor):
             spread_over_in_flight=self.executor.pp_size > 1,
             async_scheduling=self.async_scheduling,
             max_num_encoder_tokens=sc.max_num_encoder_tokens,
+            enable_prefix_caching=self.prefix_caching,
         )
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether this engine reuses cached KV blocks: ``cache.enable_prefix_caching``, except
+        for an encoder-decoder model (its decoder also reads a per-request cross-attention cache
+        the blocks do not name)."""
+        return self.cfg.cache.enable_prefix_caching and self.resolved.arch.audio_encoder is None
+
+    def cache_stats(self) -> dict:
+        """Prefix-cache counters and block counts (``PrefixCacheStats.as_dict``: ``enabled``,
+        ``hit_rate``, ``num_queries``, ``num_hits``, ``num_query_tokens``, ``num_hit_tokens``,
+        ``num_evicted_blocks``, ``num_cached_blocks``, ``num_evictable_blocks``,
+        ``num_free_blocks``, ``num_usable_blocks``): what benchmarks and server metrics read."""
+        return self.scheduler.block_manager.snapshot_stats().as_dict()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block and zero the prefix-cache counters, so that a timed run
+        after a warm-up on the same prompts computes them again; False (nothing changed) while
+        a request holds blocks."""
+        if self.in_flight:
+            return False
+        return self.scheduler.block_manager.reset_prefix_cache()
 
     def _init_cache(self) -> None:
         cache = self.cfg.cache
@@ -178,6 +201,12 @@ class LLMEngine(InputProcessor):
         self.num_blocks = available
         self.executor.init_cache(available)
         logger.info("KV cache: %d blocks of %d tokens per stage", available, cache.block_size)
+        if cache.enable_prefix_caching and not self.prefix_caching:
+            logger.info(
+                "prefix caching is off: model %s is an encoder-decoder model, whose requests each "
+                "read their own encoder output (cache.enable_prefix_caching applies to decoder-only models)",
+                self.cfg.model.model,
+            )
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -370,6 +399,7 @@ class LLMEngine(InputProcessor):
             finished=True,
             metrics=tr.metrics,
             error=tr.error or (self.dead if req.finish_reason == "error" else None),
+            num_cached_tokens=max(req.num_cached_tokens, 0),
         )
 
     def _fail(self, why: str) -> None:
@@ -415,6 +445,7 @@ class LLMEngine(InputProcessor):
             "device": rc.device,
             "dtype": str(rc.dtype).removeprefix("torch."),
             "kv_blocks_per_stage": self.num_blocks,
+            "prefix_caching": self.prefix_caching,
             "steps_in_flight": self.executor.max_in_flight if self.executor else 1,
             # Both keep two steps per batch in flight: async scheduling with one stage in process
             # (executor uni), async pipeline steps across stages (mp, ray).

@@ -67,6 +67,8 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     """Why the request ended with finish_reason "error"."""
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache (not computed for this request)."""
 
 
 @dataclass
@@ -98,3 +100,5 @@ class RequestDelta:
     """Output tokens so far (all of them on the last delta)."""
     metrics: RequestMetrics | None = None
     """Timings, on the last delta."""
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache, on the last delta."""
