@@ -28,7 +28,6 @@ import logging
 import subprocess
 import sys
 import tempfile
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -67,10 +66,9 @@ def vllm_python(cfg: BenchAppConfig) -> str:
 
 
 def prefix_caching(cfg: BenchAppConfig) -> bool:
-    """Whether pprun caches prompt prefixes in this configuration (``cache.enable_prefix_caching``
-    where the cache config declares it), so that vLLM does the same."""
-    declared = {f.name for f in fields(cfg.cache)}
-    return bool(cfg.cache.enable_prefix_caching) if "enable_prefix_caching" in declared else False
+    """Whether pprun caches prompt prefixes in this configuration (``cache.enable_prefix_caching``),
+    so that vLLM does the same."""
+    return bool(cfg.cache.enable_prefix_caching)
 
 
 def unsupported(job: PeerJob) -> str | None:
