@@ -224,7 +224,7 @@ def test_vllm_settings_follow_pprun_run():
     args = engine_args(_job(cfg, reqs))
     assert args == {
         "model": "/ckpt", "dtype": "bfloat16", "max_num_seqs": 32, "max_model_len": 512,
-        "max_num_batched_tokens": 4096, "enforce_eager": False, "enable_prefix_caching": False, "seed": 0,
+        "max_num_batched_tokens": 4096, "enforce_eager": False, "enable_prefix_caching": True, "seed": 0,
         "skip_tokenizer_init": True,
     }  # fmt: skip
     for executor in ("mp", "ray"):
