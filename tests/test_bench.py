@@ -385,6 +385,9 @@ class LLM:
             for out in self.llm_engine.step():
                 tokens[out.request_id] += out.outputs[0].token_ids
         return [_Output(key, ids, True) for key, ids in tokens.items()]
+
+    def reset_prefix_cache(self):
+        return True
 '''
 
 FAKE_SAMPLING_PARAMS = '''
