@@ -434,7 +434,8 @@ class ServeConfig:
     """The gRPC server of ``pprun serve`` (``docs/serving.md``)."""
 
     host: str = "127.0.0.1"
-    """Address to bind: loopback by default; "0.0.0.0" or "[::]" only when asked."""
+    """Address to bind: loopback by default; "0.0.0.0" or "[::]" only when asked, and an address
+    beyond loopback only with a token or ``allow_unauthenticated`` (``pprun.serve.exposure``)."""
     port: int = 50051
     """TCP port; 0 picks a free one (the address served is logged and printed)."""
     model_name: str | None = None

@@ -219,7 +219,10 @@ def stop_local_ray(grace_s: float = 0.2, temp_dir: str | None = None) -> None:
     runs."""
     import ray
 
-    if not ray.is_initialized():
+    if not ray.is_initialized():  # shut down by someone else already: only the leftovers here
+        _restore_auth_env()
+        if temp_dir is not None:
+            shutil.rmtree(temp_dir, ignore_errors=True)
         return
     try:
         node = ray._private.worker._global_node
