@@ -17,6 +17,7 @@ store stage 0 serves there (``pprun.distributed.rendezvous``).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import secrets
@@ -24,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 
 from pprun.distributed.auth import loopback_env
 from pprun.distributed.layout import StageLayout
@@ -78,10 +80,9 @@ def start_local_ray(num_cpus: float, log_to_driver: bool = True) -> str:
       loopback only;
     * Ray's token authentication (``RAY_AUTH_MODE=token``) with a fresh 256-bit token in
       ``TEMP_DIR/pprun-auth/auth_token`` (mode 0600, its directory 0700: Ray makes ``TEMP_DIR``
-      itself 0777), named to the cluster's processes
-      by ``RAY_AUTH_TOKEN_PATH``.  A user who set ``RAY_AUTH_MODE`` keeps their mode (``disabled``
-      is an opt-out by name, logged), and one who set ``RAY_AUTH_TOKEN`` or
-      ``RAY_AUTH_TOKEN_PATH`` keeps their token.
+      itself 0777), named to the cluster's processes by ``RAY_AUTH_TOKEN_PATH``.  A user who set
+      ``RAY_AUTH_MODE`` keeps their mode (``disabled`` is an opt-out by name, logged), and one
+      who set ``RAY_AUTH_TOKEN`` or ``RAY_AUTH_TOKEN_PATH`` keeps their token.
     """
     import ray
 
@@ -113,25 +114,25 @@ def start_local_ray(num_cpus: float, log_to_driver: bool = True) -> str:
     return temp_dir
 
 
-class _loopback_node:
+@contextlib.contextmanager
+def _loopback_node() -> Iterator[None]:
     """During ``ray.init``: let ``_node_ip_address="127.0.0.1"`` stand.
 
     ``ray.init`` replaces a loopback node address by the host's network address unless Ray runs
     as a local-only installation (its ``ENABLE_RAY_CLUSTER`` constant, false on macOS and
     Windows); with it false the address stays loopback, and Ray binds its servers to it."""
+    from ray._private import ray_constants
 
-    def __enter__(self) -> None:
-        from ray._private import ray_constants
-
-        self._constants = ray_constants
-        self._previous = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
-        ray_constants.ENABLE_RAY_CLUSTER = False
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is None:
-            del self._constants.ENABLE_RAY_CLUSTER
+    missing = object()
+    previous = getattr(ray_constants, "ENABLE_RAY_CLUSTER", missing)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        if previous is missing:
+            del ray_constants.ENABLE_RAY_CLUSTER
         else:
-            self._constants.ENABLE_RAY_CLUSTER = self._previous
+            ray_constants.ENABLE_RAY_CLUSTER = previous
 
 
 def _refresh_ray_auth() -> None:
