@@ -210,3 +210,14 @@ def test_local_ray_cluster_is_on_loopback_and_asks_for_its_token(ray_cluster):
                            capture_output=True, text=True, timeout=120)  # fmt: skip
     assert right.returncode == 0, right.stderr[-2000:]
     assert right.stdout.strip().endswith("1")
+    # A process this one starts, given the cluster's address, attaches as pprun does (over
+    # loopback, with the inherited token) without any Ray variable of its own.
+    from pprun.executor.ray_executor import LOCAL_ADDRESS_VAR
+
+    assert os.environ[LOCAL_ADDRESS_VAR] == gcs
+    attach = "from pprun.executor.ray_executor import ensure_ray; import ray; ensure_ray(None, 0); print(len(ray.nodes()))"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    child = subprocess.run([sys.executable, "-c", attach], env=dict(env, RAY_ADDRESS=gcs),
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.strip().endswith("1")

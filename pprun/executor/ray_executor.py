@@ -42,10 +42,13 @@ TOKEN_DIR = "pprun-auth"
 """Directory (mode 0700) of the local cluster's token, inside the cluster's temp directory."""
 TOKEN_FILE = "auth_token"
 """Name of the local cluster's Ray token file (mode 0600), in :data:`TOKEN_DIR`."""
-_RAY_AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")
-"""The Ray variables :func:`start_local_ray` sets for its cluster (and :func:`stop_local_ray` unsets)."""
+LOCAL_ADDRESS_VAR = "PPRUN_LOCAL_RAY_ADDRESS"
+"""Set by :func:`start_local_ray` for the processes this one starts: the local cluster's GCS
+address.  A process given that address attaches over loopback (:func:`ensure_ray`)."""
+_LOCAL_CLUSTER_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", LOCAL_ADDRESS_VAR)
+"""The variables :func:`start_local_ray` sets for its cluster (and :func:`stop_local_ray` unsets)."""
 _set_by_pprun: list[str] = []
-"""Which of :data:`_RAY_AUTH_VARS` the running local cluster's start set (a user's stay)."""
+"""Which of :data:`_LOCAL_CLUSTER_VARS` the running local cluster's start set (a user's stay)."""
 
 
 def ensure_ray(address: str | None, num_cpus_needed: float) -> bool:
@@ -60,7 +63,11 @@ def ensure_ray(address: str | None, num_cpus_needed: float) -> bool:
         return False
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        # A local cluster a parent process started (tests, a server's engine): Ray would replace
+        # its loopback address by the host's, where nothing of that cluster listens.
+        on_loopback = address == os.environ.get(LOCAL_ADDRESS_VAR)
+        with _loopback_node() if on_loopback else contextlib.nullcontext():
+            ray.init(address=address, log_to_driver=True)
         return False
     temp_dir = start_local_ray(max(os.cpu_count() or 1, num_cpus_needed))
     # Runs before Ray's own exit hook (registered when ray was imported: last in, first out).
@@ -104,6 +111,9 @@ def start_local_ray(num_cpus: float, log_to_driver: bool = True) -> str:
         _restore_auth_env()
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise
+    if LOCAL_ADDRESS_VAR not in os.environ:
+        os.environ[LOCAL_ADDRESS_VAR] = ray.get_runtime_context().gcs_address
+        _set_by_pprun.append(LOCAL_ADDRESS_VAR)
     node_ip = ray.util.get_node_ip_address()
     if node_ip != LOCAL_NODE_ADDRESS:
         logger.warning(
@@ -189,7 +199,7 @@ def _enable_token_auth(temp_dir: str) -> None:
 
 
 def _restore_auth_env() -> None:
-    """Unset what :func:`_enable_token_auth` set (a later cluster makes its own token)."""
+    """Unset what :func:`start_local_ray` set (a later cluster makes its own token)."""
     if not _set_by_pprun:
         return
     for name in _set_by_pprun:
