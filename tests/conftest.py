@@ -16,7 +16,6 @@ import torch  # noqa: E402
 import triton_env  # noqa: E402, F401  (first: without CUDA it turns the Triton interpreter on)
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -58,19 +57,20 @@ def hf_demo(demo_model_dir):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One light local Ray cluster for the whole session (2 cores: fractional CPUs)."""
+    """One light local Ray cluster for the whole session (2 cores: fractional CPUs), started as
+    pprun starts one: no dashboard, no usage stats, an 80 MiB object store, a short private temp
+    directory, loopback only, and Ray's token authentication with a token of its own."""
     ray = pytest.importorskip("ray")
+    from pprun.executor.ray_executor import start_local_ray, stop_local_ray
+
+    temp_dir = None
     if not ray.is_initialized():
-        ray.init(
-            num_cpus=2,
-            include_dashboard=False,
-            object_store_memory=80 * 2**20,
-            _temp_dir="/tmp/ray_pprun_tests",  # short: Ray's socket paths have a length limit
-            configure_logging=False,
-            log_to_driver=False,
-        )
+        temp_dir = start_local_ray(num_cpus=2, log_to_driver=False)
     yield ray
-    ray.shutdown()
+    if temp_dir is not None:
+        stop_local_ray(temp_dir=temp_dir)
+    else:
+        ray.shutdown()
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -454,7 +454,8 @@ class ServeConfig:
     """The gRPC server of ``pprun serve`` (``docs/serving.md``)."""
 
     host: str = "127.0.0.1"
-    """Address to bind: loopback by default; "0.0.0.0" or "[::]" only when asked."""
+    """Address to bind: loopback by default; "0.0.0.0" or "[::]" only when asked, and an address
+    beyond loopback only with a token or ``allow_unauthenticated`` (``pprun.serve.exposure``)."""
     port: int = 50051
     """TCP port; 0 picks a free one (the address served is logged and printed)."""
     model_name: str | None = None
@@ -469,6 +470,9 @@ class ServeConfig:
     """PEM certificate chain: with ``tls_key_file``, serve TLS instead of plaintext."""
     tls_key_file: str | None = None
     """PEM private key of ``tls_cert_file``."""
+    allow_unauthenticated: bool = False
+    """Serve a non-loopback ``host`` without a bearer token (an explicit opt-out, logged at
+    start); false: such a ``host`` without ``auth_token``/``auth_token_file`` is refused."""
     max_message_bytes: int = 4 * 1024 * 1024
     """Largest request or response message; a bigger one fails with RESOURCE_EXHAUSTED."""
     max_queued_requests: int = 1024
@@ -507,6 +511,20 @@ class ServeConfig:
             path = getattr(self, name)
             if path is not None and not Path(path).expanduser().is_file():
                 raise ValueError(f"serve.{name}={path!r} is not a file")
+        if not isinstance(self.allow_unauthenticated, bool):
+            raise ValueError(
+                f"serve.allow_unauthenticated={self.allow_unauthenticated!r} is invalid: must be true or false"
+            )
+        from pprun.serve.exposure import check_network_exposure
+
+        # Raises for a non-loopback host without a token (docs/security.md); the warnings are
+        # the server's to log when it starts.
+        check_network_exposure(
+            self.host,
+            has_token=self.auth_token is not None or self.auth_token_file is not None,
+            tls=self.tls_cert_file is not None,
+            allow_unauthenticated=self.allow_unauthenticated,
+        )
 
 
 @dataclass

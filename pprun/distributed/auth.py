@@ -10,7 +10,9 @@ anything else from it (``docs/failures.md``, "Sockets"):
   kind of challenge-response, both ways) before any id is read;
 * with every stage on one host the ``torch.distributed`` rendezvous is a file in a private
   directory (no TCP store, which listens on every interface) and gloo and NCCL open their
-  sockets on the loopback interface (:func:`loopback_env`).
+  sockets on the loopback interface (:func:`loopback_env`);
+* with stages on several hosts the rendezvous is stage 0's store
+  (``pprun.distributed.rendezvous``), whose connections run :func:`authenticate` first.
 """
 
 from __future__ import annotations

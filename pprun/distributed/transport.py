@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
+from pprun.distributed import rendezvous
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
 
@@ -86,6 +87,9 @@ class PipelineTransport:
         """Whether this stage's tensors go stacked (see :func:`_packable`; up to PACK_MAX_BYTES)."""
         self._stacked_in: torch.Tensor | None = None
         """Landing buffer of the previous stage's stacked hops (None when they never stack)."""
+        self._store: rendezvous.RendezvousStore | None = None
+        """The authenticated rendezvous store the groups were made with (``pprun://``), kept
+        referenced while torch holds its C++ half; None for other rendezvous."""
 
     @classmethod
     def init(
@@ -105,9 +109,15 @@ class PipelineTransport:
         needs (without it the ids stay on gloo)."""
         timeout = timedelta(seconds=timeout_s)
         backend = "nccl" if device.type == "cuda" else "gloo"
+        # A pprun:// rendezvous (stages on several hosts) is an authenticated store served by
+        # stage 0 (pprun.distributed.rendezvous), never torch's open TCP store.
+        store = None
+        if init_method.startswith(rendezvous.SCHEME):
+            store = rendezvous.store_from_init_method(init_method, authkey, timeout_s)
         dist.init_process_group(
             backend=backend,
-            init_method=init_method,
+            init_method=None if store is not None else init_method,
+            store=store,
             world_size=layout.pp_size,
             rank=layout.pp_rank,
             timeout=timeout,
@@ -123,11 +133,13 @@ class PipelineTransport:
         if feedback:
             feedback_group = dist.new_group([ranks[0], ranks[-1]], backend="gloo", timeout=timeout)
         host = feedback_host
-        if host is None and init_method.startswith("tcp://"):
+        if host is None and init_method.startswith(("tcp://", rendezvous.SCHEME)):
             host = urlsplit(init_method).hostname
         if authkey is None:
             host = None
-        return cls(layout, device, cpu_group, device_group, ranks, feedback_group, host, timeout_s, authkey)
+        transport = cls(layout, device, cpu_group, device_group, ranks, feedback_group, host, timeout_s, authkey)
+        transport._store = store
+        return transport
 
     @classmethod
     def from_existing(
@@ -300,6 +312,9 @@ class PipelineTransport:
         """Tear the process group down (pprun's own executors only)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
 
 def _plain_types() -> dict[str, type]:

@@ -3,23 +3,29 @@
 Ray places and starts the stage processes and reports their deaths; the per-step control path
 is the same socket path as ``mp`` (see ``pprun.executor.remote``), so a step costs no Ray task
 round trip.  Attaches to a running cluster when ``RAY_ADDRESS`` or ``parallel.ray_address`` names
-one; otherwise starts a light local one (no dashboard, no usage stats, a short temp dir).
+one; otherwise starts a light local one (no dashboard, no usage stats, a short temp dir) that
+listens on loopback only and asks for a per-cluster token (:func:`start_local_ray`,
+``docs/security.md``).
 
 Placement (``docs/cluster.md``): one bundle per stage, spread over nodes by
 ``parallel.placement_strategy`` and pinned by ``parallel.stage_resources``; a placement the
 cluster can never hold fails at once.  Stages on other nodes than the driver's meet at stage 0's
-node address as Ray reports it, never at a hard-coded loopback.
+node address as Ray reports it, never at a hard-coded loopback, in an authenticated rendezvous
+store stage 0 serves there (``pprun.distributed.rendezvous``).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
+import secrets
 import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 
 from pprun.distributed.auth import loopback_env
 from pprun.distributed.layout import StageLayout
@@ -30,30 +36,176 @@ from pprun.worker.worker import WorkerSpec
 logger = logging.getLogger(__name__)
 
 
+LOCAL_NODE_ADDRESS = "127.0.0.1"
+"""Node address of a local cluster pprun starts: every Ray process of it listens on loopback."""
+TOKEN_DIR = "pprun-auth"
+"""Directory (mode 0700) of the local cluster's token, inside the cluster's temp directory."""
+TOKEN_FILE = "auth_token"
+"""Name of the local cluster's Ray token file (mode 0600), in :data:`TOKEN_DIR`."""
+LOCAL_ADDRESS_VAR = "PPRUN_LOCAL_RAY_ADDRESS"
+"""Set by :func:`start_local_ray` for the processes this one starts: the local cluster's GCS
+address.  A process given that address attaches over loopback (:func:`ensure_ray`)."""
+_LOCAL_CLUSTER_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", LOCAL_ADDRESS_VAR)
+"""The variables :func:`start_local_ray` sets for its cluster (and :func:`stop_local_ray` unsets)."""
+_set_by_pprun: list[str] = []
+"""Which of :data:`_LOCAL_CLUSTER_VARS` the running local cluster's start set (a user's stay)."""
+
+
 def ensure_ray(address: str | None, num_cpus_needed: float) -> bool:
-    """Connect to or start Ray; returns True when this call started a local cluster."""
+    """Connect to or start Ray; returns True when this call started a local cluster.
+
+    A cluster named by ``address`` or ``RAY_ADDRESS`` is the user's: pprun attaches with that
+    cluster's own settings (its node addresses, its authentication).  Otherwise pprun starts a
+    local one closed to the network (:func:`start_local_ray`), stopped at the interpreter's exit."""
     import ray
 
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        # A local cluster a parent process started (tests, a server's engine): Ray would replace
+        # its loopback address by the host's, where nothing of that cluster listens.
+        on_loopback = address == os.environ.get(LOCAL_ADDRESS_VAR)
+        with _loopback_node() if on_loopback else contextlib.nullcontext():
+            ray.init(address=address, log_to_driver=True)
         return False
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    ray.init(
-        include_dashboard=False,
-        num_cpus=max(os.cpu_count() or 1, num_cpus_needed),
-        object_store_memory=80 * 2**20,
-        _temp_dir=temp_dir,
-        log_to_driver=True,
-        configure_logging=False,
-    )
+    temp_dir = start_local_ray(max(os.cpu_count() or 1, num_cpus_needed))
     # Runs before Ray's own exit hook (registered when ray was imported: last in, first out).
     atexit.register(stop_local_ray, temp_dir=temp_dir)
     return True
+
+
+def start_local_ray(num_cpus: float, log_to_driver: bool = True) -> str:
+    """Start a light local Ray cluster that only this host's loopback can reach and that asks
+    every client for a per-cluster token; returns its private temp directory (for
+    :func:`stop_local_ray`).
+
+    Light: no dashboard, no usage stats, an 80 MiB object store, a short temp directory (Ray's
+    socket paths have a length limit).  Closed (``docs/security.md``):
+
+    * node address ``127.0.0.1``: the GCS, the raylet, Ray's agents and its workers listen on
+      loopback only;
+    * Ray's token authentication (``RAY_AUTH_MODE=token``) with a fresh 256-bit token in
+      ``TEMP_DIR/pprun-auth/auth_token`` (mode 0600, its directory 0700: Ray makes ``TEMP_DIR``
+      itself 0777), named to the cluster's processes by ``RAY_AUTH_TOKEN_PATH``.  A user who set
+      ``RAY_AUTH_MODE`` keeps their mode (``disabled`` is an opt-out by name, logged), and one
+      who set ``RAY_AUTH_TOKEN`` or ``RAY_AUTH_TOKEN_PATH`` keeps their token.
+    """
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # mode 0700
+    _enable_token_auth(temp_dir)
+    try:
+        with _loopback_node():
+            ray.init(
+                include_dashboard=False,
+                num_cpus=num_cpus,
+                object_store_memory=80 * 2**20,
+                _temp_dir=temp_dir,
+                _node_ip_address=LOCAL_NODE_ADDRESS,
+                log_to_driver=log_to_driver,
+                configure_logging=False,
+            )
+    except BaseException:
+        _restore_auth_env()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
+    if LOCAL_ADDRESS_VAR not in os.environ:
+        os.environ[LOCAL_ADDRESS_VAR] = ray.get_runtime_context().gcs_address
+        _set_by_pprun.append(LOCAL_ADDRESS_VAR)
+    node_ip = ray.util.get_node_ip_address()
+    if node_ip != LOCAL_NODE_ADDRESS:
+        logger.warning(
+            "the local Ray cluster's node address is %s, not %s: this Ray version does not keep a local "
+            "cluster on loopback, so its ports are reachable from the network (with its token, where "
+            "RAY_AUTH_MODE=token)", node_ip, LOCAL_NODE_ADDRESS,
+        )
+    return temp_dir
+
+
+@contextlib.contextmanager
+def _loopback_node() -> Iterator[None]:
+    """During ``ray.init``: let ``_node_ip_address="127.0.0.1"`` stand.
+
+    ``ray.init`` replaces a loopback node address by the host's network address unless Ray runs
+    as a local-only installation (its ``ENABLE_RAY_CLUSTER`` constant, false on macOS and
+    Windows); with it false the address stays loopback, and Ray binds its servers to it."""
+    from ray._private import ray_constants
+
+    missing = object()
+    previous = getattr(ray_constants, "ENABLE_RAY_CLUSTER", missing)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        if previous is missing:
+            del ray_constants.ENABLE_RAY_CLUSTER
+        else:
+            ray_constants.ENABLE_RAY_CLUSTER = previous
+
+
+def _refresh_ray_auth() -> None:
+    """Make this process's Ray read ``RAY_AUTH_*`` again (it caches its config and the token when
+    it is imported); a Ray without token authentication has nothing to refresh."""
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+    except ImportError:
+        return
+    Config.initialize("")  # before the token cache: Ray's own order when it changes the mode
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def ray_supports_token_auth() -> bool:
+    """Whether the installed Ray has token authentication (``RAY_AUTH_MODE=token``)."""
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _enable_token_auth(temp_dir: str) -> None:
+    """Turn Ray's token authentication on for the local cluster about to start (see
+    :func:`start_local_ray`), writing its token into ``temp_dir``."""
+    _set_by_pprun.clear()
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if not ray_supports_token_auth():
+        logger.warning(
+            "the installed Ray has no token authentication: the local cluster (on loopback) accepts any "
+            "client of this host; install a Ray with RAY_AUTH_MODE=token support to close it"
+        )
+        return
+    if mode is not None and mode.lower() != "token":
+        logger.warning(
+            "RAY_AUTH_MODE=%s is set: the local Ray cluster starts without token authentication, so any "
+            "process of this host can run code in it (unset RAY_AUTH_MODE for a per-cluster token)", mode,
+        )
+        return
+    if mode is None:
+        os.environ["RAY_AUTH_MODE"] = "token"
+        _set_by_pprun.append("RAY_AUTH_MODE")
+    if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+        # A directory of its own: Ray opens its temp directory to everyone (mode 0777).
+        private = os.path.join(temp_dir, TOKEN_DIR)
+        os.mkdir(private, 0o700)
+        path = os.path.join(private, TOKEN_FILE)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        os.environ["RAY_AUTH_TOKEN_PATH"] = path
+        _set_by_pprun.append("RAY_AUTH_TOKEN_PATH")
+    _refresh_ray_auth()
+
+
+def _restore_auth_env() -> None:
+    """Unset what :func:`start_local_ray` set (a later cluster makes its own token)."""
+    if not _set_by_pprun:
+        return
+    for name in _set_by_pprun:
+        os.environ.pop(name, None)
+    _set_by_pprun.clear()
+    _refresh_ray_auth()
 
 
 STATELESS_PROCESSES = ("monitor", "dashboard", "log_monitor")
@@ -78,7 +230,10 @@ def stop_local_ray(grace_s: float = 0.2, temp_dir: str | None = None) -> None:
     runs."""
     import ray
 
-    if not ray.is_initialized():
+    if not ray.is_initialized():  # shut down by someone else already: only the leftovers here
+        _restore_auth_env()
+        if temp_dir is not None:
+            shutil.rmtree(temp_dir, ignore_errors=True)
         return
     try:
         node = ray._private.worker._global_node
@@ -103,6 +258,8 @@ def stop_local_ray(grace_s: float = 0.2, temp_dir: str | None = None) -> None:
     except Exception:
         logger.debug("stopping Ray's stateless processes first failed", exc_info=True)
     ray.shutdown()
+    # Before the token file goes with the directory: Ray reads the token again while the mode says so.
+    _restore_auth_env()
     if temp_dir is not None:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
@@ -185,11 +342,16 @@ class RayExecutor(RemoteStagesExecutor):
         class StageActor:
             """Hosts one stage; ``run`` serves steps until shutdown."""
 
-            def node_ip_and_port(self) -> tuple[str, int]:
-                from pprun.executor.mp import free_port
+            def node_ip(self) -> str:
+                return ray.util.get_node_ip_address()
 
-                ip = ray.util.get_node_ip_address()
-                return ip, free_port("0.0.0.0")
+            def open_rendezvous(self, authkey: bytes) -> str:
+                """Stage 0 across nodes: serve the authenticated rendezvous store on this node's
+                address (port chosen by the kernel and kept); returns its ``init_method``."""
+                from pprun.distributed.rendezvous import RendezvousServer
+
+                self.rendezvous = RendezvousServer(ray.util.get_node_ip_address(), authkey)
+                return self.rendezvous.init_method
 
             def run(self, spec, address, authkey) -> None:
                 worker_main(address, authkey, spec.layout.pp_rank, spec)
@@ -221,16 +383,18 @@ class RayExecutor(RemoteStagesExecutor):
         self.stage_node_ids = [table["bundles_to_node_id"][rank] for rank in range(self.pp_size)]
 
         try:
-            places = ray.get([a.node_ip_and_port.remote() for a in self.actors], timeout=par.stage_timeout_s + 60)
-            self.stage_ips = [ip for ip, _ in places]
+            self.stage_ips = ray.get([a.node_ip.remote() for a in self.actors], timeout=par.stage_timeout_s + 60)
             t2 = time.perf_counter()
-            ip0, port0 = places[0]
             driver_ip = ray.util.get_node_ip_address()
             # Every stage on the driver's node: loopback sockets and a file rendezvous, as mp does
-            # (docs/failures.md, "Sockets"); across nodes the node addresses are needed.
-            local = all(ip == driver_ip for ip, _ in places)
+            # (docs/security.md); across nodes the node addresses are needed, and the stages meet
+            # at stage 0's authenticated store (pprun.distributed.rendezvous).
+            local = self.stages_on_driver_node(driver_ip)
             listener = self._listen("127.0.0.1" if local else driver_ip)
-            init_method = self._local_rendezvous() if local else f"tcp://{ip0}:{port0}"
+            if local:
+                init_method = self._local_rendezvous()
+            else:
+                init_method = ray.get(self.actors[0].open_rendezvous.remote(self.authkey), timeout=60)
             for rank, actor in enumerate(self.actors):
                 spec = WorkerSpec(
                     resolved,
@@ -255,6 +419,11 @@ class RayExecutor(RemoteStagesExecutor):
         except BaseException:
             self.shutdown()
             raise
+
+    def stages_on_driver_node(self, driver_ip: str) -> bool:
+        """Whether every stage runs on the driver's node (then the stages meet over loopback and
+        a file, as ``mp`` stages do)."""
+        return all(ip == driver_ip for ip in self.stage_ips)
 
     def describe(self) -> str:
         """Executor and placement."""

@@ -28,6 +28,7 @@ from pprun.config.config import ServeAppConfig, ServeConfig
 from pprun.engine.async_engine import AsyncEngine, EngineClient
 from pprun.serve._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from pprun.serve._proto.pprun.v1 import pprun_pb2, pprun_pb2_grpc
+from pprun.serve.exposure import check_network_exposure
 from pprun.serve.kserve import KServeService
 from pprun.serve.layout import check_servable, engine_config
 from pprun.serve.pprun_api import PprunService
@@ -241,6 +242,14 @@ async def serve_engine(engine: EngineClient, cfg: ServeAppConfig, stop: asyncio.
         lambda ok: loop.call_soon_threadsafe(lambda: asyncio.ensure_future(set_health(ok)))
     )
 
+    # The one rule for every server's address (pprun.serve.exposure): refused before anything
+    # listens, or a warning to log.
+    exposure_warning = check_network_exposure(
+        sc.host, has_token=token is not None, tls=sc.tls_cert_file is not None,
+        allow_unauthenticated=sc.allow_unauthenticated,
+    )
+    if exposure_warning:
+        logger.warning("pprun serve: %s", exposure_warning)
     address = bind_address(sc.host, sc.port)
     if sc.tls_cert_file is not None:
         creds = grpc.ssl_server_credentials(
