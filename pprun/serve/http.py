@@ -220,19 +220,20 @@ class OpenAIServer:
                 "created": int(time.time()), "model": self.model_name}
         if req.stream:
             # Starlette cancels the stream when the client disconnects (ASGI spec 2.3, which
-            # uvicorn speaks): the events' clean-up aborts what is unfinished.
-            return StreamingResponse(self._events(req, streams, head), media_type="text/event-stream",
-                                     headers=_SSE_HEADERS)
+            # uvicorn speaks); the response's end aborts what is unfinished.
+            return _EventStream(self._events(req, streams, head), lambda: self._abort_unfinished(streams))
         collect = asyncio.ensure_future(self._answer(req, streams, head))
         gone = asyncio.ensure_future(_until_disconnect(request.receive))
         try:
             await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-        if not collect.done():  # the client left before its answer: nobody to send it to
-            collect.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await collect
+            if not collect.done():  # the client left before its answer: nobody to send it to
+                collect.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await collect
+            self._abort_unfinished(streams)
+        if collect.cancelled():
             return Response(b"", status_code=499)
         try:
             return json_response(collect.result())
@@ -259,42 +260,54 @@ class OpenAIServer:
                 logger.info("request %s aborted: its HTTP client went away before the last answer", stream.request_id)
 
     async def _events(self, req: oa.ParsedRequest, streams: list[RequestStream], head: dict) -> AsyncIterator[bytes]:
-        """The server-sent events of a streamed answer."""
+        """The server-sent events of a streamed answer (what is unfinished when they stop is
+        aborted by the response, :class:`_EventStream`)."""
         states = [oa.ChoiceState(i) for i in range(len(streams))]
-        try:
-            async for i, delta in _merged(streams):
-                if delta.finish_reason == "error":
-                    err = oa.OpenAIError(503, delta.error or "the engine failed", type="server_error",
-                                         code="service_unavailable")
-                    yield _sse(err.body())
-                    yield _DONE
-                    return
-                choice = oa.choice_chunk(req, states[i], delta, self.text_of)
-                if choice is None:
-                    continue
-                chunk = {**head, "choices": [choice]}
-                if req.include_usage:
-                    chunk["usage"] = None
-                yield _sse(chunk)
+        async for i, delta in _merged(streams):
+            if delta.finish_reason == "error":
+                err = oa.OpenAIError(503, delta.error or "the engine failed", type="server_error",
+                                     code="service_unavailable")
+                yield _sse(err.body())
+                yield _DONE
+                return
+            choice = oa.choice_chunk(req, states[i], delta, self.text_of)
+            if choice is None:
+                continue
+            chunk = {**head, "choices": [choice]}
             if req.include_usage:
-                yield _sse({**head, "choices": [], "usage": oa.usage(req, states)})
-            yield _DONE
-        finally:
-            self._abort_unfinished(streams)
+                chunk["usage"] = None
+            yield _sse(chunk)
+        if req.include_usage:
+            yield _sse({**head, "choices": [], "usage": oa.usage(req, states)})
+        yield _DONE
 
     async def _answer(self, req: oa.ParsedRequest, streams: list[RequestStream], head: dict) -> dict:
-        """The whole answer of a request that is not streamed."""
+        """The whole answer of a request that is not streamed (what is unfinished when it stops is
+        aborted by the handler)."""
         states = [oa.ChoiceState(i) for i in range(len(streams))]
-        try:
-            async for i, delta in _merged(streams):
-                if delta.finish_reason == "error":
-                    raise oa.OpenAIError(503, delta.error or "the engine failed", type="server_error",
-                                         code="service_unavailable")
-                oa.add_to_answer(req, states[i], delta, self.text_of)
-        finally:
-            self._abort_unfinished(streams)
+        async for i, delta in _merged(streams):
+            if delta.finish_reason == "error":
+                raise oa.OpenAIError(503, delta.error or "the engine failed", type="server_error",
+                                     code="service_unavailable")
+            oa.add_to_answer(req, states[i], delta, self.text_of)
         return {**head, "object": "chat.completion" if req.chat else "text_completion",
                 "choices": [oa.answer_choice(req, s) for s in states], "usage": oa.usage(req, states)}
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose end, however it comes (the last event sent, the client gone,
+    even before the first event), runs ``on_end``."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_end: Any) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+        self._on_end = on_end
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        """Stream the events, then run ``on_end``."""
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_end()
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
