@@ -263,6 +263,9 @@ class OpenAIServer:
         """The server-sent events of a streamed answer (what is unfinished when they stop is
         aborted by the response, :class:`_EventStream`)."""
         states = [oa.ChoiceState(i) for i in range(len(streams))]
+        # Every chunk is `head` with one choice: its bytes around the choice are encoded once.
+        before = b"data: " + _dumps(head)[:-1] + b',"choices":['
+        after = b"]" + (b',"usage":null' if req.include_usage else b"") + b"}\n\n"
         async for i, delta in _merged(streams):
             if delta.finish_reason == "error":
                 err = oa.OpenAIError(503, delta.error or "the engine failed", type="server_error",
@@ -273,10 +276,7 @@ class OpenAIServer:
             choice = oa.choice_chunk(req, states[i], delta, self.text_of)
             if choice is None:
                 continue
-            chunk = {**head, "choices": [choice]}
-            if req.include_usage:
-                chunk["usage"] = None
-            yield _sse(chunk)
+            yield before + _dumps(choice) + after
         if req.include_usage:
             yield _sse({**head, "choices": [], "usage": oa.usage(req, states)})
         yield _DONE
