@@ -25,7 +25,7 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
@@ -168,8 +168,7 @@ class OpenAIServer:
         """``pprun.serve.metrics`` in Prometheus' text format."""
         return Response(prometheus_text(server_metrics(self.engine)), media_type="text/plain; version=0.0.4")
 
-    async def _http_error(self, request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
+    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         if exc.status_code == 404:
             message = (f"{request.method} {request.url.path} is not served here: this server serves GET /v1/models, "
                        "POST /v1/completions, POST /v1/chat/completions, GET /health and GET /metrics")
@@ -213,8 +212,13 @@ class OpenAIServer:
             parse = oa.parse_chat if chat else oa.parse_completion
             req = parse(body, self.engine, self.model_name)
             streams = self._add(req)
+        except ClientDisconnect:  # gone while its body was read: nothing queued, nobody to answer
+            return Response(b"", status_code=499)
         except Exception as e:
-            return error_response(oa.error_for(e))
+            err = oa.error_for(e)
+            if err.status == 500:
+                logger.exception("%s %s failed", request.method, request.url.path)
+            return error_response(err)
         request_id = ("chatcmpl-" if chat else "cmpl-") + streams[0].request_id
         head = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name}
