@@ -42,8 +42,8 @@ are noise.  ``--no-engine-process`` serves with ``serve.engine_process=false`` (
 thread of the server process), to compare the two layouts on one machine.
 
 ``--protocol http`` sends the same prompts as streamed OpenAI ``/v1/completions`` requests (token-id
-prompts, server-sent events read with ``aiohttp``, one connection per client opened before the
-clock starts; pprun's ``return_token_ids`` and ``return_timings`` extensions give the token ids and
+prompts, server-sent events read by a minimal HTTP/1.1 client on asyncio's streams, one keep-alive
+connection per client opened before the clock starts; pprun's ``return_token_ids`` and ``return_timings`` extensions give the token ids and
 the engine's timings); ``--protocol both`` measures gRPC, then HTTP, on one server, each after its
 own warm-up, and names each figure by its protocol.
 
@@ -244,56 +244,89 @@ async def stream_all(address: str, prompts: list[list[int]], max_tokens: int, cl
     return results, time.time() - (t0 if start_at is None else start_at)
 
 
+class SseConnection:
+    """One keep-alive HTTP/1.1 connection that posts JSON and reads a streamed answer's
+    server-sent events: a few lines on asyncio's streams, so that the client's own cost per
+    event (a chunk's size line, its bytes, one ``json.loads``) stays small next to the server's.
+    A general HTTP client would add its own per-request and per-line work, in the one client
+    process a 2-core machine runs, to the ingress and egress measured."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> None:
+        self.reader, self.writer, self.host = reader, writer, host
+
+    @classmethod
+    async def open(cls, address: str) -> SseConnection:
+        """Connect to ``host:port``."""
+        host, port = address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        return cls(reader, writer, address)
+
+    async def post_events(self, path: str, body: dict):
+        """POST ``body``; yield each event's JSON (``data: {...}``) until ``data: [DONE]``."""
+        payload = json.dumps(body).encode()
+        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200") or b"transfer-encoding: chunked" not in head.lower():
+            raise RuntimeError(f"unexpected answer: {head[:200]!r}")
+        pending = b""
+        while True:
+            size = int((await self.reader.readuntil(b"\r\n"))[:-2], 16)
+            if size == 0:
+                await self.reader.readuntil(b"\r\n")
+                return
+            pending += (await self.reader.readexactly(size + 2))[:-2]
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                data = event.removeprefix(b"data: ")
+                if data == b"[DONE]":
+                    continue  # the chunked body's end follows
+                yield json.loads(data)
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.writer.close()
+
+
 async def stream_all_http(address: str, prompts: list[list[int]], max_tokens: int, clients: int,
                           start_at: float | None = None) -> tuple[list[dict], float]:
     """:func:`stream_all` over the OpenAI HTTP API: streamed ``/v1/completions`` with token-id
-    prompts, read as server-sent events by ``aiohttp`` (one connection per client, opened before
-    the clock starts).  ``return_token_ids`` and ``return_timings`` (pprun's extensions) give
-    each answer's token ids and, with its last chunk, the engine's timings."""
-    import aiohttp
-
-    url = f"http://{address}/v1/completions"
-    limit = asyncio.Semaphore(clients)
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients),
-                                    timeout=aiohttp.ClientTimeout(total=None))
+    prompts on ``clients`` keep-alive connections (:class:`SseConnection`, opened before the clock
+    starts).  ``return_token_ids`` and ``return_timings`` (pprun's extensions) give each answer's
+    token ids and, with its last chunk, the engine's timings."""
+    conns: asyncio.Queue[SseConnection] = asyncio.Queue()
 
     async def one(i: int) -> dict:
         body = {"model": "bench", "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True, "return_token_ids": True, "return_timings": True}
-        async with limit:
-            t_send = time.time()
-            t_first, token_ids, timings = None, [], None
-            async with session.post(url, json=body) as resp:
-                if resp.status != 200:
-                    raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
-                async for line in resp.content:
-                    if not line.startswith(b"data: "):
-                        continue
-                    data = line[6:].strip()
-                    if data == b"[DONE]":
-                        break
-                    choice = json.loads(data)["choices"][0]
-                    if choice.get("token_ids"):
-                        if t_first is None:
-                            t_first = time.time()
-                        token_ids += choice["token_ids"]
-                    if choice.get("finish_reason") is not None:
-                        timings = choice["timings"]
-            return {"token_ids": token_ids, "t_send": t_send, "t_first": t_first,
-                    "t_arrival": timings["arrival_time"], "t_first_token": timings["first_token_time"]}
+        conn = await conns.get()
+        t_send = time.time()
+        t_first, token_ids, timings = None, [], None
+        async for chunk in conn.post_events("/v1/completions", body):
+            if "error" in chunk:
+                raise RuntimeError(f"the server failed the request: {chunk['error']}")
+            choice = chunk["choices"][0]
+            if choice.get("token_ids"):
+                if t_first is None:
+                    t_first = time.time()
+                token_ids += choice["token_ids"]
+            if choice.get("finish_reason") is not None:
+                timings = choice["timings"]
+        conns.put_nowait(conn)
+        return {"token_ids": token_ids, "t_send": t_send, "t_first": t_first,
+                "t_arrival": timings["arrival_time"], "t_first_token": timings["first_token_time"]}
 
-    async def touch() -> None:
-        async with session.get(f"http://{address}/health") as resp:
-            await resp.read()
-
+    opened = await asyncio.gather(*(SseConnection.open(address) for _ in range(clients)))
+    for conn in opened:
+        conns.put_nowait(conn)
     try:
-        await asyncio.gather(*(touch() for _ in range(clients)))  # the connections, opened before the clock
         if start_at is not None:
             await asyncio.sleep(max(0.0, start_at - time.time()))
         t0 = time.time()
         results = await asyncio.gather(*(one(i) for i in range(len(prompts))))
     finally:
-        await session.close()
+        for conn in opened:
+            conn.close()
     return results, time.time() - (t0 if start_at is None else start_at)
 
 
