@@ -307,7 +307,7 @@ def test_tls_and_drain(chat_llama_dir, tmp_path, offline):
         c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120,
                           http_client=httpx.Client(verify=trusting))
         name = proc.info["model"]
-        ref, ref_long = (o.outputs[0].text for o in offline.generate([PROMPT, PROMPT], [greedy(6), greedy(200)]))
+        ref, ref_long = (o.outputs[0].text for o in offline.generate([PROMPT, PROMPT], [greedy(6), greedy(600)]))
         assert c.completions.create(model=name, prompt=PROMPT, max_tokens=6, temperature=0,
                                     extra_body={"ignore_eos": True}).choices[0].text == ref
         with pytest.raises(httpx.HTTPError):
@@ -319,7 +319,7 @@ def test_tls_and_drain(chat_llama_dir, tmp_path, offline):
         first = threading.Event()
 
         def read_long_stream() -> None:
-            for ch in c.completions.create(model=name, prompt=PROMPT, max_tokens=200, temperature=0, stream=True,
+            for ch in c.completions.create(model=name, prompt=PROMPT, max_tokens=600, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True}):
                 pieces.append(ch.choices[0].text)
                 first.set()
