@@ -147,3 +147,30 @@ def test_chunks():
     chunk = oa.choice_chunk(plain, s, RequestDelta("r", [2], "hi"), text_of)
     assert chunk["delta"] == {"role": "assistant", "content": "hi"}
     assert oa.choice_chunk(plain, s, RequestDelta("r", [3], "!"), text_of)["delta"] == {"content": "!"}
+
+
+def test_http_connections_send_without_nagle():
+    """The HTTP server's accepted connections have TCP_NODELAY: with Nagle's algorithm on, a
+    stream's first event waits for the client's delayed ACK of the headers."""
+    import asyncio
+    import socket
+
+    from pprun.serve.http import listening_socket
+
+    async def accepted_nodelay() -> int:
+        got: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        class Capture(asyncio.Protocol):
+            def connection_made(self, transport):
+                got.set_result(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+        sock = listening_socket("127.0.0.1", 0)
+        server = await asyncio.get_running_loop().create_server(Capture, sock=sock)
+        _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        try:
+            return await asyncio.wait_for(got, 10)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(accepted_nodelay()) != 0

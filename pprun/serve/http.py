@@ -323,6 +323,25 @@ class _EmbeddedUvicorn(uvicorn.Server):
         yield
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (an IPv6 literal with or without brackets), listening.
+
+    Its protocol is IPPROTO_TCP, not 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
+    sockets whose protocol says TCP, and accepted sockets inherit the listener's.  With Nagle on,
+    a stream's first event waits for the client's delayed ACK of the headers (about 40 ms).
+    """
+    host = host.strip("[]")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class HttpServer:
     """The OpenAI HTTP server's life: bind, serve on the running event loop, stop."""
 
@@ -337,13 +356,10 @@ class HttpServer:
     async def start(self) -> int:
         """Bind ``serve.host``:``serve.http_port`` and start serving; returns the port."""
         sc = self.sc
-        host = sc.host.strip("[]")
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
-            sock = socket.create_server((host, sc.http_port), family=family, reuse_port=False)
+            sock = listening_socket(sc.host, sc.http_port)
         except OSError as e:
             raise ValueError(f"serve.host={sc.host!r} serve.http_port={sc.http_port}: cannot bind: {e}") from None
-        sock.set_inheritable(False)
         config = uvicorn.Config(
             self.app, lifespan="off", log_config=None, access_log=False, server_header=False,
             ssl_certfile=sc.tls_cert_file, ssl_keyfile=sc.tls_key_file, timeout_graceful_shutdown=2,
