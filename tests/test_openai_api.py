@@ -17,26 +17,26 @@ from pprun.serve.errors import NotFoundError
 
 
 class FakeInputs:
-    """The real parameter checks (InputProcessor.check_params) for a 256-token vocabulary."""
+    """The real parameter checks (InputProcessor.check_params) for a 256-token vocabulary;
+    prompts tokenized one id per character."""
 
     vocab_size = 256
     check_params = InputProcessor.check_params
 
-
-class FakeEngine:
-    """What the parsers ask of an EngineClient: checks, tokenizing (one id per character), chats."""
-
-    inputs = FakeInputs()
-    max_unfinished = 8
-
-    def check_request(self, prompt, params, where):
-        self.inputs.check_params(params, f"{where}.sampling_params")
+    def check_prompt(self, prompt, where):
         if isinstance(prompt, str):
             return prompt, [ord(c) % 256 for c in prompt]
         ids = prompt["prompt_token_ids"]
         if not ids:
-            raise ValueError(f"{where}.prompt: prompt has 0 tokens; it must have at least 1")
+            raise ValueError(f"{where}: prompt has 0 tokens; it must have at least 1")
         return None, list(ids)
+
+
+class FakeEngine:
+    """What the parsers ask of an EngineClient: checks, chats."""
+
+    inputs = FakeInputs()
+    max_unfinished = 8
 
     def chat_prompt(self, messages, where, *, add_generation_prompt=True):
         return {"prompt_token_ids": [len(m["content"] or "") + 1 for m in messages]}

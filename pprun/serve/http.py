@@ -223,8 +223,7 @@ class OpenAIServer:
         head = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name}
         if req.stream:
-            # Starlette cancels the stream when the client disconnects (ASGI spec 2.3, which
-            # uvicorn speaks); the response's end aborts what is unfinished.
+            # The response aborts what is unfinished when the client disconnects or the events stop.
             return _EventStream(self._events(req, streams, head), lambda: self._abort_unfinished(streams))
         collect = asyncio.ensure_future(self._answer(req, streams, head))
         gone = asyncio.ensure_future(_until_disconnect(request.receive))
@@ -264,8 +263,8 @@ class OpenAIServer:
                 logger.info("request %s aborted: its HTTP client went away before the last answer", stream.request_id)
 
     async def _events(self, req: oa.ParsedRequest, streams: list[RequestStream], head: dict) -> AsyncIterator[bytes]:
-        """The server-sent events of a streamed answer (what is unfinished when they stop is
-        aborted by the response, :class:`_EventStream`)."""
+        """The server-sent events of a streamed answer (the response, :class:`_EventStream`,
+        aborts what is unfinished when the client leaves)."""
         states = [oa.ChoiceState(i) for i in range(len(streams))]
         # Every chunk is `head` with one choice: its bytes around the choice are encoded once.
         before = b"data: " + _dumps(head)[:-1] + b',"choices":['
@@ -299,19 +298,39 @@ class OpenAIServer:
 
 
 class _EventStream(StreamingResponse):
-    """Server-sent events whose end, however it comes (the last event sent, the client gone,
-    even before the first event), runs ``on_end``."""
+    """Server-sent events, sent as they come; when the client disconnects, ``on_end`` runs at
+    once (it aborts the requests, whose streams then end within a step; what is still sent goes
+    nowhere), and at the end of the events otherwise (once in all).
+
+    Starlette's StreamingResponse watches for the disconnect in an anyio task group of two tasks
+    per response; a burst of requests is taken one after another on the event loop, so this one
+    watches with one plain task and no cancellation."""
 
     def __init__(self, events: AsyncIterator[bytes], on_end: Any) -> None:
         super().__init__(events, media_type="text/event-stream", headers=_SSE_HEADERS)
         self._on_end = on_end
+        self._ended = False
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._on_end()
+
+    async def _watch(self, receive: Any) -> None:
+        await _until_disconnect(receive)
+        self._end()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        """Stream the events, then run ``on_end``."""
+        """Send the events; abort what is unfinished when they stop or the client leaves."""
+        watcher = asyncio.ensure_future(self._watch(receive))
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            self._on_end()
+            watcher.cancel()
+            self._end()
 
 
 class _EmbeddedUvicorn(uvicorn.Server):

@@ -247,7 +247,9 @@ def parse_completion(body: Any, engine: EngineClient, served: str) -> ParsedRequ
     stream, include_usage = _common(body, served, COMPLETION_KEYS, "/v1/completions")
     params, n, _ = _sampling(body, engine, chat=False)
     raw = body.get("prompt")
-    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(is_int(t) for t in raw)):
+    # A list of token ids is told from a list of prompts at C speed (the set of element types):
+    # a burst of requests is read one after another on the event loop.
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and set(map(type, raw)) == {int}):
         raw = [raw]
     if not isinstance(raw, list) or not raw or not all(isinstance(p, (str, list)) for p in raw):
         raise OpenAIError(400, f"prompt={_short(raw)} is invalid: must be a non-empty string, a list of token "
@@ -256,8 +258,8 @@ def parse_completion(body: Any, engine: EngineClient, served: str) -> ParsedRequ
     for i, prompt in enumerate(raw):
         where = "prompt" if len(raw) == 1 else f"prompt[{i}]"
         given = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
-        try:
-            _, ids = engine.check_request(given, params[0], where)
+        try:  # the parameters are checked already (add_request checks everything again)
+            _, ids = engine.inputs.check_prompt(given, f"{where}.prompt")
         except ValueError as e:
             raise OpenAIError(400, str(e).replace(f"{where}.prompt", where, 1), param="prompt") from None
         prompts.append({"prompt_token_ids": ids})
@@ -292,7 +294,7 @@ def parse_chat(body: Any, engine: EngineClient, served: str) -> ParsedRequest:
                                    "list of text parts", param=f"messages[{i}].content")
     try:
         rendered = engine.chat_prompt(messages, "messages", add_generation_prompt=_flag(body, "add_generation_prompt", True))
-        _, ids = engine.check_request({"prompt_token_ids": rendered["prompt_token_ids"]}, params[0], "messages")
+        _, ids = engine.inputs.check_prompt({"prompt_token_ids": rendered["prompt_token_ids"]}, "messages.prompt")
     except ValueError as e:
         raise OpenAIError(400, str(e).replace("messages.prompt", "messages", 1), param="messages") from None
     return ParsedRequest(True, [{"prompt_token_ids": ids}], params, n, stream, include_usage,
