@@ -442,8 +442,8 @@ class ServeConfig:
     ``/v1/models``) on ``host``, with the same token and TLS settings; None: no HTTP server; 0: a
     free port."""
     model_name: str | None = None
-    """Name clients use for the model (KServe ``model_name``, pprun.v1 ``model``); None: the
-    last path component of ``model.model``."""
+    """Name clients use for the model (KServe ``model_name``, pprun.v1 and the OpenAI API's
+    ``model``); None: the last path component of ``model.model``."""
     auth_token: str | None = None
     """Bearer token every call must carry (``authorization: Bearer <token>`` metadata); None
     with no ``auth_token_file``: no token checked."""
