@@ -1,10 +1,10 @@
-"""Serving overhead: throughput through gRPC against offline generation on the same workload, and
-the time to first token the server adds.  Prints one JSON object.
+"""Serving overhead: throughput through gRPC or the OpenAI HTTP API against offline generation on
+the same workload, and the time to first token the server adds.  Prints one JSON object.
 
     python scripts/bench_serve.py --model smollm2-135m-instruct --clients 16 --input-len 64 --output-len 32
     python scripts/bench_serve.py --model smollm2-135m-instruct --pp 2 --executor mp --clients 16 ...
     python scripts/bench_serve.py --model /tmp/llama1b --dtype bfloat16 --clients 64 --num-prompts 256 \
-        --input-len 512 --output-len 128
+        --input-len 512 --output-len 128 --protocol both
 
 Both sides run the same random token-id prompts (seeded, EOS ignored, greedy) in one run: first
 offline (``LLM.generate`` with every prompt submitted at once, as ``pprun bench`` times it, after
@@ -40,6 +40,12 @@ torch's and OpenMP's; with an engine process also its main thread, which steps t
 other threads): on a machine that other work shares it shows what the server adds when wall times
 are noise.  ``--no-engine-process`` serves with ``serve.engine_process=false`` (the engine on a
 thread of the server process), to compare the two layouts on one machine.
+
+``--protocol http`` sends the same prompts as streamed OpenAI ``/v1/completions`` requests (token-id
+prompts, server-sent events read by a minimal HTTP/1.1 client on asyncio's streams, one keep-alive
+connection per client opened before the clock starts; pprun's ``return_token_ids`` and ``return_timings`` extensions give the token ids and
+the engine's timings); ``--protocol both`` measures gRPC, then HTTP, on one server, each after its
+own warm-up, and names each figure by its protocol.
 
 The server is started without Hydra (``pprun.serve.server.serve`` on a config built here), so
 with ``--executor uni|mp`` neither Hydra nor Ray is needed; the gRPC packages are.
@@ -192,10 +198,13 @@ def run_offline(args, prompts: list[list[int]]) -> tuple[dict, list[list[int]]]:
 
 
 async def stream_all(address: str, prompts: list[list[int]], max_tokens: int, clients: int,
-                     start_at: float | None = None) -> tuple[list[dict], float]:
-    """Every prompt as a streaming Generate call, ``clients`` at a time; per call its tokens and
+                     start_at: float | None = None, protocol: str = "grpc") -> tuple[list[dict], float]:
+    """Every prompt as a streaming call (``protocol``: a pprun.v1 ``Generate`` over gRPC, or an
+    OpenAI ``/v1/completions`` over HTTP), ``clients`` at a time; per call its tokens and
     timestamps, and the wall time of all (from ``start_at``, a ``time.time()``, when given: the
     calls start then)."""
+    if protocol == "http":
+        return await stream_all_http(address, prompts, max_tokens, clients, start_at)
     import grpc
 
     from pprun.serve._proto.pprun.v1 import pprun_pb2 as pb
@@ -235,24 +244,112 @@ async def stream_all(address: str, prompts: list[list[int]], max_tokens: int, cl
     return results, time.time() - (t0 if start_at is None else start_at)
 
 
-def client_process(address: str, prompts: list[list[int]], max_tokens: int, clients: int, start_at: float):
+class SseConnection:
+    """One keep-alive HTTP/1.1 connection that posts JSON and reads a streamed answer's
+    server-sent events: a few lines on asyncio's streams, so that the client's own cost per
+    event (a chunk's size line, its bytes, one ``json.loads``) stays small next to the server's.
+    A general HTTP client would add its own per-request and per-line work, in the one client
+    process a 2-core machine runs, to the ingress and egress measured."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> None:
+        self.reader, self.writer, self.host = reader, writer, host
+
+    @classmethod
+    async def open(cls, address: str) -> SseConnection:
+        """Connect to ``host:port``."""
+        host, port = address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        return cls(reader, writer, address)
+
+    async def post_events(self, path: str, body: dict):
+        """POST ``body``; yield each event's JSON (``data: {...}``) until ``data: [DONE]``."""
+        payload = json.dumps(body).encode()
+        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200") or b"transfer-encoding: chunked" not in head.lower():
+            raise RuntimeError(f"unexpected answer: {head[:200]!r}")
+        pending = b""
+        while True:
+            size = int((await self.reader.readuntil(b"\r\n"))[:-2], 16)
+            if size == 0:
+                await self.reader.readuntil(b"\r\n")
+                return
+            pending += (await self.reader.readexactly(size + 2))[:-2]
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                data = event.removeprefix(b"data: ")
+                if data == b"[DONE]":
+                    continue  # the chunked body's end follows
+                yield json.loads(data)
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.writer.close()
+
+
+async def stream_all_http(address: str, prompts: list[list[int]], max_tokens: int, clients: int,
+                          start_at: float | None = None) -> tuple[list[dict], float]:
+    """:func:`stream_all` over the OpenAI HTTP API: streamed ``/v1/completions`` with token-id
+    prompts on ``clients`` keep-alive connections (:class:`SseConnection`, opened before the clock
+    starts).  ``return_token_ids`` and ``return_timings`` (pprun's extensions) give each answer's
+    token ids and, with its last chunk, the engine's timings."""
+    conns: asyncio.Queue[SseConnection] = asyncio.Queue()
+
+    async def one(i: int) -> dict:
+        body = {"model": "bench", "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "return_token_ids": True, "return_timings": True}
+        conn = await conns.get()
+        t_send = time.time()
+        t_first, token_ids, timings = None, [], None
+        async for chunk in conn.post_events("/v1/completions", body):
+            if "error" in chunk:
+                raise RuntimeError(f"the server failed the request: {chunk['error']}")
+            choice = chunk["choices"][0]
+            if choice.get("token_ids"):
+                if t_first is None:
+                    t_first = time.time()
+                token_ids += choice["token_ids"]
+            if choice.get("finish_reason") is not None:
+                timings = choice["timings"]
+        conns.put_nowait(conn)
+        return {"token_ids": token_ids, "t_send": t_send, "t_first": t_first,
+                "t_arrival": timings["arrival_time"], "t_first_token": timings["first_token_time"]}
+
+    opened = await asyncio.gather(*(SseConnection.open(address) for _ in range(clients)))
+    for conn in opened:
+        conns.put_nowait(conn)
+    try:
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+        t0 = time.time()
+        results = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    finally:
+        for conn in opened:
+            conn.close()
+    return results, time.time() - (t0 if start_at is None else start_at)
+
+
+def client_process(address: str, prompts: list[list[int]], max_tokens: int, clients: int, start_at: float,
+                   protocol: str = "grpc"):
     """One client process's share (:func:`stream_all` on its own event loop)."""
-    return asyncio.run(stream_all(address, prompts, max_tokens, clients, start_at))
+    return asyncio.run(stream_all(address, prompts, max_tokens, clients, start_at, protocol))
 
 
 def stream_from_processes(pool, procs: int, address: str, prompts: list[list[int]], max_tokens: int,
-                          clients: int) -> tuple[list[dict], float]:
+                          clients: int, protocol: str = "grpc") -> tuple[list[dict], float]:
     """:func:`stream_all` spread over the pool's processes: prompt i goes to process i % P,
     each process runs its share of the clients, all start at the same instant.  One client
     process would add its own serialization to the server's (a 64-call burst is sent, and 64
     streams are read, one after another by one event loop): spread over processes, the ingress
     and egress measured are the server's and the network's."""
     if pool is None or procs == 1:
-        return asyncio.run(stream_all(address, prompts, max_tokens, clients))
+        return asyncio.run(stream_all(address, prompts, max_tokens, clients, protocol=protocol))
     start_at = time.time() + 2.0  # every process has connected by then
     shares = [list(range(k, len(prompts), procs)) for k in range(procs)]
     per_proc = [len(range(k, clients, procs)) for k in range(procs)]
-    jobs = [pool.apply_async(client_process, (address, [prompts[i] for i in share], max_tokens, per_proc[k], start_at))
+    jobs = [pool.apply_async(client_process, (address, [prompts[i] for i in share], max_tokens, per_proc[k], start_at,
+                                              protocol))
             for k, share in enumerate(shares) if share]
     results: list[dict | None] = [None] * len(prompts)
     wall = 0.0
@@ -264,8 +361,9 @@ def stream_from_processes(pool, procs: int, address: str, prompts: list[list[int
     return results, wall
 
 
-def run_served(args, prompts: list[list[int]]) -> tuple[dict, list[list[int]]]:
-    """Throughput and TTFT through a server process on loopback, and the outputs."""
+def run_served(args, prompts: list[list[int]], protocols: list[str]) -> dict[str, tuple[dict, list[list[int]]]]:
+    """Throughput and TTFT through one server process on loopback, and the outputs, for each
+    protocol in turn (each after its own warm-up)."""
     import multiprocessing
 
     from serve_helpers import ServerProcess
@@ -274,23 +372,37 @@ def run_served(args, prompts: list[list[int]]) -> tuple[dict, list[list[int]]]:
     kwargs.setdefault("executor", "uni" if args.pp == 1 else "ray")
     procs = min(args.client_procs, args.clients)
     pool = multiprocessing.get_context("spawn").Pool(procs) if procs > 1 else None
+    measured = {}
     with tempfile.TemporaryDirectory() as tmp:
         names_path = Path(tmp) / "threads.json"
         child = {"engine": kwargs, "switch_interval_ms": args.switch_interval_ms, "thread_names": str(names_path),
-                 "engine_process": args.engine_process}
+                 "engine_process": args.engine_process, "http": "http" in protocols}
         command = [sys.executable, str(Path(__file__).resolve()), "--serve-child", json.dumps(child)]
         server = ServerProcess(Path(tmp), [], startup_timeout_s=1800, command=command)
         try:
-            stream_from_processes(pool, procs, server.address, prompts, min(16, args.output_len), args.clients)  # warm-up
-            names = thread_names(names_path)
-            engine_pid = engine_process_pid(server.proc.pid)
-            cpu0, threads0 = cpu_seconds(server.proc.pid), server_thread_cpu_seconds(server.proc.pid, names, engine_pid)
-            results, wall = stream_from_processes(pool, procs, server.address, prompts, args.output_len, args.clients)
-            cpu1, threads1 = cpu_seconds(server.proc.pid), server_thread_cpu_seconds(server.proc.pid, names, engine_pid)
+            for protocol in protocols:
+                address = server.info["http_address"] if protocol == "http" else server.address
+                stream_from_processes(pool, procs, address, prompts, min(16, args.output_len), args.clients,
+                                      protocol)  # warm-up
+                names = thread_names(names_path)
+                engine_pid = engine_process_pid(server.proc.pid)
+                cpu0 = cpu_seconds(server.proc.pid)
+                threads0 = server_thread_cpu_seconds(server.proc.pid, names, engine_pid)
+                results, wall = stream_from_processes(pool, procs, address, prompts, args.output_len, args.clients,
+                                                      protocol)
+                cpu1 = cpu_seconds(server.proc.pid)
+                threads1 = server_thread_cpu_seconds(server.proc.pid, names, engine_pid)
+                measured[protocol] = (results, wall, cpu0, cpu1, threads0, threads1)
         finally:
             rc = server.terminate()
             if pool is not None:
                 pool.terminate()
+    return {protocol: summarize_served(*m, rc) for protocol, m in measured.items()}
+
+
+def summarize_served(results: list[dict], wall: float, cpu0: float | None, cpu1: float | None,
+                     threads0: dict[str, float], threads1: dict[str, float], rc: int) -> tuple[dict, list[list[int]]]:
+    """One protocol's figures from its calls' timestamps and the server's CPU readings."""
     num_tokens = sum(len(r["token_ids"]) for r in results)
     ms = [{"client": r["t_first"] - r["t_send"], "engine": r["t_first_token"] - r["t_arrival"],
            "ingress": r["t_arrival"] - r["t_send"], "egress": r["t_first"] - r["t_first_token"]} for r in results]
@@ -349,7 +461,8 @@ def serve_child(child_json: str) -> None:
     threading.Thread(target=write_thread_names, args=(Path(child["thread_names"]),), name="bench", daemon=True).start()
     engine = PprunConfig.from_kwargs(**child["engine"])
     cfg = ServeAppConfig(**{f.name: getattr(engine, f.name) for f in dataclasses.fields(PprunConfig)},
-                         serve=ServeConfig(port=0, model_name="bench", engine_process=child["engine_process"]))
+                         serve=ServeConfig(port=0, model_name="bench", engine_process=child["engine_process"],
+                                           http_port=0 if child.get("http") else None))
     serve(cfg)
 
 
@@ -377,6 +490,9 @@ def main() -> int:
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="the server steps its engine in a process of its own (serve.engine_process; "
                              "default) or on a thread of the server process (--no-engine-process)")
+    parser.add_argument("--protocol", choices=("grpc", "http", "both"), default="grpc",
+                        help="how the clients call the server: pprun.v1 Generate over gRPC, the OpenAI "
+                             "/v1/completions over HTTP (server-sent events), or both in turn on one server")
     parser.add_argument("--serve-child", metavar="JSON", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_child is not None:
@@ -388,25 +504,31 @@ def main() -> int:
 
     vocab = validate_config(PprunConfig.from_kwargs(**engine_kwargs(args))).arch.vocab_size
     prompts = make_prompts(args.num_prompts or args.clients, args.input_len, vocab, args.seed)
+    protocols = ["grpc", "http"] if args.protocol == "both" else [args.protocol]
     offline, offline_ids = run_offline(args, prompts)
-    served, served_ids = run_served(args, prompts)
+    served = run_served(args, prompts, protocols)
     notes = []
     if len(prompts) < 4 * args.clients:
         notes.append(f"{len(prompts)} prompts for {args.clients} clients: the start-up burst is much of the run; "
                      f"the throughput target is measured with --num-prompts {4 * args.clients} or more")
-    print(json.dumps({
+    report = {
         "workload": {"model": args.model, "pp": args.pp, "executor": offline["engine"]["executor"],
                      "clients": args.clients, "client_procs": min(args.client_procs, args.clients),
                      "num_prompts": len(prompts), "input_len": args.input_len, "output_len": args.output_len,
                      "engine_process": args.engine_process, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-                     "server_switch_interval_ms": args.switch_interval_ms},
-        "offline": offline, "grpc": served,
-        "same_tokens": served_ids == offline_ids,
-        "tokens_compared": compare_tokens(offline_ids, served_ids),
-        "grpc_over_offline_throughput": served["output_tok_s"] / offline["output_tok_s"],
-        "added_ttft_p50_ms": served["added_ttft_p50_ms"],
-        "notes": notes,
-    }, indent=2))  # fmt: skip
+                     "server_switch_interval_ms": args.switch_interval_ms, "protocols": protocols},
+        "offline": offline,
+    }  # fmt: skip
+    for protocol, (figures, ids) in served.items():
+        # One protocol keeps the keys it always had; with both, each key names its protocol.
+        suffix = "" if len(served) == 1 else f"_{protocol}"
+        report[protocol] = figures
+        report["same_tokens" + suffix] = ids == offline_ids
+        report["tokens_compared" + suffix] = compare_tokens(offline_ids, ids)
+        report[f"{protocol}_over_offline_throughput"] = figures["output_tok_s"] / offline["output_tok_s"]
+        report["added_ttft_p50_ms" + suffix] = figures["added_ttft_p50_ms"]
+    report["notes"] = notes
+    print(json.dumps(report, indent=2))
     return 0
 
 

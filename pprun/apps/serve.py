@@ -1,4 +1,5 @@
-"""``pprun serve``: serve one model over gRPC (``pprun.serve``) until SIGTERM, then drain and exit 0.
+"""``pprun serve``: serve one model over gRPC and, with ``serve.http_port``, the OpenAI HTTP API
+(``pprun.serve``) until SIGTERM, then drain and exit 0.
 
 The model, parallel, scheduler, cache, compilation and runner keys are ``pprun generate``'s; the
 server's own are under ``serve.`` (``pprun.config.ServeConfig``).

@@ -451,16 +451,20 @@ class BenchAppConfig(PprunConfig):
 
 @dataclass
 class ServeConfig:
-    """The gRPC server of ``pprun serve`` (``docs/serving.md``)."""
+    """The gRPC server of ``pprun serve`` and its OpenAI-compatible HTTP server (``docs/serving.md``)."""
 
     host: str = "127.0.0.1"
     """Address to bind: loopback by default; "0.0.0.0" or "[::]" only when asked, and an address
     beyond loopback only with a token or ``allow_unauthenticated`` (``pprun.serve.exposure``)."""
     port: int = 50051
     """TCP port; 0 picks a free one (the address served is logged and printed)."""
+    http_port: int | None = None
+    """TCP port of the OpenAI-compatible HTTP API (``/v1/completions``, ``/v1/chat/completions``,
+    ``/v1/models``) on ``host``, with the same token and TLS settings; None: no HTTP server; 0: a
+    free port."""
     model_name: str | None = None
-    """Name clients use for the model (KServe ``model_name``, pprun.v1 ``model``); None: the
-    last path component of ``model.model``."""
+    """Name clients use for the model (KServe ``model_name``, pprun.v1 and the OpenAI API's
+    ``model``); None: the last path component of ``model.model``."""
     auth_token: str | None = None
     """Bearer token every call must carry (``authorization: Bearer <token>`` metadata); None
     with no ``auth_token_file``: no token checked."""
@@ -474,7 +478,8 @@ class ServeConfig:
     """Serve a non-loopback ``host`` without a bearer token (an explicit opt-out, logged at
     start); false: such a ``host`` without ``auth_token``/``auth_token_file`` is refused."""
     max_message_bytes: int = 4 * 1024 * 1024
-    """Largest request or response message; a bigger one fails with RESOURCE_EXHAUSTED."""
+    """Largest request or response message; a bigger one fails with RESOURCE_EXHAUSTED (over HTTP:
+    the largest request body; a bigger one fails with 413)."""
     max_queued_requests: int = 1024
     """Requests accepted beyond ``scheduler.max_num_seqs`` (waiting for a slot); past that a new
     request fails with RESOURCE_EXHAUSTED."""
@@ -490,6 +495,14 @@ class ServeConfig:
             raise ValueError(f"serve.host={self.host!r} is invalid: must be an address such as 127.0.0.1")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"serve.port={self.port!r} is invalid: must be an integer in [0, 65535]")
+        if self.http_port is not None and (
+            not isinstance(self.http_port, int) or isinstance(self.http_port, bool) or not 0 <= self.http_port <= 65535
+        ):
+            raise ValueError(f"serve.http_port={self.http_port!r} is invalid: must be an integer in [0, 65535], "
+                             "or null (no HTTP server)")
+        if self.http_port is not None and self.http_port != 0 and self.http_port == self.port:
+            raise ValueError(f"serve.http_port={self.http_port} is invalid: serve.port (gRPC) is the same port; "
+                             "give the HTTP server another one")
         if not isinstance(self.max_message_bytes, int) or self.max_message_bytes < 1024:
             raise ValueError(f"serve.max_message_bytes={self.max_message_bytes!r} is invalid: must be an integer >= 1024")
         if not isinstance(self.max_queued_requests, int) or self.max_queued_requests < 0:
@@ -532,7 +545,7 @@ class ServeAppConfig(PprunConfig):
     """The ``pprun serve`` app: PprunConfig's keys at top level (as ``pprun generate``), plus the server."""
 
     serve: ServeConfig = field(default_factory=ServeConfig)
-    """Address, authentication, TLS, limits and draining of the gRPC server."""
+    """Address, authentication, TLS, limits and draining of the gRPC and HTTP servers."""
 
     def pprun_config(self) -> PprunConfig:
         """Just the engine's configuration."""

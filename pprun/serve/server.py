@@ -1,4 +1,5 @@
-"""The gRPC server of ``pprun serve``: services, authentication, TLS, limits, health, draining.
+"""The gRPC server of ``pprun serve``: services, authentication, TLS, limits, health, draining;
+and, with ``serve.http_port``, the OpenAI-compatible HTTP server (``pprun.serve.http``) beside it.
 
 One asyncio event loop runs the gRPC server (``grpc.aio``); the engine steps the model in a
 process of its own (``serve.engine_process``, ``pprun.engine.engine_process``) or on a thread of
@@ -6,7 +7,9 @@ this one (``pprun.engine.async_engine.AsyncEngine``).  Served: ``pprun.v1.Pprun`
 ``inference.GRPCInferenceService`` (KServe v2 / Triton), ``grpc.health.v1.Health`` (SERVING while
 the engine takes requests; NOT_SERVING after a stage failure and while draining) and server
 reflection.  With a bearer token configured every call,
-health and reflection included, must carry ``authorization: Bearer <token>``.
+health and reflection included, must carry ``authorization: Bearer <token>`` (so must every HTTP
+request).  Both servers bind ``serve.host``; every check of the settings (``ServeConfig.validate``,
+:func:`read_token`) runs in :func:`serve` before either starts.
 """
 
 from __future__ import annotations
@@ -264,9 +267,23 @@ async def serve_engine(engine: EngineClient, cfg: ServeAppConfig, stop: asyncio.
     bound = bind_address(sc.host, port)
     logger.info("pprun serve: %s on %s (%s)%s", name, bound, "TLS" if sc.tls_cert_file else "plaintext",
                 ", bearer token required" if token else "")
+    serving = {"event": "serving", "address": bound, "model": name, "tls": sc.tls_cert_file is not None}
+    http_server = None
+    if sc.http_port is not None:
+        # Imported here: a gRPC-only server needs neither Starlette nor uvicorn loaded.
+        from pprun.serve.http import HttpServer
+
+        http_server = HttpServer(engine, name, sc, token)
+        try:
+            http_bound = bind_address(sc.host, await http_server.start())
+        except BaseException:
+            await server.stop(grace=None)
+            raise
+        serving["http_address"] = http_bound
+        logger.info("pprun serve: OpenAI-compatible HTTP API on %s://%s/v1", "https" if sc.tls_cert_file else "http",
+                    http_bound)
     # One machine-readable line on stdout: scripts and tests wait for it (port 0 picks the port).
-    print(json.dumps({"event": "serving", "address": bound, "model": name, "tls": sc.tls_cert_file is not None}),
-          flush=True)
+    print(json.dumps(serving), flush=True)
 
     stop = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -282,7 +299,7 @@ async def serve_engine(engine: EngineClient, cfg: ServeAppConfig, stop: asyncio.
     # The engine refuses new requests, lets running ones finish (their streams still flow on
     # this loop), aborts what is left at the timeout and stops the stages.
     await loop.run_in_executor(None, engine.shutdown, sc.drain_timeout_s)
-    await server.stop(grace=2.0)
+    await asyncio.gather(server.stop(grace=2.0), http_server.stop() if http_server else asyncio.sleep(0))
     logger.info("pprun serve: stopped")
 
 
