@@ -142,9 +142,9 @@ def check_bench_config(cfg: BenchAppConfig) -> list[tuple[str, dict, int]] | Non
 def check_model_for_workload(cfg: BenchAppConfig) -> None:
     """The model can run the workload (from its config, before the engine starts): image needs a
     vision-language model, audio a speech model, text neither of those."""
-    from pprun.config.validate import validate_config
+    from pprun.engine.resolve import resolve_config
 
-    arch = validate_config(cfg.pprun_config()).arch
+    arch = resolve_config(cfg.pprun_config()).arch
     # The workload the model runs: audio for a speech model, image for a vision-language one
     # (which runs text prompts as well).
     kind = "audio" if arch.audio_encoder is not None else "image" if arch.multimodal is not None else "text"
@@ -610,10 +610,10 @@ def build_workload(cfg: BenchAppConfig, engine: Any, entries: list[tuple[str, di
             engine.vocab_size, int(mm["image_token_index"]), cfg.workload_seed,
         )
         for i, r in enumerate(workload):
-            r.expanded_token_ids = engine.process_prompt(r.prompt(), f"request {i}").token_ids
+            r.expanded_token_ids = engine.inputs.process_prompt(r.prompt(), f"request {i}").token_ids
         return workload, "random"
     if cfg.workload == "audio":
-        speech = engine.speech
+        speech = engine.inputs.speech
         if cfg.audio_seconds > speech.window_seconds:
             raise ValueError(
                 f"audio_seconds={cfg.audio_seconds!r} is longer than one window of model {cfg.model.model!r} "

@@ -101,8 +101,10 @@ class SchedulerConfig:
 
     max_num_seqs: int = 128
     """Most requests in one scheduled batch."""
-    max_num_batched_tokens: int = 2048
-    """Most tokens (prefill + decode) in one scheduled batch."""
+    max_num_batched_tokens: int | None = None
+    """Most tokens (prefill + decode) in one scheduled batch.  None: 8192 on CUDA, 2048 on CPU
+    (resolved by ``validate_config`` into ``ResolvedConfig.max_num_batched_tokens``; with chunked
+    prefill off, at least ``max_model_len``); a value given here is used as is."""
     enable_chunked_prefill: bool = True
     """Split long prompts over several steps so decodes keep running; when off, a prompt must fit
     ``max_num_batched_tokens`` whole."""
