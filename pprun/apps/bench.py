@@ -36,6 +36,7 @@ from typing import Any
 from pprun.apps import iter_jsonl, job_output_dir, job_output_path
 from pprun.checks import is_int
 from pprun.config.config import BenchAppConfig
+from pprun.config.validate import ResolvedConfig
 from pprun.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -139,17 +140,19 @@ def check_bench_config(cfg: BenchAppConfig) -> list[tuple[str, dict, int]] | Non
     return read_workload_file(cfg.input_file, cfg.output_len) if cfg.input_file is not None else None
 
 
-def check_model_for_workload(cfg: BenchAppConfig) -> None:
+def check_model_for_workload(cfg: BenchAppConfig) -> ResolvedConfig:
     """The model can run the workload (from its config, before the engine starts): image needs a
-    vision-language model, audio a speech model, text neither of those."""
+    vision-language model, audio a speech model, text neither of those.  Returns the run's
+    resolved configuration (the engine takes it: validated once)."""
     from pprun.engine.resolve import resolve_config
 
-    arch = resolve_config(cfg.pprun_config()).arch
+    resolved = resolve_config(cfg.pprun_config())
+    arch = resolved.arch
     # The workload the model runs: audio for a speech model, image for a vision-language one
     # (which runs text prompts as well).
     kind = "audio" if arch.audio_encoder is not None else "image" if arch.multimodal is not None else "text"
     if cfg.workload == kind or (cfg.workload == "text" and kind == "image"):
-        return
+        return resolved
     needs = {"text": "a text model", "image": "a vision-language model (Llava)", "audio": "a speech model (Whisper)"}
     is_a = {"text": "a text-only model", "image": "a vision-language model", "audio": "a speech model"}
     raise ValueError(
@@ -671,8 +674,8 @@ def run(cfg: BenchAppConfig) -> dict[str, Any]:
     from pprun.engine.llm import LLM
 
     entries = check_bench_config(cfg)
-    check_model_for_workload(cfg)
-    llm = LLM(config=cfg.pprun_config())
+    resolved = check_model_for_workload(cfg)
+    llm = LLM(config=resolved)
     try:
         engine = llm.engine
         workload, source = build_workload(cfg, engine, entries)
