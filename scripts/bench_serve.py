@@ -500,9 +500,9 @@ def main() -> int:
         return 0
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see above)
     from pprun.config.config import PprunConfig
-    from pprun.config.validate import validate_config
+    from pprun.engine.resolve import resolve_config
 
-    vocab = validate_config(PprunConfig.from_kwargs(**engine_kwargs(args))).arch.vocab_size
+    vocab = resolve_config(PprunConfig.from_kwargs(**engine_kwargs(args))).arch.vocab_size
     prompts = make_prompts(args.num_prompts or args.clients, args.input_len, vocab, args.seed)
     protocols = ["grpc", "http"] if args.protocol == "both" else [args.protocol]
     offline, offline_ids = run_offline(args, prompts)

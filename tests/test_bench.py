@@ -211,6 +211,7 @@ def _job(cfg: BenchAppConfig, requests: list[BenchRequest], **changes) -> PeerJo
     settings = dict(
         cfg=cfg, model_dir="/ckpt", device="cuda", dtype="bfloat16", requests=requests, warmup=requests[:1],
         batch_size=cfg.scheduler.max_num_seqs, max_model_len=512, eos_token_ids={2, 7}, executor="uni", pp_size=1,
+        max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens or 8192,
     )  # fmt: skip
     settings.update(changes)
     return PeerJob(**settings)

@@ -421,3 +421,82 @@ def test_settings_from_the_environment_override_their_config_fields(llama_dir: P
     assert control_spin_s(3, "cuda", configured_us=0) == 0.0
     monkeypatch.setenv("PPRUN_CONTROL_SPIN_US", "50")
     assert control_spin_s(3, "cpu", configured_us=300) == pytest.approx(5e-5)
+
+
+# --- the resolved config: the step's token budget, frozen, no side effects --------------------
+
+
+def test_max_num_batched_tokens_default_by_device(llama_dir: Path) -> None:
+    """Null resolves to the device's budget (2048 on CPU, 8192 on CUDA); a given value wins on both."""
+    assert PprunConfig().scheduler.max_num_batched_tokens is None
+    assert _validate(llama_dir).max_num_batched_tokens == 2048
+    assert _validate(llama_dir, cuda_available=True).max_num_batched_tokens == 8192
+    for cuda in (False, True):
+        assert _validate(llama_dir, cuda_available=cuda, max_num_batched_tokens=4096).max_num_batched_tokens == 4096
+        assert _validate(llama_dir, cuda_available=cuda, max_num_batched_tokens=64).max_num_batched_tokens == 64
+
+
+def test_max_num_batched_tokens_default_fits_a_prompt_without_chunked_prefill(tmp_path: Path) -> None:
+    """With chunked prefill off a whole prompt must fit one step: the default rises to
+    max_model_len, while a given value below it stays an error naming the field."""
+    model_dir = make_tiny_llama(tmp_path / "llama", max_position_embeddings=4096, num_layers=1)
+    assert _validate(model_dir, enable_chunked_prefill=False).max_num_batched_tokens == 4096
+    assert _validate(model_dir, enable_chunked_prefill=False, cuda_available=True).max_num_batched_tokens == 8192
+    with pytest.raises(ValueError, match=r"scheduler\.max_num_batched_tokens=2048 is smaller than max_model_len=4096"):
+        _validate(model_dir, enable_chunked_prefill=False, max_num_batched_tokens=2048)
+
+
+def test_resolved_config_is_frozen_and_owns_its_config(llama_dir: Path) -> None:
+    """The resolved config cannot be changed, and changing the given config afterwards changes
+    nothing that was validated."""
+    import dataclasses
+
+    cfg = PprunConfig.from_kwargs(model=str(llama_dir), max_num_seqs=4)
+    resolved = validate_config(cfg, cuda_available=False, env={})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        resolved.max_model_len = 1  # type: ignore[misc]
+    cfg.scheduler.max_num_seqs = 0
+    assert resolved.cfg.scheduler.max_num_seqs == 4
+
+
+def _forbid_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every converter entry point raises: a test that calls this fails if anything converts."""
+    from pprun.models import demo, whisper_ct2
+
+    def converted(*args: object, **kwargs: object) -> None:
+        raise AssertionError("validation converted a model")
+
+    for module, name in [(demo, "convert_gguf_to_hf"), (demo, "load_gguf"), (demo, "resolve_model"),
+                         (whisper_ct2, "convert_whisper_alias"), (whisper_ct2, "write_hf_whisper_dir")]:
+        monkeypatch.setattr(module, name, converted)
+
+
+@pytest.mark.parametrize("alias", ["smollm2-135m-instruct", "whisper-tiny.en"])
+def test_validate_does_not_convert_an_alias(alias: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A known alias not converted yet: validation converts nothing and writes nothing; it says
+    how to resolve the model."""
+    monkeypatch.setenv("PPRUN_CACHE_DIR", str(tmp_path))
+    _forbid_conversion(monkeypatch)
+    with pytest.raises(ValueError, match=rf"model\.model='{alias}' is a known alias that has not been converted yet"):
+        validate_config(PprunConfig.from_kwargs(model=alias), cuda_available=False, env={})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_validate_reads_a_converted_alias(llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A converted alias is validated from its cached directory, without converting."""
+    import shutil
+
+    alias = "smollm2-135m-instruct"
+    monkeypatch.setenv("PPRUN_CACHE_DIR", str(tmp_path))
+    out_dir = tmp_path / "models" / alias
+    shutil.copytree(llama_dir, out_dir)
+    (out_dir / "pprun_source.json").write_text("{}")
+    _forbid_conversion(monkeypatch)
+    resolved = validate_config(PprunConfig.from_kwargs(model=alias), cuda_available=False, env={})
+    assert resolved.model_dir == out_dir
+    assert resolved.arch.num_hidden_layers == 4
+
+
+def test_unknown_model_names_the_aliases() -> None:
+    with pytest.raises(ValueError, match=r"model\.model='no-such-model'.*known aliases:.*smollm2-135m-instruct"):
+        validate_config(PprunConfig.from_kwargs(model="no-such-model"), cuda_available=False, env={})

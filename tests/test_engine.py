@@ -323,7 +323,7 @@ def test_interrupt_while_waiting_keeps_the_engine_usable(tiny_llama_dir, monkeyp
 def test_stop_string_on_the_last_allowed_token_wins(demo_llm):
     base = demo_llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
     # Allow exactly the tokens up to the one completing " 6": the stop string still applies.
-    n = next(i for i in range(1, 21) if " 6" in demo_llm.engine.decode(base.token_ids[:i], SamplingParams()))
+    n = next(i for i in range(1, 21) if " 6" in demo_llm.engine.inputs.decode(base.token_ids[:i], SamplingParams()))
     out = demo_llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=n, stop=[" 6"]))[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == " 6"
     assert out.text == base.text[: base.text.index(" 6")]

@@ -14,7 +14,7 @@ import pytest
 from serve_helpers import ServerProcess
 
 from pprun.config.config import ServeConfig
-from pprun.serve.exposure import check_network_exposure, is_loopback
+from pprun.config.exposure import check_network_exposure, is_loopback
 
 TOKEN = "exposure-test-token"
 

@@ -205,7 +205,7 @@ def test_preempted_requests_keep_their_encoder_outputs(clip_dir, runner):
 def _queue(llm, prompt: dict, max_tokens: int) -> tuple[str, list[str]]:
     """Queue one request in the engine; returns its id and its items' content hashes."""
     engine = llm.engine
-    checked = engine.process_prompt(prompt, "prompt")
+    checked = engine.inputs.process_prompt(prompt, "prompt")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     req_id = engine.add_request(checked.token_ids, params, prompt=checked.text, mm_items=checked.mm_items)
     return req_id, [item.content_hash for item in checked.mm_items]

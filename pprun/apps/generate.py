@@ -26,6 +26,7 @@ from typing import Any, TextIO
 
 from pprun.apps import iter_jsonl, job_output_path
 from pprun.config.config import GenerateAppConfig
+from pprun.config.validate import ResolvedConfig
 from pprun.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -266,15 +267,15 @@ def attach_images(requests: list[GenerateRequest], arch: Any, tokenizer: Any, mo
         r.prompt = prompt
 
 
-def check_requests_against_model(cfg: GenerateAppConfig, requests: list[GenerateRequest]) -> None:
+def check_requests_against_model(
+    cfg: GenerateAppConfig, requests: list[GenerateRequest], resolved: ResolvedConfig
+) -> None:
     """What needs the model's config and tokenizer but not its engine (only when there are
-    images): :func:`attach_images`."""
+    images): :func:`attach_images`.  ``resolved``: the run's resolved configuration."""
     if not any(r.images for r in requests):
         return
-    from pprun.config.validate import validate_config
     from pprun.engine.inputs import load_tokenizer
 
-    resolved = validate_config(cfg.pprun_config())
     tokenizer = load_tokenizer(str(resolved.tokenizer_dir)) if resolved.arch.multimodal is not None else None
     attach_images(requests, resolved.arch, tokenizer, cfg.model.model)
 
@@ -397,14 +398,16 @@ def run(cfg: GenerateAppConfig, stream: TextIO | None = None) -> dict[str, Any]:
     """Generate for every request of ``cfg``, write or print the results and the summary; return
     the summary."""
     from pprun.engine.llm import LLM
+    from pprun.engine.resolve import resolve_config
 
     stream = sys.stdout if stream is None else stream
     # Before the engine starts: bad input fails fast.
     requests = collect_requests(cfg)
-    check_requests_against_model(cfg, requests)
+    resolved = resolve_config(cfg.pprun_config())  # once: the checks below and the engine take it
+    check_requests_against_model(cfg, requests, resolved)
     output_file = job_output_path(cfg.output_file)
     use_tqdm = cfg.progress and (len(requests) > PROGRESS_MIN_PROMPTS or sys.stderr.isatty())
-    with LLM(config=cfg.pprun_config()) as llm:
+    with LLM(config=resolved) as llm:
         start = time.perf_counter()
         outputs = run_requests(llm, requests, use_tqdm)
         elapsed_s = time.perf_counter() - start

@@ -12,14 +12,17 @@ from pprun.config.config import ServeAppConfig
 
 
 def run(cfg: ServeAppConfig) -> None:
-    """Validate the server settings, start the engine and serve (returns after draining)."""
+    """Validate the server settings, resolve the engine's configuration (once: the server and the
+    engine take the result), start the engine and serve (returns after draining)."""
     cfg.serve.validate()
+    from pprun.engine.resolve import resolve_config
     from pprun.serve.layout import check_servable, engine_config
 
-    check_servable(engine_config(cfg))
+    resolved = resolve_config(engine_config(cfg))
+    check_servable(resolved)
     from pprun.serve.server import serve
 
-    serve(cfg)
+    serve(cfg, resolved)
 
 
 def main() -> None:

@@ -101,8 +101,10 @@ class SchedulerConfig:
 
     max_num_seqs: int = 128
     """Most requests in one scheduled batch."""
-    max_num_batched_tokens: int = 2048
-    """Most tokens (prefill + decode) in one scheduled batch."""
+    max_num_batched_tokens: int | None = None
+    """Most tokens (prefill + decode) in one scheduled batch.  None: 8192 on CUDA, 2048 on CPU
+    (resolved by ``validate_config`` into ``ResolvedConfig.max_num_batched_tokens``; with chunked
+    prefill off, at least ``max_model_len``); a value given here is used as is."""
     enable_chunked_prefill: bool = True
     """Split long prompts over several steps so decodes keep running; when off, a prompt must fit
     ``max_num_batched_tokens`` whole."""
@@ -455,7 +457,7 @@ class ServeConfig:
 
     host: str = "127.0.0.1"
     """Address to bind: loopback by default; "0.0.0.0" or "[::]" only when asked, and an address
-    beyond loopback only with a token or ``allow_unauthenticated`` (``pprun.serve.exposure``)."""
+    beyond loopback only with a token or ``allow_unauthenticated`` (``pprun.config.exposure``)."""
     port: int = 50051
     """TCP port; 0 picks a free one (the address served is logged and printed)."""
     http_port: int | None = None
@@ -528,7 +530,7 @@ class ServeConfig:
             raise ValueError(
                 f"serve.allow_unauthenticated={self.allow_unauthenticated!r} is invalid: must be true or false"
             )
-        from pprun.serve.exposure import check_network_exposure
+        from pprun.config.exposure import check_network_exposure
 
         # Raises for a non-loopback host without a token (docs/security.md); the warnings are
         # the server's to log when it starts.

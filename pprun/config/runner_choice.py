@@ -15,8 +15,8 @@ logger = logging.getLogger(__name__)
 RUNNERS: tuple[str, ...] = ("auto", "v1", "v2")
 """Allowed values of ``PprunConfig.runner``."""
 
-# Reason lists already warned about in this process: validation and engine start-up both ask, and
-# the fallback should be logged once, not once per caller.
+# Reason lists already warned about in this process: a process that starts several engines of one
+# configuration (a sweep, a test session) logs the fallback once, not once per engine.
 _warned: set[tuple[str, ...]] = set()
 
 

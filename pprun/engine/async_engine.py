@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pprun.config.config import PprunConfig
+from pprun.config.validate import ResolvedConfig
 from pprun.engine.detokenizer import IncrementalDetokenizer
 from pprun.engine.engine_loop import (
     STOP,
@@ -53,6 +54,7 @@ from pprun.engine.engine_loop import (
 from pprun.engine.inputs import InputProcessor
 from pprun.engine.llm_engine import LLMEngine
 from pprun.engine.outputs import RequestDelta
+from pprun.engine.resolve import resolve_config
 from pprun.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -443,16 +445,19 @@ class AsyncEngine(EngineClient):
     """An :class:`LLMEngine` stepped by an engine loop on its own thread of this process, taking
     requests from any thread.
 
+    ``config``: the run's :class:`~pprun.config.validate.ResolvedConfig`, or a :class:`PprunConfig`
+    resolved here (``pprun.engine.resolve.resolve_config``).
     ``max_queued_requests`` bounds the requests accepted beyond what the scheduler runs at once
     (``scheduler.max_num_seqs``): past ``max_num_seqs + max_queued_requests`` unfinished requests,
     :meth:`add_request` raises :class:`QueueFullError`.
     """
 
-    def __init__(self, cfg: PprunConfig, *, max_queued_requests: int = 1024) -> None:
-        max_unfinished = max_unfinished_requests(cfg, max_queued_requests)
-        self.engine = LLMEngine(cfg)
-        self.cfg = cfg
-        super().__init__(self.engine, max_unfinished)
+    def __init__(self, config: PprunConfig | ResolvedConfig, *, max_queued_requests: int = 1024) -> None:
+        resolved = resolve_config(config)  # the run's one validation (a ResolvedConfig as is)
+        max_unfinished = max_unfinished_requests(resolved.cfg, max_queued_requests)
+        self.engine = LLMEngine(resolved)
+        self.cfg = resolved.cfg
+        super().__init__(self.engine.inputs, max_unfinished)
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._loop = EngineLoop(self.engine, self._take_commands, self._on_report)
         self._thread = threading.Thread(target=self._loop.run, name="pprun-engine", daemon=True)

@@ -36,10 +36,12 @@ import threading
 from multiprocessing.connection import Connection
 
 from pprun.config.config import PprunConfig
+from pprun.config.validate import ResolvedConfig
 from pprun.core.block_manager import PrefixCacheStats
 from pprun.engine.async_engine import EngineClient, max_unfinished_requests
 from pprun.engine.engine_loop import STOP, Command, EngineLoop, StepReport, serving_facts
 from pprun.engine.inputs import InputProcessor
+from pprun.engine.resolve import resolve_config
 from pprun.utils.startup import freeze_startup_objects
 
 logger = logging.getLogger("pprun.engine.engine_process")  # by name: the engine process runs this module as __main__
@@ -54,15 +56,20 @@ class EngineProcess(EngineClient):
     """An :class:`~pprun.engine.llm_engine.LLMEngine` in a child process, with the interface of
     :class:`~pprun.engine.async_engine.AsyncEngine`.
 
-    Built once the child's engine has started (stages up, KV cache allocated); raises what the
-    child's ``LLMEngine`` raised (a bad configuration's ValueError, with its message) or
+    ``config`` is resolved here, before the child starts (a bad configuration's ValueError comes
+    from this process); built once the child's engine has started (stages up, KV cache
+    allocated); raises what the child's ``LLMEngine`` raised (a ValueError, with its message) or
     RuntimeError when the child exits during start-up.  ``num_steps`` and ``num_free_blocks`` are
     the engine's as of its last report (sent after every step, and after an abort that needed no
     step): an idle engine's are current.
     """
 
-    def __init__(self, cfg: PprunConfig, *, max_queued_requests: int = 1024) -> None:
-        max_unfinished = max_unfinished_requests(cfg, max_queued_requests)
+    def __init__(self, config: PprunConfig | ResolvedConfig, *, max_queued_requests: int = 1024) -> None:
+        # The run's one validation, in the server process: the engine process builds its engine
+        # from the resolved config it is sent, and this process's checks use the same one.
+        resolved = resolve_config(config)
+        max_unfinished = max_unfinished_requests(resolved.cfg, max_queued_requests)
+        cfg = resolved.cfg
         self.cfg = cfg
         ours, theirs = socket.socketpair()
         for sock in (ours, theirs):
@@ -80,9 +87,9 @@ class EngineProcess(EngineClient):
         """Callers send from several threads (handlers, the drain); a frame must not interleave."""
         self._stopping = False
         try:
-            self._conn.send((cfg, logging.getLogger().getEffectiveLevel()))
+            self._conn.send((resolved, logging.getLogger().getEffectiveLevel()))
             # The server's own tokenizer and checks load while the child builds its engine.
-            inputs = InputProcessor.for_config(cfg)
+            inputs = InputProcessor.for_config(resolved)
             ready = self._recv_ready()
         except BaseException:
             self._kill()
@@ -229,8 +236,9 @@ def _ignore_signal(signum: int, frame: object) -> None:
 
 
 def engine_process_main(fd: int) -> int:
-    """Run the engine on socket ``fd``: build it from the config the server sends, then step on
-    its commands until STOP or EOF; returns the exit status."""
+    """Run the engine on socket ``fd``: build it from the resolved config the server sends (used
+    as is, not validated again), then step on its commands until STOP or EOF; returns the exit
+    status."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         # A handler that does nothing, not SIG_IGN: an ignored signal stays ignored in the
         # programs this process starts (stage processes, a local Ray cluster), which must still
@@ -238,7 +246,7 @@ def engine_process_main(fd: int) -> int:
         signal.signal(sig, _ignore_signal)
     conn = Connection(fd)
     try:
-        cfg, log_level = conn.recv()
+        resolved, log_level = conn.recv()
     except EOFError:
         return 1
     logging.basicConfig(level=log_level, stream=sys.stderr,
@@ -246,7 +254,7 @@ def engine_process_main(fd: int) -> int:
     from pprun.engine.llm_engine import LLMEngine
 
     try:
-        engine = LLMEngine(cfg, decode_outputs=False)
+        engine = LLMEngine(resolved, decode_outputs=False)
     except BaseException as e:  # the server raises it: a bad configuration reads as one
         if not isinstance(e, (ValueError, TypeError)):  # not a configuration error: its traceback helps
             logger.exception("engine start-up failed")

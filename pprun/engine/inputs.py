@@ -1,20 +1,21 @@
 """What a request's input goes through before it is queued: prompt and sampling-parameter checks,
 tokenization, chat templates, image and audio processing, and decoding token ids back to text.
 
-:class:`LLMEngine` is an :class:`InputProcessor` (offline requests and the in-process async engine
-use its checks); the server process of ``pprun serve`` with ``serve.engine_process`` builds one of
-its own, next to no model, so that it validates, tokenizes and detokenizes while the engine
-process only steps.
+:class:`LLMEngine` holds an :class:`InputProcessor` (``engine.inputs``: offline requests and the
+in-process async engine use its checks); the server process of ``pprun serve`` with
+``serve.engine_process`` builds one of its own, next to no model, so that it validates, tokenizes
+and detokenizes while the engine process only steps.  Both are built from the run's
+:class:`~pprun.config.validate.ResolvedConfig`; neither validates the configuration again.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pprun.checks import is_int
-from pprun.config.config import PprunConfig
 from pprun.config.validate import ResolvedConfig
 from pprun.sampling.params import SamplingParams
 
@@ -25,11 +26,17 @@ class InputProcessor:
     """Checks and processes one model's prompts and sampling parameters, without the model.
 
     ``tokenizer`` is None for a checkpoint without one (token-id prompts only, no text out).
+    ``encoder_budget`` gives the scheduler's encoder budget (the most encoder output rows one image
+    may take) where a scheduler is at hand (the engine's processor); without it (a server's own
+    processor) the engine checks that when the request is added.
     """
 
-    def __init__(self, cfg: PprunConfig, resolved: ResolvedConfig, tokenizer: Any) -> None:
-        self.cfg = cfg
+    def __init__(
+        self, resolved: ResolvedConfig, tokenizer: Any, *, encoder_budget: Callable[[], int] | None = None
+    ) -> None:
+        self.cfg = resolved.cfg
         self.resolved = resolved
+        self._encoder_budget_of = encoder_budget
         self.tokenizer = tokenizer
         self.vocab_size = resolved.arch.vocab_size
         self.max_model_len = resolved.max_model_len
@@ -45,18 +52,15 @@ class InputProcessor:
         self._image_processor = None
 
     @classmethod
-    def for_config(cls, cfg: PprunConfig) -> InputProcessor:
-        """The processor of ``cfg``'s model: the configuration resolved, the tokenizer loaded."""
-        from pprun.config.validate import validate_config
-
-        resolved = validate_config(cfg)
-        return cls(cfg, resolved, load_tokenizer(cfg.model.tokenizer or str(resolved.model_dir)))
+    def for_config(cls, resolved: ResolvedConfig) -> InputProcessor:
+        """The processor of ``resolved``'s model, its tokenizer loaded."""
+        return cls(resolved, load_tokenizer(str(resolved.tokenizer_dir)))
 
     def _encoder_budget(self) -> int | None:
         """Encoder output rows one image may take (the scheduler's budget); None where no
         scheduler is at hand (a server's own processor: the engine checks when the request is
         added)."""
-        return None
+        return None if self._encoder_budget_of is None else self._encoder_budget_of()
 
     def check_params(self, params: object, where: str) -> None:
         """Validate one request's sampling parameters, alone and against this model; raise

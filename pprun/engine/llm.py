@@ -6,8 +6,10 @@ import logging
 from collections.abc import Sequence
 
 from pprun.config.config import PprunConfig
+from pprun.config.validate import ResolvedConfig
 from pprun.engine.llm_engine import LLMEngine
 from pprun.engine.outputs import RequestOutput
+from pprun.engine.resolve import resolve_config
 from pprun.engine.speech import TranscriptionOutput
 from pprun.executor.base import StageFailedError
 from pprun.sampling.params import SamplingParams
@@ -29,23 +31,30 @@ class LLM:
 
     ``LLM(model, **config)`` takes the flat vLLM-style names (``pipeline_parallel_size=2``,
     ``executor="ray"``, ``dtype="float32"``, ``max_num_seqs=...``) or group dicts; see
-    ``pprun.config``.  Everything is validated before any process starts.  Use as a context
-    manager, or call :meth:`shutdown`.
+    ``pprun.config``, or ``config=``: a :class:`PprunConfig`, or a
+    :class:`~pprun.config.validate.ResolvedConfig` an app resolved already.  The model is resolved
+    (a known alias converted once) and the configuration validated once, before any process
+    starts (``pprun.engine.resolve.resolve_config``); the resolved config is what the engine and
+    every stage receive.  Use as a context manager, or call :meth:`shutdown`.
 
     Bad input to :meth:`generate` (a bad prompt or sampling parameter) fails the whole call
     with a ``ValueError`` naming the entry, field and value before any request is queued, so
     nothing already accepted — earlier calls' results, the engine itself — is lost.
     """
 
-    def __init__(self, model: str | None = None, *, config: PprunConfig | None = None, **kwargs) -> None:
+    def __init__(
+        self, model: str | None = None, *, config: PprunConfig | ResolvedConfig | None = None, **kwargs
+    ) -> None:
         if config is None:
             if model is not None:
                 kwargs["model"] = str(model)
             config = PprunConfig.from_kwargs(**kwargs)
         elif model is not None or kwargs:
             raise ValueError("pass either config=PprunConfig(...) or keyword arguments, not both")
-        self.config = config
-        self.engine = LLMEngine(config)
+        self.resolved = resolve_config(config)
+        """The run's resolved configuration (the one validation of this LLM)."""
+        self.config = self.resolved.cfg
+        self.engine = LLMEngine(self.resolved)
 
     # --- generation ------------------------------------------------------------------------------
 
@@ -71,9 +80,9 @@ class LLM:
         params_list = self._params_for(prompts, sampling_params)
         checked = []
         for i, (p, sp) in enumerate(zip(prompts, params_list)):
-            self.engine.check_params(sp, f"sampling_params[{i}]")
-            checked.append(self.engine.process_prompt(p, f"prompts[{i}]"))
-            params_list[i] = self.engine.check_request(checked[-1], sp, f"prompts[{i}]")
+            self.engine.inputs.check_params(sp, f"sampling_params[{i}]")
+            checked.append(self.engine.inputs.process_prompt(p, f"prompts[{i}]"))
+            params_list[i] = self.engine.inputs.check_request(checked[-1], sp, f"prompts[{i}]")
         ids = [
             self.engine.add_request(c.token_ids, sp, prompt=c.text, mm_items=c.mm_items)
             for c, sp in zip(checked, params_list)
@@ -95,7 +104,7 @@ class LLM:
         model's ``max_target_positions`` unless ``sampling_params`` says otherwise; the checkpoint's
         suppress lists apply either way.  Every clip is read and checked before any is queued.
         """
-        speech = self.engine.speech
+        speech = self.engine.inputs.speech
         if speech is None:
             raise ValueError(
                 f"LLM.transcribe needs a speech model; model {self.config.model.model!r} is text-only"
@@ -107,7 +116,7 @@ class LLM:
         if not clips_in:
             raise ValueError("audio is empty: pass a path, a (samples, sample_rate) pair, or a list of them")
         params = speech.default_params() if sampling_params is None else sampling_params
-        self.engine.check_params(params, "sampling_params")
+        self.engine.inputs.check_params(params, "sampling_params")
         params = speech.with_suppression(params)
         speech.check_length(len(speech.decoder_prompt), params, "sampling_params")
         clips = [speech.prepare_clip(a, f"audio[{i}]") for i, a in enumerate(clips_in)]
@@ -146,7 +155,7 @@ class LLM:
                              "of such conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [
-            self.engine.render_chat(conv, f"messages[{i}]", add_generation_prompt=add_generation_prompt)
+            self.engine.inputs.render_chat(conv, f"messages[{i}]", add_generation_prompt=add_generation_prompt)
             for i, conv in enumerate(conversations)
         ]
         return prompts

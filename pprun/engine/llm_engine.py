@@ -15,8 +15,10 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from pprun.config.config import PprunConfig
+from pprun.config.validate import ResolvedConfig
 from pprun.core.outputs import SchedulerOutput
 from pprun.core.request import Request, RequestStatus
 from pprun.core.scheduler import Scheduler, min_blocks_for_one_request
@@ -63,31 +65,41 @@ def executor_class(name: str) -> type:
     raise ValueError(f"parallel.executor={name!r} is unknown")
 
 
-class LLMEngine(InputProcessor):
-    """Owns the scheduler, the tokenizer and the executor of one model (and checks its inputs:
-    :class:`~pprun.engine.inputs.InputProcessor`).
+class LLMEngine:
+    """Owns the scheduler, the tokenizer and the executor of one model, and the
+    :class:`~pprun.engine.inputs.InputProcessor` that checks its inputs (:attr:`inputs`).
 
+    ``config``: the run's :class:`~pprun.config.validate.ResolvedConfig`, used as is; a
+    :class:`PprunConfig` is resolved here first (``pprun.engine.resolve.resolve_config``), once.
     ``decode_outputs=False``: finished outputs carry no text except where a stop string cut it
     (checking stop strings needs the text); the caller detokenizes — the engine process of
     ``pprun serve``, whose server process does it.
     """
 
-    def __init__(self, cfg: PprunConfig, *, decode_outputs: bool = True) -> None:
-        from pprun.config.runner_choice import unsupported_v2_features
-        from pprun.config.validate import validate_config
+    def __init__(self, config: PprunConfig | ResolvedConfig, *, decode_outputs: bool = True) -> None:
+        from pprun.engine.resolve import resolve_config
 
-        rc = validate_config(cfg)
+        rc = resolve_config(config)
+        cfg = rc.cfg
+        self.resolved = rc
+        """The run's resolved configuration (handed to the executor and every stage as is)."""
+        self.cfg = cfg
+        """The configuration as given (``resolved.cfg``)."""
+        self.max_model_len = rc.max_model_len
+        self.vocab_size = rc.arch.vocab_size
         self.decode_outputs = decode_outputs
         self.runner_name = rc.runner
-        self.v2_fallback_reasons = unsupported_v2_features(cfg, rc.executor)
+        self.v2_fallback_reasons = list(rc.v2_fallback_reasons)
         # The executor's imports (Ray's for ray: Executor.prepare) come first; then the tokenizer
         # (transformers' import and its files) loads on a thread while the stages start. Started
         # before them, its imports would hold up the executor's (one interpreter lock) and so the
         # stages.
         executor_cls = executor_class(rc.executor)
         executor_cls.prepare(rc)
-        tokenizer = in_background(load_tokenizer, cfg.model.tokenizer or str(rc.model_dir))
-        super().__init__(cfg, rc, tokenizer=None)  # the tokenizer is set once its thread is done
+        tokenizer = in_background(load_tokenizer, str(rc.tokenizer_dir))
+        # The tokenizer is set once its thread is done; the encoder budget is the scheduler's.
+        self.inputs = InputProcessor(rc, tokenizer=None, encoder_budget=self._encoder_budget)
+        """Prompt and sampling-parameter checks, tokenizing, chat templates, decoding."""
         logger.info(
             "pprun: model %s, %d layers in %d stage(s) %s, executor %s, runner %s, %s %s",
             cfg.model.model,
@@ -101,7 +113,7 @@ class LLMEngine(InputProcessor):
         )
         self.executor = executor_cls(rc, self.runner_name)
         try:
-            self.tokenizer = tokenizer()
+            self.inputs.tokenizer = tokenizer()
         except BaseException:
             self.executor.shutdown()
             raise
@@ -121,9 +133,8 @@ class LLMEngine(InputProcessor):
         except BaseException:
             self.executor.shutdown()
             raise
-        sc = cfg.scheduler
         try:
-            self.scheduler = self._make_scheduler(sc)
+            self.scheduler = self._make_scheduler()
         except BaseException:
             self.executor.shutdown()
             raise
@@ -142,14 +153,20 @@ class LLMEngine(InputProcessor):
         """Preemptions (by recompute) of requests finished so far."""
         freeze_startup_objects()  # the driver's start-up objects too (tokenizer, Hydra, Ray client)
 
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (None for a checkpoint without one): ``inputs.tokenizer``."""
+        return self.inputs.tokenizer
+
     def _encoder_budget(self) -> int:
         return self.scheduler.max_num_encoder_tokens
 
-    def _make_scheduler(self, sc) -> Scheduler:
+    def _make_scheduler(self) -> Scheduler:
         """The scheduler for this engine's executor (steps in flight, async or spread)."""
+        sc = self.cfg.scheduler
         return Scheduler(
             max_num_seqs=sc.max_num_seqs,
-            max_num_batched_tokens=sc.max_num_batched_tokens,
+            max_num_batched_tokens=self.resolved.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             block_size=self.cfg.cache.block_size,
             num_blocks=self.num_blocks,
@@ -218,7 +235,7 @@ class LLMEngine(InputProcessor):
         request_id: str | None = None,
         mm_items: list | None = None,
     ) -> str:
-        """Queue an already validated request (``mm_items`` from :meth:`process_prompt`); returns its id."""
+        """Queue an already validated request (``mm_items`` from ``inputs.process_prompt``); returns its id."""
         if self.dead:
             raise StageFailedError(f"the engine has failed ({self.dead}); start a new LLM")
         req_id = request_id or str(next(self._ids))
@@ -350,10 +367,10 @@ class LLMEngine(InputProcessor):
         # only on a hit (no quadratic re-decoding of long outputs).
         window = 4 * max(len(s) for s in stops) + 8
         if len(req.output_token_ids) > window:
-            tail = self.decode(req.output_token_ids[-window:], req.sampling_params)
+            tail = self.inputs.decode(req.output_token_ids[-window:], req.sampling_params)
             if not any(s in tail for s in stops):
                 return
-        text = self.decode(req.output_token_ids, req.sampling_params)
+        text = self.inputs.decode(req.output_token_ids, req.sampling_params)
         hits = [(text.find(s), s) for s in stops if s in text]
         if hits:
             pos, s = min(hits)
@@ -387,7 +404,7 @@ class LLMEngine(InputProcessor):
         self.num_preemptions += req.num_preemptions
         params = req.sampling_params
         if self.decode_outputs and not stopped_by_string(req.finish_reason, req.stop_reason):
-            tr.text = self.decode(req.output_token_ids, params)
+            tr.text = self.inputs.decode(req.output_token_ids, params)
         lps = tr.logprobs[: len(req.output_token_ids)] if tr.logprobs is not None else None
         return RequestOutput(
             request_id=req.req_id,

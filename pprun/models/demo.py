@@ -97,16 +97,48 @@ def gguf_path_for(alias: str) -> Path:
     return path
 
 
+def known_model_aliases() -> list[str]:
+    """Every model alias pprun knows (the demo LLM's and Whisper's), sorted."""
+    from pprun.models.whisper_ct2 import WHISPER_MODELS
+
+    return sorted([*DEMO_MODELS, *WHISPER_MODELS])
+
+
+def converted_alias_dir(alias: str) -> Path | None:
+    """The cached Hugging Face directory of a known alias once its conversion has finished, else
+    None; converts and reads nothing but the directory listing (what validation may do).
+
+    A conversion is written into a temp dir and renamed into place whole, its provenance file
+    last, so a directory holding ``config.json`` and that file is a finished one.
+    """
+    out_dir = cache_dir() / "models" / alias
+    if all((out_dir / name).is_file() for name in ("config.json", _SOURCE_FILE)):
+        return out_dir
+    return None
+
+
+def _require_package(module: str, package: str, alias: str) -> None:
+    """Raise ImportError naming ``package`` when ``module`` is not installed (before a conversion
+    that needs it starts, instead of deep inside transformers)."""
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(
+            f"converting the model alias {alias!r} needs the Python package {package!r}, which is not "
+            f"installed; install it with `pip install {package}`"
+        )
+
+
 def resolve_model(name_or_path: str) -> Path:
     """Turn a model argument into a Hugging Face checkpoint directory.
 
     An existing directory is returned as is. A known alias (see ``DEMO_MODELS``)
     is converted from its GGUF file on first use and the cached directory is
-    returned. Nothing is ever downloaded.
+    returned. Nothing is ever downloaded. This is model resolution: an entry point
+    calls it once, before validation (``pprun.engine.resolve.resolve_config``).
 
     Raises:
         ValueError: ``name_or_path`` is neither an existing directory nor a
-            known alias.
+            known alias, or the alias's pip package is missing.
+        ImportError: a package the conversion needs (``gguf``) is not installed.
     """
     path = Path(name_or_path).expanduser()
     if path.is_dir():
@@ -124,6 +156,7 @@ def resolve_model(name_or_path: str) -> Path:
     out_dir = model_cache_dir(name_or_path)
     if _is_complete(out_dir):
         return out_dir
+    _require_package("gguf", "gguf", name_or_path)  # transformers reads GGUF files through it
     return convert_gguf_to_hf(gguf_path_for(name_or_path), out_dir)
 
 

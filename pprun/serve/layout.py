@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from pprun.config.config import PprunConfig, ServeAppConfig
-from pprun.config.validate import resolve_executor
+from pprun.config.validate import ResolvedConfig
 
 
 def engine_config(cfg: ServeAppConfig) -> PprunConfig:
@@ -14,16 +14,17 @@ def engine_config(cfg: ServeAppConfig) -> PprunConfig:
     return PprunConfig.from_kwargs(**{f.name: getattr(cfg, f.name) for f in fields(PprunConfig)})
 
 
-def check_servable(cfg: PprunConfig) -> None:
-    """Raise ValueError when the engine's layout cannot sit behind one server.
+def check_servable(resolved: ResolvedConfig) -> None:
+    """Raise ValueError when the engine's layout (``resolved``, the run's resolved config) cannot
+    sit behind one server.
 
     Under ``external_launcher`` every torchrun rank runs its own engine in lockstep (SPMD) and
     must see every request, while a server hands each request to the one process it reached:
     the other ranks never schedule it, and the first step waits on them until the stage timeout.
     """
-    executor = resolve_executor(cfg)
+    executor = resolved.executor
     if executor == "external_launcher":
-        given = cfg.parallel.executor
+        given = resolved.cfg.parallel.executor
         how = "" if given == executor else f" (resolved from {given!r}: this process runs under torchrun)"
         raise ValueError(
             f"parallel.executor={executor!r}{how} cannot serve: every torchrun rank runs its own engine "

@@ -28,10 +28,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pprun.config.config import ServeAppConfig, ServeConfig
+from pprun.config.exposure import check_network_exposure
+from pprun.config.validate import ResolvedConfig
 from pprun.engine.async_engine import AsyncEngine, EngineClient
+from pprun.engine.resolve import resolve_config
 from pprun.serve._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from pprun.serve._proto.pprun.v1 import pprun_pb2, pprun_pb2_grpc
-from pprun.serve.exposure import check_network_exposure
 from pprun.serve.kserve import KServeService
 from pprun.serve.layout import check_servable, engine_config
 from pprun.serve.pprun_api import PprunService
@@ -245,7 +247,7 @@ async def serve_engine(engine: EngineClient, cfg: ServeAppConfig, stop: asyncio.
         lambda ok: loop.call_soon_threadsafe(lambda: asyncio.ensure_future(set_health(ok)))
     )
 
-    # The one rule for every server's address (pprun.serve.exposure): refused before anything
+    # The one rule for every server's address (pprun.config.exposure): refused before anything
     # listens, or a warning to log.
     exposure_warning = check_network_exposure(
         sc.host, has_token=token is not None, tls=sc.tls_cert_file is not None,
@@ -303,12 +305,13 @@ async def serve_engine(engine: EngineClient, cfg: ServeAppConfig, stop: asyncio.
     logger.info("pprun serve: stopped")
 
 
-def serve(cfg: ServeAppConfig) -> None:
+def serve(cfg: ServeAppConfig, resolved: ResolvedConfig | None = None) -> None:
     """Start the engine (the model's stages), then serve it until SIGTERM/SIGINT; returns after
-    draining, so the process exits 0."""
+    draining, so the process exits 0.  ``resolved``: the engine's configuration resolved already
+    (``pprun serve`` does it once); None resolves ``cfg``'s here."""
     cfg.serve.validate()
     read_token(cfg.serve)  # a bad token file fails before the model loads
-    engine_cfg = engine_config(cfg)
+    engine_cfg = resolve_config(engine_config(cfg)) if resolved is None else resolved
     check_servable(engine_cfg)
     if cfg.serve.engine_process:
         from pprun.engine.engine_process import EngineProcess

@@ -185,7 +185,7 @@ class Worker:
                 self.model, self.layout, self.device, rc.cfg.cache.block_size, encoder_decoder=encoder_decoder
             )
         if not self.layout.is_first:
-            max_tokens = rc.cfg.scheduler.max_num_batched_tokens
+            max_tokens = rc.max_num_batched_tokens
             self.recv_buffers = self.model.make_empty_intermediate_tensors(
                 max_tokens, rc.dtype, self.device
             )

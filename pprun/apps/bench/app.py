@@ -68,6 +68,7 @@ def time_pprun(cfg: BenchAppConfig, llm: Any, entries: list[tuple[str, dict, int
         "eos_token_ids": set(engine.eos_token_ids),
         "executor": str(resolved.executor),
         "pp_size": len(resolved.layer_partition),
+        "max_num_batched_tokens": resolved.max_num_batched_tokens,
     }
     logger.info("bench: %d %s requests (%s), timing pprun", len(workload.requests), cfg.workload, workload.source)
     metrics, tokens = run_pprun(llm, workload, cfg.ignore_eos)
@@ -79,11 +80,11 @@ def run(cfg: BenchAppConfig) -> dict[str, Any]:
     from pprun.engine.llm import LLM
 
     entries = check_bench_config(cfg)
-    check_model_for_workload(cfg)
+    resolved = check_model_for_workload(cfg)
     peer = PEERS[cfg.peer]
     if peer is not None:
         peer.check(cfg)  # a peer that is not there fails the run before pprun spends any time
-    llm = LLM(config=cfg.pprun_config())
+    llm = LLM(config=resolved)
     device = str(cfg.device)
     try:
         device = str(llm.describe()["device"])

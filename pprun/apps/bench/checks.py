@@ -17,6 +17,7 @@ from pprun.apps.bench.workloads import (
 )
 from pprun.checks import is_int
 from pprun.config.config import BenchAppConfig
+from pprun.config.validate import ResolvedConfig
 
 
 def check_bench_config(cfg: BenchAppConfig) -> list[tuple[str, dict, int]] | None:
@@ -72,18 +73,20 @@ def check_bench_config(cfg: BenchAppConfig) -> list[tuple[str, dict, int]] | Non
     return read_workload_file(cfg.input_file, cfg.output_len) if cfg.input_file is not None else None
 
 
-def check_model_for_workload(cfg: BenchAppConfig) -> None:
+def check_model_for_workload(cfg: BenchAppConfig) -> ResolvedConfig:
     """The model can run the workload (from its config, before the engine starts): image needs a
     vision-language model, audio a speech model, the token workloads (text, chat, shared_prefix)
-    a text or vision-language model."""
-    from pprun.config.validate import validate_config
+    a text or vision-language model.  Returns the run's resolved configuration (the engine takes
+    it: validated once)."""
+    from pprun.engine.resolve import resolve_config
 
-    arch = validate_config(cfg.pprun_config()).arch
+    resolved = resolve_config(cfg.pprun_config())
+    arch = resolved.arch
     # The workload the model runs: audio for a speech model, image for a vision-language one
     # (which runs token prompts as well).
     kind = "audio" if arch.audio_encoder is not None else "image" if arch.multimodal is not None else "text"
     if cfg.workload == kind or (cfg.workload in TOKEN_WORKLOADS and kind in ("text", "image")):
-        return
+        return resolved
     needs = {"image": "a vision-language model (Llava)", "audio": "a speech model (Whisper)"}
     is_a = {"text": "a text-only model", "image": "a vision-language model", "audio": "a speech model"}
     raise ValueError(

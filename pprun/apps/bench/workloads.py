@@ -298,7 +298,7 @@ def build_workload(
         # A file has no seed to vary: its first requests warm up.
         return Workload(requests, [r.for_warmup() for r in requests[:num_warmup]], str(cfg.input_file))
     if cfg.workload == "audio":
-        _check_audio_fits(cfg, engine.speech)
+        _check_audio_fits(cfg, engine.inputs.speech)
     seed = cfg.workload_seed
     num_warmup = min(num_warmup, cfg.num_prompts)  # never more than the timed requests
     requests = _generate(cfg, engine, cfg.num_prompts, seed)
@@ -316,15 +316,15 @@ def _generate(cfg: BenchAppConfig, engine: Any, num_prompts: int, seed: int) -> 
             engine.vocab_size, int(mm["image_token_index"]), seed,
         )  # fmt: skip
         for i, r in enumerate(requests):
-            r.expanded_token_ids = engine.process_prompt(r.prompt(), f"request {i}").token_ids
+            r.expanded_token_ids = engine.inputs.process_prompt(r.prompt(), f"request {i}").token_ids
         return requests
     if cfg.workload == "audio":
-        speech = engine.speech
+        speech = engine.inputs.speech
         return audio_workload(
             num_prompts, cfg.audio_seconds, cfg.audio_source, speech.decoder_prompt, cfg.output_len, seed
         )
     if cfg.workload == "chat":
-        return chat_workload(chat_messages(num_prompts, cfg.input_len, seed), cfg.output_len, engine.render_chat)
+        return chat_workload(chat_messages(num_prompts, cfg.input_len, seed), cfg.output_len, engine.inputs.render_chat)
     if cfg.workload == "shared_prefix":
         return shared_prefix_workload(
             num_prompts, cfg.prefix_len, cfg.input_len, cfg.output_len, engine.vocab_size, seed

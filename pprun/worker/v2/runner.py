@@ -161,7 +161,7 @@ class V2ModelRunner(ModelRunner):
         self.max_num_blocks_per_req = math.ceil(self.max_model_len / self.block_size)
         capture_sizes = [s for s in resolved.cudagraph_capture_sizes if s <= self.max_num_reqs]
         # A full decode graph of N requests holds N tokens, which may exceed the token budget.
-        self.max_num_tokens = max([cfg.scheduler.max_num_batched_tokens, *capture_sizes])
+        self.max_num_tokens = max([resolved.max_num_batched_tokens, *capture_sizes])
 
         self.table = RequestTable(
             self.max_num_reqs,

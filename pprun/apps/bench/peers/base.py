@@ -49,6 +49,9 @@ class PeerJob:
     """pprun's executor ("uni", "mp", "ray", "external_launcher"), resolved."""
     pp_size: int
     """pprun's number of pipeline stages."""
+    max_num_batched_tokens: int
+    """pprun's token budget per step, resolved (``scheduler.max_num_batched_tokens`` or the
+    device's default)."""
 
     @property
     def ignore_eos(self) -> bool:

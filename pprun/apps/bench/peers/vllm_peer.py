@@ -97,7 +97,7 @@ def engine_args(job: PeerJob) -> dict[str, Any]:
         "dtype": job.dtype,
         "max_num_seqs": job.batch_size,
         "max_model_len": job.max_model_len,
-        "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+        "max_num_batched_tokens": job.max_num_batched_tokens,
         "enforce_eager": cfg.compilation.cudagraph_mode == "none",
         "enable_prefix_caching": prefix_caching(cfg),
         "seed": 0,
