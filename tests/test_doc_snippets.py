@@ -13,9 +13,10 @@ name are the demo model ``smollm2-135m-instruct`` and the bundled ``whisper-tiny
 they are); a path a snippet names for a model (``/path/to/llama``, ``path/to/llava``,
 ``/models/...``, ``/tmp/...``) is replaced by a folder in the working folder holding a tiny random
 model of that family (``llava`` or ``whisper`` in the name, else a Llama), with a tokenizer.
-Input files a snippet names by a relative path (``talk.wav``, ``notes.flac``, ``cat.png``,
-``requests.jsonl``, ...) are made there first: a few seconds of audio, a small picture, a few
-prompts.  ``pprun serve`` runs until it listens, then stops; its port (and the port of the
+The repository's ``scripts/``, ``launchers/`` and ``tests/`` are linked into the working
+folder, as the docs' commands run from the repository's root.  Input files a snippet names by a
+relative path (``talk.wav``, ``notes.flac``, ``cat.png``, ``requests.jsonl``, ...) are made there
+first: a few seconds of audio, a small picture, a few prompts.  ``pprun serve`` runs until it listens, then stops; its port (and the port of the
 snippets beside it) becomes a free one.
 
 **Checks.**  A command that cannot run here is checked without running: ``pprun`` apps' Hydra
@@ -65,6 +66,7 @@ LANGS = {"python", *SHELL_LANGS}
 MARKER = re.compile(r"^\s*<!--\s*snippet:\s*(.*?)\s*-->\s*$")
 FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)")
 RUN_TIMEOUT_S = 300
+REPO_DIRS = ("scripts", "launchers", "tests")
 SERVER_START_TIMEOUT_S = 180
 DEFAULT_SERVE_PORT = 50051
 HYDRA_APPS = ("generate", "bench", "serve", "transcribe")
@@ -450,6 +452,10 @@ class Workdir:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.subs: dict[str, str] = {}
+        # The docs' commands run from the repository's root (`python scripts/...`): its folders
+        # of runnable files are linked in; what a run writes stays in the working folder.
+        for name in REPO_DIRS:
+            (path / name).symlink_to(ROOT / name, target_is_directory=True)
 
     def prepare(self, text: str) -> None:
         """Make what ``text`` (the snippet's code) names: tiny models and input files."""
