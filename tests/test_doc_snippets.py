@@ -642,6 +642,26 @@ def run_python(snippet: Snippet, workdir: Workdir, server_port: tuple[int, int] 
     check_run(proc, snippet.id, "python snippet.py")
 
 
+def check_marker(snippet: Snippet) -> None:
+    """A shell snippet's marker says what the harness does with it: without one (or beside a
+    server) every command must run here; ``partly check-only`` needs some that run and some that
+    cannot; check-only and partly markers give a reason."""
+    mode = snippet.mode
+    if mode in ("check-only", "partly"):
+        assert re.search(r"\(\s*\S.*\)", snippet.marker or ""), f"{snippet.id}: the marker gives no (reason)"
+    cmds = commands(snippet)
+    assert cmds, f"{snippet.id}: a shell snippet without commands"
+    if mode in ("run", "beside"):
+        cannot = [f"`{c.text}` ({why_not_run(c)})" for c in cmds if why_not_run(c)]
+        assert not cannot, (
+            f"{snippet.id}: these commands cannot run here; mark the fence with "
+            f"<!-- snippet: partly check-only (reason) --> or check-only: {cannot}"
+        )
+    if mode == "partly":
+        assert any(why_not_run(c) for c in cmds), f"{snippet.id}: marked partly check-only, yet every command runs"
+        assert not all(why_not_run(c) for c in cmds), f"{snippet.id}: nothing runs here: mark it check-only"
+
+
 # --- the tests -----------------------------------------------------------------------------------
 
 
@@ -661,7 +681,7 @@ def test_snippets_are_found():
 def test_snippet(snippet: Snippet, tmp_path: Path, demo_model_dir):
     """Run the snippet (or check it, where its marker says why it cannot run here)."""
     mode = snippet.mode
-    if mode in ("check-only", "partly"):
+    if snippet.lang == "python" and mode == "check-only":
         assert re.search(r"\(\s*\S.*\)", snippet.marker or ""), f"{snippet.id}: the marker gives no (reason)"
     workdir = Workdir(tmp_path)
     server = None
@@ -683,17 +703,7 @@ def test_snippet(snippet: Snippet, tmp_path: Path, demo_model_dir):
                 assert mode in ("run", "beside"), f"{snippet.id}: a Python snippet runs whole or is check-only"
                 run_python(snippet, workdir, server_port)
             return
-        cmds = commands(snippet)
-        assert cmds, f"{snippet.id}: a shell snippet without commands"
-        if mode == "run" or mode == "beside":
-            cannot = [f"`{c.text}` ({why_not_run(c)})" for c in cmds if why_not_run(c)]
-            assert not cannot, (
-                f"{snippet.id}: these commands cannot run here; mark the fence with "
-                f"<!-- snippet: partly check-only (reason) --> or check-only: {cannot}"
-            )
-        if mode == "partly":
-            assert any(why_not_run(c) for c in cmds), f"{snippet.id}: marked partly check-only, yet every command runs"
-            assert not all(why_not_run(c) for c in cmds), f"{snippet.id}: nothing runs here: mark it check-only"
+        check_marker(snippet)
         run_shell(snippet, workdir, server_port)
     finally:
         if server is not None:
@@ -742,3 +752,25 @@ def test_commands_split_and_comments():
     assert got == [(["pip", "install", "x"], {"A": "1"}),
                    (["pprun", "generate", "parallel=single"], {"A": "1"}),
                    (["pprun", "bench"], {"A": "1", "B": "2"})]
+
+
+@pytest.mark.parametrize(
+    ("marker", "code", "error"),
+    [
+        (None, "pprun bench device=cuda\n", "cannot run here"),
+        ("check-only", "pprun bench device=cuda\n", "gives no \\(reason\\)"),
+        ("partly check-only (GPU)", "pprun generate parallel=single\n", "yet every command runs"),
+        ("partly check-only (GPU)", "pprun bench device=cuda\n", "nothing runs here"),
+        ("check-only (GPU)", "pprun bench device=cuda\n", None),
+        ("partly check-only (GPU)", "pprun bench device=cuda\npprun generate parallel=single\n", None),
+    ],
+)
+def test_markers_are_required_and_kept_current(marker: str | None, code: str, error: str | None):
+    """An unmarked snippet the harness cannot run fails, and so does a marker without a reason or
+    one that no longer matches the snippet."""
+    snippet = Snippet("x.md", 1, "bash", code, marker)
+    if error is None:
+        check_marker(snippet)
+    else:
+        with pytest.raises(AssertionError, match=error):
+            check_marker(snippet)
