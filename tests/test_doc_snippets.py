@@ -692,7 +692,11 @@ def test_snippets_are_found():
     assert "README.md" in ids and any(s.lang == "python" for s in SNIPPETS), sorted(ids)
 
 
-@pytest.mark.parametrize("snippet", SNIPPETS, ids=[s.id for s in SNIPPETS])
+@pytest.mark.parametrize(
+    "snippet",
+    # A snippet that runs takes seconds to a minute or more: slow (`-m "not slow"` keeps the checks).
+    [pytest.param(s, id=s.id, marks=[] if s.mode == "check-only" else [pytest.mark.slow]) for s in SNIPPETS],
+)
 def test_snippet(snippet: Snippet, tmp_path: Path, demo_model_dir):
     """Run the snippet (or check it, where its marker says why it cannot run here)."""
     mode = snippet.mode
