@@ -1,4 +1,12 @@
-"""The ``pprun`` command: ``pprun generate ...`` and ``pprun bench ...``.
+"""The ``pprun`` command. Its subcommands (the table is ``pprun.apps.SUBCOMMANDS``):
+
+- ``pprun generate``: complete prompts (arguments or a JSONL file) and print a summary.
+- ``pprun bench``: offline throughput and latency as JSON, against the peers transformers
+  (``peer=hf``) and vLLM (``peer=vllm``) on the same weights and token ids.
+- ``pprun serve``: serve the model over gRPC (pprun.v1, KServe v2 / Triton).
+- ``pprun submit``: run any of these apps as a job on a Ray cluster (status, logs, stop).
+- ``pprun transcribe``: transcribe audio files with a speech model (Whisper).
+- ``pprun report``: the table and throughput plot of a ``pprun bench`` sweep's JSONs.
 
 The first argument picks the subcommand; everything after it goes to that subcommand's Hydra app
 as overrides (``key=value``, ``group=option``, ``-m`` for sweeps, ``--help``, ``--cfg job``).

@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("pprun.apps.generate", "complete prompts (arguments or a JSONL file) and print a summary"),
-    "bench": ("pprun.apps.bench", "offline throughput/latency as JSON, against transformers' generate()"),
+    "bench": ("pprun.apps.bench", "offline throughput/latency as JSON, against a peer: transformers (peer=hf) or vLLM (peer=vllm)"),
     "serve": ("pprun.apps.serve", "serve the model over gRPC (pprun.v1, KServe v2 / Triton), loopback by default"),
     "submit": ("pprun.apps.submit", "run an app as a job on a Ray cluster (Ray Jobs); status, logs, stop"),
     "transcribe": ("pprun.apps.transcribe", "transcribe audio files with a speech model (Whisper); text per file, JSONL"),

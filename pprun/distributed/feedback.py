@@ -13,15 +13,15 @@ tokens from the last stage's message, and the engine's work on the output is off
 The ids go host to host, also between GPUs: the last stage has them in host memory anyway (its
 answer to the engine), and a second NCCL group between the same GPUs is not an independent
 channel — a send on the activations' group waited behind a receive outstanding on the other,
-which serialised the stages (docs/performance.md, "Probes": the NCCL ordering probe).
+which serialised the stages (docs/performance.md, "Hops and the control path").
 
 **They travel on a plain TCP socket between the two stages** where the stages know a host the
 first one can listen on (pprun's own executors: the process group's rendezvous host, which is
 the first stage's own), else on a gloo group of the two ranks.  That group exists either way;
 with the socket it only carries the socket's port, once, at warm-up.  A gloo point-to-point
 operation costs several times the socket's host time per message on each end, and on the first
-stage posting its receive sits on the step's critical path (docs/performance.md, "Probes":
-``bench_feedback.py``, and "pp=2 at small batches").
+stage posting its receive sits on the step's critical path (docs/performance.md, "pp=2 at small
+batches").
 ``PPRUN_DISABLE_FEEDBACK_SOCKET=1`` on the first stage keeps every message on gloo; the first
 stage decides and tells the last one, so the two ends cannot disagree.  A socket that cannot be
 opened is an error that names that switch, not a silent change of channel.  Each socket message

@@ -128,7 +128,7 @@ class PipelineTransport:
         cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout) if backend == "nccl" else device_group
         # Every rank creates every group (a collective), members or not.  On gloo, also between
         # GPUs: a second NCCL group would not be an independent channel (docs/performance.md,
-        # "Probes": the NCCL ordering probe).
+        # "Hops and the control path").
         feedback_group = None
         if feedback:
             feedback_group = dist.new_group([ranks[0], ranks[-1]], backend="gloo", timeout=timeout)

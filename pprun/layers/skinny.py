@@ -375,7 +375,7 @@ def default_config(
     defer_merge: str | None = None, hold_last: bool = True,
 ) -> SkinnyConfig:
     """Launch settings for these shapes: the best of the launch-settings sweep over the 1.1B
-    model's matmuls (docs/performance.md, "Probes": ``sweep_skinny.py``).
+    model's matmuls (docs/performance.md, "Launch settings and the comparisons behind them").
 
     One row: 8-row column tiles over 512-wide K tiles, one program per column tile (enough
     programs to fill the GPU, no merge), except for long K (``down``, K = 8192), which splits K
