@@ -757,9 +757,9 @@ def test_checks_catch_a_renamed_key_or_flag():
         compose("bench", ["scheduler.max_num_seq=4"], "t")
     with pytest.raises(AssertionError, match="does not compose"):
         compose("generate", ["-m", "parallel=single,pp9_nothing"], "t")
-    check_command(Command(["python", "scripts/make_random_llama.py", "/tmp/x", "--llava", "--device", "cuda"]), "t")
+    check_command(Command(["python", "scripts/make_random_model.py", "/tmp/x", "--llava", "--device", "cuda"]), "t")
     with pytest.raises(AssertionError, match="has no flag --no-such-flag"):
-        check_command(Command(["python", "scripts/make_random_llama.py", "/tmp/x", "--no-such-flag"]), "t")
+        check_command(Command(["python", "scripts/make_random_model.py", "/tmp/x", "--no-such-flag"]), "t")
 
 
 def test_commands_split_and_comments():
