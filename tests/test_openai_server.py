@@ -147,6 +147,21 @@ def test_completions_equal_offline(server, offline):
     assert [ch.text for ch in both.choices] == [o.outputs[0].text for o in offline.generate([PROMPT, "ponm"], greedy(4))]
 
 
+def test_metrics_report_the_prefix_cache(server):
+    """/metrics carries prefix caching's counters: a prompt sent twice is looked up twice and the
+    second finds its full blocks cached."""
+    c = client(server)
+    prompt = [1 + (7 * i) % 40 for i in range(48)]  # three full blocks of 16 and more
+    before = metrics(server)
+    for _ in range(2):
+        c.completions.create(model="tiny-chat", prompt=prompt, max_tokens=2, temperature=0)
+    after = metrics(server)
+    assert after["pprun_prefix_cache_enabled"] == 1
+    assert after["pprun_prefix_cache_queries_total"] >= before["pprun_prefix_cache_queries_total"] + 2
+    assert after["pprun_prefix_cache_hits_total"] >= before["pprun_prefix_cache_hits_total"] + 1
+    assert after["pprun_prefix_cache_blocks"] >= 2 and 0 < after["pprun_prefix_cache_hit_rate"] <= 1
+
+
 def test_chat_equal_offline_streamed_and_not(server, offline):
     c = client(server)
     ref = offline.chat(CHAT, greedy(10))[0].outputs[0]

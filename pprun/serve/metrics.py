@@ -25,12 +25,10 @@ class Metric:
 
 
 def server_metrics(engine: EngineClient) -> list[Metric]:
-    """The engine's state as the server knows it now.
-
-    Prefix caching's statistics (hit rate, cached blocks) belong here too, as gauges read from
-    the engine's reports, once the engine reports them.
-    """
+    """The engine's state as the server knows it now, prefix caching's statistics included (as the
+    engine last reported them; zeros before its first report or with caching off)."""
     facts = engine.describe()
+    cache = engine.cache_stats()
     return [
         Metric("pprun_healthy", "gauge", "1 while the engine takes requests (no stage failure, not draining)",
                float(engine.healthy)),
@@ -40,6 +38,18 @@ def server_metrics(engine: EngineClient) -> list[Metric]:
         Metric("pprun_kv_blocks_free", "gauge", "KV-cache blocks free at the engine's last report",
                engine.num_free_blocks()),
         Metric("pprun_engine_steps_total", "counter", "engine steps submitted so far", engine.num_steps),
+        Metric("pprun_prefix_cache_enabled", "gauge", "1 where full KV blocks are reused across requests",
+               float(bool(cache.get("enabled", False)))),
+        Metric("pprun_prefix_cache_hit_rate", "gauge",
+               "prompt tokens served from cached blocks over prompt tokens looked up", cache.get("hit_rate", 0.0)),
+        Metric("pprun_prefix_cache_queries_total", "counter", "requests looked up in the prefix cache",
+               cache.get("num_queries", 0)),
+        Metric("pprun_prefix_cache_hits_total", "counter", "requests that found a cached prefix",
+               cache.get("num_hits", 0)),
+        Metric("pprun_prefix_cache_blocks", "gauge", "KV blocks that hold a named (reusable) prefix",
+               cache.get("num_cached_blocks", 0)),
+        Metric("pprun_prefix_cache_evicted_blocks_total", "counter", "cached blocks evicted for new ones",
+               cache.get("num_evicted_blocks", 0)),
     ]
 
 
