@@ -161,6 +161,7 @@ class LLMEngine(InputProcessor):
             spread_over_in_flight=self.executor.pp_size > 1,
             async_scheduling=self.async_scheduling,
             max_num_encoder_tokens=sc.max_num_encoder_tokens,
+            num_cross_slots=self.executor.num_cross_slots,
         )
 
     def _init_cache(self) -> None:
@@ -178,6 +179,13 @@ class LLMEngine(InputProcessor):
         self.num_blocks = available
         self.executor.init_cache(available)
         logger.info("KV cache: %d blocks of %d tokens per stage", available, cache.block_size)
+        slots = self.executor.num_cross_slots
+        if slots is not None:
+            logger.info(
+                "cross-attention caches: %d slots per stage, so at most %d requests run at once "
+                "(scheduler.max_num_seqs=%d)", slots, min(slots, self.cfg.scheduler.max_num_seqs),
+                self.cfg.scheduler.max_num_seqs,
+            )  # fmt: skip
 
     # --- requests ------------------------------------------------------------------------------
 
