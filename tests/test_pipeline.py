@@ -482,10 +482,12 @@ def test_batches_overlap_across_stages(tiny_llama_dir, tmp_path, monkeypatch, in
     assert overlapped >= (len(first) - 1) // 2, (overlapped, len(first))
 
 
-FAULT_TIMEOUT_S = 20.0
-"""``parallel.stage_timeout_s`` of the fault cells below."""
-FAULT_MARGIN_S = 25.0
-"""What their bound allows beyond the timeout: a loaded 2-core machine stopping the stages."""
+FAULT_TIMEOUT_S = 120.0
+"""``parallel.stage_timeout_s`` of the fault cells below: their faults (an exception, a death)
+are detected without the timeout, which must then never fire, however loaded the machine."""
+FAULT_BOUND_S = 45.0
+"""How long their fault may take to become an error: a loaded 2-core machine stopping the
+stages (no timeout is involved)."""
 
 
 def pipeline_llm(model_dir, executor: str, request, **kwargs) -> LLM:
@@ -499,11 +501,11 @@ def pipeline_llm(model_dir, executor: str, request, **kwargs) -> LLM:
 
 
 def assert_failed_cleanly(info, llm: LLM, run: tuple, t0: float, before, model_dir, executor: str, request) -> None:
-    """The fault cells' checks (docs/failures.md): the error came within the stage timeout plus
-    a margin, every request ended with "error", nothing of the run is left (processes, sockets,
-    shared memory, the rendezvous directory: ``tests/leftovers.py``), and a new LLM starts and
-    serves in this process.  ``run``: the stage pids and rendezvous directory, taken at start."""
-    assert time.perf_counter() - t0 < FAULT_TIMEOUT_S + FAULT_MARGIN_S
+    """The fault cells' checks (docs/failures.md): the error came within the bound, every
+    request ended with "error", nothing of the run is left (processes, sockets, shared memory,
+    the rendezvous directory: ``tests/leftovers.py``), and a new LLM starts and serves in this
+    process.  ``run``: the stage pids and rendezvous directory, taken at start."""
+    assert time.perf_counter() - t0 < FAULT_BOUND_S
     outs = info.value.outputs
     assert len(outs) == len(TOKEN_PROMPTS)
     assert all(o.outputs[0].finish_reason == "error" and o.error for o in outs)
@@ -576,7 +578,7 @@ def test_killed_stage_with_async_pipeline_steps_becomes_an_error(tiny_llama_dir,
 def test_mismatched_intermediate_keys_are_a_clear_error(tiny_llama_dir, inject_faults):
     with inject_faults({0: {"rename_sent_keys": True}}):
         llm = LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2, runner="v1",
-                  stage_timeout_s=20)
+                  stage_timeout_s=FAULT_TIMEOUT_S)
     t0 = time.perf_counter()
     with pytest.raises(StageFailedError, match=r"keys differ.*hidden_states_renamed.*expects \['hidden_states'\]"):
         llm.generate(TOKEN_PROMPTS[:1], GREEDY)
