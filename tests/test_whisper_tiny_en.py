@@ -92,3 +92,25 @@ def test_ct2_reader_round_trip_and_unmapped_variables(tmp_path):
     path.write_bytes(_ct2_bytes(variables)[:-9])
     with pytest.raises(ValueError, match="truncated|trailing|malformed"):
         read_ct2_model(path)
+
+
+@needs_package
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_default_settings_transcribe(tiny_en_dir, runner, caplog):
+    """``LLM("whisper-tiny.en")`` as docs/speech.md shows it, with no cache or batch setting: the
+    default ``scheduler.max_num_seqs`` (128) does not fit the default CPU cache budget beside its
+    cross-attention caches, so the stage sizes its cross-attention slots from the budget (and says
+    so) and the scheduler runs that many requests at once; a clip transcribes to what was said."""
+    import logging
+
+    from pprun import LLM
+
+    caplog.set_level(logging.INFO, logger="pprun")
+    with LLM("whisper-tiny.en", runner=runner) as llm:
+        cfg = llm.engine.cfg
+        slots = llm.engine.executor.num_cross_slots
+        assert 1 <= slots < cfg.scheduler.max_num_seqs
+        assert llm.engine.scheduler.max_num_running == slots
+        out = llm.transcribe([str(SPEECH / "fox.wav")])
+    assert f"cross-attention caches: {slots} slots per stage" in caplog.text
+    assert difflib.SequenceMatcher(None, words(out[0].text), words(SPOKEN["fox.wav"])).ratio() >= 0.6, out[0].text

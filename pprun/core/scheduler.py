@@ -67,8 +67,11 @@ class Scheduler:
         async_scheduling: bool = False,
         max_num_encoder_tokens: int | None = None,
         enable_prefix_caching: bool = False,
+        num_cross_slots: int | None = None,
     ) -> None:
         _positive_int("max_num_seqs", max_num_seqs)
+        if num_cross_slots is not None:
+            _positive_int("num_cross_slots", num_cross_slots)
         _positive_int("max_num_batched_tokens", max_num_batched_tokens)
         _positive_int("max_model_len", max_model_len)
         _positive_int("block_size", block_size)
@@ -103,6 +106,13 @@ class Scheduler:
                 f"plus the reserved null block, so num_blocks must be >= {min_blocks + 1}"
             )
         self.max_num_seqs = max_num_seqs
+        self.num_cross_slots = num_cross_slots
+        """An encoder-decoder model's cross-attention slots per stage (None: a decoder-only model).
+        Every running request holds one, from its admission (new or resumed) until the step after
+        it ends or is preempted, whose ``finished_req_ids`` free it before that step's new
+        requests take theirs; a waiting request is admitted only while one is free."""
+        self.max_num_running = min(max_num_seqs, num_cross_slots or max_num_seqs)
+        """Requests that may run at once: ``max_num_seqs``, or fewer cross-attention slots."""
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -215,7 +225,7 @@ class Scheduler:
                 # default raises it the same way.
                 reads_cross = any(reads_cross_attention(item) for item in req.mm_items)
                 if reads_cross or biggest > self.max_num_encoder_tokens:
-                    self.max_num_encoder_tokens = max(self.max_num_encoder_tokens, biggest * self.max_num_seqs)
+                    self.max_num_encoder_tokens = max(self.max_num_encoder_tokens, biggest * self.max_num_running)
             if biggest > self.max_num_encoder_tokens:
                 raise ValueError(
                     f"request {req.req_id!r} has a multimodal item of {biggest} encoder rows: "
@@ -289,7 +299,7 @@ class Scheduler:
         scheduled: list[Request] = []
         self._samples_this_step = []
         preempted_this_step = False
-        num_unfinished = min(len(self._requests), self.max_num_seqs)
+        num_unfinished = min(len(self._requests), self.max_num_running)
         step_cap = self._step_request_cap(num_unfinished)
         block_manager = self.block_manager
         prefix_caching = self.enable_prefix_caching
@@ -384,7 +394,7 @@ class Scheduler:
             not preempted_this_step
             and self._waiting
             and token_budget > 0
-            and len(self._running) < self.max_num_seqs
+            and len(self._running) < self.max_num_running  # max_num_seqs, or a free cross slot
             and len(scheduled) < step_cap
         ):
             req = self._waiting[0]

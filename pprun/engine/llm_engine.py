@@ -179,6 +179,7 @@ class LLMEngine:
             async_scheduling=self.async_scheduling,
             max_num_encoder_tokens=sc.max_num_encoder_tokens,
             enable_prefix_caching=self.prefix_caching,
+            num_cross_slots=self.executor.num_cross_slots,
         )
 
     @property
@@ -224,6 +225,13 @@ class LLMEngine:
                 "read their own encoder output (cache.enable_prefix_caching applies to decoder-only models)",
                 self.cfg.model.model,
             )
+        slots = self.executor.num_cross_slots
+        if slots is not None:
+            logger.info(
+                "cross-attention caches: %d slots per stage, so at most %d requests run at once "
+                "(scheduler.max_num_seqs=%d)", slots, min(slots, self.cfg.scheduler.max_num_seqs),
+                self.cfg.scheduler.max_num_seqs,
+            )  # fmt: skip
 
     # --- requests ------------------------------------------------------------------------------
 

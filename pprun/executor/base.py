@@ -36,6 +36,9 @@ class Executor(ABC):
     interrupted mid-message); it accepts no more steps."""
     num_blocks: int = 0
     """KV blocks every stage allocated (the minimum over stages)."""
+    num_cross_slots: int | None = None
+    """An encoder-decoder model's cross-attention slots: requests that may run at once (the
+    minimum over stages, each sized from its cache budget); None for a decoder-only model."""
     stage_params: list[int]
     """Parameter count of each stage's model."""
 

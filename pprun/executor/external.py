@@ -81,7 +81,9 @@ class ExternalLauncherExecutor(Executor):
             self.worker = Worker(spec, transport=self.transport)
             num_params = self.worker.load_model()
             self.stage_params = self._gather_stage_params(num_params)
-            self.num_blocks = self._agree_on_num_blocks(self.worker.num_available_blocks())
+            self.num_blocks = self._agree_on_min(self.worker.num_available_blocks())
+            if self.worker.num_cross_slots is not None:
+                self.num_cross_slots = self._agree_on_min(self.worker.num_cross_slots)
         except BaseException:
             self.worker = None
             self._destroy_own_group()
@@ -106,8 +108,9 @@ class ExternalLauncherExecutor(Executor):
         dist.all_gather(counts, torch.tensor([num_params], dtype=torch.int64), group=self.transport.cpu_group)
         return [int(c) for c in counts]
 
-    def _agree_on_num_blocks(self, num_available: int) -> int:
-        """The smallest block count over all ranks: every scheduler must manage the same pool."""
+    def _agree_on_min(self, num_available: int) -> int:
+        """The smallest count over all ranks (KV blocks, cross-attention slots): every scheduler
+        must manage the same pool."""
         if self.pp_size == 1:
             return num_available
         count = torch.tensor([num_available], dtype=torch.int64)

@@ -178,7 +178,7 @@ def worker_main(address: tuple[str, int], authkey: bytes, rank: int, spec=None) 
     try:
         worker = Worker(spec)
         n_params = worker.load_model()
-        conn.send(("loaded", n_params, worker.num_available_blocks()))
+        conn.send(("loaded", n_params, worker.num_available_blocks(), worker.num_cross_slots))
         serve_steps(conn, worker, spec.control_spin_s)
     except (EOFError, OSError):
         driver_gone = True  # nothing to report to
@@ -401,6 +401,8 @@ class RemoteStagesExecutor(Executor):
             shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
         self.stage_params = [m[1] for m in loaded]
         self.num_blocks = min(m[2] for m in loaded)
+        if loaded[0][3] is not None:
+            self.num_cross_slots = min(m[3] for m in loaded)
 
     def init_cache(self, num_blocks: int) -> None:
         """Allocate the same number of KV blocks on every stage."""

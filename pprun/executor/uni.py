@@ -26,6 +26,7 @@ class UniExecutor(Executor):
         self.worker = Worker(WorkerSpec(resolved, layout, runner, faults=stage_faults(0)))
         self.stage_params = [self.worker.load_model()]
         self.num_blocks = self.worker.num_available_blocks()
+        self.num_cross_slots = self.worker.num_cross_slots
         self.outputs: deque[ModelRunnerOutput] = deque()
 
     def init_cache(self, num_blocks: int) -> None:

@@ -2,11 +2,12 @@
 
 What it owns on each stage:
 
-- the cross caches of the stage's decoder layers (``pprun.attention.cross``), with one slot per
-  request the scheduler may run at once (``scheduler.max_num_seqs``) plus the reserved slot 0;
-  their bytes come out of the stage's KV-cache budget before its blocks are counted
-  (``Worker.num_available_blocks``), so a running request always has a slot and a full
-  self-attention cache preempts as for any model;
+- the cross caches of the stage's decoder layers (``pprun.attention.cross``), with the slots
+  :func:`cross_slots_for_budget` sizes from the stage's KV-cache budget (at most
+  ``scheduler.max_num_seqs``) plus the reserved slot 0; their bytes come out of that budget
+  before its blocks are counted (``Worker.num_available_blocks``).  The scheduler admits a
+  request only while a slot is free (``Scheduler(num_cross_slots=...)``; a request that finds
+  none waits), so a running request always has a slot;
 - which slot each running request holds: taken when the request arrives (new, or resumed after a
   preemption), given back when the step's ``finished_req_ids`` name it (finished, aborted or
   preempted);
@@ -44,6 +45,21 @@ bounds the encoder's transient activations, which the KV-cache budget does not c
 windows of large-v3: about 4 GiB in float16)."""
 
 
+def cross_slots_for_budget(
+    budget_bytes: int, slot_bytes: int, request_kv_bytes: int, block_bytes: int, max_num_seqs: int
+) -> int:
+    """Cross-attention slots a stage's KV-cache budget of ``budget_bytes`` holds: each slot
+    (``slot_bytes``) with room in the paged cache for its request's self-attention up to
+    ``max_model_len`` (``request_kv_bytes``), besides the reserved slot 0 and the null block
+    (``block_bytes``); at most ``max_num_seqs``.  So the default ``max_num_seqs`` fits any budget
+    (fewer requests then run at once), and a full batch of slots never preempts for blocks.
+    Returns 0 when not even one request fits; the caller turns that into an error."""
+    reserved = slot_bytes + block_bytes
+    if budget_bytes <= reserved:
+        return 0
+    return min(max_num_seqs, (budget_bytes - reserved) // (slot_bytes + request_kv_bytes))
+
+
 def is_encoder_decoder(model: PprunModel) -> bool:
     """True for a model with an encoder whose output decoder layers cross-attend to."""
     return model.is_encoder_decoder
@@ -62,7 +78,8 @@ class EncoderDecoderState:
         transport=None,
         log_mel: LogMelSpectrogram | None = None,
     ) -> None:
-        """``log_mel``: the first stage's feature front end (the checkpoint's
+        """``max_num_reqs``: requests that may hold a slot at once (the scheduler's
+        ``num_cross_slots``); ``log_mel``: the first stage's feature front end (the checkpoint's
         ``preprocessor_config.json`` on this stage's device); later stages take none."""
         if layout.is_first and log_mel is None:
             raise ValueError("the first stage of an encoder-decoder model needs its log-mel front end (log_mel=...)")
@@ -106,7 +123,7 @@ class EncoderDecoderState:
         if len(new) > len(self._free_slots):
             raise RuntimeError(
                 f"stage {self.layout.pp_rank}: {len(new)} new requests but {len(self._free_slots)} free "
-                f"cross-attention slots (the scheduler admits at most {self.num_slots - 1} at once)"
+                f"cross-attention slots (the scheduler runs at most {self.num_slots - 1} requests at once)"
             )
         slots = [self._free_slots.pop() for _ in new]
         for n, slot in zip(new, slots, strict=True):

@@ -86,6 +86,9 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.encoder_decoder = None
         """An encoder-decoder stage's ``pprun.worker.encoder_decoder.EncoderDecoderState``."""
+        self.num_cross_slots: int | None = None
+        """An encoder-decoder stage's cross-attention slots (requests that may run at once), sized
+        by :meth:`num_available_blocks` from the cache budget; None for a decoder-only model."""
         self.recv_buffers = None
         self.kv_cache_bytes = 0
         """Bytes of the KV cache allocated by :meth:`init_cache` (0 before)."""
@@ -128,20 +131,36 @@ class Worker:
         from pprun.worker.encoder_decoder import is_encoder_decoder
 
         if is_encoder_decoder(self.model):
-            # Cross-attention caches for every request the scheduler may run at once come first
-            # (pprun.worker.encoder_decoder): a running request never waits for a slot.
+            # Cross-attention slots come out of the budget first, as many as it holds beside their
+            # requests' self-attention (pprun.worker.encoder_decoder.cross_slots_for_budget); the
+            # scheduler admits a request only while a slot is free.
+            from pprun.core.block_manager import min_blocks_for_one_request
+            from pprun.worker.encoder_decoder import cross_slots_for_budget
             from pprun.worker.kv_cache import bytes_per_cross_slot
 
+            slot_bytes = bytes_per_cross_slot(self.model, rc.dtype)
+            request_kv_bytes = min_blocks_for_one_request(rc.max_model_len, cache.block_size) * per_block
             max_num_seqs = rc.cfg.scheduler.max_num_seqs
-            cross = bytes_per_cross_slot(self.model, rc.dtype) * (max_num_seqs + 1)
-            if cross >= budget:
+            num_slots = cross_slots_for_budget(budget, slot_bytes, request_kv_bytes, per_block, max_num_seqs)
+            if num_slots == 0:
+                need = 2 * slot_bytes + request_kv_bytes + per_block
                 raise ValueError(
-                    f"stage {self.layout.pp_rank}: the cross-attention caches for scheduler.max_num_seqs="
-                    f"{max_num_seqs} requests need {cross / 2**20:.0f} MiB, more than the cache budget of "
-                    f"{budget / 2**20:.0f} MiB; lower scheduler.max_num_seqs or raise the cache budget "
-                    "(cache.kv_cache_memory_bytes, cache.cpu_kv_cache_bytes or cache.gpu_memory_utilization)"
+                    f"stage {self.layout.pp_rank}: the KV-cache budget of {budget / 2**20:.1f} MiB holds no "
+                    f"request of this encoder-decoder model: one needs {need / 2**20:.1f} MiB (its "
+                    f"cross-attention slot of {slot_bytes / 2**20:.1f} MiB and the reserved one, and "
+                    f"self-attention for model.max_model_len={rc.max_model_len} tokens); raise the cache "
+                    "budget (cache.kv_cache_memory_bytes, cache.cpu_kv_cache_bytes or "
+                    "cache.gpu_memory_utilization) or lower model.max_model_len"
                 )
-            budget -= cross
+            if num_slots < max_num_seqs:
+                logger.info(
+                    "stage %d: cross-attention caches for %d requests at once (%.0f MiB each; "
+                    "scheduler.max_num_seqs=%d do not fit the KV-cache budget of %.0f MiB beside their "
+                    "self-attention); more requests wait for a slot",
+                    self.layout.pp_rank, num_slots, slot_bytes / 2**20, max_num_seqs, budget / 2**20,
+                )  # fmt: skip
+            self.num_cross_slots = num_slots
+            budget -= (num_slots + 1) * slot_bytes
         return budget // per_block
 
     def init_cache(self, num_blocks: int) -> None:
@@ -164,7 +183,7 @@ class Worker:
 
                 log_mel = LogMelSpectrogram(LogMelConfig.from_model_dir(rc.model_dir), self.device)
             encoder_decoder = EncoderDecoderState(
-                self.model, self.layout, self.device, rc.dtype, rc.cfg.scheduler.max_num_seqs, self.transport,
+                self.model, self.layout, self.device, rc.dtype, self.num_cross_slots, self.transport,
                 log_mel=log_mel,
             )
             self.kv_cache_bytes += encoder_decoder.cache_bytes
