@@ -122,6 +122,10 @@ class _LLM:
 
 
 class _CachingLLM(_LLM):
+    def reset_prefix_cache(self) -> bool:
+        self.calls.append("reset")
+        return True
+
     def cache_stats(self) -> dict:
         return {"hit_rate": 0.5, "cached_blocks": 12}
 
@@ -134,7 +138,9 @@ def test_engine_cache_stats_are_copied_when_the_llm_reports_them():
     metrics, tokens = bench.run_pprun(plain, w, ignore_eos=True)
     assert "cache_stats" not in metrics and tokens == [[1] * 5] * 2
     assert plain.calls == [[r.prompt_token_ids for r in w.warmup], [r.prompt_token_ids for r in w.requests]]
-    metrics, _ = bench.run_pprun(_CachingLLM(), w, ignore_eos=True)
+    caching = _CachingLLM()
+    metrics, _ = bench.run_pprun(caching, w, ignore_eos=True)
+    assert caching.calls[1] == "reset"  # between the warm-up and the timed run
     assert metrics["cache_stats"] == {"hit_rate": 0.5, "cached_blocks": 12}
     assert metrics["ttft_ms_p50"] == 500.0 and metrics["num_output_tokens"] == 10
 
@@ -211,7 +217,7 @@ def _job(cfg: BenchAppConfig, requests: list[BenchRequest], **changes) -> PeerJo
     settings = dict(
         cfg=cfg, model_dir="/ckpt", device="cuda", dtype="bfloat16", requests=requests, warmup=requests[:1],
         batch_size=cfg.scheduler.max_num_seqs, max_model_len=512, eos_token_ids={2, 7}, executor="uni", pp_size=1,
-        max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens or 8192,
+        max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens or 8192, prefix_caching=True,
     )  # fmt: skip
     settings.update(changes)
     return PeerJob(**settings)

@@ -240,6 +240,21 @@ def test_a_one_token_step_never_reads_a_block_its_own_step_writes():
     assert so.scheduled_new_reqs[0].num_computed_tokens == 8 and so.num_scheduled_tokens["c"] == 1
 
 
+def test_the_one_token_guard_keeps_a_prompt_whole_without_chunked_prefill():
+    """Where the guard gives up cached blocks, the rest of the prompt must still fit the step's
+    budget whole when chunked prefill is off: the request waits a step instead of being cut."""
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, block_size=16, num_blocks=20,
+                  enable_chunked_prefill=False, enable_prefix_caching=True)
+    prompt = list(range(10, 43))  # 33 tokens: two full blocks and one token
+    s.add_request(req("a", prompt))
+    s.add_request(req("b", list(prompt)))
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 33}
+    apply(s, so)
+    so = s.schedule()
+    assert so.num_scheduled_tokens["b"] == 1 and so.scheduled_new_reqs[0].num_computed_tokens == 32
+
+
 def test_a_preempted_request_frees_into_the_cache_and_resumes_from_it():
     s = make_scheduler(num_blocks=7, max_model_len=24, max_num_batched_tokens=16)  # 6 usable blocks
     longer = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

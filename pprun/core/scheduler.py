@@ -417,7 +417,11 @@ class Scheduler:
                 if num_kept < len(cached_block_ids):
                     cached_block_ids = cached_block_ids[:num_kept]
                     num_computed = num_kept * block_size
-                    num_new_tokens = min(req.num_tokens - num_computed, token_budget)
+                    num_new_tokens = req.num_tokens - num_computed
+                    if num_new_tokens > token_budget:
+                        if not self.enable_chunked_prefill:
+                            break  # a prompt is scheduled whole without chunking: next step
+                        num_new_tokens = token_budget
             if req.mm_items:
                 num_whole = num_new_tokens
                 num_new_tokens, to_encode, cost = plan_encoder_inputs(

@@ -69,6 +69,7 @@ def time_pprun(cfg: BenchAppConfig, llm: Any, entries: list[tuple[str, dict, int
         "executor": str(resolved.executor),
         "pp_size": len(resolved.layer_partition),
         "max_num_batched_tokens": resolved.max_num_batched_tokens,
+        "prefix_caching": bool(facts["prefix_caching"]),
     }
     logger.info("bench: %d %s requests (%s), timing pprun", len(workload.requests), cfg.workload, workload.source)
     metrics, tokens = run_pprun(llm, workload, cfg.ignore_eos)

@@ -21,6 +21,10 @@ class ReportsCacheStats(Protocol):
         """The statistics as a JSON-serialisable dict of numbers."""
         ...
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block and zero the counters (while no request holds blocks)."""
+        ...
+
 
 def sampling_params(max_tokens: int, ignore_eos: bool) -> SamplingParams:
     """Greedy, exactly ``max_tokens`` with ``ignore_eos`` (else up to EOS): what every engine runs."""
@@ -34,6 +38,10 @@ def run_pprun(llm: Any, workload: Workload, ignore_eos: bool) -> tuple[dict[str,
         llm.generate(
             [r.prompt() for r in workload.warmup], [sampling_params(r.max_tokens, ignore_eos) for r in workload.warmup]
         )
+    if isinstance(llm, ReportsCacheStats):
+        # The timed run's cache figures are its own, and it starts from no cached block (as the
+        # vLLM peer's does): the warm-up's prompts are other prompts, but the counters add up.
+        llm.reset_prefix_cache()
     from pprun.utils.step_trace import EngineTrace
 
     requests = workload.requests

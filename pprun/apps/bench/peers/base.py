@@ -49,6 +49,9 @@ class PeerJob:
     """pprun's executor ("uni", "mp", "ray", "external_launcher"), resolved."""
     pp_size: int
     """pprun's number of pipeline stages."""
+    prefix_caching: bool
+    """Whether pprun's engine cached prompt prefixes (``cache.enable_prefix_caching``, off for
+    encoder-decoder models whatever the setting)."""
     max_num_batched_tokens: int
     """pprun's token budget per step, resolved (``scheduler.max_num_batched_tokens`` or the
     device's default)."""

@@ -65,12 +65,6 @@ def vllm_python(cfg: BenchAppConfig) -> str:
     return cfg.vllm_python or sys.executable
 
 
-def prefix_caching(cfg: BenchAppConfig) -> bool:
-    """Whether pprun caches prompt prefixes in this configuration (``cache.enable_prefix_caching``),
-    so that vLLM does the same."""
-    return bool(cfg.cache.enable_prefix_caching)
-
-
 def unsupported(job: PeerJob) -> str | None:
     """Why vLLM cannot run this job's workload or configuration (None: it can)."""
     if not str(job.device).startswith("cuda"):
@@ -99,7 +93,7 @@ def engine_args(job: PeerJob) -> dict[str, Any]:
         "max_model_len": job.max_model_len,
         "max_num_batched_tokens": job.max_num_batched_tokens,
         "enforce_eager": cfg.compilation.cudagraph_mode == "none",
-        "enable_prefix_caching": prefix_caching(cfg),
+        "enable_prefix_caching": job.prefix_caching,
         "seed": 0,
         # Token-id prompts need no tokenizer (nor does a random checkpoint have one); images
         # and audio go through vLLM's processors, which do.
