@@ -152,6 +152,12 @@ def test_engine_cache_stats_are_copied_when_the_llm_reports_them():
         ({"peer": "sglang"}, r"peer='sglang' is not allowed: choose one of hf, vllm, none"),
         ({"workload": "chat", "input_file": "w.jsonl"}, r"input_file='w.jsonl' is for workload=text"),
         ({"peer": "vllm", "vllm_args": {"hf_overrides": object()}}, r"vllm_args=.* must hold JSON values"),
+        ({"batch_sizes": []}, r"batch_sizes=\[\] must be a non-empty list of distinct integers"),
+        ({"batch_sizes": [4, 0]}, r"batch_sizes=\[4, 0\] must be a non-empty list of distinct integers of at least 1"),
+        ({"batch_sizes": [4, 4]}, r"batch_sizes=\[4, 4\] must be .* distinct"),
+        ({"batch_sizes": [1, 4], "input_file": "w.jsonl"}, r"batch_sizes=\[1, 4\] makes each row's requests"),
+        ({"peer_batch_sizes": [4]}, r"peer_batch_sizes=\[4\] needs batch_sizes"),
+        ({"batch_sizes": [1, 4], "peer_batch_sizes": [8]}, r"peer_batch_sizes=\[8\] must be a non-empty subset"),
     ],
 )
 def test_bench_rejects_bad_new_settings(change: dict, match: str):
@@ -208,6 +214,48 @@ def test_bench_chat_workload_on_the_demo_model(capsys: pytest.CaptureFixture):
     assert w["type"] == "chat" and w["num_prompt_tokens"] > 3 * 5
     assert data["peer"]["num_output_tokens"] == 3 * 4 and data["peer"]["greedy_match_fraction"] == 1.0
     capsys.readouterr()
+
+
+def test_batch_sizes_time_every_row_on_one_engine_each(
+    tiny_llama_dir: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+):
+    """``batch_sizes``: one pprun engine and one transformers model for all rows (each row its own
+    B requests and warm-up), the peer only on ``peer_batch_sizes``, a summary line per row."""
+    from pprun.apps.bench.peers.hf_peer import TransformersPeer
+    from pprun.engine import llm as llm_module
+
+    built, loads = [], []
+    real_llm, real_load = llm_module.LLM, TransformersPeer.load
+
+    def counting_llm(*args, **kwargs):
+        built.append(kwargs["config"].cfg.scheduler.max_num_seqs)
+        return real_llm(*args, **kwargs)
+
+    def counting_load(job):
+        loads.append(job.batch_size)
+        return real_load(job)
+
+    monkeypatch.setattr(llm_module, "LLM", counting_llm)
+    monkeypatch.setattr(TransformersPeer, "load", staticmethod(counting_load))
+    cfg = _tiny_cfg(tiny_llama_dir, peer="hf", batch_sizes=[1, 3, 2], peer_batch_sizes=[3, 2])
+    cfg.num_warmup_prompts = None
+    data = bench.run(cfg)
+    assert json.loads(capsys.readouterr().out) == data
+    assert built == [3] and loads == [3]  # one engine each, sized for the largest batch
+    rows = data["rows"]
+    assert data["batch_sizes"] == [1, 3, 2] and [r["config"]["batch"] for r in rows] == [1, 3, 2]
+    assert {r["config"]["max_num_seqs"] for r in rows} == {3}
+    assert [r["workload"]["num_prompts"] for r in rows] == [1, 3, 2]
+    assert [r["workload"]["num_warmup_prompts"] for r in rows] == [1, 3, 2]  # one full batch each
+    assert [r["pprun"]["num_output_tokens"] for r in rows] == [4, 12, 8]
+    assert rows[0]["peer"] == {"name": "hf", "peer_skipped": "batch 1 is not in peer_batch_sizes=[3, 2]"}
+    for row in rows[1:]:
+        assert row["peer"]["num_output_tokens"] == row["pprun"]["num_output_tokens"]
+        assert row["peer"]["greedy_match_fraction"] == row["peer"]["first_token_match_fraction"] == 1.0
+        assert row["peer"]["num_batches"] == 1 and row["ratio"] > 0
+    summary = data["summary"]
+    assert [line["batch"] for line in summary] == [1, 3, 2] and summary[0]["ratio"] is None
+    assert summary[1]["pprun_output_tokens_per_s"] == rows[1]["pprun"]["output_tokens_per_s"]
 
 
 # --- the vLLM peer: settings and spec -------------------------------------------------------------
@@ -457,6 +505,23 @@ def test_vllm_worker_protocol_audio_goes_to_the_encoder(fake_vllm: Path):
     assert [c["audio"] for c in calls[1:]] == [[8000, 16000]] * 2  # generate, then streamed
     assert calls[1]["prompt_token_ids"] == [50257, 50362] and calls[1]["ignore_eos"] is False
     assert result.metrics["audio_seconds_per_s"] > 0 and len(result.tokens[0]) == 3
+
+
+def test_vllm_worker_runs_every_batch_size_on_one_engine(fake_vllm: Path):
+    cfg = BenchAppConfig(output_len=3)
+    cfg.scheduler.max_num_seqs = 2
+    one = [BenchRequest([5, 6], 3)]
+    two = [BenchRequest([1, 2], 3), BenchRequest([3, 4], 3)]
+    jobs = [_job(cfg, one, warmup=[one[0].for_warmup()]), _job(cfg, two, warmup=[r.for_warmup() for r in two])]
+    results = VllmPeer().run_all(jobs)
+    calls = [json.loads(line) for line in fake_vllm.read_text().splitlines()]
+    assert sum("engine_args" in c for c in calls) == 1  # one vllm.LLM for both rows
+    ids = [c["prompt_token_ids"] for c in calls[1:]]
+    # Row 1: warm-up, generate, streamed; row 2 likewise, after it.
+    assert ids == [[5, 6]] * 3 + [[1, 2], [3, 4]] * 3
+    assert [r.tokens for r in results] == [[[11, 12, 13]], [[3, 4, 5], [7, 8, 9]]]
+    assert [r.metrics["num_output_tokens"] for r in results] == [3, 6]
+    assert results[0].metrics["version"] == results[1].metrics["version"] == "0.0-protocol-test"
 
 
 def test_vllm_worker_failure_is_reported_with_its_traceback(fake_vllm: Path, monkeypatch: pytest.MonkeyPatch):

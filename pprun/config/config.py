@@ -397,6 +397,16 @@ class BenchAppConfig(PprunConfig):
     random tokens (a shared system prompt), then its own ``input_len``."""
     num_prompts: int = 64
     """Number of requests submitted at once."""
+    batch_sizes: list[int] | None = None
+    """Several batch sizes timed on one engine each (pprun's, then the peer's), e.g.
+    ``batch_sizes=[1,32,64,256]``: for each B in order, B requests submitted at once (its own
+    warm-up, then timed); ``scheduler.max_num_seqs`` is set to the largest B for every row, for
+    pprun and the peer alike, and ``num_prompts`` is unused.  The JSON then holds ``rows`` (one
+    object each, with the keys of a single run) and a ``summary`` table.  None: one run of
+    ``num_prompts``.  (A Hydra sweep, ``-m num_prompts=1,32``, starts both engines afresh per job.)"""
+    peer_batch_sizes: list[int] | None = None
+    """With ``batch_sizes``: the batch sizes the peer runs too (each one of ``batch_sizes``); the
+    other rows say the peer was not asked.  None: every batch size."""
     input_len: int = 128
     """Prompt length in tokens (random token ids; with workload=image the text after the images;
     with workload=chat words in the user message; with workload=shared_prefix each request's own

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 from dataclasses import dataclass
@@ -76,30 +77,32 @@ def time_pprun(cfg: BenchAppConfig, llm: Any, entries: list[tuple[str, dict, int
     return PprunRun(workload, facts, peer_settings, metrics, tokens)
 
 
-def run(cfg: BenchAppConfig) -> dict[str, Any]:
-    """Benchmark pprun (and the peer) on ``cfg``'s workload; print and return the result object."""
-    from pprun.engine.llm import LLM
+def row_configs(cfg: BenchAppConfig) -> list[BenchAppConfig]:
+    """The configuration of each timed row: ``cfg`` itself, or with ``batch_sizes`` one copy per
+    batch size B (``num_prompts`` = B, ``scheduler.max_num_seqs`` = the largest B)."""
+    if cfg.batch_sizes is None:
+        return [cfg]
+    top = max(cfg.batch_sizes)
+    rows = []
+    for size in cfg.batch_sizes:
+        row = copy.deepcopy(cfg)
+        row.num_prompts, row.scheduler.max_num_seqs = int(size), top
+        row.batch_sizes = row.peer_batch_sizes = None
+        rows.append(row)
+    return rows
 
-    entries = check_bench_config(cfg)
-    resolved = check_model_for_workload(cfg)
-    peer = PEERS[cfg.peer]
-    if peer is not None:
-        peer.check(cfg)  # a peer that is not there fails the run before pprun spends any time
-    llm = LLM(config=resolved)
-    device = str(cfg.device)
-    try:
-        device = str(llm.describe()["device"])
-        ours = time_pprun(cfg, llm, entries)
-    finally:
-        # The peer loads a second copy of the weights: free pprun's stages (and KV cache) first.
-        llm.shutdown()
-        del llm
-        free_device_memory(device)
-    workload, pprun_result, pprun_tokens = ours.workload, ours.metrics, ours.tokens
-    pprun_result.update(workload_rates(cfg, workload.requests, pprun_result["elapsed_s"]))
+
+def row_result(cfg: BenchAppConfig, ours: PprunRun, swept: bool) -> dict[str, Any]:
+    """One row's result object (pprun's side; the peer's is filled in later)."""
+    pprun_result = dict(ours.metrics)
+    pprun_result.update(workload_rates(cfg, ours.workload.requests, pprun_result["elapsed_s"]))
+    config = config_facts(cfg, ours.facts)
+    if swept:
+        # The row's batch is its requests, all submitted at once; the engine's limit is the sweep's.
+        config["batch"], config["max_num_seqs"] = cfg.num_prompts, cfg.scheduler.max_num_seqs
     result: dict[str, Any] = {
-        "workload": workload_facts(cfg, workload),
-        "config": config_facts(cfg, ours.facts),
+        "workload": workload_facts(cfg, ours.workload),
+        "config": config,
         "pprun": pprun_result,
         "peer": None,
         "ratio": None,
@@ -108,25 +111,82 @@ def run(cfg: BenchAppConfig) -> dict[str, Any]:
     if overrides is not None:
         # What the user set for this run: `pprun report` tells the swept settings by them.
         result["overrides"] = overrides
+    return result
+
+
+def sweep_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One line per row of a ``batch_sizes`` run: the figures a table of it shows."""
+    out = []
+    for row in rows:
+        ours, peer = row["pprun"], row["peer"] or {}
+        out.append({
+            "batch": row["config"]["batch"],
+            "pprun_output_tokens_per_s": ours.get("output_tokens_per_s"),
+            "peer_output_tokens_per_s": peer.get("output_tokens_per_s"),
+            "ratio": row["ratio"],
+            "pprun_ttft_ms_p50": ours.get("ttft_ms_p50"),
+            "peer_ttft_ms_p50": peer.get("ttft_ms_p50"),
+            "pprun_decode_ms_per_step": ours.get("decode_ms_per_step"),
+            "peer_decode_ms_per_step": peer.get("decode_ms_per_step"),
+        })  # fmt: skip
+    return out
+
+
+def run(cfg: BenchAppConfig) -> dict[str, Any]:
+    """Benchmark pprun (and the peer) on ``cfg``'s workload, or on each of its ``batch_sizes``;
+    print and return the result object."""
+    from pprun.engine.llm import LLM
+
+    entries = check_bench_config(cfg)
+    rows = row_configs(cfg)
+    swept = cfg.batch_sizes is not None
+    resolved = check_model_for_workload(rows[0])
+    peer = PEERS[cfg.peer]
     if peer is not None:
-        logger.info("bench: timing the peer (%s, batch %d)", peer.name, cfg.scheduler.max_num_seqs)
-        job = PeerJob(
-            cfg=cfg, requests=workload.requests, warmup=workload.warmup, batch_size=cfg.scheduler.max_num_seqs,
-            **ours.peer_settings,
-        )  # fmt: skip
-        try:
-            peer_result = peer.run(job)
-        except PeerSkipped as e:
-            logger.warning("bench: peer %s skipped: %s", peer.name, e)
-            result["peer"] = {"name": peer.name, "peer_skipped": str(e)}
-        except PeerFailed as e:
-            logger.error("bench: peer %s failed: %s", peer.name, e)
-            result["peer"] = {"name": peer.name, "peer_error": str(e)}
-        else:
-            result["peer"], result["ratio"] = peer_entry(
-                pprun_result, pprun_tokens, peer_result, job.eos_token_ids, cfg.ignore_eos
-            )
+        peer.check(cfg)  # a peer that is not there fails the run before pprun spends any time
+    llm = LLM(config=resolved)
+    device = str(cfg.device)
+    try:
+        device = str(llm.describe()["device"])
+        ours = [time_pprun(row, llm, entries) for row in rows]
+    finally:
+        # The peer loads a second copy of the weights: free pprun's stages (and KV cache) first.
+        llm.shutdown()
+        del llm
         free_device_memory(device)
+    results = [row_result(row, run_, swept) for row, run_ in zip(rows, ours)]
+    if peer is not None:
+        asked = set(cfg.peer_batch_sizes or cfg.batch_sizes or [])
+        picked = [i for i, row in enumerate(rows) if not swept or not asked or row.num_prompts in asked]
+        for i, row in enumerate(rows):
+            if i not in picked:
+                results[i]["peer"] = {"name": peer.name, "peer_skipped": f"batch {row.num_prompts} is not in "
+                                      f"peer_batch_sizes={list(cfg.peer_batch_sizes or [])}"}  # fmt: skip
+        jobs = [
+            PeerJob(
+                cfg=rows[i], requests=ours[i].workload.requests, warmup=ours[i].workload.warmup,
+                batch_size=rows[i].scheduler.max_num_seqs, **ours[i].peer_settings,
+            )
+            for i in picked
+        ]  # fmt: skip
+        logger.info("bench: timing the peer (%s, batch %s)", peer.name, ", ".join(str(j.cfg.num_prompts) for j in jobs)
+                    if swept else cfg.scheduler.max_num_seqs)  # fmt: skip
+        for i, job, outcome in zip(picked, jobs, peer.run_all(jobs)):
+            if isinstance(outcome, PeerSkipped):
+                logger.warning("bench: peer %s skipped: %s", peer.name, outcome)
+                results[i]["peer"] = {"name": peer.name, "peer_skipped": str(outcome)}
+            elif isinstance(outcome, PeerFailed):
+                logger.error("bench: peer %s failed: %s", peer.name, outcome)
+                results[i]["peer"] = {"name": peer.name, "peer_error": str(outcome)}
+            else:
+                results[i]["peer"], results[i]["ratio"] = peer_entry(
+                    results[i]["pprun"], ours[i].tokens, outcome, job.eos_token_ids, cfg.ignore_eos
+                )
+        free_device_memory(device)
+    if not swept:
+        emit(results[0], cfg.output_json)
+        return results[0]
+    result = {"batch_sizes": list(cfg.batch_sizes), "rows": results, "summary": sweep_summary(results)}
     emit(result, cfg.output_json)
     return result
 

@@ -32,6 +32,7 @@ def check_bench_config(cfg: BenchAppConfig) -> list[tuple[str, dict, int]] | Non
         value = getattr(cfg, name)
         if not is_int(value) or value < 1:
             raise ValueError(f"{name}={value!r} must be an integer of at least 1")
+    check_batch_sizes(cfg)
     warmup = cfg.num_warmup_prompts
     if warmup is not None and (not is_int(warmup) or warmup < 0):
         raise ValueError(f"num_warmup_prompts={warmup!r} must be an integer of at least 0 (or null: one full batch)")
@@ -71,6 +72,26 @@ def check_bench_config(cfg: BenchAppConfig) -> list[tuple[str, dict, int]] | Non
                 "there; use audio_source=synthetic"
             )
     return read_workload_file(cfg.input_file, cfg.output_len) if cfg.input_file is not None else None
+
+
+def check_batch_sizes(cfg: BenchAppConfig) -> None:
+    """``batch_sizes``: distinct integers of at least 1, not with ``input_file`` (whose lines are
+    the requests); ``peer_batch_sizes``: some of them."""
+    sizes, peer_sizes = cfg.batch_sizes, cfg.peer_batch_sizes
+    if sizes is None:
+        if peer_sizes is not None:
+            raise ValueError(f"peer_batch_sizes={list(peer_sizes)} needs batch_sizes (the rows it picks from)")
+        return
+    sizes = list(sizes)
+    if not sizes or any(not is_int(b) or b < 1 for b in sizes) or len(set(sizes)) != len(sizes):
+        raise ValueError(f"batch_sizes={sizes!r} must be a non-empty list of distinct integers of at least 1")
+    if cfg.input_file is not None:
+        raise ValueError(
+            f"batch_sizes={sizes} makes each row's requests; input_file={cfg.input_file!r} is a fixed request set "
+            "(drop one of them)"
+        )
+    if peer_sizes is not None and (not list(peer_sizes) or any(b not in sizes for b in peer_sizes)):
+        raise ValueError(f"peer_batch_sizes={list(peer_sizes)!r} must be a non-empty subset of batch_sizes={sizes}")
 
 
 def check_model_for_workload(cfg: BenchAppConfig) -> ResolvedConfig:

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from pprun.apps import job_output_dir, job_output_path
-from pprun.apps.bench.metrics import greedy_match_fraction, pprun_over_peer
+from pprun.apps.bench.metrics import first_token_match_fraction, greedy_match_fraction, pprun_over_peer
 from pprun.apps.bench.peers import PeerResult
 from pprun.config.config import BenchAppConfig
 
@@ -47,6 +47,7 @@ def peer_entry(
     # Both are greedy on the same inputs: a low fraction flags a correctness problem (small
     # numeric differences can flip a near-tie, so 1.0 is not guaranteed in half precision).
     metrics["greedy_match_fraction"] = greedy_match_fraction(pprun_tokens, peer.tokens, eos_token_ids, ignore_eos)
+    metrics["first_token_match_fraction"] = first_token_match_fraction(pprun_tokens, peer.tokens)
     if metrics.get("ttft_ms_p50") is not None:
         # A peer that reports latencies (vLLM) is compared figure by figure.
         metrics["pprun_over_peer"] = pprun_over_peer(pprun, metrics)

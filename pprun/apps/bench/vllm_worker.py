@@ -17,7 +17,9 @@ The spec (JSON): ``engine_args`` (keyword arguments of ``vllm.LLM``), ``ignore_e
 audio goes to the encoder prompt, the token ids are the decoder prompt), and ``requests`` /
 ``warmup``: lists of ``{"prompt_token_ids": [...], "max_tokens": n, "images": [key, ...],
 "audio": key}`` whose keys name arrays in the ``.npz`` file (images HxWx3 uint8, audio float32 at
-``sample_rate``).
+``sample_rate``).  A spec with ``runs`` (a list of ``{"requests", "warmup"}``) instead runs each on
+the one engine in turn and returns ``runs``, each with the ``generate`` and ``stream`` keys a
+single run has at the top.
 """
 
 from __future__ import annotations
@@ -141,34 +143,43 @@ def main(argv: list[str]) -> int:
             ]  # fmt: skip
             return prompts, params
 
+        def timed(run: dict[str, Any], tag: str) -> dict[str, Any]:
+            """Warm up on ``run``'s warm-up requests, then time its requests twice."""
+            if run["warmup"]:
+                llm.generate(*job(run["warmup"], stream=False), use_tqdm=False)
+            # Throughput as vLLM's users get it: LLM.generate, final outputs only.
+            prompts, params = job(run["requests"], stream=False)
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            generate_s = time.perf_counter() - start
+            generated = [[int(t) for t in o.outputs[0].token_ids] for o in outputs]
+            # The streamed pass must find nothing of the first pass cached: neither its prompts'
+            # KV blocks nor its processed images or audio (vLLM's multimodal processor cache; the
+            # method is looked up because releases before it have no such cache).
+            if spec["engine_args"].get("enable_prefix_caching"):
+                llm.reset_prefix_cache()
+            if hasattr(llm, "reset_mm_cache"):
+                llm.reset_mm_cache()
+            # Latencies and per-step rates: the same requests again, every step's tokens streamed.
+            stream = _run(llm.llm_engine, tag, *job(run["requests"], stream=True))
+            if spec["engine_args"].get("enable_prefix_caching"):
+                llm.reset_prefix_cache()  # the next run (batch_sizes) starts from no cached block
+            return {"generate": {"elapsed_s": generate_s, "tokens": generated}, "stream": stream}
+
         t0 = time.perf_counter()
         llm = LLM(**spec["engine_args"])
         load_s = time.perf_counter() - t0
-        if spec["warmup"]:
-            llm.generate(*job(spec["warmup"], stream=False), use_tqdm=False)
-        # Throughput as vLLM's users get it: LLM.generate, final outputs only.
-        prompts, params = job(spec["requests"], stream=False)
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        generate_s = time.perf_counter() - start
-        generated = [[int(t) for t in o.outputs[0].token_ids] for o in outputs]
-        # The streamed pass must find nothing of the first pass cached: neither its prompts' KV
-        # blocks nor its processed images or audio (vLLM's multimodal processor cache; the method
-        # is looked up because releases before it have no such cache).
-        if spec["engine_args"].get("enable_prefix_caching"):
-            llm.reset_prefix_cache()
-        if hasattr(llm, "reset_mm_cache"):
-            llm.reset_mm_cache()
-        # Latencies and per-step rates: the same requests again, every step's tokens streamed.
-        timed = _run(llm.llm_engine, "request-", *job(spec["requests"], stream=True))
         result = {
             "vllm_version": vllm.__version__,
             "engine_args": spec["engine_args"],
             "effective": _effective_settings(llm),
             "load_s": load_s,
-            "generate": {"elapsed_s": generate_s, "tokens": generated},
-            "stream": timed,
         }
+        if "runs" in spec:
+            # Several workloads on this one engine, in turn (pprun bench batch_sizes=[...]).
+            result["runs"] = [timed(run, f"run{k}-request-") for k, run in enumerate(spec["runs"])]
+        else:
+            result.update(timed(spec, "request-"))
     except BaseException as e:  # everything goes back to pprun, which reports it
         Path(out_path).write_text(
             json.dumps({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})

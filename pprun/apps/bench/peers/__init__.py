@@ -5,11 +5,14 @@ offline engine, in its own process), ``none``.  Adding a peer is one class imple
 
 from __future__ import annotations
 
-from pprun.apps.bench.peers.base import Peer, PeerFailed, PeerJob, PeerResult, PeerSkipped
+from pprun.apps.bench.peers.base import Peer, PeerFailed, PeerJob, PeerOutcome, PeerResult, PeerSkipped, run_each
 from pprun.apps.bench.peers.hf_peer import TransformersPeer
 from pprun.apps.bench.peers.vllm_peer import VllmPeer
 
 PEERS: dict[str, Peer | None] = {"hf": TransformersPeer(), "vllm": VllmPeer(), "none": None}
 """``peer=`` value -> the peer (None: no peer, pprun alone)."""
 
-__all__ = ["PEERS", "Peer", "PeerFailed", "PeerJob", "PeerResult", "PeerSkipped", "TransformersPeer", "VllmPeer"]
+__all__ = [
+    "PEERS", "Peer", "PeerFailed", "PeerJob", "PeerOutcome", "PeerResult", "PeerSkipped", "TransformersPeer", "VllmPeer",
+    "run_each",
+]  # fmt: skip

@@ -6,7 +6,8 @@ takes.  ``pprun bench`` calls :meth:`Peer.check` before pprun's engine starts (a
 be there fails the run at once), times pprun, shuts pprun down and frees the device, then calls
 :meth:`Peer.run` with the same requests (:class:`PeerJob`): the engines never run at once.  A peer
 that cannot run this workload or configuration raises :class:`PeerSkipped` (the result says why,
-the run still succeeds); one that fails while running raises :class:`PeerFailed`.
+the run still succeeds); one that fails while running raises :class:`PeerFailed`.  With
+``batch_sizes``, :meth:`Peer.run_all` runs every row's job on one engine of the peer's.
 """
 
 from __future__ import annotations
@@ -86,4 +87,26 @@ class Peer(Protocol):
         """Warm up on ``job.warmup``, time ``job.requests``; raise :class:`PeerSkipped` or
         :class:`PeerFailed` when it cannot."""
         ...
+
+    def run_all(self, jobs: list[PeerJob]) -> list[PeerOutcome]:
+        """Each job in turn on one engine (loaded once; the jobs differ only in their requests, as
+        the rows of ``batch_sizes`` do): each job's result, or the :class:`PeerSkipped` /
+        :class:`PeerFailed` it met, in order.  :func:`run_each` does it job by job."""
+        ...
+
+
+PeerOutcome = PeerResult | PeerSkipped | PeerFailed
+"""What a peer gives back for one job of :meth:`Peer.run_all`."""
+
+
+def run_each(peer: Peer, jobs: list[PeerJob]) -> list[PeerOutcome]:
+    """:meth:`Peer.run_all` by calling ``peer.run`` on each job (for a peer with nothing to share
+    between them)."""
+    outcomes: list[PeerOutcome] = []
+    for job in jobs:
+        try:
+            outcomes.append(peer.run(job))
+        except (PeerSkipped, PeerFailed) as e:
+            outcomes.append(e)
+    return outcomes
 

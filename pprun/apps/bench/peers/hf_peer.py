@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pprun.apps.bench.metrics import throughput_metrics, until_eos
-from pprun.apps.bench.peers.base import PeerJob, PeerResult
+from pprun.apps.bench.peers.base import PeerJob, PeerOutcome, PeerResult
 from pprun.apps.bench.workloads import SAMPLE_RATE, BenchRequest, workload_rates
 from pprun.config.config import BenchAppConfig
 
@@ -188,12 +188,29 @@ class TransformersPeer:
 
     def run(self, job: PeerJob) -> PeerResult:
         """Load the checkpoint in transformers on pprun's device and dtype, warm up, time."""
+        return self.timed(job, self.load(job))
+
+    def run_all(self, jobs: list[PeerJob]) -> list[PeerOutcome]:
+        """The checkpoint loaded once, then each job warmed up and timed in turn."""
+        if not jobs:
+            return []
+        generate = self.load(jobs[0])
+        return [self.timed(job, generate) for job in jobs]
+
+    @staticmethod
+    def load(job: PeerJob) -> Generate:
+        """The job's model family's generate function, its checkpoint loaded on pprun's device."""
         import torch
 
         family = family_of(job.cfg.workload)
-        generate = family.load(job.model_dir, job.device, getattr(torch, job.dtype), job.eos_token_ids, job.ignore_eos)
+        return family.load(job.model_dir, job.device, getattr(torch, job.dtype), job.eos_token_ids, job.ignore_eos)
+
+    @staticmethod
+    def timed(job: PeerJob, generate: Generate) -> PeerResult:
+        """Warm ``generate`` up on the job's warm-up requests, then time its requests."""
         elapsed_s, tokens, num_batches = time_batches(job.requests, job.warmup, job.batch_size, job.device, generate)
         rates = throughput_metrics(elapsed_s, job.requests, tokens)
-        metrics = {"name": family.name, "elapsed_s": rates.pop("elapsed_s"), "num_batches": num_batches, **rates}
+        name = family_of(job.cfg.workload).name
+        metrics = {"name": name, "elapsed_s": rates.pop("elapsed_s"), "num_batches": num_batches, **rates}
         metrics.update(workload_rates(job.cfg, job.requests, elapsed_s))
         return PeerResult(metrics, tokens)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from pprun.apps.bench.metrics import STEADY_DECODE_KEYS, latency_metrics, throughput_metrics
-from pprun.apps.bench.peers.base import PeerFailed, PeerJob, PeerResult, PeerSkipped
+from pprun.apps.bench.peers.base import PeerFailed, PeerJob, PeerOutcome, PeerResult, PeerSkipped
 from pprun.apps.bench.workloads import SAMPLE_RATE, workload_rates
 from pprun.config.config import BenchAppConfig
 
@@ -110,8 +110,9 @@ def engine_args(job: PeerJob) -> dict[str, Any]:
     return args
 
 
-def build_spec(job: PeerJob) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The worker's spec (JSON-serialisable) and its arrays (images, audio) by key."""
+def build_spec(job: PeerJob, prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
+    """The worker's spec (JSON-serialisable) and its arrays (images, audio) by key (each key
+    starting with ``prefix``)."""
     arrays: dict[str, Any] = {}
 
     def entry(tag: str, r: Any) -> dict[str, Any]:
@@ -136,9 +137,24 @@ def build_spec(job: PeerJob) -> tuple[dict[str, Any], dict[str, Any]]:
         "stop_token_ids": sorted(job.eos_token_ids),
         "encoder_decoder": job.cfg.workload == "audio",
         "sample_rate": SAMPLE_RATE,
-        "requests": [entry(f"r{i}", r) for i, r in enumerate(job.requests)],
-        "warmup": [entry(f"w{i}", r) for i, r in enumerate(job.warmup)],
+        "requests": [entry(f"{prefix}r{i}", r) for i, r in enumerate(job.requests)],
+        "warmup": [entry(f"{prefix}w{i}", r) for i, r in enumerate(job.warmup)],
     }
+    return spec, arrays
+
+
+def build_sweep_spec(jobs: list[PeerJob]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One spec for several jobs run on one ``vllm.LLM`` in turn (``batch_sizes``): the first
+    job's engine settings (the jobs share them) and ``runs``, each job's requests and warm-up."""
+    spec: dict[str, Any] = {}
+    arrays: dict[str, Any] = {}
+    runs = []
+    for k, job in enumerate(jobs):
+        one, one_arrays = build_spec(job, prefix=f"s{k}")
+        runs.append({"requests": one.pop("requests"), "warmup": one.pop("warmup")})
+        spec = spec or one
+        arrays.update(one_arrays)
+    spec["runs"] = runs
     return spec, arrays
 
 
@@ -256,3 +272,18 @@ class VllmPeer:
         """Run the job in the worker and compute its figures."""
         spec, arrays = build_spec(job)
         return metrics_from_worker(run_worker(vllm_python(job.cfg), spec, arrays), job)
+
+    def run_all(self, jobs: list[PeerJob]) -> list[PeerOutcome]:
+        """Every job on one ``vllm.LLM`` in one worker (loaded and compiled once), in turn."""
+        if not jobs:
+            return []
+        reason = unsupported(jobs[0])
+        if reason is not None:
+            return [PeerSkipped(reason) for _ in jobs]
+        spec, arrays = build_sweep_spec(jobs)
+        try:
+            result = run_worker(vllm_python(jobs[0].cfg), spec, arrays)
+        except PeerFailed as e:
+            return [e for _ in jobs]
+        common = {k: v for k, v in result.items() if k != "runs"}
+        return [metrics_from_worker({**common, **one}, job) for one, job in zip(result["runs"], jobs)]
