@@ -143,6 +143,17 @@ def main(argv: list[str]) -> int:
             ]  # fmt: skip
             return prompts, params
 
+        def forget_cached() -> None:
+            """Drop what vLLM keeps of finished requests: prompts' KV blocks, processed images or
+            audio (the multimodal processor cache) and the encoder cache on the GPU, which keeps
+            a vision tower's outputs by image hash (the methods are looked up: releases differ)."""
+            if spec["engine_args"].get("enable_prefix_caching"):
+                llm.reset_prefix_cache()
+            if hasattr(llm, "reset_mm_cache"):
+                llm.reset_mm_cache()
+            if hasattr(llm.llm_engine, "reset_encoder_cache"):
+                llm.llm_engine.reset_encoder_cache()
+
         def timed(run: dict[str, Any], tag: str) -> dict[str, Any]:
             """Warm up on ``run``'s warm-up requests, then time its requests twice."""
             if run["warmup"]:
@@ -153,17 +164,11 @@ def main(argv: list[str]) -> int:
             outputs = llm.generate(prompts, params, use_tqdm=False)
             generate_s = time.perf_counter() - start
             generated = [[int(t) for t in o.outputs[0].token_ids] for o in outputs]
-            # The streamed pass must find nothing of the first pass cached: neither its prompts'
-            # KV blocks nor its processed images or audio (vLLM's multimodal processor cache; the
-            # method is looked up because releases before it have no such cache).
-            if spec["engine_args"].get("enable_prefix_caching"):
-                llm.reset_prefix_cache()
-            if hasattr(llm, "reset_mm_cache"):
-                llm.reset_mm_cache()
+            # The streamed pass must find nothing of the first pass cached.
+            forget_cached()
             # Latencies and per-step rates: the same requests again, every step's tokens streamed.
             stream = _run(llm.llm_engine, tag, *job(run["requests"], stream=True))
-            if spec["engine_args"].get("enable_prefix_caching"):
-                llm.reset_prefix_cache()  # the next run (batch_sizes) starts from no cached block
+            forget_cached()  # and the next run (batch_sizes) neither
             return {"generate": {"elapsed_s": generate_s, "tokens": generated}, "stream": stream}
 
         t0 = time.perf_counter()
