@@ -62,6 +62,7 @@ def check_alignment(ids: torch.Tensor, num_experts: int, align) -> None:
 @triton_only
 @pytest.mark.parametrize("num_tokens, num_experts, top_k, block_m", [
     (1, 5, 2, 16), (7, 6, 3, 16), (40, 3, 2, 16), (33, 128, 8, 16), (9, 7, 7, 32),
+    (300, 128, 8, 16),  # padded rows past several of the tail loop's 1,024-row strides
 ])
 def test_align_kernel_sorts_by_expert_as_torch_does(num_tokens, num_experts, top_k, block_m):
     from pprun.layers.moe_triton import align_by_expert, align_by_expert_torch
@@ -253,7 +254,7 @@ def test_expert_kernels_compile_for_sm90():
                  {"TOP_K": 8, "TOP_K_P2": 8, "EXPERTS_P2": 128, "RENORMALIZE": True}, options={"num_warps": 1},
                  pointers={"ids_ptr": "*i64", "weights_ptr": "*fp32"}, default_pointer="*bf16")
     compile_sm90("pprun.layers.moe_triton", "_align_kernel",
-                 {"EXPERTS_P2": 128, "BLOCK_M": 16, "CHUNK": 64}, options=options, pointers=_EXPERT_POINTERS)
+                 {"EXPERTS_P2": 128, "BLOCK_M": 16, "CHUNK": 64, "FILL": 1024}, options=options, pointers=_EXPERT_POINTERS)
     gemm = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_F32": False}
     for kernel, extra, pointers in (
         ("_gate_up_kernel", {"TOP_K": 8, "PRECISE_EXP": True}, {}),

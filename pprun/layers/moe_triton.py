@@ -140,6 +140,7 @@ def _align_kernel(
     EXPERTS_P2: tl.constexpr,
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
+    FILL: tl.constexpr,
 ):
     """One program: per-expert counts, padded run starts, each entry's row (its expert's start
     plus the entries of that expert before it), padding rows and each block's expert."""
@@ -165,13 +166,20 @@ def _align_kernel(
         tl.store(sorted_ptr + row, idx.to(tl.int32), mask=idx < num_entries)
         seen += tl.sum(hit, axis=0)
 
-    # Rows no entry took: padding (disjoint from the rows stored above, so no ordering needed).
-    for r0 in range(0, max_rows, CHUNK):
-        rows = r0 + tl.arange(0, CHUNK)
-        used = (starts[None, :] <= rows[:, None]) & (rows[:, None] < starts[None, :] + counts[None, :])
-        is_used = tl.sum(used.to(tl.int32), axis=1) > 0
-        tl.store(sorted_ptr + rows, tl.zeros([CHUNK], dtype=tl.int32) + num_entries,
-                 mask=(rows < max_rows) & ~is_used)
+    # Rows no entry took hold N: each expert's padding (fewer than BLOCK_M rows after its
+    # entries, one [experts, BLOCK_M] store), and the rows past the last run (never read: blocks
+    # past num_rows return at once; filled so the layout is defined).  Both are disjoint from
+    # the rows stored above, so no ordering is needed.  Per row this is O(1), not O(experts):
+    # a test of every row against every run made this loop most of the kernel's time.
+    pad = tl.arange(0, BLOCK_M)
+    pad_rows = (starts + counts)[:, None] + pad[None, :]
+    tl.store(sorted_ptr + pad_rows, tl.zeros([EXPERTS_P2, BLOCK_M], dtype=tl.int32) + num_entries,
+             mask=pad[None, :] < (padded - counts)[:, None])
+    total = tl.sum(padded, axis=0)
+    for r0 in range(0, max_rows, FILL):
+        rows = r0 + tl.arange(0, FILL)
+        tl.store(sorted_ptr + rows, tl.zeros([FILL], dtype=tl.int32) + num_entries,
+                 mask=(rows >= total) & (rows < max_rows))
     # Each block's expert: the one whose padded run holds the block's first row; -1 past them.
     for b0 in range(0, max_rows // BLOCK_M, CHUNK):
         blocks = b0 + tl.arange(0, CHUNK)
@@ -195,7 +203,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> Expert
     num_rows = torch.empty(1, dtype=torch.int32, device=device)
     _align_kernel[(1,)](
         ids.reshape(-1), sorted_entries, block_expert, num_rows, num_entries, max_rows,
-        EXPERTS_P2=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=64, num_warps=4,
+        EXPERTS_P2=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=64, FILL=1024, num_warps=4,
     )
     return ExpertAlignment(sorted_entries, block_expert, num_rows, block_m)
 
