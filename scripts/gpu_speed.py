@@ -4,7 +4,8 @@
 
 - matmul_tflops: bf16 8192^3 matmul rate on this GPU (the prefill yardstick);
 - decode_b{1,32}: ms per engine step, ms per bare graph replay, tokens/s, at context ~512;
-- prefill: 2048-token prompts, achieved TFLOP/s (2 * params * tokens + attention) and its share
+- prefill: 2048-token prompts, achieved TFLOP/s (2 * params * tokens + attention; a
+  mixture-of-experts model's params counted as a token uses them: top_k of its experts) and its share
   of the matmul rate (median of three runs);
 - memory: weights, KV cache (configured share vs allocated), CUDA-graph pool, and device memory
   in use before/after 1,000 decode steps (flat = nothing allocated in steady state);
@@ -184,7 +185,13 @@ def prefill(model: str, prompt_len: int = 2048, num_prompts: int = 8) -> dict:
         torch.cuda.synchronize()
         runs.append(time.perf_counter() - t0)
     elapsed = sorted(runs)[1]
-    n_params = sum(p.numel() for p in llm.engine.executor.worker.model.parameters())
+    # The weights a token multiplies: all of a dense model's; of a mixture-of-experts model's
+    # experts (w13 / w2, [num_experts, ...]) the top_k of num_experts it is routed to.
+    share = arch.moe.top_k / arch.moe.num_experts if arch.moe is not None else 1.0
+    n_params = sum(
+        p.numel() * (share if name.endswith((".w13", ".w2")) else 1.0)
+        for name, p in llm.engine.executor.worker.model.named_parameters()
+    )
     tokens = prompt_len * num_prompts
     # Causal attention: QK^T and PV, each 2 * L^2/2 * d per head per layer.
     attn = 2 * 2 * (prompt_len**2 / 2) * arch.head_dim * arch.num_attention_heads * arch.num_hidden_layers

@@ -5,7 +5,15 @@ offline engine, in its own process), ``none``.  Adding a peer is one class imple
 
 from __future__ import annotations
 
-from pprun.apps.bench.peers.base import Peer, PeerFailed, PeerJob, PeerOutcome, PeerResult, PeerSkipped, run_each
+from pprun.apps.bench.peers.base import (
+    Peer,
+    PeerFailed,
+    PeerJob,
+    PeerOutcome,
+    PeerResult,
+    PeerSkipped,
+    run_each,
+)
 from pprun.apps.bench.peers.hf_peer import TransformersPeer
 from pprun.apps.bench.peers.vllm_peer import VllmPeer
 
