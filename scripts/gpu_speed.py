@@ -168,8 +168,10 @@ def decode(model: str, batch: int, ctx: int, steps: int, memory_steps: int = 0,
 
 
 def prefill(model: str, prompt_len: int = 2048, num_prompts: int = 8) -> dict:
+    # Prefix caching off: the timed runs repeat the warm-up's and each other's prompts, which a
+    # cache would serve without computing them.
     llm = LLM(model, runner="v2", cudagraph_mode="full", max_num_seqs=num_prompts,
-              max_num_batched_tokens=prompt_len * 2, max_model_len=prompt_len + 16)
+              max_num_batched_tokens=prompt_len * 2, max_model_len=prompt_len + 16, enable_prefix_caching=False)
     arch = llm.engine.resolved.arch
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
