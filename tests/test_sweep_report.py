@@ -146,3 +146,26 @@ def test_facts_stand_in_for_missing_overrides(tmp_path):
     assert [(r["run"], r["batch"], r["output_tokens_per_s"]) for r in rows] == [("a", "1", "10"), ("b", "4", "30")]
     assert list(rows[0])[1] == "batch"  # the one fact that differs is the swept setting
     assert _png_size(paths["png"]) == (800, 500)
+
+
+def test_a_batch_sizes_result_reports_one_run_per_row(tmp_path):
+    """``pprun bench batch_sizes=[...]`` writes one object with ``rows``: each row is a run, told
+    apart by its batch (recorded as its ``num_prompts``)."""
+    rows = [
+        {
+            "workload": {"num_prompts": batch, "input_len": 16, "output_len": 4},
+            "config": {"executor": "uni", "pp": 1, "batch": batch, "max_num_seqs": 4},
+            "pprun": {"output_tokens_per_s": tps},
+            "peer": None,
+            "ratio": None,
+            "overrides": {"batch_sizes": "[1,4]", "input_len": "16"},
+        }
+        for batch, tps in ((1, 10.0), (4, 30.0))
+    ]
+    (tmp_path / "sweep.json").write_text(json.dumps({"batch_sizes": [1, 4], "rows": rows, "summary": []}))
+    paths = report.render_report(tmp_path)
+    got = _read_csv(paths["csv"])
+    assert [(r["run"], r["num_prompts"], r["output_tokens_per_s"]) for r in got] == [
+        ("sweep/b1", "1", "10"), ("sweep/b4", "4", "30"),
+    ]  # fmt: skip
+    assert list(got[0])[1] == "num_prompts"  # the one setting that differs between the rows

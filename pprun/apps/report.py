@@ -8,7 +8,8 @@ alone, e.g. after a job was re-run by hand or on a copy of the directory.
 * **Swept settings** are the Hydra overrides that differ between the runs (each ``bench.json``
   records its job's overrides under ``"overrides"``).  A result without them (written by
   ``output_json=`` outside a sweep) contributes its configuration facts instead: the facts
-  that differ between the runs become the columns.
+  that differ between the runs become the columns.  A ``batch_sizes=[...]`` result counts as
+  one run per row (``<file>/b<batch>``), its batch as the row's ``num_prompts``.
 * **Table** (``bench_table.csv``, ``bench_table.md``): one row per run, in job order: the run's
   folder, the swept settings, the configuration facts and pprun's metrics (and the peer's
   throughput and the ratio when the run timed one).
@@ -99,13 +100,11 @@ def find_runs(directory: Path) -> list[BenchRun]:
             obj = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             continue
-        if not (isinstance(obj, dict) and isinstance(obj.get("pprun"), dict) and isinstance(obj.get("config"), dict)):
-            continue
         rel = path.parent.relative_to(directory)
         name = str(rel) if str(rel) != "." else path.stem
         if path.name != "bench.json" and str(rel) != ".":
             name = f"{rel}/{path.stem}"
-        runs.append(BenchRun(name, obj))
+        runs.extend(BenchRun(f"{name}{suffix}", result) for suffix, result in _results_in(obj))
     if not runs:
         raise ValueError(
             f"no bench results in {str(directory)!r}: expected JSON files written by `pprun bench` "
@@ -113,6 +112,33 @@ def find_runs(directory: Path) -> list[BenchRun]:
         )
     runs.sort(key=lambda r: _natural_key(r.name))
     return runs
+
+
+def _is_result(obj: Any) -> bool:
+    return isinstance(obj, dict) and isinstance(obj.get("pprun"), dict) and isinstance(obj.get("config"), dict)
+
+
+def _results_in(obj: Any) -> list[tuple[str, dict[str, Any]]]:
+    """The bench results one JSON file holds, each with a suffix for its run's name: the object
+    itself, or the ``rows`` of a ``batch_sizes`` run (``/b<batch>`` each; the row's batch is
+    recorded as its ``num_prompts`` override, the setting that differs between its rows)."""
+    if _is_result(obj):
+        return [("", obj)]
+    rows = obj.get("rows") if isinstance(obj, dict) else None
+    if not isinstance(rows, list):
+        return []
+    out = []
+    for row in rows:
+        if not _is_result(row):
+            continue
+        batch = row["config"].get("batch")
+        row = dict(row)
+        overrides = row.get("overrides")
+        if isinstance(overrides, dict):
+            overrides = {k: v for k, v in overrides.items() if k not in ("batch_sizes", "peer_batch_sizes")}
+            row["overrides"] = {**overrides, "num_prompts": str(batch)}
+        out.append((f"/b{batch}", row))
+    return out
 
 
 def _natural_key(name: str) -> list[tuple[int, Any]]:
