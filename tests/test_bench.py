@@ -596,3 +596,30 @@ def test_bench_against_vllm_on_gpu(executor: str, pp: int, tmp_path: Path, capsy
         )  # fmt: skip
     assert peer["ttft_ms_p50"] > 0 and data["ratio"] > 0
     assert set(peer["pprun_over_peer"]) >= {"output_tokens_per_s", "ttft_ms_p50"}
+
+
+@pytest.mark.gpu
+def test_bench_batch_sizes_against_vllm_on_gpu(tmp_path: Path, capsys: pytest.CaptureFixture):
+    """Every batch size on one pprun engine and one vLLM engine, on a GPU (vLLM as above)."""
+    import os
+    import subprocess
+
+    python = os.environ.get("PPRUN_VLLM_PYTHON", sys.executable)
+    if subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode != 0:
+        pytest.skip(f"vLLM does not import in {python}")
+    from tiny_models import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path / "llama", num_layers=2, hidden_size=512, num_attention_heads=8,
+                            num_key_value_heads=4, intermediate_size=1024, vocab_size=1024)
+    cfg = BenchAppConfig(input_len=32, output_len=16, peer="vllm", vllm_python=python, batch_sizes=[1, 8, 4])
+    cfg.model.model, cfg.model.dtype, cfg.model.max_model_len = str(model), "bfloat16", 256
+    cfg.device = "cuda"
+    data = bench.run(cfg)
+    capsys.readouterr()
+    assert [row["config"]["batch"] for row in data["rows"]] == [1, 8, 4]
+    for row in data["rows"]:
+        peer = row["peer"]
+        assert "peer_error" not in peer and "peer_skipped" not in peer, peer
+        assert peer["num_output_tokens"] == row["pprun"]["num_output_tokens"] == row["config"]["batch"] * 16
+        assert peer["settings"]["max_num_seqs"] == 8 and row["ratio"] > 0
+    assert len({row["peer"]["load_s"] for row in data["rows"]}) == 1  # one vLLM engine for all rows
