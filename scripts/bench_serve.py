@@ -33,7 +33,11 @@ The TTFT the server adds is, per request, what the client saw (call start to fir
 minus what the engine saw (the request accepted by the async engine to its first token, from the
 final response's timings), split into ``ingress`` (call start to accepted: the client's send,
 gRPC, parsing and validation) and ``egress`` (first token sampled to the client holding it: the
-hand-over back, serialization, gRPC).  CPU time per output token (the process and its stage
+hand-over back, serialization, gRPC).  ``turnaround_ms`` (medians over every request but each
+client's first) is the gap between a client's request finishing in the engine and its next one
+accepted, while the batch runs a request short: ``final_egress`` (the last answer reaching the
+client), ``client_gap`` (the client starting its next call) and ``next_ingress``; ``turnaround_p90``
+its 90th percentile.  CPU time per output token (the process and its stage
 processes, with psutil) is reported for both sides, and per thread (the server's event loop,
 gRPC's poller, the engine thread or the reader of the engine process's reports, and the rest:
 torch's and OpenMP's; with an engine process also its main thread, which steps the engine, and its
@@ -212,11 +216,16 @@ async def stream_all(address: str, prompts: list[list[int]], max_tokens: int, cl
 
     channels = [grpc.aio.insecure_channel(address) for _ in range(max(1, min(clients, 8)))]
     stubs = [pb_grpc.PprunStub(c) for c in channels]
-    limit = asyncio.Semaphore(clients)
+    # One slot per client, taken in turn (FIFO, as a semaphore's): a slot remembers when its last
+    # request ended, in the engine and at the client, for the turnaround to its next one.
+    slots: asyncio.Queue[dict] = asyncio.Queue()
+    for _ in range(clients):
+        slots.put_nowait({})
     sampling = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
     async def one(i: int) -> dict:
-        async with limit:
+        slot = await slots.get()
+        try:
             t_send = time.time()
             t_first, token_ids, final = None, [], None
             async for resp in stubs[i % len(stubs)].Generate(
@@ -227,9 +236,15 @@ async def stream_all(address: str, prompts: list[list[int]], max_tokens: int, cl
                 token_ids += resp.token_ids
                 if resp.HasField("final"):
                     final = resp.final
+            t_end = time.time()
             t = final.timings
-            return {"token_ids": token_ids, "t_send": t_send, "t_first": t_first,
-                    "t_arrival": t.arrival_time, "t_first_token": t.first_token_time}
+            result = {"token_ids": token_ids, "t_send": t_send, "t_first": t_first,
+                      "t_arrival": t.arrival_time, "t_first_token": t.first_token_time,
+                      "prev_finished": slot.get("finished"), "prev_end": slot.get("end")}
+            slot["finished"], slot["end"] = t.finished_time, t_end
+            return result
+        finally:
+            slots.put_nowait(slot)
 
     for c in channels:  # connected before the clock starts (as the offline engine is built first)
         await c.channel_ready()
@@ -253,6 +268,10 @@ class SseConnection:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> None:
         self.reader, self.writer, self.host = reader, writer, host
+        self.last_finished: float | None = None
+        """The engine's finished time of the last answer on this connection (None before one)."""
+        self.last_end: float | None = None
+        """When the client had read that answer's end."""
 
     @classmethod
     async def open(cls, address: str) -> SseConnection:
@@ -312,9 +331,13 @@ async def stream_all_http(address: str, prompts: list[list[int]], max_tokens: in
                 token_ids += choice["token_ids"]
             if choice.get("finish_reason") is not None:
                 timings = choice["timings"]
+        t_end = time.time()
+        result = {"token_ids": token_ids, "t_send": t_send, "t_first": t_first,
+                  "t_arrival": timings["arrival_time"], "t_first_token": timings["first_token_time"],
+                  "prev_finished": conn.last_finished, "prev_end": conn.last_end}
+        conn.last_finished, conn.last_end = timings["finished_time"], t_end
         conns.put_nowait(conn)
-        return {"token_ids": token_ids, "t_send": t_send, "t_first": t_first,
-                "t_arrival": timings["arrival_time"], "t_first_token": timings["first_token_time"]}
+        return result
 
     opened = await asyncio.gather(*(SseConnection.open(address) for _ in range(clients)))
     for conn in opened:
@@ -418,6 +441,15 @@ def summarize_served(results: list[dict], wall: float, cpu0: float | None, cpu1:
               "client_ttft_p50_ms": p50("client"), "engine_ttft_p50_ms": p50("engine"),
               "added_ttft_p50_ms": statistics.median(added), "added_ttft_p90_ms": percentile(added, 90),
               "ingress_p50_ms": p50("ingress"), "egress_p50_ms": p50("egress"), "server_exit_status": rc}
+    # A client's turnaround: its last request finished in the engine -> the next one accepted
+    # (the batch runs a request short meanwhile), split into the last answer's end reaching the
+    # client, the client starting its next call, and that call's ingress.
+    turns = [{"turnaround": r["t_arrival"] - r["prev_finished"], "final_egress": r["prev_end"] - r["prev_finished"],
+              "client_gap": r["t_send"] - r["prev_end"], "next_ingress": r["t_arrival"] - r["t_send"]}
+             for r in results if r["prev_finished"] is not None]
+    if turns:
+        result["turnaround_ms"] = {key: 1e3 * statistics.median(t[key] for t in turns) for key in turns[0]}
+        result["turnaround_ms"]["turnaround_p90"] = 1e3 * percentile([t["turnaround"] for t in turns], 90)
     return result, [r["token_ids"] for r in results]
 
 

@@ -264,22 +264,33 @@ class OpenAIServer:
 
     async def _events(self, req: oa.ParsedRequest, streams: list[RequestStream], head: dict) -> AsyncIterator[bytes]:
         """The server-sent events of a streamed answer (the response, :class:`_EventStream`,
-        aborts what is unfinished when the client leaves)."""
+        aborts what is unfinished when the client leaves).
+
+        The last choice's last chunk, the usage chunk and ``[DONE]`` are one item, which
+        :class:`_EventStream` writes with the chunked body's end: one write per answer's end
+        instead of three (a burst of answers ending together is written ahead of the requests
+        their clients send next, on the same event loop)."""
         states = [oa.ChoiceState(i) for i in range(len(streams))]
         # Every chunk is `head` with one choice: its bytes around the choice are encoded once.
         before = b"data: " + _dumps(head)[:-1] + b',"choices":['
         after = b"]" + (b',"usage":null' if req.include_usage else b"") + b"}\n\n"
+        left = len(streams)
         async for i, delta in _merged(streams):
             if delta.finish_reason == "error":
                 err = oa.OpenAIError(503, delta.error or "the engine failed", type="server_error",
                                      code="service_unavailable")
-                yield _sse(err.body())
-                yield _DONE
+                yield _sse(err.body()) + _DONE
                 return
             choice = oa.choice_chunk(req, states[i], delta, self.text_of)
-            if choice is None:
-                continue
-            yield before + _dumps(choice) + after
+            chunk = b"" if choice is None else before + _dumps(choice) + after
+            left -= delta.finished
+            if not left:  # every choice has ended: the answer's end in one item
+                if req.include_usage:
+                    chunk += _sse({**head, "choices": [], "usage": oa.usage(req, states)})
+                yield chunk + _DONE
+                return
+            if chunk:
+                yield chunk
         if req.include_usage:
             yield _sse({**head, "choices": [], "usage": oa.usage(req, states)})
         yield _DONE
@@ -325,9 +336,13 @@ class _EventStream(StreamingResponse):
         watcher = asyncio.ensure_future(self._watch(receive))
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            complete = False
             async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                # The item that ends with [DONE] is the last: written with the body's end.
+                complete = chunk.endswith(_DONE)
+                await send({"type": "http.response.body", "body": chunk, "more_body": not complete})
+            if not complete:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             watcher.cancel()
             self._end()
