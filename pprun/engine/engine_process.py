@@ -15,9 +15,7 @@ listens, so no other process can connect, and what is unpickled on either side c
 peer that was started with it.  Messages are ``multiprocessing.connection`` frames of pickled
 commands and reports.  The server reads reports on a thread that waits in ``recv`` outside the
 interpreter lock and turns each step's report into deltas, handed to the event loop with one
-``call_soon_threadsafe``; the engine process reads commands on a thread of its own likewise, so
-that what arrives while a step runs is read meanwhile and the loop takes it between steps with a
-queue's drain.
+``call_soon_threadsafe``.
 
 The engine process ignores SIGINT and SIGTERM (the server drains it: a Ctrl-C or a SIGTERM sent to
 the process group must not end it under running streams) and exits when its socket reaches EOF, so
@@ -29,7 +27,7 @@ from __future__ import annotations
 
 import gc
 import logging
-import queue
+import select
 import signal
 import socket
 import subprocess
@@ -210,47 +208,27 @@ class EngineProcess(EngineClient):
 
 
 class _SocketCommands:
-    """The engine loop's ``take``: every command the server has sent, waiting up to ``wait_s`` for
-    the first; EOF (the server is gone) is a STOP and sets :attr:`server_gone`.
-
-    A thread of its own reads the socket (waiting in ``recv`` outside the interpreter lock) and
-    queues what it unpickles, so that the requests that arrive while a step runs are read then,
-    not by the loop between steps: the loop takes a burst of them with a queue's drain, and
-    admits them together into the step it schedules next.  One reader and a FIFO queue: commands
-    are taken in the order the server sent them.
-    """
+    """The engine loop's ``take``: every command on the socket, waiting up to ``wait_s`` for the
+    first; EOF (the server is gone) is a STOP and sets :attr:`server_gone`."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
-        self.queue: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self.poller = select.poll()
+        self.poller.register(conn.fileno(), select.POLLIN)
         self.server_gone = False
-        self._thread = threading.Thread(target=self._read, name="pprun-engine-intake", daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        while True:
-            try:
-                cmd = self.conn.recv()
-            except (EOFError, OSError):
-                self.server_gone = True
-                self.queue.put(STOP)
-                return
-            self.queue.put(cmd)
-            if cmd is STOP:  # the server stops the engine: nothing follows
-                return
 
     def __call__(self, wait_s: float) -> list[Command]:
-        # The queue wakes a waiting loop the moment the reader puts a command (no poll tick).
         cmds: list[Command] = []
-        try:
-            cmds.append(self.queue.get(timeout=wait_s) if wait_s > 0 else self.queue.get_nowait())
-        except queue.Empty:
-            return cmds
-        while True:
+        timeout_ms = 1000 * wait_s
+        while self.poller.poll(timeout_ms):
             try:
-                cmds.append(self.queue.get_nowait())
-            except queue.Empty:
-                return cmds
+                cmds.append(self.conn.recv())
+            except (EOFError, OSError):
+                self.server_gone = True
+                cmds.append(STOP)
+                break
+            timeout_ms = 0
+        return cmds
 
 
 def _ignore_signal(signum: int, frame: object) -> None:
