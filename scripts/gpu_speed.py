@@ -210,6 +210,7 @@ def switches() -> list[tuple]:
     import pprun.attention.triton_ops
     import pprun.layers
     import pprun.layers.fused
+    import pprun.layers.moe_triton
     import pprun.layers.skinny
     import pprun.layers.triton_utils
     import pprun.worker.kv_cache
@@ -236,9 +237,20 @@ def switches() -> list[tuple]:
             (pprun.worker.kv_cache, "HEAD_MAJOR", not pprun.worker.kv_cache.HEAD_MAJOR, True),
             (pprun.layers, "DEFER_MERGE_ENABLED", False, False),
             (pprun.layers.skinny, "DEFERRED_TARGET_PROGRAMS", 128, False),
+            # Mixture-of-experts models only: narrower expert tiles at small batches, and every
+            # step's sort by expert in torch ops instead of the one-program kernel.
+            (pprun.layers.moe_triton, "SPARSE_BLOCK_N", 32, True),
+            (pprun.layers.moe_triton, "ALIGN_KERNEL_MAX_ENTRIES", 0, True),
             (pprun.layers.fused, "NORM_PARTS_NUM_WARPS", 4, False),
             (pprun.attention.triton_ops, "DECODE_PRELOAD_SECOND", False, False),
             (pprun.worker.v2.inputs, "STAGING_KERNEL_ENABLED", False, True)]
+
+
+def is_moe(model: str) -> bool:
+    """The checkpoint is a mixture-of-experts model (its ``config.json`` names experts)."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    config = config.get("text_config", config)
+    return any(config.get(k) for k in ("num_experts", "num_local_experts"))
 
 
 def parse_settings(text: str) -> list[tuple]:
@@ -314,6 +326,9 @@ def main() -> None:
     res["decode_b32"] = decode(args.model, 32, 512, 100, trace=args.graph_trace)
     if args.ab:
         chosen = parse_settings(args.ab_only) if args.ab_only else switches()
+        if not args.ab_only and not is_moe(args.model):
+            # The expert kernels' switches change nothing in a dense model: not run.
+            chosen = [sw for sw in chosen if sw[0].__name__ != "pprun.layers.moe_triton"]
         for module, flag, flipped, b1_differs in chosen:
             default = getattr(module, flag)
             setattr(module, flag, flipped)

@@ -177,6 +177,19 @@ def test_fused_experts_use_torch_sort_past_the_align_kernel(monkeypatch):
     run_case(5, 32, 24, 5, 2, torch.float32)
 
 
+@triton_only
+@pytest.mark.parametrize("block_n", [32, 16])
+def test_fused_experts_with_narrow_tiles_at_small_batches(monkeypatch, block_n):
+    """``SPARSE_BLOCK_N`` (fewer assignments than experts: narrower column tiles, more programs)
+    computes the same experts' outputs, on widths that leave a partial last tile."""
+    from pprun.layers import moe_triton
+
+    monkeypatch.setattr(moe_triton, "SPARSE_BLOCK_N", block_n)
+    assert moe_triton.default_config(4, 8, torch.float32).block_n == block_n
+    assert moe_triton.default_config(16, 8, torch.float32).block_n == 64  # as many rows as experts
+    run_case(2, 40, 36, 8, 2, torch.float32)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -338,6 +338,13 @@ class GemmConfig(NamedTuple):
     """Software-pipelining depth of the K loop; None: Triton's default."""
 
 
+SPARSE_BLOCK_N = 64
+"""Output columns per program while the assignments are fewer than the experts (decode at small
+batches: one row per expert used, so the grid is the used experts times the column tiles, and
+narrower tiles put more programs on the SMs to stream the weights; an A/B switch of
+``scripts/gpu_speed.py --ab``)."""
+
+
 def default_config(num_entries: int, num_experts: int, dtype: torch.dtype) -> GemmConfig:
     """Tiles for ``num_entries`` assignments over ``num_experts``: 16-row blocks while experts
     get a few rows each (decode: the weights are what is read, and a block past an expert's
@@ -345,7 +352,8 @@ def default_config(num_entries: int, num_experts: int, dtype: torch.dtype) -> Ge
     rows_per_expert = num_entries / num_experts
     block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 64 else 64
     block_k = 32 if dtype == torch.float32 else 64
-    return GemmConfig(block_m=block_m, block_n=64, block_k=block_k, num_warps=4)
+    block_n = SPARSE_BLOCK_N if num_entries < num_experts else 64
+    return GemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4)
 
 
 def fused_experts(
