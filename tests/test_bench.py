@@ -524,6 +524,19 @@ def test_vllm_worker_runs_every_batch_size_on_one_engine(fake_vllm: Path):
     assert results[0].metrics["version"] == results[1].metrics["version"] == "0.0-protocol-test"
 
 
+def test_vllm_worker_keeps_each_rows_images_apart(fake_vllm: Path):
+    """Rows of one sweep carry their own images (array keys by row): row 2's requests never see
+    row 1's pixels."""
+    cfg = BenchAppConfig(workload="image", num_images=1, output_len=2)
+    small, large = np.full((6, 4, 3), 1, dtype=np.uint8), np.full((9, 8, 3), 2, dtype=np.uint8)
+    one = [BenchRequest([9, 1], 2, {"image": [small]})]
+    two = [BenchRequest([9, 2], 2, {"image": [large]}), BenchRequest([9, 3], 2, {"image": [large]})]
+    results = VllmPeer().run_all([_job(cfg, one, warmup=[]), _job(cfg, two, warmup=[])])
+    calls = [json.loads(line) for line in fake_vllm.read_text().splitlines()][1:]
+    assert [c["image_sizes"] for c in calls] == [[[4, 6]]] * 2 + [[[8, 9]]] * 4  # generate + streamed, per row
+    assert [len(r.tokens) for r in results] == [1, 2]
+
+
 def test_vllm_worker_failure_is_reported_with_its_traceback(fake_vllm: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("FAKE_VLLM_FAIL", "no kernel for this head size")
     with pytest.raises(PeerFailed) as info:
