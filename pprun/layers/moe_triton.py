@@ -241,6 +241,17 @@ def _dot(a, b, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _block_tile(block_expert_ptr, sorted_ptr, pid_m, num_entries, width, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What a grouped-GEMM program works on (a block in use): its block's expert, the block's
+    entries and which are real (padding rows hold ``num_entries``), and its ``BLOCK_N`` output
+    columns of ``width`` with which are in range."""
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    entries = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, entries, entries < num_entries, cols, cols < width
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
     num_entries, hidden, inter,
@@ -257,12 +268,10 @@ def _gate_up_kernel(
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    entries = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = entries < num_entries
+    expert, entries, valid, cols, col_ok = _block_tile(
+        block_expert_ptr, sorted_ptr, pid_m, num_entries, inter, BLOCK_M, BLOCK_N
+    )
     tokens = (entries // TOP_K).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
     w_gate = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
     w_up = w_gate + inter * stride_wn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -300,12 +309,10 @@ def _down_kernel(
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    entries = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = entries < num_entries
+    expert, entries, valid, cols, col_ok = _block_tile(
+        block_expert_ptr, sorted_ptr, pid_m, num_entries, hidden, BLOCK_M, BLOCK_N
+    )
     rows = entries.to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
     w_cols = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):

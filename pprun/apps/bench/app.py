@@ -156,12 +156,14 @@ def run(cfg: BenchAppConfig) -> dict[str, Any]:
         free_device_memory(device)
     results = [row_result(row, run_, swept) for row, run_ in zip(rows, ours)]
     if peer is not None:
-        asked = set(cfg.peer_batch_sizes or cfg.batch_sizes or [])
-        picked = [i for i, row in enumerate(rows) if not swept or not asked or row.num_prompts in asked]
+        # The rows the peer runs: every row, or those of peer_batch_sizes.
+        asked = cfg.peer_batch_sizes
+        picked = [i for i, row in enumerate(rows) if asked is None or row.num_prompts in asked]
         for i, row in enumerate(rows):
-            if i not in picked:
-                results[i]["peer"] = {"name": peer.name, "peer_skipped": f"batch {row.num_prompts} is not in "
-                                      f"peer_batch_sizes={list(cfg.peer_batch_sizes or [])}"}  # fmt: skip
+            if asked is not None and row.num_prompts not in asked:
+                results[i]["peer"] = {
+                    "name": peer.name, "peer_skipped": f"batch {row.num_prompts} is not in peer_batch_sizes={list(asked)}"
+                }  # fmt: skip
         jobs = [
             PeerJob(
                 cfg=rows[i], requests=ours[i].workload.requests, warmup=ours[i].workload.warmup,
@@ -169,8 +171,8 @@ def run(cfg: BenchAppConfig) -> dict[str, Any]:
             )
             for i in picked
         ]  # fmt: skip
-        logger.info("bench: timing the peer (%s, batch %s)", peer.name, ", ".join(str(j.cfg.num_prompts) for j in jobs)
-                    if swept else cfg.scheduler.max_num_seqs)  # fmt: skip
+        batches = ", ".join(str(job.cfg.num_prompts) for job in jobs) if swept else cfg.scheduler.max_num_seqs
+        logger.info("bench: timing the peer (%s, batch %s)", peer.name, batches)
         for i, job, outcome in zip(picked, jobs, peer.run_all(jobs)):
             if isinstance(outcome, PeerSkipped):
                 logger.warning("bench: peer %s skipped: %s", peer.name, outcome)
