@@ -1,5 +1,6 @@
 """Packaging that ``pyproject.toml`` cannot express: the Hydra YAML of the top-level ``conf/``
-ships inside the package as ``pprun/conf``.
+ships inside the package as ``pprun/conf``, and the tuned MoE kernel settings
+(``pprun/layers/moe_configs/*.json``) ship beside their module.
 
 Everything else (metadata, dependencies, the ``pprun`` script) is in ``pyproject.toml``. The
 package list is found here rather than with ``[tool.setuptools.packages.find]`` because a
@@ -13,5 +14,5 @@ from setuptools import find_packages, setup
 setup(
     packages=[*find_packages(include=["pprun", "pprun.*"]), "pprun.conf"],
     package_dir={"pprun.conf": "conf"},
-    package_data={"pprun.conf": ["*.yaml", "**/*.yaml"]},
+    package_data={"pprun.conf": ["*.yaml", "**/*.yaml"], "pprun.layers": ["moe_configs/*.json"]},
 )

@@ -1,23 +1,35 @@
-"""Time the expert kernels of a mixture-of-experts layer on one GPU, as one JSON object.
+"""Time the expert kernels of a mixture-of-experts layer on one GPU, as one JSON object; tune them.
 
     python scripts/bench_moe_kernels.py [--hidden 2048] [--inter 768] [--experts 128] [--top-k 8]
-        [--tokens 1,32,256,2048] [--tune]
+        [--tokens 1,32,256,2048] [--tune [--write FILE] [--budget-s 420]]
 
 For each token count: the fused path of one sparse layer (routing launch, sort, the two grouped
-GEMMs, the top-k sum) replayed as a CUDA graph, in microseconds per layer; the expert weight
-bytes it must read (each expert some token chose, read once: ``E_used * 3 * hidden * inter * 2``
-in bf16) and the bandwidth that implies, i.e. how close the layer runs to the HBM floor of the
-bytes it reads; and the reference loop over experts (eager) for comparison.  ``--tune`` times
-each :class:`~pprun.layers.moe_triton.GemmConfig` of a small grid as well and reports the
-fastest.  Random routing (softmax of N(0, 1) logits), so the experts used follow the top-k of
-uniform routers.
+GEMMs, the top-k sum) replayed as a CUDA graph, in microseconds per layer, with the settings
+pprun picks (``moe_triton.experts_config``: the tuned table for this GPU, else the heuristic)
+and with the heuristic alone; the expert weight bytes it must read (each expert some token
+chose, read once: ``E_used * 3 * hidden * inter * 2`` in bf16) and the bandwidth that implies;
+and the reference loop over experts (eager) for comparison.  Random routing (softmax of N(0, 1)
+logits), so the experts used follow the top-k of uniform routers.
+
+``--tune`` searches each GEMM's settings separately (they share ``block_m``, one sort): for each
+``block_m`` that suits the rows per expert, first the tile widths at 4 warps and 3 stages, then
+warps and stages around the two best widths; each launch timed alone as a CUDA graph.  The token
+counts are tuned in the order given until ``--budget-s`` seconds have gone (compiling each
+setting is most of the time).  ``--write FILE`` merges the winners into a tuned-settings file
+(``pprun/layers/moe_configs/<GPU>.json`` ships with pprun; ``PPRUN_MOE_CONFIGS=FILE`` reads
+another one first).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
+import os
+import sys
+import time as time_module
+from pathlib import Path
 
 import torch
 
@@ -56,6 +68,86 @@ def eager_us(fn, repeats: int = 5) -> float:
     return start.elapsed_time(end) / repeats * 1e3
 
 
+def block_ms(rows_per_expert: float) -> tuple[int, ...]:
+    """The ``block_m`` values worth timing for this many rows per expert."""
+    if rows_per_expert <= 4:
+        return (16,)
+    if rows_per_expert <= 32:
+        return (16, 32)
+    return (32, 64) if rows_per_expert <= 128 else (64, 128)
+
+
+def fits(kind: str, bm: int, bn: int, bk: int, stages: int) -> bool:
+    """Whether a tile fits the registers (the fp32 accumulators: two for gate_up) and the shared
+    memory of a Hopper SM (each pipeline stage holds an activation and a weight tile)."""
+    acc = bm * bn * (2 if kind == "gate_up" else 1)
+    smem = stages * 2 * (bm * bk + bk * bn * (2 if kind == "gate_up" else 1))
+    return acc <= 128 * 256 and smem <= 200 * 1024
+
+
+def search(kind: str, launch, bm: int, deadline: float) -> tuple[moe_triton.GemmConfig, float]:
+    """The fastest setting of one GEMM at ``block_m=bm``: the tile widths at 4 warps and 3 stages,
+    then warps and stages around the two best widths (``launch(config)`` runs it once); raises
+    TimeoutError past ``deadline``."""
+    timed: dict[moe_triton.GemmConfig, float] = {}
+
+    def time(c: moe_triton.GemmConfig) -> None:
+        if c in timed or not fits(kind, c.block_m, c.block_n, c.block_k, c.num_stages):
+            return
+        if time_module.monotonic() > deadline:
+            raise TimeoutError
+        try:
+            timed[c] = graph_us(lambda: launch(c), replays=20)
+        except Exception:  # noqa: BLE001 - a setting this GPU cannot compile or run: skipped
+            timed[c] = float("inf")
+
+    for bn, bk in itertools.product((32, 64, 128, 256), (64, 128, 256)):
+        time(moe_triton.GemmConfig(bm, bn, bk, 4, 3))
+    for c, warps, stages in itertools.product(sorted(timed, key=timed.get)[:2], (4, 8), (2, 3, 4, 5)):
+        time(c._replace(num_warps=warps, num_stages=stages))
+    best = min(timed, key=timed.get)
+    return best, timed[best]
+
+
+def tune_tokens(num_tokens: int, args: argparse.Namespace, w13: torch.Tensor, w2: torch.Tensor,
+                gen: torch.Generator, deadline: float) -> dict | None:
+    """The fastest settings of both GEMMs for ``num_tokens`` tokens (module docstring), or None
+    when the budget ran out first."""
+    dtype = w13.dtype
+    x = torch.randn(num_tokens, args.hidden, device=w13.device, generator=gen).to(dtype)
+    logits = torch.randn(num_tokens, args.experts, device=w13.device, generator=gen)
+    weights, ids = moe_triton.fused_route(logits, args.top_k, True)
+    best = None
+    for bm in block_ms(num_tokens * args.top_k / args.experts):
+        align = moe_triton.align_by_expert(ids, args.experts, bm)
+        act = moe_triton.gate_up(x, w13, align, args.top_k, moe_triton.GemmConfig(bm, 64, 64, 4))
+        try:
+            up = search("gate_up", functools.partial(moe_triton.gate_up, x, w13, align, args.top_k), bm, deadline)
+            dn = search("down", functools.partial(moe_triton.down, act, w2, weights, align, args.top_k), bm, deadline)
+        except TimeoutError:
+            return None
+        if best is None or up[1] + dn[1] < best[0][1] + best[1][1]:
+            best = (up, dn)
+    (up, up_us), (dn, dn_us) = best
+    return {"block_m": up.block_m, "gate_up": list(up[1:]), "down": list(dn[1:]),
+            "gate_up_us": round(up_us, 2), "down_us": round(dn_us, 2)}
+
+
+def write_tuned(path: Path, device_name: str, key: str, tuned: dict[int, dict]) -> None:
+    """Merge one shape's tuned entries into a tuned-settings file."""
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data["device"] = device_name
+    shape = data.setdefault("shapes", {}).setdefault(key, {})
+    shape.update({str(t): entry for t, entry in tuned.items()})
+    data["shapes"][key] = dict(sorted(shape.items(), key=lambda kv: int(kv[0])))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [f'{{"device": {json.dumps(device_name)}, "shapes": {{']
+    for i, (name, entries) in enumerate(data["shapes"].items()):
+        rows = ",\n".join(f"  {json.dumps(t)}: {json.dumps(e)}" for t, e in entries.items())
+        lines.append(f" {json.dumps(name)}: {{\n{rows}\n }}" + ("," if i < len(data["shapes"]) - 1 else ""))
+    path.write_text("\n".join(lines) + "\n}}\n")
+
+
 def time_tokens(num_tokens: int, args: argparse.Namespace, w13: torch.Tensor, w2: torch.Tensor,
                 gen: torch.Generator) -> dict:
     """One token count's row of the report (module docstring)."""
@@ -66,29 +158,20 @@ def time_tokens(num_tokens: int, args: argparse.Namespace, w13: torch.Tensor, w2
     used = int(ids.unique().numel())
     weight_bytes = used * 3 * args.hidden * args.inter * dtype.itemsize
 
-    def layer(config: moe_triton.GemmConfig | None = None) -> torch.Tensor:
+    def layer(config: moe_triton.GemmConfig | moe_triton.ExpertsConfig | None = None) -> torch.Tensor:
         w, i = moe_triton.fused_route(logits, args.top_k, True)
         return moe_triton.fused_experts(x, w13, w2, w, i, config)
 
     us = graph_us(layer)
-    row = {
+    heuristic = moe_triton.default_config(num_tokens * args.top_k, args.experts, dtype)
+    picked = moe_triton.experts_config(num_tokens, w13, args.top_k, dtype)
+    return {
         "tokens": num_tokens, "experts_used": used, "expert_weight_mb": round(weight_bytes / 1e6, 2),
         "fused_us": round(us, 2), "fused_gbps": round(weight_bytes / us / 1e3, 1),
-        "default_config": moe_triton.default_config(num_tokens * args.top_k, args.experts, dtype)._asdict(),
+        "config": {"gate_up": picked.gate_up._asdict(), "down": picked.down._asdict()},
+        "heuristic_us": round(graph_us(lambda: layer(heuristic)), 2),
         "reference_loop_us": round(eager_us(lambda: experts_reference(x, w13, w2, weights, ids)), 1),
     }
-    if args.tune:
-        timed, failed = [], []
-        for bm, bn, bk, warps, stages in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4, 8), (3, 4)):
-            config = moe_triton.GemmConfig(bm, bn, bk, warps, stages)
-            try:
-                timed.append((graph_us(lambda c=config: layer(c), replays=20), config))
-            except Exception as exc:  # a config this GPU cannot run (shared memory): reported
-                failed.append(f"{config}: {type(exc).__name__}")
-        best_us, best = min(timed, key=lambda t: t[0])
-        row["tuned"] = {"us": round(best_us, 2), "gbps": round(weight_bytes / best_us / 1e3, 1),
-                        "config": best._asdict(), "failed": failed}
-    return row
 
 
 def main() -> None:
@@ -99,15 +182,34 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--tokens", default="1,32,256,2048")
-    ap.add_argument("--tune", action="store_true", help="also time a grid of GemmConfigs")
+    ap.add_argument("--tune", action="store_true", help="search each GEMM's settings (module docstring)")
+    ap.add_argument("--write", type=Path, help="with --tune: merge the winners into this tuned-settings file")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="with --tune: stop tuning after this long")
     args = ap.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=device).manual_seed(0)
     w13 = (torch.randn(args.experts, 2 * args.inter, args.hidden, device=device, generator=gen) * 0.02).to(dtype)
     w2 = (torch.randn(args.experts, args.hidden, args.inter, device=device, generator=gen) * 0.02).to(dtype)
-    rows = [time_tokens(int(t), args, w13, w2, gen) for t in args.tokens.split(",")]
-    print(json.dumps({"device": torch.cuda.get_device_name(), "hidden": args.hidden, "inter": args.inter,
-                      "experts": args.experts, "top_k": args.top_k, "layers": rows}, indent=2))
+    tokens = [int(t) for t in args.tokens.split(",")]
+    report = {"device": torch.cuda.get_device_name(), "hidden": args.hidden, "inter": args.inter,
+              "experts": args.experts, "top_k": args.top_k}
+    if args.tune:
+        deadline, tuned = time_module.monotonic() + args.budget_s, {}
+        for t in tokens:
+            entry = tune_tokens(t, args, w13, w2, gen, deadline)
+            if entry is None:
+                break
+            tuned[t] = entry
+            print(json.dumps({"tuned": t, **entry}), file=sys.stderr, flush=True)
+        report["tuned"] = tuned
+        report["untuned_for_lack_of_time"] = tokens[len(tuned):]
+        if args.write and tuned:
+            key = moe_triton.shape_key(args.experts, args.inter, args.hidden, args.top_k, dtype)
+            write_tuned(args.write, report["device"], key, tuned)
+            moe_triton.tuned_table.cache_clear()
+            os.environ[moe_triton.TUNED_ENV] = str(args.write)
+    report["layers"] = [time_tokens(t, args, w13, w2, gen) for t in tokens]
+    print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -190,6 +190,59 @@ def test_fused_experts_with_narrow_tiles_at_small_batches(monkeypatch, block_n):
     run_case(2, 40, 36, 8, 2, torch.float32)
 
 
+@triton_only
+def test_fused_experts_with_settings_per_gemm():
+    """Each GEMM its own tile widths, warps and stages (one block_m: they share the sort); two
+    block_m values are refused before anything runs."""
+    from pprun.layers.moe_triton import ExpertsConfig, GemmConfig, fused_experts
+
+    split = ExpertsConfig(GemmConfig(16, 16, 32, 4, 2), GemmConfig(16, 32, 16, 8, 3))
+    run_case(9, 40, 36, 5, 2, torch.float32, config=split)
+    x, w13, w2, weights, ids = make_experts(3, 32, 24, 4, 2, torch.float32)
+    with pytest.raises(ValueError, match=r"block_m 16 \(gate_up\) != 32 \(down\)"):
+        fused_experts(x, w13, w2, weights, ids, ExpertsConfig(GemmConfig(16, 16, 32, 4), GemmConfig(32, 16, 32, 4)))
+
+
+def test_tuned_settings_file(tmp_path, monkeypatch):
+    """A tuned-settings file (``PPRUN_MOE_CONFIGS``, read before the shipped one) gives each token
+    count's settings by shape; the nearest token count on a log scale serves the others; a missing
+    file or a malformed entry is an error naming it."""
+    from pprun.layers import moe_triton
+
+    key = moe_triton.shape_key(6, 48, 64, 2, torch.bfloat16)
+    assert key == "E=6,N=48,H=64,K=2,bfloat16"
+    entry = {"block_m": 16, "gate_up": [32, 64, 4, 3], "down": [64, 128, 8, 2], "gate_up_us": 1.0}
+    path = tmp_path / "tuned.json"
+    path.write_text('{"device": "GPU X", "shapes": {"%s": {"1": %s, "64": {"block_m": 32, "gate_up": [128, 64, 8, 4], '
+                    '"down": [128, 64, 8, 4]}}}}' % (key, str(entry).replace("'", '"')))
+    monkeypatch.setenv(moe_triton.TUNED_ENV, str(path))
+    moe_triton.tuned_table.cache_clear()
+    table = moe_triton.tuned_table("GPU X", key)
+    assert table[1] == moe_triton.ExpertsConfig(moe_triton.GemmConfig(16, 32, 64, 4, 3), moe_triton.GemmConfig(16, 64, 128, 8, 2))
+    assert [moe_triton.nearest(table, t).gate_up.block_m for t in (1, 7, 8, 9, 64, 4096)] == [16, 16, 16, 32, 32, 32]
+    assert moe_triton.tuned_table("GPU X", "E=8,N=48,H=64,K=2,bfloat16") == {}  # a shape it lacks
+    path.write_text('{"shapes": {"%s": {"1": {"block_m": 16, "gate_up": [32]}}}}' % key)
+    moe_triton.tuned_table.cache_clear()
+    with pytest.raises(ValueError, match=r"tuned.json: tuned MoE entry '1'=.* is not"):
+        moe_triton.tuned_table("GPU X", key)
+    monkeypatch.setenv(moe_triton.TUNED_ENV, str(tmp_path / "absent.json"))
+    moe_triton.tuned_table.cache_clear()
+    with pytest.raises(FileNotFoundError, match="PPRUN_MOE_CONFIGS=.*absent.json: no such file"):
+        moe_triton.tuned_table("GPU X", key)
+    moe_triton.tuned_table.cache_clear()
+
+
+def test_shipped_tuned_settings_parse():
+    """Every shipped tuned-settings file parses, one GemmConfig pair per token count."""
+    import json
+
+    from pprun.layers import moe_triton
+
+    for path in sorted(moe_triton.TUNED_DIR.glob("*.json")):
+        for shape in json.loads(path.read_text())["shapes"].values():
+            assert moe_triton.parse_tuned(shape, str(path))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -35,6 +35,11 @@ entries (decode steps, what full CUDA graphs hold); longer prefill steps sort wi
 
 from __future__ import annotations
 
+import functools
+import json
+import math
+import os
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -331,7 +336,7 @@ def _down_kernel(
 
 
 class GemmConfig(NamedTuple):
-    """Tile sizes and launch settings of the grouped GEMMs (``scripts/bench_moe_kernels.py
+    """Tile sizes and launch settings of one grouped GEMM (``scripts/bench_moe_kernels.py
     --tune`` times the alternatives)."""
 
     block_m: int
@@ -345,22 +350,151 @@ class GemmConfig(NamedTuple):
     """Software-pipelining depth of the K loop; None: Triton's default."""
 
 
+class ExpertsConfig(NamedTuple):
+    """The settings of one layer's two grouped GEMMs.  They share ``block_m``: one sort lays the
+    rows out for both."""
+
+    gate_up: GemmConfig
+    down: GemmConfig
+
+
 SPARSE_BLOCK_N = 64
 """Output columns per program while the assignments are fewer than the experts (decode at small
 batches: one row per expert used, so the grid is the used experts times the column tiles, and
 narrower tiles put more programs on the SMs to stream the weights; an A/B switch of
 ``scripts/gpu_speed.py --ab``)."""
 
+TUNED_DIR = Path(__file__).with_name("moe_configs")
+"""Tuned settings shipped with pprun: one JSON file per GPU model (``NVIDIA_H200.json``), written
+by ``scripts/bench_moe_kernels.py --tune --write``."""
+
+TUNED_ENV = "PPRUN_MOE_CONFIGS"
+"""A JSON file of tuned settings (the same format) read before the shipped ones, for a GPU or a
+shape they lack: ``PPRUN_MOE_CONFIGS=my_gpu.json`` in the environment of every process that runs
+the kernels (a Ray actor's through its ``runtime_env``)."""
+
+
+def shape_key(num_experts: int, inter: int, hidden: int, top_k: int, dtype: torch.dtype) -> str:
+    """The key of a layer shape in a tuned-settings file: ``E=128,N=768,H=2048,K=8,bfloat16``."""
+    return f"E={num_experts},N={inter},H={hidden},K={top_k},{str(dtype).removeprefix('torch.')}"
+
+
+def device_file_name(device_name: str) -> str:
+    """The shipped file for a GPU model: ``NVIDIA H200`` -> ``NVIDIA_H200.json``."""
+    return device_name.replace(" ", "_") + ".json"
+
+
+def parse_tuned(table: dict, source: str) -> dict[int, ExpertsConfig]:
+    """One shape's entries of a tuned-settings file, ``{tokens: {"block_m": 16, "gate_up": [n,
+    k, warps, stages], "down": [...]}}``, as configs by token count; a malformed entry is an
+    error naming the file and the entry."""
+    out = {}
+    for tokens, entry in table.items():
+        try:
+            block_m = int(entry["block_m"])
+            gate_up, down = (GemmConfig(block_m, *map(int, entry[name])) for name in ("gate_up", "down"))
+            out[int(tokens)] = ExpertsConfig(gate_up, down)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: tuned MoE entry {tokens!r}={entry!r} is not "
+                             '{"block_m": M, "gate_up": [N, K, warps, stages], "down": [N, K, warps, stages]} '
+                             f"({type(exc).__name__}: {exc})") from None
+    return out
+
+
+@functools.cache
+def tuned_table(device_name: str, key: str) -> dict[int, ExpertsConfig]:
+    """The tuned settings for a layer shape on a GPU model, by token count: the file named by
+    :data:`TUNED_ENV` first, then the one shipped for the GPU; empty where neither has the shape."""
+    paths = [TUNED_DIR / device_file_name(device_name)]
+    if os.environ.get(TUNED_ENV):
+        named = Path(os.environ[TUNED_ENV])
+        if not named.is_file():
+            raise FileNotFoundError(f"{TUNED_ENV}={named}: no such file (a JSON file of tuned MoE settings, "
+                                    "as scripts/bench_moe_kernels.py --tune --write makes)")
+        paths.insert(0, named)
+    for path in paths:
+        shapes = json.loads(path.read_text()).get("shapes", {}) if path.is_file() else {}
+        if key in shapes:
+            return parse_tuned(shapes[key], str(path))
+    return {}
+
+
+def nearest(table: dict[int, ExpertsConfig], num_tokens: int) -> ExpertsConfig:
+    """The entry of the token count nearest ``num_tokens`` on a log scale (the smaller on a tie)."""
+    return table[min(table, key=lambda t: (abs(math.log(t / max(num_tokens, 1))), t))]
+
+
+@functools.cache
+def _device_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)
+
 
 def default_config(num_entries: int, num_experts: int, dtype: torch.dtype) -> GemmConfig:
-    """Tiles for ``num_entries`` assignments over ``num_experts``: 16-row blocks while experts
-    get a few rows each (decode: the weights are what is read, and a block past an expert's
-    rows is wasted), larger blocks as the rows per expert grow (prefill)."""
+    """Tiles for ``num_entries`` assignments over ``num_experts`` where no tuned setting exists:
+    16-row blocks while experts get a few rows each (decode: the weights are what is read, and
+    a block past an expert's rows is wasted), larger blocks as the rows per expert grow
+    (prefill)."""
     rows_per_expert = num_entries / num_experts
     block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 64 else 64
     block_k = 32 if dtype == torch.float32 else 64
     block_n = SPARSE_BLOCK_N if num_entries < num_experts else 64
     return GemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4)
+
+
+def experts_config(num_tokens: int, w13: torch.Tensor, top_k: int, dtype: torch.dtype) -> ExpertsConfig:
+    """The settings for ``num_tokens`` tokens through experts ``w13 [E, 2 * inter, hidden]``: the
+    tuned entry of the nearest token count for this GPU and shape (:func:`tuned_table`), else
+    :func:`default_config` for both GEMMs."""
+    num_experts, two_inter, hidden = w13.shape
+    if w13.is_cuda and not INTERPRETED:
+        table = tuned_table(_device_name(w13.device.index), shape_key(num_experts, two_inter // 2, hidden, top_k, dtype))
+        if table:
+            return nearest(table, num_tokens)
+    both = default_config(num_tokens * top_k, num_experts, dtype)
+    return ExpertsConfig(both, both)
+
+
+def _launch(cfg: GemmConfig) -> dict:
+    """A config's launch options."""
+    return {"num_warps": cfg.num_warps, **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages})}
+
+
+def _dot_f32(dtype: torch.dtype) -> bool:
+    """fp32 products in fp32 (no TF32), as torch's reference; the interpreter's bf16 dot is
+    broken (Triton 3.7), so there bf16 tiles are multiplied in fp32 too (exact products)."""
+    return dtype == torch.float32 or INTERPRETED
+
+
+def gate_up(x: torch.Tensor, w13: torch.Tensor, align: ExpertAlignment, top_k: int, cfg: GemmConfig) -> torch.Tensor:
+    """The gate_up launch of :func:`fused_experts`: ``act [T * top_k, inter]`` by entry."""
+    num_entries, (_, two_inter, hidden) = x.shape[0] * top_k, w13.shape
+    inter = two_inter // 2
+    act = torch.empty(num_entries, inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(align.block_expert.shape[0], triton.cdiv(inter, cfg.block_n))](
+        x, w13, act, align.sorted_entries, align.block_expert, align.num_rows,
+        num_entries, hidden, inter,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DOT_F32=_dot_f32(x.dtype), PRECISE_EXP=not INTERPRETED, **_launch(cfg), **NO_FMA,
+    )
+    return act
+
+
+def down(act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, align: ExpertAlignment, top_k: int,
+         cfg: GemmConfig, partials: bool = False) -> torch.Tensor:
+    """The down launch of :func:`fused_experts`: ``y [T * top_k, hidden]`` by entry, weighted
+    (``partials``: fp32, by slot then token)."""
+    num_entries, inter = act.shape
+    hidden = w2.shape[1]
+    y = torch.empty(num_entries, hidden, dtype=torch.float32 if partials else act.dtype, device=act.device)
+    _down_kernel[(align.block_expert.shape[0], triton.cdiv(hidden, cfg.block_n))](
+        act, w2, weights.reshape(-1).contiguous(), y, align.sorted_entries, align.block_expert, align.num_rows,
+        num_entries, num_entries // top_k, hidden, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DOT_F32=_dot_f32(act.dtype), PARTIALS=partials, **_launch(cfg), **NO_FMA,
+    )
+    return y
 
 
 def fused_experts(
@@ -369,7 +503,7 @@ def fused_experts(
     w2: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    config: GemmConfig | None = None,
+    config: ExpertsConfig | GemmConfig | None = None,
     then: str | None = None,
 ) -> torch.Tensor | SplitPartials:
     """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for ``x [T, hidden]`` (module
@@ -377,7 +511,9 @@ def fused_experts(
     ``ids [T, top_k]``.  Returns ``[T, hidden]`` in ``x``'s dtype; with ``then="norm"`` (a
     fused add + RMSNorm reads the output) the ``top_k`` weighted expert outputs unsummed, as
     :class:`~pprun.layers.partials.SplitPartials` ``[top_k, T, hidden]`` in fp32 that the
-    norm's kernel sums as it reads them (one launch and one pass over the output fewer)."""
+    norm's kernel sums as it reads them (one launch and one pass over the output fewer).
+    ``config``: both GEMMs' settings (a :class:`GemmConfig` for both); by default
+    :func:`experts_config`'s."""
     check_defer_merge(then)
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -394,30 +530,17 @@ def fused_experts(
         return torch.zeros_like(x)
     x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
-    cfg = config or default_config(num_entries, num_experts, x.dtype)
-    align = align_by_expert(ids, num_experts, cfg.block_m)
-    num_blocks = align.block_expert.shape[0]
-    # fp32 products in fp32 (no TF32), as torch's reference; the interpreter's bf16 dot is
-    # broken (Triton 3.7), so there bf16 tiles are multiplied in fp32 too (exact products).
-    dot_f32 = x.dtype == torch.float32 or INTERPRETED
-    stages = {} if cfg.num_stages is None else {"num_stages": cfg.num_stages}
-    act = torch.empty(num_entries, inter, dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
-        x, w13, act, align.sorted_entries, align.block_expert, align.num_rows,
-        num_entries, hidden, inter,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_F32=dot_f32, PRECISE_EXP=not INTERPRETED, num_warps=cfg.num_warps, **stages, **NO_FMA,
-    )
+    if config is None:
+        config = experts_config(num_tokens, w13, top_k, x.dtype)
+    elif isinstance(config, GemmConfig):
+        config = ExpertsConfig(config, config)
+    up_cfg, down_cfg = config
+    if up_cfg.block_m != down_cfg.block_m:
+        raise ValueError(f"the two GEMMs share one sort: block_m {up_cfg.block_m} (gate_up) != {down_cfg.block_m} (down)")
+    align = align_by_expert(ids, num_experts, up_cfg.block_m)
+    act = gate_up(x, w13, align, top_k, up_cfg)
     partials = then == "norm"
-    y = torch.empty(num_entries, hidden, dtype=torch.float32 if partials else x.dtype, device=x.device)
-    _down_kernel[(num_blocks, triton.cdiv(hidden, cfg.block_n))](
-        act, w2, weights.reshape(-1).contiguous(), y, align.sorted_entries, align.block_expert, align.num_rows,
-        num_entries, num_tokens, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_F32=dot_f32, PARTIALS=partials, num_warps=cfg.num_warps, **stages, **NO_FMA,
-    )
+    y = down(act, w2, weights, align, top_k, down_cfg, partials)
     if partials:
         return SplitPartials(y.view(top_k, num_tokens, hidden), None, x.dtype)
     return torch.sum(y.view(num_tokens, top_k, hidden), dim=1)
