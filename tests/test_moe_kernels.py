@@ -207,21 +207,23 @@ def test_tuned_settings_file(tmp_path, monkeypatch):
     """A tuned-settings file (``PPRUN_MOE_CONFIGS``, read before the shipped one) gives each token
     count's settings by shape; the nearest token count on a log scale serves the others; a missing
     file or a malformed entry is an error naming it."""
+    import json
+
     from pprun.layers import moe_triton
 
     key = moe_triton.shape_key(6, 48, 64, 2, torch.bfloat16)
     assert key == "E=6,N=48,H=64,K=2,bfloat16"
     entry = {"block_m": 16, "gate_up": [32, 64, 4, 3], "down": [64, 128, 8, 2], "gate_up_us": 1.0}
     path = tmp_path / "tuned.json"
-    path.write_text('{"device": "GPU X", "shapes": {"%s": {"1": %s, "64": {"block_m": 32, "gate_up": [128, 64, 8, 4], '
-                    '"down": [128, 64, 8, 4]}}}}' % (key, str(entry).replace("'", '"')))
+    wide = {"block_m": 32, "gate_up": [128, 64, 8, 4], "down": [128, 64, 8, 4]}
+    path.write_text(json.dumps({"device": "GPU X", "shapes": {key: {"1": entry, "64": wide}}}))
     monkeypatch.setenv(moe_triton.TUNED_ENV, str(path))
     moe_triton.tuned_table.cache_clear()
     table = moe_triton.tuned_table("GPU X", key)
     assert table[1] == moe_triton.ExpertsConfig(moe_triton.GemmConfig(16, 32, 64, 4, 3), moe_triton.GemmConfig(16, 64, 128, 8, 2))
     assert [moe_triton.nearest(table, t).gate_up.block_m for t in (1, 7, 8, 9, 64, 4096)] == [16, 16, 16, 32, 32, 32]
     assert moe_triton.tuned_table("GPU X", "E=8,N=48,H=64,K=2,bfloat16") == {}  # a shape it lacks
-    path.write_text('{"shapes": {"%s": {"1": {"block_m": 16, "gate_up": [32]}}}}' % key)
+    path.write_text(json.dumps({"shapes": {key: {"1": {"block_m": 16, "gate_up": [32]}}}}))
     moe_triton.tuned_table.cache_clear()
     with pytest.raises(ValueError, match=r"tuned.json: tuned MoE entry '1'=.* is not"):
         moe_triton.tuned_table("GPU X", key)
