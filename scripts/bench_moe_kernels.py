@@ -165,11 +165,15 @@ def time_tokens(num_tokens: int, args: argparse.Namespace, w13: torch.Tensor, w2
     us = graph_us(layer)
     heuristic = moe_triton.default_config(num_tokens * args.top_k, args.experts, dtype)
     picked = moe_triton.experts_config(num_tokens, w13, args.top_k, dtype)
+    # The picked settings compute what the heuristic's do (fp32 accumulation either way; the
+    # K loop's order may differ, so a bf16 ulp or so).
+    diff = (layer(picked).float() - layer(heuristic).float()).abs().max().item()
     return {
         "tokens": num_tokens, "experts_used": used, "expert_weight_mb": round(weight_bytes / 1e6, 2),
         "fused_us": round(us, 2), "fused_gbps": round(weight_bytes / us / 1e3, 1),
         "config": {"gate_up": picked.gate_up._asdict(), "down": picked.down._asdict()},
         "heuristic_us": round(graph_us(lambda: layer(heuristic)), 2),
+        "max_abs_diff_vs_heuristic": diff,
         "reference_loop_us": round(eager_us(lambda: experts_reference(x, w13, w2, weights, ids)), 1),
     }
 
