@@ -119,7 +119,7 @@ def tune_tokens(num_tokens: int, args: argparse.Namespace, w13: torch.Tensor, w2
     weights, ids = moe_triton.fused_route(logits, args.top_k, True)
     best = None
     for bm in block_ms(num_tokens * args.top_k / args.experts):
-        align = moe_triton.align_by_expert(ids, args.experts, bm)
+        align = moe_triton.layout(ids, args.experts, bm)
         act = moe_triton.gate_up(x, w13, align, args.top_k, moe_triton.GemmConfig(bm, 64, 64, 4))
         try:
             up = search("gate_up", functools.partial(moe_triton.gate_up, x, w13, align, args.top_k), bm, deadline)

@@ -237,10 +237,12 @@ def switches() -> list[tuple]:
             (pprun.worker.kv_cache, "HEAD_MAJOR", not pprun.worker.kv_cache.HEAD_MAJOR, True),
             (pprun.layers, "DEFER_MERGE_ENABLED", False, False),
             (pprun.layers.skinny, "DEFERRED_TARGET_PROGRAMS", 128, False),
-            # Mixture-of-experts models only: narrower expert tiles at small batches, and every
-            # step's sort by expert in torch ops instead of the one-program kernel.
+            # Mixture-of-experts models only: narrower expert tiles at small batches (where no tuned
+            # settings apply), every step's sort by expert in torch ops instead of the one-program
+            # kernel, and the sort at batch 1 too (no direct layout).
             (pprun.layers.moe_triton, "SPARSE_BLOCK_N", 32, True),
             (pprun.layers.moe_triton, "ALIGN_KERNEL_MAX_ENTRIES", 0, True),
+            (pprun.layers.moe_triton, "DIRECT_MAX_ENTRIES", 0, True),
             (pprun.layers.fused, "NORM_PARTS_NUM_WARPS", 4, False),
             (pprun.attention.triton_ops, "DECODE_PRELOAD_SECOND", False, False),
             (pprun.worker.v2.inputs, "STAGING_KERNEL_ENABLED", False, True)]
@@ -298,7 +300,8 @@ def main() -> None:
                          "that merges partials (NORM_PARTS_NUM_WARPS), the decode attention's second K/V tile "
                          "loaded in its loop instead of before its PDL wait (DECODE_PRELOAD_SECOND; batch 32 only), a step's "
                          "inputs sent by cudaMemcpy plus indexed writes instead of the staging kernel "
-                         "(STAGING_KERNEL_ENABLED)")
+                         "(STAGING_KERNEL_ENABLED); MoE models: narrower expert tiles (SPARSE_BLOCK_N), the sort in torch ops "
+                         "(ALIGN_KERNEL_MAX_ENTRIES=0), the sort at batch 1 too (DIRECT_MAX_ENTRIES=0)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
                          "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")

@@ -9,6 +9,8 @@ interpreter at tiny sizes (the default without CUDA; ``PPRUN_TEST_TRITON_INTERPR
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from triton_env import DEVICE, HAS_CUDA, triton_only  # noqa: E402  (sets TRITON_INTERPRET)
@@ -191,6 +193,25 @@ def test_fused_experts_with_narrow_tiles_at_small_batches(monkeypatch, block_n):
 
 
 @triton_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 3), (3, 2)])  # (3, 2): experts shared by tokens
+def test_fused_experts_without_the_sort_at_a_few_assignments(monkeypatch, dtype, num_tokens, top_k):
+    """Up to DIRECT_MAX_ENTRIES assignments each is its own block with its expert read from the
+    routing (no sort): the same outputs, also where two tokens chose one expert; and as partials."""
+    from pprun.layers import moe_triton
+
+    sorts = []
+    monkeypatch.setattr(moe_triton, "align_by_expert", lambda *a: sorts.append(a))
+    monkeypatch.setattr(moe_triton, "DIRECT_MAX_ENTRIES", 6)
+    run_case(num_tokens, 40, 36, 3, top_k, dtype)
+    x, w13, w2, weights, ids = make_experts(num_tokens, 40, 36, 3, top_k, dtype)
+    parts = moe_triton.fused_experts(x, w13, w2, weights, ids, then="norm")
+    summed = moe_triton.fused_experts(x, w13, w2, weights, ids)  # rounded per row, then summed
+    torch.testing.assert_close(parts.merge().float(), summed.float(), atol=TOLERANCE[dtype] * 4, rtol=TOLERANCE[dtype])
+    assert sorts == []
+
+
+@triton_only
 def test_fused_experts_with_settings_per_gemm():
     """Each GEMM its own tile widths, warps and stages (one block_m: they share the sort); two
     block_m values are refused before anything runs."""
@@ -324,12 +345,12 @@ def test_expert_kernels_compile_for_sm90():
     compile_sm90("pprun.layers.moe_triton", "_align_kernel",
                  {"EXPERTS_P2": 128, "BLOCK_M": 16, "CHUNK": 64, "FILL": 1024}, options=options, pointers=_EXPERT_POINTERS)
     gemm = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_F32": False}
-    for kernel, extra, pointers in (
+    for (kernel, extra, pointers), direct in itertools.product((
         ("_gate_up_kernel", {"TOP_K": 8, "PRECISE_EXP": True}, {}),
         ("_down_kernel", {"TOP_K": 8, "PARTIALS": True}, {"y_ptr": "*fp32"}),  # partials for the next norm
-    ):
-        ptx = compile_sm90("pprun.layers.moe_triton", kernel, {**gemm, **extra}, options=options,
-                           pointers={**_EXPERT_POINTERS, **pointers}, default_pointer="*bf16",
-                           divisible=("hidden", "inter"))
+    ), (False, True)):  # direct: the blocks' experts are the routing's int64 ids
+        ptx = compile_sm90("pprun.layers.moe_triton", kernel, {**gemm, **extra, "DIRECT": direct}, options=options,
+                           pointers={**_EXPERT_POINTERS, **pointers, **({"block_expert_ptr": "*i64"} if direct else {})},
+                           default_pointer="*bf16", divisible=("hidden", "inter"))
         assert "mma" in ptx, kernel
 

@@ -9,6 +9,9 @@ that every ``BLOCK_M``-row block of the sorted list belongs to one expert:
 - ``block_expert [max_blocks]``: each block's expert, ``-1`` past the rows in use;
 - ``num_rows [1]``: the rows in use (a multiple of ``BLOCK_M``), on the device.
 
+Up to :data:`DIRECT_MAX_ENTRIES` assignments (decode at batch 1) there is no sort: block ``b``
+is entry ``b`` alone and its expert is read from the routing (:func:`align_direct`).
+
 ``max_rows = N + min(N, E) * (BLOCK_M - 1)`` (rounded up to a block) bounds the padded length
 whatever the routing, so every shape and grid depends on ``T`` alone: no host sync and no
 data-dependent shape, and a full CUDA graph captured for ``T`` tokens replays for any routing.
@@ -125,6 +128,9 @@ class ExpertAlignment(NamedTuple):
     """``[1]`` int32: the padded rows in use (a multiple of ``block_m``)."""
     block_m: int
     """Rows per block."""
+    direct: bool = False
+    """No sort (:func:`align_direct`): block ``b`` is entry ``b`` alone, ``block_expert`` the
+    routing's ids themselves, ``sorted_entries`` and ``num_rows`` unused."""
 
 
 def max_padded_rows(num_entries: int, num_experts: int, block_m: int) -> int:
@@ -213,6 +219,30 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> Expert
     return ExpertAlignment(sorted_entries, block_expert, num_rows, block_m)
 
 
+DIRECT_MAX_ENTRIES = 8
+"""Up to this many assignments (one token's top-8 at decode batch 1) the grouped GEMMs run
+without the sort (:func:`align_direct`): one block per assignment, its expert read straight from
+the routing, so the sort's launch and the wait for it leave the layer.  An expert two
+assignments share is then read twice, which at a handful of assignments over many experts is
+rare (never for one token: its top-k are distinct).  An A/B switch of ``scripts/gpu_speed.py
+--ab`` (0: always sort)."""
+
+
+def align_direct(ids: torch.Tensor, block_m: int) -> ExpertAlignment:
+    """The layout without a sort: block ``b`` holds entry ``b`` in its first row (the rest
+    padding), its expert ``ids.flat[b]``."""
+    flat = ids.reshape(-1)
+    return ExpertAlignment(flat, flat, flat, block_m, direct=True)
+
+
+def layout(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
+    """The grouped GEMMs' row layout for the assignments ``ids [T, top_k]``: none up to
+    :data:`DIRECT_MAX_ENTRIES` (:func:`align_direct`), else sorted by expert."""
+    if ids.numel() <= DIRECT_MAX_ENTRIES:
+        return align_direct(ids, block_m)
+    return align_by_expert(ids, num_experts, block_m)
+
+
 def align_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
     """:func:`align_by_expert` in torch ops (a stable sort, scatters and a search): the same
     layout, fixed shapes, no host sync."""
@@ -246,12 +276,17 @@ def _dot(a, b, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _block_tile(block_expert_ptr, sorted_ptr, pid_m, num_entries, width, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _block_tile(block_expert_ptr, sorted_ptr, pid_m, num_entries, width, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                DIRECT: tl.constexpr):
     """What a grouped-GEMM program works on (a block in use): its block's expert, the block's
     entries and which are real (padding rows hold ``num_entries``), and its ``BLOCK_N`` output
-    columns of ``width`` with which are in range."""
+    columns of ``width`` with which are in range.  ``DIRECT``: block ``pid_m`` is entry
+    ``pid_m`` alone (:func:`align_direct`)."""
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    entries = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if DIRECT:
+        entries = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_entries)
+    else:
+        entries = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     return expert, entries, entries < num_entries, cols, cols < width
 
@@ -267,14 +302,16 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     """One block of one expert's rows times ``BLOCK_N`` columns of its gate and of its up
     projection; SwiGLU in the epilogue, stored at each row's entry."""
     pid_m = tl.program_id(0)
-    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
-        return
+    if not DIRECT:
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
     expert, entries, valid, cols, col_ok = _block_tile(
-        block_expert_ptr, sorted_ptr, pid_m, num_entries, inter, BLOCK_M, BLOCK_N
+        block_expert_ptr, sorted_ptr, pid_m, num_entries, inter, BLOCK_M, BLOCK_N, DIRECT
     )
     tokens = (entries // TOP_K).to(tl.int64)
     w_gate = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
@@ -307,15 +344,17 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
     PARTIALS: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     """One block of one expert's rows times ``BLOCK_N`` columns of its down projection, scaled
     by each row's routing weight in the epilogue, stored at the row's entry (``PARTIALS``: in
     fp32 at row ``slot * num_tokens + token``, a ``[TOP_K, T, hidden]`` partial sum per slot)."""
     pid_m = tl.program_id(0)
-    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
-        return
+    if not DIRECT:
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
     expert, entries, valid, cols, col_ok = _block_tile(
-        block_expert_ptr, sorted_ptr, pid_m, num_entries, hidden, BLOCK_M, BLOCK_N
+        block_expert_ptr, sorted_ptr, pid_m, num_entries, hidden, BLOCK_M, BLOCK_N, DIRECT
     )
     rows = entries.to(tl.int64)
     w_cols = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
@@ -475,7 +514,7 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, align: ExpertAlignment, top_k: i
         num_entries, hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_F32=_dot_f32(x.dtype), PRECISE_EXP=not INTERPRETED, **_launch(cfg), **NO_FMA,
+        DOT_F32=_dot_f32(x.dtype), PRECISE_EXP=not INTERPRETED, DIRECT=align.direct, **_launch(cfg), **NO_FMA,
     )
     return act
 
@@ -492,7 +531,7 @@ def down(act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, align: Expe
         num_entries, num_entries // top_k, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_F32=_dot_f32(act.dtype), PARTIALS=partials, **_launch(cfg), **NO_FMA,
+        DOT_F32=_dot_f32(act.dtype), PARTIALS=partials, DIRECT=align.direct, **_launch(cfg), **NO_FMA,
     )
     return y
 
@@ -537,7 +576,7 @@ def fused_experts(
     up_cfg, down_cfg = config
     if up_cfg.block_m != down_cfg.block_m:
         raise ValueError(f"the two GEMMs share one sort: block_m {up_cfg.block_m} (gate_up) != {down_cfg.block_m} (down)")
-    align = align_by_expert(ids, num_experts, up_cfg.block_m)
+    align = layout(ids, num_experts, up_cfg.block_m)
     act = gate_up(x, w13, align, top_k, up_cfg)
     partials = then == "norm"
     y = down(act, w2, weights, align, top_k, down_cfg, partials)
