@@ -12,7 +12,8 @@ and the reference loop over experts (eager) for comparison.  Random routing (sof
 logits), so the experts used follow the top-k of uniform routers.
 
 ``--tune`` searches each GEMM's settings separately (they share ``block_m``, one sort): for each
-``block_m`` that suits the rows per expert, first the tile widths at 4 warps and 3 stages, then
+``block_m`` that suits the rows per expert, first the tile widths at 3 stages (4 warps, 8 for
+tiles of 128 x 128 accumulators or more), then
 warps and stages around the two best widths; each launch timed alone as a CUDA graph.  The token
 counts are tuned in the order given until ``--budget-s`` seconds have gone (compiling each
 setting is most of the time).  ``--write FILE`` merges the winners into a tuned-settings file
@@ -86,8 +87,8 @@ def fits(kind: str, bm: int, bn: int, bk: int, stages: int) -> bool:
 
 
 def search(kind: str, launch, bm: int, deadline: float) -> tuple[moe_triton.GemmConfig, float]:
-    """The fastest setting of one GEMM at ``block_m=bm``: the tile widths at 4 warps and 3 stages,
-    then warps and stages around the two best widths (``launch(config)`` runs it once); raises
+    """The fastest setting of one GEMM at ``block_m=bm``: the tile widths at 3 stages (module
+    docstring), then warps and stages around the two best widths (``launch(config)`` runs it once); raises
     TimeoutError past ``deadline``."""
     timed: dict[moe_triton.GemmConfig, float] = {}
 
@@ -102,7 +103,10 @@ def search(kind: str, launch, bm: int, deadline: float) -> tuple[moe_triton.Gemm
             timed[c] = float("inf")
 
     for bn, bk in itertools.product((32, 64, 128, 256), (64, 128, 256)):
-        time(moe_triton.GemmConfig(bm, bn, bk, 4, 3))
+        # A large tile on 4 warps spills its accumulators and would drop out here before the
+        # second pass could give it 8.
+        wide = bm * bn * (2 if kind == "gate_up" else 1) >= 128 * 128
+        time(moe_triton.GemmConfig(bm, bn, bk, 8 if wide else 4, 3))
     for c, warps, stages in itertools.product(sorted(timed, key=timed.get)[:2], (4, 8), (2, 3, 4, 5)):
         time(c._replace(num_warps=warps, num_stages=stages))
     best = min(timed, key=timed.get)
