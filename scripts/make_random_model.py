@@ -24,8 +24,9 @@ ViT-L/14-336 shaped vision tower (hidden 1024, 24 layers, 16 heads, intermediate
 image 336; the ``--vision-*`` options change it), a two-layer GELU projector, projector input
 from the tower's second-to-last layer (``vision_feature_layer`` -2) without the class token
 (``vision_feature_select_strategy`` "default"), so each image is 576 embedding rows.  It is
-saved by ``transformers``' own ``save_pretrained`` (so ``LlavaForConditionalGeneration`` and
-pprun both load it), with a ``CLIPImageProcessor`` preprocessor config, a ``LlavaProcessor``
+saved by ``transformers``' own ``save_pretrained``, its tensors then renamed to the published
+checkpoints' layout (``language_model.model.*``, ``vision_tower.vision_model.*``: what
+``LlavaForConditionalGeneration``, pprun and vLLM all load), with a ``CLIPImageProcessor`` preprocessor config, a ``LlavaProcessor``
 config and a tokenizer that has an ``<image>`` token:
 
 - the tokenizer is a byte-level BPE built without training data: ids 0-2 are ``<unk>``,
@@ -332,6 +333,41 @@ def llava_config(args: argparse.Namespace):
     return config
 
 
+PUBLISHED_LLAVA_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("model.language_model.", "language_model.model."),
+    ("lm_head.", "language_model.lm_head."),
+    ("model.vision_tower.vision_model.", "vision_tower.vision_model."),
+    ("model.vision_tower.", "vision_tower.vision_model."),
+    ("vision_tower.vision_model.", "vision_tower.vision_model."),
+    ("vision_tower.", "vision_tower.vision_model."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+)
+"""transformers 5's Llava tensor names -> the published checkpoints' (llava-hf's), first match."""
+
+
+def to_published_layout(out: Path) -> None:
+    """Rename the saved Llava tensors to the layout published Llava checkpoints use
+    (``language_model.model.*``, ``vision_tower.vision_model.*``, ``multi_modal_projector.*``):
+    transformers 5 saves its own module names, which transformers and pprun read but other
+    engines (vLLM 0.26) do not; the published layout all of them read."""
+    from safetensors.torch import load_file, save_file
+
+    def rename(name: str) -> str:
+        for old, new in PUBLISHED_LLAVA_PREFIXES:
+            if name.startswith(old):
+                return new + name[len(old):]
+        return name
+
+    for path in sorted(out.glob("*.safetensors")):
+        tensors = load_file(str(path))
+        save_file({rename(k): v for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {rename(k): v for k, v in data["weight_map"].items()}
+        index.write_text(json.dumps(data, indent=2) + "\n")
+
+
 def write_llava(args: argparse.Namespace) -> dict:
     """A random ``LlavaForConditionalGeneration`` with its tokenizer, image processor and processor."""
     from transformers import (
@@ -357,6 +393,7 @@ def write_llava(args: argparse.Namespace) -> dict:
     model.save_pretrained(args.out)
     num_params = sum(p.numel() for p in model.parameters())
     del model
+    to_published_layout(args.out)
 
     fast = PreTrainedTokenizerFast(
         tokenizer_object=byte_pair_tokenizer(args.vocab, vocab_size),

@@ -121,13 +121,19 @@ def test_llava_maker_default_shape_is_clip_vit_l14_336():
 
 
 def test_llava_maker_loads_in_transformers_and_pprun(llava_dir: Path, image_files: Path):
-    """transformers' own processor and model, and pprun, on the maker's output: the same greedy
-    tokens for a prompt with two images (transformers expands <image> itself)."""
+    """transformers' own processor and model, and pprun, on the maker's output (in the published
+    checkpoints' layout, which vLLM reads too): the same greedy tokens for a prompt with two
+    images (transformers expands <image> itself)."""
     from PIL import Image
+    from safetensors import safe_open
     from transformers import AutoProcessor, AutoTokenizer, LlavaForConditionalGeneration
 
     from pprun import LLM, SamplingParams
 
+    with safe_open(str(llava_dir / "model.safetensors"), "pt") as f:  # the published checkpoints' names
+        assert {k.split(".")[0] + "." + k.split(".")[1] for k in f.keys()} == {
+            "language_model.model", "language_model.lm_head", "vision_tower.vision_model",
+            "multi_modal_projector.linear_1", "multi_modal_projector.linear_2"}
     tok = AutoTokenizer.from_pretrained(llava_dir)
     assert tok.convert_tokens_to_ids("<image>") == IMAGE_TOKEN_ID and len(tok) == 384
     assert tok.decode(tok("a cat, 12 dogs").input_ids, skip_special_tokens=True) == "a cat, 12 dogs"
