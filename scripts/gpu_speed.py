@@ -4,7 +4,7 @@
 
 - matmul_tflops: bf16 8192^3 matmul rate on this GPU (the prefill yardstick);
 - decode_b{1,32}: ms per engine step, ms per bare graph replay, tokens/s, at context ~512;
-- prefill: 2048-token prompts, achieved TFLOP/s (2 * params * tokens + attention; a
+- prefill: 8 prompts of 2048 tokens (``--prefill-shape LEN,NUM[,BUDGET]``), achieved TFLOP/s (2 * params * tokens + attention; a
   mixture-of-experts model's params counted as a token uses them: top_k of its experts) and its share
   of the matmul rate (median of three runs);
 - memory: weights, KV cache (configured share vs allocated), CUDA-graph pool, and device memory
@@ -12,7 +12,9 @@
 - with --graph-trace: every kernel of the decode graph as the profiler sees it inside replays
   (CUPTI traces graph-launched kernels): per kernel name its count and mean time per replay, and
   the replay's span against the sum of its kernels (the rest is launch gaps and dependency waits,
-  less any overlap that programmatic dependent launch allows).
+  less any overlap that programmatic dependent launch allows);
+- with --prefill-trace: the kernels of one more prefill run by name (launches, time), their busy
+  time against the run's wall time.
 """
 
 from __future__ import annotations
@@ -167,11 +169,45 @@ def decode(model: str, batch: int, ctx: int, steps: int, memory_steps: int = 0,
     return out
 
 
-def prefill(model: str, prompt_len: int = 2048, num_prompts: int = 8) -> dict:
+def prefill_trace(llm, prompts, sp) -> dict:
+    """Kernels of one prefill run (eager: prefill steps run outside the CUDA graphs) under the
+    profiler: per kernel name its launches and time, the kernels' busy time against the run's
+    wall time (the rest is the GPU waiting for the host), and the steps."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, sp)
+        torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - t0) * 1e6
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as trace:
+            events = json.load(trace)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if not kernels:
+        return {"error": "the profiler saw no kernels"}
+    per_name: dict[str, list[float]] = {}
+    for k in kernels:
+        per_name.setdefault(k["name"], []).append(k["dur"])
+    table = sorted(({"kernel": name[:90], "launches": len(d), "us": round(sum(d), 1)} for name, d in per_name.items()),
+                   key=lambda r: -r["us"])
+    span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
+    return {"wall_us": round(wall_us, 1), "kernel_span_us": round(span, 1),
+            "kernel_time_us": round(sum(k["dur"] for k in kernels), 1), "launches": len(kernels),
+            "kernels": table[:40]}
+
+
+def prefill(model: str, prompt_len: int = 2048, num_prompts: int = 8, budget: int | None = None,
+            trace: bool = False) -> dict:
     # Prefix caching off: the timed runs repeat the warm-up's and each other's prompts, which a
     # cache would serve without computing them.
     llm = LLM(model, runner="v2", cudagraph_mode="full", max_num_seqs=num_prompts,
-              max_num_batched_tokens=prompt_len * 2, max_model_len=prompt_len + 16, enable_prefix_caching=False)
+              max_num_batched_tokens=budget or prompt_len * 2, max_model_len=prompt_len + 16,
+              enable_prefix_caching=False)
     arch = llm.engine.resolved.arch
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -198,11 +234,13 @@ def prefill(model: str, prompt_len: int = 2048, num_prompts: int = 8) -> dict:
     # Causal attention: QK^T and PV, each 2 * L^2/2 * d per head per layer.
     attn = 2 * 2 * (prompt_len**2 / 2) * arch.head_dim * arch.num_attention_heads * arch.num_hidden_layers
     flops = 2 * n_params * tokens + attn * num_prompts
+    traced = prefill_trace(llm, prompts, sp) if trace else None
     llm.shutdown()
     torch.cuda.empty_cache()
     return {"prompt_len": prompt_len, "num_prompts": num_prompts, "elapsed_s": round(elapsed, 4),
             "elapsed_s_runs": [round(r, 4) for r in runs],
-            "tokens_per_s": round(tokens / elapsed, 1), "tflops": round(flops / elapsed / 1e12, 1)}
+            "tokens_per_s": round(tokens / elapsed, 1), "tflops": round(flops / elapsed / 1e12, 1),
+            **({"trace": traced} if traced else {})}
 
 
 def switches() -> list[tuple]:
@@ -277,6 +315,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--memory-steps", type=int, default=1000)
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--no-decode", action="store_true", help="the prefill alone")
+    ap.add_argument("--prefill-shape", default="2048,8",
+                    help="LEN,NUM[,BUDGET]: NUM prompts of LEN tokens, BUDGET tokens per step (default 2 x LEN)")
+    ap.add_argument("--prefill-trace", action="store_true",
+                    help="also profile one prefill run: its kernels by name, their busy time against the wall time")
     ap.add_argument("--graph-trace", action="store_true",
                     help="also trace the kernels inside the batch-1 and batch-32 decode graphs (every A/B run too)")
     ap.add_argument("--ab", action="store_true",
@@ -315,6 +358,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.ab_only and not args.ab:
         raise SystemExit("--ab-only needs --ab")
+    if args.no_decode and (args.no_prefill or args.ab):
+        raise SystemExit("--no-decode leaves the prefill alone: not with --no-prefill or --ab")
     if args.ab_prefill and (not args.ab or args.no_prefill):
         raise SystemExit("--ab-prefill needs --ab and the prefill (no --no-prefill)")
     global MAX_MODEL_LEN
@@ -325,8 +370,13 @@ def main() -> None:
             setattr(module, flag, value)
             res.setdefault("set", {})[flag] = value
     res.update({"device": torch.cuda.get_device_name(), "matmul_tflops": round(matmul_tflops(), 1)})
-    res["decode_b1"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps, trace=args.graph_trace)
-    res["decode_b32"] = decode(args.model, 32, 512, 100, trace=args.graph_trace)
+    shape = [int(v) for v in args.prefill_shape.split(",")]
+    if len(shape) not in (2, 3) or min(shape) < 1:
+        raise SystemExit(f"--prefill-shape {args.prefill_shape!r}: expected LEN,NUM or LEN,NUM,BUDGET (positive)")
+    prefill_kw = {"prompt_len": shape[0], "num_prompts": shape[1], "budget": shape[2] if len(shape) == 3 else None}
+    if not args.no_decode:
+        res["decode_b1"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps, trace=args.graph_trace)
+        res["decode_b32"] = decode(args.model, 32, 512, 100, trace=args.graph_trace)
     if args.ab:
         chosen = parse_settings(args.ab_only) if args.ab_only else switches()
         if not args.ab_only and not is_moe(args.model):
@@ -341,13 +391,13 @@ def main() -> None:
                                                             measure_memory=False, trace=args.graph_trace)
             res[f"decode_b32_{flag}={flipped}"] = decode(args.model, 32, 512, 100, trace=args.graph_trace)
             if args.ab_prefill:
-                res[f"prefill_{flag}={flipped}"] = prefill(args.model)
+                res[f"prefill_{flag}={flipped}"] = prefill(args.model, **prefill_kw, trace=args.prefill_trace)
             setattr(module, flag, default)
         # Everything on again: the spread between this and the first run is the noise.
         res["decode_b1_again"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps, measure_memory=False)
         res["decode_b32_again"] = decode(args.model, 32, 512, 100)
     if not args.no_prefill:
-        res["prefill"] = prefill(args.model)
+        res["prefill"] = prefill(args.model, **prefill_kw, trace=args.prefill_trace)
         res["prefill"]["share_of_matmul_rate"] = round(res["prefill"]["tflops"] / res["matmul_tflops"], 3)
     text = json.dumps(res, indent=1)
     print(text)
