@@ -248,6 +248,7 @@ def switches() -> list[tuple]:
     import pprun.attention.triton_ops
     import pprun.layers
     import pprun.layers.fused
+    import pprun.layers.head_norm
     import pprun.layers.moe_triton
     import pprun.layers.skinny
     import pprun.layers.triton_utils
@@ -281,16 +282,22 @@ def switches() -> list[tuple]:
             (pprun.layers.moe_triton, "SPARSE_BLOCK_N", 32, True),
             (pprun.layers.moe_triton, "ALIGN_KERNEL_MAX_ENTRIES", 0, True),
             (pprun.layers.moe_triton, "DIRECT_MAX_ENTRIES", 0, True),
+            # Qwen3 models: one program per token over all its q/k heads, at every size.
+            (pprun.layers.head_norm, "WHOLE_TOKEN_MIN_TOKENS", 1, True),
             (pprun.layers.fused, "NORM_PARTS_NUM_WARPS", 4, False),
             (pprun.attention.triton_ops, "DECODE_PRELOAD_SECOND", False, False),
             (pprun.worker.v2.inputs, "STAGING_KERNEL_ENABLED", False, True)]
 
 
+def model_config(model: str) -> dict:
+    """The checkpoint's (text) ``config.json``."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    return config.get("text_config", config)
+
+
 def is_moe(model: str) -> bool:
     """The checkpoint is a mixture-of-experts model (its ``config.json`` names experts)."""
-    config = json.loads((Path(model) / "config.json").read_text())
-    config = config.get("text_config", config)
-    return any(config.get(k) for k in ("num_experts", "num_local_experts"))
+    return any(model_config(model).get(k) for k in ("num_experts", "num_local_experts"))
 
 
 def parse_settings(text: str) -> list[tuple]:
@@ -344,7 +351,8 @@ def main() -> None:
                          "loaded in its loop instead of before its PDL wait (DECODE_PRELOAD_SECOND; batch 32 only), a step's "
                          "inputs sent by cudaMemcpy plus indexed writes instead of the staging kernel "
                          "(STAGING_KERNEL_ENABLED); MoE models: narrower expert tiles (SPARSE_BLOCK_N), the sort in torch ops "
-                         "(ALIGN_KERNEL_MAX_ENTRIES=0), the sort at batch 1 too (DIRECT_MAX_ENTRIES=0)")
+                         "(ALIGN_KERNEL_MAX_ENTRIES=0), the sort at batch 1 too (DIRECT_MAX_ENTRIES=0); "
+                         "Qwen3: q/k head norms one program per token (head_norm.WHOLE_TOKEN_MIN_TOKENS=1)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
                          "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")
@@ -382,6 +390,9 @@ def main() -> None:
         if not args.ab_only and not is_moe(args.model):
             # The expert kernels' switches change nothing in a dense model: not run.
             chosen = [sw for sw in chosen if sw[0].__name__ != "pprun.layers.moe_triton"]
+        if not args.ab_only and not model_config(args.model).get("model_type", "").startswith("qwen3"):
+            # Only Qwen3's attention has q/k head norms.
+            chosen = [sw for sw in chosen if sw[0].__name__ != "pprun.layers.head_norm"]
         for module, flag, flipped, b1_differs in chosen:
             default = getattr(module, flag)
             setattr(module, flag, flipped)

@@ -303,12 +303,16 @@ def test_fused_experts_replay_in_a_cuda_graph_for_any_routing():
 
 @triton_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_head_norm_kernel_matches_the_attention_reference(dtype):
+@pytest.mark.parametrize("whole_token", [None, 1])
+def test_head_norm_kernel_matches_the_attention_reference(dtype, whole_token, monkeypatch):
     """``head_rms_norm_`` in place equals ``Attention.norm_heads``' plain torch (q and k heads
-    each through their RMSNorm, v untouched); head_dim 20 (a masked tile)."""
+    each through their RMSNorm, v untouched); head_dim 20 (a masked tile); 6 q and k heads (a
+    masked row of the whole-token tile)."""
+    from pprun.layers import head_norm
     from pprun.layers.head_norm import head_rms_norm_
     from pprun.layers.norm import RMSNorm
 
+    monkeypatch.setattr(head_norm, "WHOLE_TOKEN_MIN_TOKENS", whole_token)
     num_heads, num_kv_heads, head_dim = 4, 2, 20
     gen = torch.Generator().manual_seed(3)
     qkv = torch.randn(5, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype).to(DEVICE)
@@ -334,8 +338,9 @@ _EXPERT_POINTERS = {"sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_rows_
 
 
 def test_expert_kernels_compile_for_sm90():
-    """The routing, the sort and both grouped GEMMs compile for sm_90 (``sm90_compile``) in bf16, the GEMMs'
-    K loops on tensor-core MMAs (fp32 differs only in taking IEEE fp32 dots)."""
+    """The routing, the sort, both grouped GEMMs and Qwen3's head norms compile for sm_90
+    (``sm90_compile``) in bf16, the GEMMs' K loops on tensor-core MMAs (fp32 differs only in
+    taking IEEE fp32 dots)."""
     from sm90_compile import compile_sm90
 
     options = {"num_warps": 4, "enable_fp_fusion": False}
@@ -353,4 +358,10 @@ def test_expert_kernels_compile_for_sm90():
                            pointers={**_EXPERT_POINTERS, **pointers, **({"block_expert_ptr": "*i64"} if direct else {})},
                            default_pointer="*bf16", divisible=("hidden", "inter"))
         assert "mma" in ptx, kernel
+    # Qwen3's q/k head norms, per head and per token (Qwen3-30B-A3B: 32 q + 4 k heads of 128).
+    compile_sm90("pprun.layers.head_norm", "_head_rms_norm_kernel", {"NUM_HEADS": 32, "BLOCK": 128, "USE_PDL": True},
+                 options={"num_warps": 1}, default_pointer="*bf16", float_args=("inv_head_dim", "eps"))
+    compile_sm90("pprun.layers.head_norm", "_head_rms_norm_token_kernel",
+                 {"NUM_HEADS": 32, "NUM_QK_HEADS": 36, "HEADS_P2": 64, "BLOCK": 128, "USE_PDL": True},
+                 options={"num_warps": 4}, default_pointer="*bf16", float_args=("inv_head_dim", "eps"))
 

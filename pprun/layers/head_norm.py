@@ -6,7 +6,8 @@ then the values; each q head is normalised over its ``D`` entries with ``q_weigh
 k head with ``k_weight [D]``, rounded as ``pprun.layers.norm.RMSNorm`` (the plain-torch
 reference, ``pprun.models.llama.Attention.norm_heads``) rounds: fp32 mean of squares, the
 normalised value rounded to the activation dtype, then times the weight.  The values are not
-touched.  One program per (token, head); capture-safe (grid from shapes, written in place).
+touched.  One program per (token, head), or from :data:`WHOLE_TOKEN_MIN_TOKENS` tokens on one
+program per token over all its q and k heads; capture-safe (grid from shapes, written in place).
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ import triton
 import triton.language as tl
 
 from pprun.layers.triton_utils import NO_FMA, pdl_options, pdl_sync
+
+WHOLE_TOKEN_MIN_TOKENS: int | None = None
+"""From this many tokens on, one program normalises all of a token's q and k heads (a ``[heads,
+head_dim]`` tile on 4 warps) instead of one program per head: a prefill step of 8,192 tokens of
+Qwen3-30B-A3B launches 295k one-warp programs otherwise, 0.18 ms per layer on the H200 for 151 MB
+read and written.  None: never (per head at every size); whether it gains on the GPU, and from
+how many tokens, is for ``scripts/gpu_speed.py --ab --ab-prefill`` to measure (its switch sets 1)."""
 
 
 @triton.jit
@@ -48,6 +56,40 @@ def _head_rms_norm_kernel(
     tl.store(ptr, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
 
 
+@triton.jit
+def _head_rms_norm_token_kernel(
+    qkv_ptr,
+    q_w_ptr,
+    k_w_ptr,
+    stride_t,
+    head_dim,
+    inv_head_dim,
+    eps,
+    NUM_HEADS: tl.constexpr,
+    NUM_QK_HEADS: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """All of one token's q and k heads, each row of the tile a head, rounded as the per-head
+    kernel rounds."""
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, HEADS_P2)
+    offs = tl.arange(0, BLOCK)
+    col_ok = offs < head_dim
+    mask = (heads < NUM_QK_HEADS)[:, None] & col_ok[None, :]
+    q_w = tl.load(q_w_ptr + offs, mask=col_ok, other=0.0).to(tl.float32)
+    k_w = tl.load(k_w_ptr + offs, mask=col_ok, other=0.0).to(tl.float32)
+    w = tl.where((heads < NUM_HEADS)[:, None], q_w[None, :], k_w[None, :])
+    pdl_sync(USE_PDL)
+    ptr = qkv_ptr + token * stride_t + heads[:, None] * head_dim + offs[None, :]
+    x = tl.load(ptr, mask=mask, other=0.0)
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, axis=1) * inv_head_dim
+    normed = (h * tl.math.rsqrt(var + eps)[:, None]).to(x.dtype)
+    tl.store(ptr, (w * normed.to(tl.float32)).to(x.dtype), mask=mask)
+
+
 def head_rms_norm_(
     qkv: torch.Tensor,
     q_weight: torch.Tensor,
@@ -66,6 +108,14 @@ def head_rms_norm_(
                          f"and {tuple(k_weight.shape)}")
     num_tokens = qkv.shape[0]
     if num_tokens == 0:
+        return qkv
+    if WHOLE_TOKEN_MIN_TOKENS is not None and num_tokens >= WHOLE_TOKEN_MIN_TOKENS:
+        _head_rms_norm_token_kernel[(num_tokens,)](
+            qkv, q_weight, k_weight, qkv.stride(0), head_dim, 1.0 / head_dim, eps,
+            NUM_HEADS=num_heads, NUM_QK_HEADS=num_heads + num_kv_heads,
+            HEADS_P2=triton.next_power_of_2(num_heads + num_kv_heads), BLOCK=triton.next_power_of_2(head_dim),
+            num_warps=4, **pdl_options(qkv.device), **NO_FMA,
+        )
         return qkv
     _head_rms_norm_kernel[(num_tokens, num_heads + num_kv_heads)](
         qkv, q_weight, k_weight, qkv.stride(0), head_dim, 1.0 / head_dim, eps,
