@@ -282,6 +282,7 @@ def switches() -> list[tuple]:
             (pprun.layers.moe_triton, "SPARSE_BLOCK_N", 32, True),
             (pprun.layers.moe_triton, "ALIGN_KERNEL_MAX_ENTRIES", 0, True),
             (pprun.layers.moe_triton, "DIRECT_MAX_ENTRIES", 0, True),
+            (pprun.layers.moe_triton, "PARTIALS_MAX_TOKENS", 1024, False),  # prefill only
             # Qwen3 models: one program per token over all its q/k heads, at every size.
             (pprun.layers.head_norm, "WHOLE_TOKEN_MIN_TOKENS", 1, True),
             (pprun.layers.fused, "NORM_PARTS_NUM_WARPS", 4, False),
@@ -351,7 +352,8 @@ def main() -> None:
                          "loaded in its loop instead of before its PDL wait (DECODE_PRELOAD_SECOND; batch 32 only), a step's "
                          "inputs sent by cudaMemcpy plus indexed writes instead of the staging kernel "
                          "(STAGING_KERNEL_ENABLED); MoE models: narrower expert tiles (SPARSE_BLOCK_N), the sort in torch ops "
-                         "(ALIGN_KERNEL_MAX_ENTRIES=0), the sort at batch 1 too (DIRECT_MAX_ENTRIES=0); "
+                         "(ALIGN_KERNEL_MAX_ENTRIES=0), the sort at batch 1 too (DIRECT_MAX_ENTRIES=0), "
+                         "the experts' rows summed past 1,024 tokens, not left to the norm (PARTIALS_MAX_TOKENS); "
                          "Qwen3: q/k head norms one program per token (head_norm.WHOLE_TOKEN_MIN_TOKENS=1)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "

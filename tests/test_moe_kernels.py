@@ -171,6 +171,21 @@ def test_fused_experts_left_to_the_next_norm_as_partials(dtype):
 
 
 @triton_only
+def test_fused_experts_sum_their_rows_past_partials_max_tokens(monkeypatch):
+    """Past PARTIALS_MAX_TOKENS a ``then="norm"`` step gets the summed output, not partials."""
+    from pprun.layers import moe_triton
+    from pprun.layers.partials import SplitPartials
+
+    x, w13, w2, weights, ids = make_experts(6, 40, 36, 5, 3, torch.float32, seed=2)
+    monkeypatch.setattr(moe_triton, "PARTIALS_MAX_TOKENS", 6)
+    assert isinstance(moe_triton.fused_experts(x, w13, w2, weights, ids, then="norm"), SplitPartials)
+    monkeypatch.setattr(moe_triton, "PARTIALS_MAX_TOKENS", 5)
+    summed = moe_triton.fused_experts(x, w13, w2, weights, ids, then="norm")
+    assert isinstance(summed, torch.Tensor) and summed.shape == (6, 40)
+    torch.testing.assert_close(summed, moe_triton.fused_experts(x, w13, w2, weights, ids))
+
+
+@triton_only
 def test_fused_experts_use_torch_sort_past_the_align_kernel(monkeypatch):
     """Past ALIGN_KERNEL_MAX_ENTRIES the torch sort lays the rows out for the same kernels."""
     from pprun.layers import moe_triton

@@ -403,6 +403,14 @@ batches: one row per expert used, so the grid is the used experts times the colu
 narrower tiles put more programs on the SMs to stream the weights; an A/B switch of
 ``scripts/gpu_speed.py --ab``)."""
 
+PARTIALS_MAX_TOKENS: int | None = None
+"""Up to this many tokens (None: any number) a step whose experts' output goes into a fused norm
+leaves each token's ``top_k`` weighted rows to it as fp32 partials; past it they are written in
+the activation dtype and summed here (``[top_k, T, hidden]`` in fp32 is 537 MB per layer at an
+8,192-token Qwen3-30B-A3B step, written once and read once; bf16 rows and their sum are about
+half that traffic, one launch more).  An A/B switch of ``scripts/gpu_speed.py --ab-prefill``
+(its switch sets 1024)."""
+
 TUNED_DIR = Path(__file__).with_name("moe_configs")
 """Tuned settings shipped with pprun: one JSON file per GPU model (``NVIDIA_H200.json``), written
 by ``scripts/bench_moe_kernels.py --tune --write``."""
@@ -578,7 +586,7 @@ def fused_experts(
         raise ValueError(f"the two GEMMs share one sort: block_m {up_cfg.block_m} (gate_up) != {down_cfg.block_m} (down)")
     align = layout(ids, num_experts, up_cfg.block_m)
     act = gate_up(x, w13, align, top_k, up_cfg)
-    partials = then == "norm"
+    partials = then == "norm" and (PARTIALS_MAX_TOKENS is None or num_tokens <= PARTIALS_MAX_TOKENS)
     y = down(act, w2, weights, align, top_k, down_cfg, partials)
     if partials:
         return SplitPartials(y.view(top_k, num_tokens, hidden), None, x.dtype)
