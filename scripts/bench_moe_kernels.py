@@ -13,12 +13,13 @@ logits), so the experts used follow the top-k of uniform routers.
 
 ``--tune`` searches each GEMM's settings separately (they share ``block_m``, one sort): for each
 ``block_m`` that suits the rows per expert, first the tile widths at 3 stages (4 warps, 8 for
-tiles of 128 x 128 accumulators or more), then
-warps and stages around the two best widths; each launch timed alone as a CUDA graph.  The token
-counts are tuned in the order given until ``--budget-s`` seconds have gone (compiling each
-setting is most of the time).  ``--write FILE`` merges the winners into a tuned-settings file
-(``pprun/layers/moe_configs/<GPU>.json`` ships with pprun; ``PPRUN_MOE_CONFIGS=FILE`` reads
-another one first).
+tiles of 128 x 128 accumulators or more), then warps and stages around the two best widths;
+each launch timed alone as a CUDA graph (down with its output in the activation dtype, as past
+``PARTIALS_MAX_TOKENS``; fp32 partials write twice the bytes).  The token counts are tuned in
+the order given until ``--budget-s`` seconds have gone (compiling each setting is most of the
+time).  ``--write FILE`` merges the winners into a tuned-settings file
+(``pprun/layers/moe_configs/<GPU>.json`` ships with pprun; ``PPRUN_MOE_CONFIGS=FILE`` puts
+another one's entries over those).
 """
 
 from __future__ import annotations
@@ -78,11 +79,16 @@ def block_ms(rows_per_expert: float) -> tuple[int, ...]:
     return (32, 64) if rows_per_expert <= 128 else (64, 128)
 
 
+def accumulators(kind: str) -> int:
+    """The fp32 accumulator tiles a GEMM's program holds: gate and up for gate_up, one for down."""
+    return 2 if kind == "gate_up" else 1
+
+
 def fits(kind: str, bm: int, bn: int, bk: int, stages: int) -> bool:
-    """Whether a tile fits the registers (the fp32 accumulators: two for gate_up) and the shared
-    memory of a Hopper SM (each pipeline stage holds an activation and a weight tile)."""
-    acc = bm * bn * (2 if kind == "gate_up" else 1)
-    smem = stages * 2 * (bm * bk + bk * bn * (2 if kind == "gate_up" else 1))
+    """Whether a tile fits the registers (the fp32 accumulators) and the shared memory of a
+    Hopper SM (each pipeline stage holds an activation and a weight tile)."""
+    acc = bm * bn * accumulators(kind)
+    smem = stages * 2 * (bm * bk + bk * bn * accumulators(kind))
     return acc <= 128 * 256 and smem <= 200 * 1024
 
 
@@ -105,18 +111,20 @@ def search(kind: str, launch, bm: int, deadline: float) -> tuple[moe_triton.Gemm
     for bn, bk in itertools.product((32, 64, 128, 256), (64, 128, 256)):
         # A large tile on 4 warps spills its accumulators and would drop out here before the
         # second pass could give it 8.
-        wide = bm * bn * (2 if kind == "gate_up" else 1) >= 128 * 128
+        wide = bm * bn * accumulators(kind) >= 128 * 128
         time(moe_triton.GemmConfig(bm, bn, bk, 8 if wide else 4, 3))
     for c, warps, stages in itertools.product(sorted(timed, key=timed.get)[:2], (4, 8), (2, 3, 4, 5)):
         time(c._replace(num_warps=warps, num_stages=stages))
     best = min(timed, key=timed.get)
+    if timed[best] == float("inf"):
+        raise RuntimeError(f"no setting of {kind} at block_m={bm} compiled and ran on this GPU")
     return best, timed[best]
 
 
 def tune_tokens(num_tokens: int, args: argparse.Namespace, w13: torch.Tensor, w2: torch.Tensor,
                 gen: torch.Generator, deadline: float) -> dict | None:
     """The fastest settings of both GEMMs for ``num_tokens`` tokens (module docstring), or None
-    when the budget ran out first."""
+    when the budget ran out before one ``block_m`` was searched in full (or none ran)."""
     dtype = w13.dtype
     x = torch.randn(num_tokens, args.hidden, device=w13.device, generator=gen).to(dtype)
     logits = torch.randn(num_tokens, args.experts, device=w13.device, generator=gen)
@@ -129,9 +137,14 @@ def tune_tokens(num_tokens: int, args: argparse.Namespace, w13: torch.Tensor, w2
             up = search("gate_up", functools.partial(moe_triton.gate_up, x, w13, align, args.top_k), bm, deadline)
             dn = search("down", functools.partial(moe_triton.down, act, w2, weights, align, args.top_k), bm, deadline)
         except TimeoutError:
-            return None
+            break  # the block_m values searched in full still count
+        except RuntimeError as exc:
+            print(json.dumps({"tokens": num_tokens, "skipped": str(exc)}), file=sys.stderr, flush=True)
+            continue
         if best is None or up[1] + dn[1] < best[0][1] + best[1][1]:
             best = (up, dn)
+    if best is None:
+        return None
     (up, up_us), (dn, dn_us) = best
     return {"block_m": up.block_m, "gate_up": list(up[1:]), "down": list(dn[1:]),
             "gate_up_us": round(up_us, 2), "down_us": round(dn_us, 2)}

@@ -380,7 +380,10 @@ def main() -> None:
             setattr(module, flag, value)
             res.setdefault("set", {})[flag] = value
     res.update({"device": torch.cuda.get_device_name(), "matmul_tflops": round(matmul_tflops(), 1)})
-    shape = [int(v) for v in args.prefill_shape.split(",")]
+    try:
+        shape = [int(v) for v in args.prefill_shape.split(",")]
+    except ValueError:
+        shape = []
     if len(shape) not in (2, 3) or min(shape) < 1:
         raise SystemExit(f"--prefill-shape {args.prefill_shape!r}: expected LEN,NUM or LEN,NUM,BUDGET (positive)")
     prefill_kw = {"prompt_len": shape[0], "num_prompts": shape[1], "budget": shape[2] if len(shape) == 3 else None}

@@ -240,9 +240,10 @@ def test_fused_experts_with_settings_per_gemm():
 
 
 def test_tuned_settings_file(tmp_path, monkeypatch):
-    """A tuned-settings file (``PPRUN_MOE_CONFIGS``, read before the shipped one) gives each token
-    count's settings by shape; the nearest token count on a log scale serves the others; a missing
-    file or a malformed entry is an error naming it."""
+    """A tuned-settings file (``PPRUN_MOE_CONFIGS``) gives each token count's settings by shape,
+    over the shipped ones token count by token count, on the GPU model it names only; the nearest
+    token count on a log scale serves the others; a missing file or a malformed entry is an error
+    naming it and the field."""
     import json
 
     from pprun.layers import moe_triton
@@ -250,18 +251,32 @@ def test_tuned_settings_file(tmp_path, monkeypatch):
     key = moe_triton.shape_key(6, 48, 64, 2, torch.bfloat16)
     assert key == "E=6,N=48,H=64,K=2,bfloat16"
     entry = {"block_m": 16, "gate_up": [32, 64, 4, 3], "down": [64, 128, 8, 2], "gate_up_us": 1.0}
-    path = tmp_path / "tuned.json"
     wide = {"block_m": 32, "gate_up": [128, 64, 8, 4], "down": [128, 64, 8, 4]}
-    path.write_text(json.dumps({"device": "GPU X", "shapes": {key: {"1": entry, "64": wide}}}))
-    monkeypatch.setenv(moe_triton.TUNED_ENV, str(path))
+    path = tmp_path / "tuned.json"
+
+    def table(shapes: dict, device: str = "GPU X", name: str = "GPU X", shape: str = key):
+        path.write_text(json.dumps({"device": device, "shapes": shapes}))
+        monkeypatch.setenv(moe_triton.TUNED_ENV, str(path))
+        moe_triton.tuned_table.cache_clear()
+        return moe_triton.tuned_table(name, shape)
+
+    got = table({key: {"1": entry, "64": wide}})
+    assert got[1] == moe_triton.ExpertsConfig(moe_triton.GemmConfig(16, 32, 64, 4, 3), moe_triton.GemmConfig(16, 64, 128, 8, 2))
+    assert [moe_triton.nearest(got, t).gate_up.block_m for t in (1, 7, 8, 9, 64, 4096)] == [16, 16, 16, 32, 32, 32]
+    assert table({key: {"1": entry}}, shape="E=8,N=48,H=64,K=2,bfloat16") == {}  # a shape it lacks
+    assert table({key: {"1": entry}}, device="GPU Y") == {}  # tuned on another GPU: not used
+    shipped = moe_triton.shape_key(128, 768, 2048, 8, torch.bfloat16)
+    merged = table({shipped: {"1": entry}}, device="NVIDIA H200", name="NVIDIA H200", shape=shipped)
+    assert merged[1].gate_up.block_n == 32 and merged[8192].gate_up.block_m == 128  # the shipped 8,192 stays
+    for bad, match in ((entry | {"gate_up": [32]}, "TypeError"), (entry | {"block_m": 48}, "block_m=48 must be a power of two"),
+                       (entry | {"down": [64, 128, 3, 2]}, "down.num_warps=3 must be one of")):
+        with pytest.raises(ValueError, match=rf"tuned.json: tuned MoE entry '1'=.*{match}"):
+            table({key: {"1": bad}})
+    with pytest.raises(ValueError, match="token count 0 must be at least 1"):
+        table({key: {"0": entry}})
+    path.write_text("{not json")
     moe_triton.tuned_table.cache_clear()
-    table = moe_triton.tuned_table("GPU X", key)
-    assert table[1] == moe_triton.ExpertsConfig(moe_triton.GemmConfig(16, 32, 64, 4, 3), moe_triton.GemmConfig(16, 64, 128, 8, 2))
-    assert [moe_triton.nearest(table, t).gate_up.block_m for t in (1, 7, 8, 9, 64, 4096)] == [16, 16, 16, 32, 32, 32]
-    assert moe_triton.tuned_table("GPU X", "E=8,N=48,H=64,K=2,bfloat16") == {}  # a shape it lacks
-    path.write_text(json.dumps({"shapes": {key: {"1": {"block_m": 16, "gate_up": [32]}}}}))
-    moe_triton.tuned_table.cache_clear()
-    with pytest.raises(ValueError, match=r"tuned.json: tuned MoE entry '1'=.* is not"):
+    with pytest.raises(ValueError, match="tuned.json: not a readable JSON file"):
         moe_triton.tuned_table("GPU X", key)
     monkeypatch.setenv(moe_triton.TUNED_ENV, str(tmp_path / "absent.json"))
     moe_triton.tuned_table.cache_clear()

@@ -20,7 +20,7 @@ from pprun.layers.triton_utils import NO_FMA, pdl_options, pdl_sync
 
 WHOLE_TOKEN_MIN_TOKENS: int | None = None
 """From this many tokens on, one program normalises all of a token's q and k heads (a ``[heads,
-head_dim]`` tile on 4 warps) instead of one program per head: a prefill step of 8,192 tokens of
+head_dim]`` tile on 4 warps, 8 past 8,192 entries) instead of one program per head: a prefill step of 8,192 tokens of
 Qwen3-30B-A3B launches 295k one-warp programs otherwise, 0.18 ms per layer on the H200 for 151 MB
 read and written.  None: never (per head at every size); whether it gains on the GPU, and from
 how many tokens, is for ``scripts/gpu_speed.py --ab --ab-prefill`` to measure (its switch sets 1)."""
@@ -110,11 +110,12 @@ def head_rms_norm_(
     if num_tokens == 0:
         return qkv
     if WHOLE_TOKEN_MIN_TOKENS is not None and num_tokens >= WHOLE_TOKEN_MIN_TOKENS:
+        heads_p2, block = triton.next_power_of_2(num_heads + num_kv_heads), triton.next_power_of_2(head_dim)
         _head_rms_norm_token_kernel[(num_tokens,)](
             qkv, q_weight, k_weight, qkv.stride(0), head_dim, 1.0 / head_dim, eps,
             NUM_HEADS=num_heads, NUM_QK_HEADS=num_heads + num_kv_heads,
-            HEADS_P2=triton.next_power_of_2(num_heads + num_kv_heads), BLOCK=triton.next_power_of_2(head_dim),
-            num_warps=4, **pdl_options(qkv.device), **NO_FMA,
+            HEADS_P2=heads_p2, BLOCK=block, num_warps=4 if heads_p2 * block <= 8192 else 8,
+            **pdl_options(qkv.device), **NO_FMA,
         )
         return qkv
     _head_rms_norm_kernel[(num_tokens, num_heads + num_kv_heads)](

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -52,6 +53,8 @@ import triton.language as tl
 from pprun.layers.fused import silu_mul
 from pprun.layers.partials import SplitPartials, check_defer_merge
 from pprun.layers.triton_utils import INTERPRETED, NO_FMA
+
+logger = logging.getLogger(__name__)
 
 ALIGN_KERNEL_MAX_ENTRIES = 4096
 """Up to this many token -> expert assignments a step sorts them in one Triton program (its
@@ -123,7 +126,8 @@ class ExpertAlignment(NamedTuple):
     sorted_entries: torch.Tensor
     """``[max_rows]`` int32: the entries (``t * top_k + j``) by expert; padding rows hold ``N``."""
     block_expert: torch.Tensor
-    """``[max_blocks]`` int32: each ``block_m``-row block's expert; ``-1`` past ``num_rows``."""
+    """``[max_blocks]`` int32: each ``block_m``-row block's expert; ``-1`` past ``num_rows``
+    (direct: the routing's int64 ids)."""
     num_rows: torch.Tensor
     """``[1]`` int32: the padded rows in use (a multiple of ``block_m``)."""
     block_m: int
@@ -416,9 +420,10 @@ TUNED_DIR = Path(__file__).with_name("moe_configs")
 by ``scripts/bench_moe_kernels.py --tune --write``."""
 
 TUNED_ENV = "PPRUN_MOE_CONFIGS"
-"""A JSON file of tuned settings (the same format) read before the shipped ones, for a GPU or a
-shape they lack: ``PPRUN_MOE_CONFIGS=my_gpu.json`` in the environment of every process that runs
-the kernels (a Ray actor's through its ``runtime_env``)."""
+"""A JSON file of tuned settings (the same format) whose entries take precedence over the shipped
+ones, token count by token count, for a GPU or a shape they lack: ``PPRUN_MOE_CONFIGS=my_gpu.json``
+in the environment of every process that runs the kernels (a Ray actor's through its
+``runtime_env``); used only on the GPU model its ``device`` names."""
 
 
 def shape_key(num_experts: int, inter: int, hidden: int, top_k: int, dtype: torch.dtype) -> str:
@@ -431,39 +436,83 @@ def device_file_name(device_name: str) -> str:
     return device_name.replace(" ", "_") + ".json"
 
 
+_TUNED_FORMAT = '{"block_m": M, "gate_up": [N, K, warps, stages], "down": [N, K, warps, stages]}'
+
+
+def _check_entry(source: str, tokens: object, entry: object) -> ExpertsConfig:
+    """One token count's entry as configs, or an error naming the file, the entry, the field and
+    what is allowed."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{source}: tuned MoE entry {tokens!r}={entry!r}: {what} (each entry is {_TUNED_FORMAT})")
+
+    try:
+        count = int(tokens)
+        block_m = int(entry["block_m"])
+        gate_up, down = (GemmConfig(block_m, *map(int, entry[name])) for name in ("gate_up", "down"))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise bad(f"{type(exc).__name__}: {exc}") from None
+    if count < 1:
+        raise bad(f"token count {count} must be at least 1")
+    for name, cfg in (("gate_up", gate_up), ("down", down)):
+        for field in ("block_m", "block_n", "block_k"):
+            size = getattr(cfg, field)
+            if size < 16 or size & (size - 1):
+                raise bad(f"{name}.{field}={size} must be a power of two, at least 16")
+        if cfg.num_warps not in (1, 2, 4, 8, 16):
+            raise bad(f"{name}.num_warps={cfg.num_warps} must be one of 1, 2, 4, 8, 16")
+        if cfg.num_stages is not None and cfg.num_stages < 1:
+            raise bad(f"{name}.num_stages={cfg.num_stages} must be at least 1")
+    return ExpertsConfig(gate_up, down)
+
+
 def parse_tuned(table: dict, source: str) -> dict[int, ExpertsConfig]:
     """One shape's entries of a tuned-settings file, ``{tokens: {"block_m": 16, "gate_up": [n,
     k, warps, stages], "down": [...]}}``, as configs by token count; a malformed entry is an
-    error naming the file and the entry."""
-    out = {}
-    for tokens, entry in table.items():
-        try:
-            block_m = int(entry["block_m"])
-            gate_up, down = (GemmConfig(block_m, *map(int, entry[name])) for name in ("gate_up", "down"))
-            out[int(tokens)] = ExpertsConfig(gate_up, down)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{source}: tuned MoE entry {tokens!r}={entry!r} is not "
-                             '{"block_m": M, "gate_up": [N, K, warps, stages], "down": [N, K, warps, stages]} '
-                             f"({type(exc).__name__}: {exc})") from None
-    return out
+    error naming the file, the entry and the field."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{source}: a shape's tuned MoE entries must be an object of token counts, got {table!r}")
+    return {int(tokens): _check_entry(source, tokens, entry) for tokens, entry in table.items()}
+
+
+def _read_tuned(path: Path) -> dict:
+    """A tuned-settings file's top level, or an error naming it."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable JSON file of tuned MoE settings ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("shapes", {}), dict):
+        raise ValueError(f'{path}: expected {{"device": NAME, "shapes": {{SHAPE: {{TOKENS: ENTRY}}}}}}')
+    return data
+
+
+def tuned_table(device_name: str, key: str) -> dict[int, ExpertsConfig]:
+    """The tuned settings for a layer shape on a GPU model, by token count: the file shipped for
+    the GPU, with the entries of the file named by :data:`TUNED_ENV` over them (per token
+    count; that file is used only where its ``device`` is this GPU model); empty where neither
+    has the shape."""
+    return _tuned_table(device_name, key, os.environ.get(TUNED_ENV) or None)
 
 
 @functools.cache
-def tuned_table(device_name: str, key: str) -> dict[int, ExpertsConfig]:
-    """The tuned settings for a layer shape on a GPU model, by token count: the file named by
-    :data:`TUNED_ENV` first, then the one shipped for the GPU; empty where neither has the shape."""
-    paths = [TUNED_DIR / device_file_name(device_name)]
-    if os.environ.get(TUNED_ENV):
-        named = Path(os.environ[TUNED_ENV])
-        if not named.is_file():
-            raise FileNotFoundError(f"{TUNED_ENV}={named}: no such file (a JSON file of tuned MoE settings, "
+def _tuned_table(device_name: str, key: str, named: str | None) -> dict[int, ExpertsConfig]:
+    table: dict[int, ExpertsConfig] = {}
+    shipped = TUNED_DIR / device_file_name(device_name)
+    if shipped.is_file():
+        table.update(parse_tuned(_read_tuned(shipped)["shapes"].get(key, {}), str(shipped)))
+    if named is not None:
+        path = Path(named)
+        if not path.is_file():
+            raise FileNotFoundError(f"{TUNED_ENV}={path}: no such file (a JSON file of tuned MoE settings, "
                                     "as scripts/bench_moe_kernels.py --tune --write makes)")
-        paths.insert(0, named)
-    for path in paths:
-        shapes = json.loads(path.read_text()).get("shapes", {}) if path.is_file() else {}
-        if key in shapes:
-            return parse_tuned(shapes[key], str(path))
-    return {}
+        data = _read_tuned(path)
+        if data.get("device", device_name) != device_name:
+            logger.warning("%s=%s was tuned on %s, not this %s: not used", TUNED_ENV, path, data["device"], device_name)
+        else:
+            table.update(parse_tuned(data["shapes"].get(key, {}), str(path)))
+    return table
+
+
+tuned_table.cache_clear = _tuned_table.cache_clear  # files are read once per process: tests rewrite them
 
 
 def nearest(table: dict[int, ExpertsConfig], num_tokens: int) -> ExpertsConfig:
@@ -575,7 +624,7 @@ def fused_experts(
     num_entries = num_tokens * top_k
     if num_entries == 0:
         return torch.zeros_like(x)
-    x = x.contiguous()
+    x, ids = x.contiguous(), ids.contiguous()  # the sort and the direct layout read ids flat
     w13, w2 = w13.contiguous(), w2.contiguous()
     if config is None:
         config = experts_config(num_tokens, w13, top_k, x.dtype)
