@@ -389,9 +389,9 @@ def test_expert_kernels_compile_for_sm90():
                            default_pointer="*bf16", divisible=("hidden", "inter"))
         assert "mma" in ptx, kernel
     # Qwen3's q/k head norms, per head and per token (Qwen3-30B-A3B: 32 q + 4 k heads of 128).
-    compile_sm90("pprun.layers.head_norm", "_head_rms_norm_kernel", {"NUM_HEADS": 32, "BLOCK": 128, "USE_PDL": True},
-                 options={"num_warps": 1}, default_pointer="*bf16", float_args=("inv_head_dim", "eps"))
-    compile_sm90("pprun.layers.head_norm", "_head_rms_norm_token_kernel",
-                 {"NUM_HEADS": 32, "NUM_QK_HEADS": 36, "HEADS_P2": 64, "BLOCK": 128, "USE_PDL": True},
-                 options={"num_warps": 4}, default_pointer="*bf16", float_args=("inv_head_dim", "eps"))
+    for per_program, warps in ((1, 1), (64, 8)):
+        compile_sm90("pprun.layers.head_norm", "_head_rms_norm_kernel",
+                     {"NUM_HEADS": 32, "NUM_QK_HEADS": 36, "HEADS_PER_PROGRAM": per_program, "BLOCK": 128,
+                      "USE_PDL": True},
+                     options={"num_warps": warps}, default_pointer="*bf16", float_args=("inv_head_dim", "eps"))
 

@@ -7,7 +7,7 @@ k head with ``k_weight [D]``, rounded as ``pprun.layers.norm.RMSNorm`` (the plai
 reference, ``pprun.models.llama.Attention.norm_heads``) rounds: fp32 mean of squares, the
 normalised value rounded to the activation dtype, then times the weight.  The values are not
 touched.  One program per (token, head), or from :data:`WHOLE_TOKEN_MIN_TOKENS` tokens on one
-program per token over all its q and k heads; capture-safe (grid from shapes, written in place).
+program per token over all its q and k heads (one kernel, ``HEADS_PER_PROGRAM`` 1 or all); capture-safe (grid from shapes, written in place).
 """
 
 from __future__ import annotations
@@ -36,45 +36,16 @@ def _head_rms_norm_kernel(
     inv_head_dim,
     eps,
     NUM_HEADS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < head_dim
-    if head < NUM_HEADS:
-        w = tl.load(q_w_ptr + offs, mask=mask, other=0.0)
-    else:
-        w = tl.load(k_w_ptr + offs, mask=mask, other=0.0)
-    pdl_sync(USE_PDL)
-    ptr = qkv_ptr + token * stride_t + head * head_dim + offs
-    x = tl.load(ptr, mask=mask, other=0.0)
-    h = x.to(tl.float32)
-    var = tl.sum(h * h, axis=0) * inv_head_dim
-    normed = (h * tl.math.rsqrt(var + eps)).to(x.dtype)
-    tl.store(ptr, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
-
-
-@triton.jit
-def _head_rms_norm_token_kernel(
-    qkv_ptr,
-    q_w_ptr,
-    k_w_ptr,
-    stride_t,
-    head_dim,
-    inv_head_dim,
-    eps,
-    NUM_HEADS: tl.constexpr,
     NUM_QK_HEADS: tl.constexpr,
-    HEADS_P2: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """All of one token's q and k heads, each row of the tile a head, rounded as the per-head
-    kernel rounds."""
+    """``HEADS_PER_PROGRAM`` of one token's q and k heads (program ``(token, head block)``), each
+    row of the tile a head: fp32 mean of squares, the normalised value rounded to the
+    activation dtype, then times the weight."""
     token = tl.program_id(0).to(tl.int64)
-    heads = tl.arange(0, HEADS_P2)
+    heads = tl.program_id(1) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
     offs = tl.arange(0, BLOCK)
     col_ok = offs < head_dim
     mask = (heads < NUM_QK_HEADS)[:, None] & col_ok[None, :]
@@ -109,18 +80,13 @@ def head_rms_norm_(
     num_tokens = qkv.shape[0]
     if num_tokens == 0:
         return qkv
-    if WHOLE_TOKEN_MIN_TOKENS is not None and num_tokens >= WHOLE_TOKEN_MIN_TOKENS:
-        heads_p2, block = triton.next_power_of_2(num_heads + num_kv_heads), triton.next_power_of_2(head_dim)
-        _head_rms_norm_token_kernel[(num_tokens,)](
-            qkv, q_weight, k_weight, qkv.stride(0), head_dim, 1.0 / head_dim, eps,
-            NUM_HEADS=num_heads, NUM_QK_HEADS=num_heads + num_kv_heads,
-            HEADS_P2=heads_p2, BLOCK=block, num_warps=4 if heads_p2 * block <= 8192 else 8,
-            **pdl_options(qkv.device), **NO_FMA,
-        )
-        return qkv
-    _head_rms_norm_kernel[(num_tokens, num_heads + num_kv_heads)](
+    qk_heads, block = num_heads + num_kv_heads, triton.next_power_of_2(head_dim)
+    whole_token = WHOLE_TOKEN_MIN_TOKENS is not None and num_tokens >= WHOLE_TOKEN_MIN_TOKENS
+    per_program = triton.next_power_of_2(qk_heads) if whole_token else 1
+    _head_rms_norm_kernel[(num_tokens, triton.cdiv(qk_heads, per_program))](
         qkv, q_weight, k_weight, qkv.stride(0), head_dim, 1.0 / head_dim, eps,
-        NUM_HEADS=num_heads, BLOCK=triton.next_power_of_2(head_dim), num_warps=1,
+        NUM_HEADS=num_heads, NUM_QK_HEADS=qk_heads, HEADS_PER_PROGRAM=per_program, BLOCK=block,
+        num_warps=1 if per_program == 1 else 4 if per_program * block <= 8192 else 8,
         **pdl_options(qkv.device), **NO_FMA,
     )
     return qkv
