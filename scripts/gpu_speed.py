@@ -52,22 +52,34 @@ def until_decoding(eng, batch: int) -> None:
             return
 
 
-def graph_trace(graph, replays: int = 20) -> dict:
-    """Kernels of ``replays`` replays of ``graph``, summarised per kernel name and per replay."""
+def profiled_kernels(fn) -> tuple[list[dict], float]:
+    """The CUDA kernels the profiler saw while ``fn()`` ran (synchronised before and after), as
+    Chrome-trace events in start order, and the run's wall time in microseconds."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-            torch.cuda.synchronize()  # a gap between replays marks where one ends
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - t0) * 1e6
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         with open(f.name) as trace:
             events = json.load(trace)["traceEvents"]
-    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    return sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"]), wall_us
+
+
+def graph_trace(graph, replays: int = 20) -> dict:
+    """Kernels of ``replays`` replays of ``graph``, summarised per kernel name and per replay."""
+    def replay_all() -> None:
+        for _ in range(replays):
+            graph.replay()
+            torch.cuda.synchronize()  # a gap between replays marks where one ends
+
+    kernels, _ = profiled_kernels(replay_all)
     if not kernels:
         return {"error": "the profiler saw no kernels inside the graph replays"}
     # Split into replays at the largest gaps (the host synchronises between replays).
@@ -172,22 +184,8 @@ def decode(model: str, batch: int, ctx: int, steps: int, memory_steps: int = 0,
 def prefill_trace(llm, prompts, sp) -> dict:
     """Kernels of one prefill run (eager: prefill steps run outside the CUDA graphs) under the
     profiler: per kernel name its launches and time, the kernels' busy time against the run's
-    wall time (the rest is the GPU waiting for the host), and the steps."""
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, sp)
-        torch.cuda.synchronize()
-    wall_us = (time.perf_counter() - t0) * 1e6
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        with open(f.name) as trace:
-            events = json.load(trace)["traceEvents"]
-    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    wall time (the rest is the GPU waiting for the host)."""
+    kernels, wall_us = profiled_kernels(lambda: llm.generate(prompts, sp))
     if not kernels:
         return {"error": "the profiler saw no kernels"}
     per_name: dict[str, list[float]] = {}
