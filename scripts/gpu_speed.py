@@ -275,16 +275,22 @@ def switches() -> list[tuple]:
             (pprun.layers, "DEFER_MERGE_ENABLED", False, False),
             (pprun.layers.skinny, "DEFERRED_TARGET_PROGRAMS", 128, False),
             # Mixture-of-experts models only: narrower expert tiles at small batches (where no tuned
-            # settings apply), every step's sort by expert in torch ops instead of the one-program
+            # settings apply), every step's sort by expert over chunks instead of the one-program
             # kernel, and the sort at batch 1 too (no direct layout).
             (pprun.layers.moe_triton, "SPARSE_BLOCK_N", 32, True),
             (pprun.layers.moe_triton, "ALIGN_KERNEL_MAX_ENTRIES", 0, True),
             (pprun.layers.moe_triton, "DIRECT_MAX_ENTRIES", 0, True),
             (pprun.layers.moe_triton, "PARTIALS_MAX_TOKENS", 1024, False),  # prefill only
+            (pprun.layers.moe_triton, "PARTIALS_IN_DTYPE", False, True),
+            (pprun.layers.moe_triton, "ALIGN_CHUNKED_ENABLED", False, False),  # prefill only
             # Qwen3 models: one program per token over all its q/k heads, at every size.
-            (pprun.layers.head_norm, "WHOLE_TOKEN_MIN_TOKENS", 1, True),
+            (pprun.layers.head_norm, "WHOLE_TOKEN_MIN_TOKENS", None, False),
             (pprun.layers.fused, "NORM_PARTS_NUM_WARPS", 4, False),
             (pprun.attention.triton_ops, "DECODE_PRELOAD_SECOND", False, False),
+            # Prefill attention (heads wider than 64): every tile masked, 64-row query blocks, 3 stages.
+            (pprun.attention.triton_ops, "PREFILL_SPLIT_DIAGONAL", False, False),
+            (pprun.attention.triton_ops, "PREFILL_BLOCK_M", 64, False),
+            (pprun.attention.triton_ops, "PREFILL_NUM_STAGES", 3, False),
             (pprun.worker.v2.inputs, "STAGING_KERNEL_ENABLED", False, True)]
 
 
@@ -299,19 +305,23 @@ def is_moe(model: str) -> bool:
     return any(model_config(model).get(k) for k in ("num_experts", "num_local_experts"))
 
 
-def parse_settings(text: str) -> list[tuple]:
-    """``NAME`` (the switch's other value) or ``NAME=VALUE`` (a Python literal), comma-separated."""
+def parse_settings(text: str) -> list[list[tuple]]:
+    """``NAME`` (the switch's other value) or ``NAME=VALUE`` (a Python literal), comma-separated;
+    ``A=1+B=2`` is one setting of several switches at once (timed as one A/B run)."""
     by_name = {sw[1]: sw for sw in switches()}
     chosen = []
-    for item in text.split(","):
-        name, _, value = item.partition("=")
-        if name not in by_name:
-            raise SystemExit(f"{name!r} unknown; choose from {sorted(by_name)}")
-        module, flag, flipped, b1_differs = by_name[name]
-        try:
-            chosen.append((module, flag, ast.literal_eval(value) if value else flipped, b1_differs))
-        except (ValueError, SyntaxError):
-            raise SystemExit(f"{item!r}: the value must be a Python literal (e.g. {flag}=2)") from None
+    for group in text.split(","):
+        settings = []
+        for item in group.split("+"):
+            name, _, value = item.partition("=")
+            if name not in by_name:
+                raise SystemExit(f"{name!r} unknown; choose from {sorted(by_name)}")
+            module, flag, flipped, b1_differs = by_name[name]
+            try:
+                settings.append((module, flag, ast.literal_eval(value) if value else flipped, b1_differs))
+            except (ValueError, SyntaxError):
+                raise SystemExit(f"{item!r}: the value must be a Python literal (e.g. {flag}=2)") from None
+        chosen.append(settings)
     return chosen
 
 
@@ -349,15 +359,21 @@ def main() -> None:
                          "that merges partials (NORM_PARTS_NUM_WARPS), the decode attention's second K/V tile "
                          "loaded in its loop instead of before its PDL wait (DECODE_PRELOAD_SECOND; batch 32 only), a step's "
                          "inputs sent by cudaMemcpy plus indexed writes instead of the staging kernel "
-                         "(STAGING_KERNEL_ENABLED); MoE models: narrower expert tiles (SPARSE_BLOCK_N), the sort in torch ops "
-                         "(ALIGN_KERNEL_MAX_ENTRIES=0), the sort at batch 1 too (DIRECT_MAX_ENTRIES=0), "
-                         "the experts' rows summed past 1,024 tokens, not left to the norm (PARTIALS_MAX_TOKENS); "
-                         "Qwen3: q/k head norms one program per token (head_norm.WHOLE_TOKEN_MIN_TOKENS=1)")
+                         "(STAGING_KERNEL_ENABLED); MoE models: narrower expert tiles (SPARSE_BLOCK_N), the sort over "
+                         "chunks at every size (ALIGN_KERNEL_MAX_ENTRIES=0), the sort at batch 1 too (DIRECT_MAX_ENTRIES=0), "
+                         "the experts' rows summed past 1,024 tokens, not left to the norm (PARTIALS_MAX_TOKENS), "
+                         "the partials left to the norm in fp32 (PARTIALS_IN_DTYPE=False), long steps sorted by "
+                         "torch ops (ALIGN_CHUNKED_ENABLED=False); Qwen3: q/k head norms one program per head at every "
+                         "size (head_norm.WHOLE_TOKEN_MIN_TOKENS=None); prefill attention with 64-row query blocks "
+                         "(PREFILL_BLOCK_M=64), every tile masked (PREFILL_SPLIT_DIAGONAL=False), 3 stages "
+                         "(PREFILL_NUM_STAGES=3)")
     ap.add_argument("--ab-only", default="",
                     help="comma-separated flag names: flip only these (e.g. NORM_FOLD_ENABLED); NAME=VALUE "
-                         "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128)")
+                         "sets one to VALUE instead (e.g. DECODE_MIN_TOKENS_PER_SPLIT=128); A=1+B=2 sets "
+                         "several for one run")
     ap.add_argument("--ab-prefill", action="store_true",
-                    help="with --ab, also time the prefill with each switch flipped (the default-settings "
+                    help="with --ab, also time the prefill with each switch flipped (with --no-decode: only the "
+                         "prefill; the default-settings "
                          "prefill runs last, as without this flag)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="the decode engines' max_model_len (default: context + steps + 64)")
@@ -366,17 +382,20 @@ def main() -> None:
     args = ap.parse_args()
     if args.ab_only and not args.ab:
         raise SystemExit("--ab-only needs --ab")
-    if args.no_decode and (args.no_prefill or args.ab):
-        raise SystemExit("--no-decode leaves the prefill alone: not with --no-prefill or --ab")
+    if args.no_decode and args.no_prefill:
+        raise SystemExit("--no-decode and --no-prefill leave nothing to run")
+    if args.no_decode and args.ab and not args.ab_prefill:
+        raise SystemExit("--no-decode with --ab times the prefill alone: add --ab-prefill")
     if args.ab_prefill and (not args.ab or args.no_prefill):
         raise SystemExit("--ab-prefill needs --ab and the prefill (no --no-prefill)")
     global MAX_MODEL_LEN
     MAX_MODEL_LEN = args.max_model_len
     res = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     if args.set:
-        for module, flag, value, _ in parse_settings(args.set):
-            setattr(module, flag, value)
-            res.setdefault("set", {})[flag] = value
+        for settings in parse_settings(args.set):
+            for module, flag, value, _ in settings:
+                setattr(module, flag, value)
+                res.setdefault("set", {})[flag] = value
     res.update({"device": torch.cuda.get_device_name(), "matmul_tflops": round(matmul_tflops(), 1)})
     try:
         shape = [int(v) for v in args.prefill_shape.split(",")]
@@ -389,27 +408,33 @@ def main() -> None:
         res["decode_b1"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps, trace=args.graph_trace)
         res["decode_b32"] = decode(args.model, 32, 512, 100, trace=args.graph_trace)
     if args.ab:
-        chosen = parse_settings(args.ab_only) if args.ab_only else switches()
+        chosen = parse_settings(args.ab_only) if args.ab_only else [[sw] for sw in switches()]
         if not args.ab_only and not is_moe(args.model):
             # The expert kernels' switches change nothing in a dense model: not run.
-            chosen = [sw for sw in chosen if sw[0].__name__ != "pprun.layers.moe_triton"]
+            chosen = [g for g in chosen if g[0][0].__name__ != "pprun.layers.moe_triton"]
         if not args.ab_only and not model_config(args.model).get("model_type", "").startswith("qwen3"):
             # Only Qwen3's attention has q/k head norms.
-            chosen = [sw for sw in chosen if sw[0].__name__ != "pprun.layers.head_norm"]
-        for module, flag, flipped, b1_differs in chosen:
-            default = getattr(module, flag)
-            setattr(module, flag, flipped)
+            chosen = [g for g in chosen if g[0][0].__name__ != "pprun.layers.head_norm"]
+        for settings in chosen:
+            defaults = [getattr(module, flag) for module, flag, _, _ in settings]
+            for module, flag, value, _ in settings:
+                setattr(module, flag, value)
+            label = "+".join(f"{flag}={value}" for _, flag, value, _ in settings)
             # Same max_model_len as the runs above (it sets the decode split count).
-            if b1_differs:
-                res[f"decode_b1_{flag}={flipped}"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps,
-                                                            measure_memory=False, trace=args.graph_trace)
-            res[f"decode_b32_{flag}={flipped}"] = decode(args.model, 32, 512, 100, trace=args.graph_trace)
+            if not args.no_decode:
+                if any(b1_differs for *_, b1_differs in settings):
+                    res[f"decode_b1_{label}"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps,
+                                                       measure_memory=False, trace=args.graph_trace)
+                res[f"decode_b32_{label}"] = decode(args.model, 32, 512, 100, trace=args.graph_trace)
             if args.ab_prefill:
-                res[f"prefill_{flag}={flipped}"] = prefill(args.model, **prefill_kw, trace=args.prefill_trace)
-            setattr(module, flag, default)
-        # Everything on again: the spread between this and the first run is the noise.
-        res["decode_b1_again"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps, measure_memory=False)
-        res["decode_b32_again"] = decode(args.model, 32, 512, 100)
+                res[f"prefill_{label}"] = prefill(args.model, **prefill_kw, trace=args.prefill_trace)
+            for (module, flag, _, _), default in zip(settings, defaults):
+                setattr(module, flag, default)
+        if not args.no_decode:
+            # Everything on again: the spread between this and the first run is the noise.
+            res["decode_b1_again"] = decode(args.model, 1, 512, 200, memory_steps=args.memory_steps,
+                                            measure_memory=False)
+            res["decode_b32_again"] = decode(args.model, 32, 512, 100)
     if not args.no_prefill:
         res["prefill"] = prefill(args.model, **prefill_kw, trace=args.prefill_trace)
         res["prefill"]["share_of_matmul_rate"] = round(res["prefill"]["tflops"] / res["matmul_tflops"], 3)

@@ -199,6 +199,12 @@ def test_bench_shared_prefix_against_transformers(tiny_llama_dir: Path, capsys: 
     assert data["peer"]["name"] == "transformers.generate"
     assert data["peer"]["greedy_match_fraction"] == 1.0  # fp32 greedy on CPU: the same tokens
     assert "pprun_over_peer" not in data["peer"]  # transformers reports no latencies
+    # Prefill phase: two requests fit at once (max_num_seqs=2), the third is admitted when one
+    # finishes, so two steps computed prompt tokens.
+    ours = data["pprun"]
+    assert ours["prefill_steps"] == 2
+    assert ours["prefill_tokens_per_s"] > 0 and ours["prefill_ms_per_step"] > 0
+    assert ours["prefill_ms_per_step"] / 1e3 <= ours["elapsed_s"]
 
 
 def test_bench_chat_workload_on_the_demo_model(capsys: pytest.CaptureFixture):
@@ -256,6 +262,11 @@ def test_batch_sizes_time_every_row_on_one_engine_each(
     summary = data["summary"]
     assert [line["batch"] for line in summary] == [1, 3, 2] and summary[0]["ratio"] is None
     assert summary[1]["pprun_output_tokens_per_s"] == rows[1]["pprun"]["output_tokens_per_s"]
+    for line, row in zip(summary, rows):
+        assert line["pprun_prefill_tokens_per_s"] == row["pprun"]["prefill_tokens_per_s"] > 0
+        assert line["pprun_prefill_ms_per_step"] == row["pprun"]["prefill_ms_per_step"] > 0
+        assert line["pprun_prefill_steps"] == row["pprun"]["prefill_steps"] >= 1
+        assert line["peer_prefill_tokens_per_s"] is None  # transformers keeps no step record
 
 
 # --- the vLLM peer: settings and spec -------------------------------------------------------------
@@ -341,8 +352,8 @@ def test_vllm_figures_use_pprun_rules():
     steps = [[0.5, 0, 0, 0], [1.0, 2, 2, 6]]
     steps += [[float(t), 2, 2, 0] for t in range(2, 13)] + [[13.0, 1, 1, 0]]
     stream = {
-        "elapsed_s": 13.0, "tokens": [[1] * 13, [2] * 12], "queued": [0.0, 0.0], "first_token": [1.0, 1.0],
-        "finished": [13.0, 12.0], "steps": steps,
+        "elapsed_s": 13.0, "start": 0.0, "tokens": [[1] * 13, [2] * 12], "queued": [0.0, 0.0],
+        "first_token": [1.0, 1.0], "finished": [13.0, 12.0], "steps": steps,
     }  # fmt: skip
     record = {
         "vllm_version": "0.26.0", "engine_args": {"model": "/ckpt"}, "effective": {}, "load_s": 9.0,
@@ -356,7 +367,52 @@ def test_vllm_figures_use_pprun_rules():
     assert m["ttft_ms_p50"] == m["ttft_ms_p99"] == 1000.0
     assert m["tpot_ms_p50"] == pytest.approx(1000.0)
     assert (m["decode_tokens_per_s"], m["decode_batch"], m["decode_steps"]) == (2.0, 2, 11)
+    # One prefill step (both prompts ended at 1.0 s): 6 prompt tokens in 1 s, its period from the
+    # empty step's answer at 0.5 s.
+    assert (m["prefill_tokens_per_s"], m["prefill_ms_per_step"], m["prefill_steps"]) == (6.0, 500.0, 1)
     assert result.tokens == [[1] * 13, [2] * 12]
+    no_start = metrics_from_worker({**record, "stream": {**stream, "start": None}}, _job(cfg, reqs)).metrics
+    assert no_start["prefill_steps"] is None and no_start["prefill_tokens_per_s"] is None
+
+
+def test_vllm_prefill_phase_follows_pprun_rule():
+    """vLLM's step list through ``_steps_as_trace``: a step carries the prompt tokens of the
+    requests whose first token came back in it, less those vLLM found cached; the rule is
+    ``EngineTrace.prefill_phase``'s, the same figures as pprun's rows with those tokens."""
+    from pprun.apps.bench.peers.vllm_peer import _steps_as_trace
+    from pprun.utils.step_trace import EngineStep, EngineTrace
+
+    start = 100.0
+    steps = [
+        [100.5, 0, 0, 0, 0],  # a prompt chunk that ended no prefill: nothing came back
+        [101.0, 2, 2, 128, 16],  # two 64-token prompts ended, 16 of their tokens cached
+        [101.25, 2, 2, 0, 0],
+        [101.5, 3, 3, 64, 0],  # a third prompt ended
+        *[[101.5 + 0.25 * k, 3, 3, 0, 0] for k in range(1, 12)],
+    ]
+    got = _steps_as_trace(steps).prefill_phase(start)
+    # (128 - 16) + 64 prompt tokens over 100.0 -> 101.5; periods 0.5 and 0.25.
+    assert got == {"prefill_tokens_per_s": round(176 / 1.5, 1), "prefill_ms_per_step": 375.0, "prefill_steps": 2}
+    ours = EngineTrace()
+    for t, n, r, p, c in steps:
+        ours.record(EngineStep(t, t, t, 1, n + p - c, r, p - c))
+    assert ours.prefill_phase(start) == got
+    # A record without the cached column (four numbers a step) counts no token as cached.
+    assert _steps_as_trace([s[:4] for s in steps]).prefill_phase(start)["prefill_tokens_per_s"] == round(192 / 1.5, 1)
+    assert _steps_as_trace(steps[4:]).prefill_phase(start) is None  # no prefill step
+
+
+def test_prefill_figures_are_compared():
+    from pprun.apps.bench.metrics import pprun_over_peer
+
+    ours = {"output_tokens_per_s": 300.0, "prefill_tokens_per_s": 9000.0, "prefill_ms_per_step": 2.0}
+    theirs = {"output_tokens_per_s": 200.0, "prefill_tokens_per_s": 6000.0, "prefill_ms_per_step": 4.0}
+    assert pprun_over_peer(ours, theirs) == {
+        "output_tokens_per_s": 1.5, "prefill_tokens_per_s": 1.5, "prefill_ms_per_step": 0.5,
+    }  # fmt: skip
+    assert pprun_over_peer(ours, {**theirs, "prefill_tokens_per_s": None}).keys() == {
+        "output_tokens_per_s", "prefill_ms_per_step",
+    }  # fmt: skip
 
 
 # --- the vLLM peer: the worker protocol against a stand-in vllm package ---------------------------
@@ -494,6 +550,8 @@ def test_vllm_worker_protocol(fake_vllm: Path):
     assert m["streamed_output_tokens_per_s"] > 0
     assert m["ttft_ms_p50"] is not None and m["decode_batch"] == 2 and m["decode_steps"] == 13
     assert m["images_per_s"] > 0
+    # Both first tokens come back from the first step: one prefill step, from the pass's start.
+    assert m["prefill_steps"] == 1 and m["prefill_tokens_per_s"] > 0 and m["prefill_ms_per_step"] > 0
 
 
 def test_vllm_worker_protocol_audio_goes_to_the_encoder(fake_vllm: Path):
@@ -608,7 +666,9 @@ def test_bench_against_vllm_on_gpu(executor: str, pp: int, tmp_path: Path, capsy
             2, executor,
         )  # fmt: skip
     assert peer["ttft_ms_p50"] > 0 and data["ratio"] > 0
-    assert set(peer["pprun_over_peer"]) >= {"output_tokens_per_s", "ttft_ms_p50"}
+    assert set(peer["pprun_over_peer"]) >= {"output_tokens_per_s", "ttft_ms_p50", "prefill_tokens_per_s"}
+    for figures in (peer, data["pprun"]):
+        assert figures["prefill_steps"] >= 1 and figures["prefill_tokens_per_s"] > 0
 
 
 @pytest.mark.gpu

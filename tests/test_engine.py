@@ -345,3 +345,51 @@ def test_engine_trace_steady_decode_window():
     for i in range(5):
         short.record(EngineStep(i, i, i, 1, 2, 2))
     assert short.steady_decode() is None  # fewer than 10 qualifying steps
+
+
+def test_engine_trace_prefill_phase():
+    """The prefill phase: the steps that carried prompt tokens, from the run's start to the last
+    of them; each one's period runs from the previous step's answer (a decode step's included)."""
+    from pprun.utils.step_trace import EngineStep, EngineTrace
+
+    trace = EngineTrace()
+    # (answer time, prompt tokens): prefill, a decode step, two prefills, then decode.
+    answers = [(10.5, 100), (10.75, 0), (11.0, 100), (11.75, 50), (12.0, 0), (12.25, 0)]
+    for end, prompt in answers:
+        trace.record(EngineStep(end - 0.1, end - 0.05, end, 1, prompt + 2, 2, prompt))
+    got = trace.prefill_phase(start=10.0)
+    # 250 prompt tokens over 10.0 -> 11.75; periods 0.5, 0.25 (from the decode step), 0.75.
+    assert got == {"prefill_tokens_per_s": round(250 / 1.75, 1), "prefill_ms_per_step": 500.0, "prefill_steps": 3}
+    # From the second prefill on (a later run's rows): its period runs from that run's start.
+    assert trace.prefill_phase(start=10.9, since=2) == {
+        "prefill_tokens_per_s": round(150 / 0.85, 1), "prefill_ms_per_step": 425.0, "prefill_steps": 2,
+    }  # fmt: skip
+    assert trace.prefill_phase(start=11.8, since=4) is None  # decode steps only
+    assert EngineTrace().prefill_phase(start=0.0) is None
+
+
+def test_engine_trace_counts_the_prompt_tokens_each_step_computes(tiny_llama_dir):
+    """Prompts chunked over 32-token steps and a prefix-cache hit: each step records the prompt
+    tokens it computed, which add up to the prompts less their cached tokens."""
+    from pprun.utils.step_trace import EngineTrace
+
+    rng = random.Random(3)
+    prefix = [rng.randrange(3, 256) for _ in range(48)]  # three blocks of 16
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(3, 256) for _ in range(n)]
+
+    first = [{"prompt_token_ids": prefix + ids(10)}]
+    second = [{"prompt_token_ids": prefix + ids(4)}, {"prompt_token_ids": ids(5)}]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=32) as llm:
+        trace = llm.engine.trace = EngineTrace()
+        outs = llm.generate(first, sp) + llm.generate(second, sp)
+    cached = [o.num_cached_tokens for o in outs]
+    assert cached == [0, 48, 0]
+    prompt_tokens = [r.num_prefill_tokens for r in trace.rows]
+    # The first prompt (58 tokens) in two chunks, then its decode steps; the second call's two
+    # prompts (4 uncached + 5 tokens) in one step.
+    assert [n for n in prompt_tokens if n] == [32, 26, 9]
+    assert sum(prompt_tokens) == 58 + 52 + 5 - 48
+    assert trace.rows[0].num_tokens == 32 and trace.rows[2].num_prefill_tokens == 0

@@ -146,20 +146,28 @@ def test_fused_experts_over_blocks_of_several_experts_and_k_tiles():
 
 @triton_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_experts_left_to_the_next_norm_as_partials(dtype):
-    """``then="norm"``: each token's ``top_k`` weighted expert rows come back unsummed, fp32
-    ``[top_k, T, hidden]`` split partials; the fused add + RMSNorm sums them as it reads them
-    and gives the norm of the summed output."""
-    from pprun.layers import fused
+@pytest.mark.parametrize("in_dtype", [False, True])
+def test_fused_experts_left_to_the_next_norm_as_partials(dtype, in_dtype, monkeypatch):
+    """``then="norm"``: each token's ``top_k`` weighted expert rows come back unsummed,
+    ``[top_k, T, hidden]`` split partials (fp32, or with ``PARTIALS_IN_DTYPE`` each row rounded to
+    the activation dtype as the summed path rounds it); the fused add + RMSNorm sums them as it
+    reads them and gives the norm of the summed output."""
+    from pprun.layers import fused, moe_triton
     from pprun.layers.moe_triton import fused_experts
     from pprun.layers.partials import SplitPartials
 
+    monkeypatch.setattr(moe_triton, "PARTIALS_IN_DTYPE", in_dtype)
     x, w13, w2, weights, ids = make_experts(6, 40, 36, 5, 3, dtype, seed=2)
     parts = fused_experts(x, w13, w2, weights, ids, then="norm")
     assert isinstance(parts, SplitPartials) and parts.parts.shape == (3, 6, 40) and parts.dtype == dtype
+    assert parts.parts.dtype == (dtype if in_dtype else torch.float32)
     summed = fused_experts(x, w13, w2, weights, ids)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(parts.merge().float(), summed.float(), atol=tol * 4, rtol=tol)
+    if in_dtype and DEVICE == "cpu":
+        # The same rows, summed in fp32 and rounded once: the summed path's output (torch's
+        # CUDA sum may add them in another order).
+        torch.testing.assert_close(parts.merge(), summed, atol=0, rtol=0)
     residual = torch.randn(6, 40, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
     norm_weight = torch.rand(40, generator=torch.Generator().manual_seed(2)).add(0.5).to(dtype).to(DEVICE)
     got, got_residual = fused.fused_add_rms_norm(parts, residual, norm_weight, 1e-6)
@@ -186,12 +194,39 @@ def test_fused_experts_sum_their_rows_past_partials_max_tokens(monkeypatch):
 
 
 @triton_only
-def test_fused_experts_use_torch_sort_past_the_align_kernel(monkeypatch):
-    """Past ALIGN_KERNEL_MAX_ENTRIES the torch sort lays the rows out for the same kernels."""
+@pytest.mark.parametrize("chunked", [True, False])
+def test_fused_experts_past_the_align_kernel(monkeypatch, chunked):
+    """Past ALIGN_KERNEL_MAX_ENTRIES the chunked sort (or, without ALIGN_CHUNKED_ENABLED, torch's)
+    lays the rows out for the same kernels."""
     from pprun.layers import moe_triton
 
     monkeypatch.setattr(moe_triton, "ALIGN_KERNEL_MAX_ENTRIES", 4)
+    monkeypatch.setattr(moe_triton, "ALIGN_CHUNKED_ENABLED", chunked)
+    monkeypatch.setattr(moe_triton, "ALIGN_CHUNK", 4)
     run_case(5, 32, 24, 5, 2, torch.float32)
+
+
+@triton_only
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, block_m, chunk", [
+    (33, 128, 8, 16, 64),   # 264 entries: 4 whole chunks and a partial one
+    (40, 3, 2, 16, 16),     # few experts, every chunk hitting each
+    (300, 128, 8, 16, 1024),  # one partial chunk; padded rows past the tail loop's strides
+    (9, 7, 7, 32, 64),      # 63 entries in one partial chunk
+    (64, 12, 4, 64, 128),   # exactly two chunks
+])
+def test_chunked_sort_lays_out_as_torch_does(monkeypatch, num_tokens, num_experts, top_k, block_m, chunk):
+    """The two-launch sort over chunks of entries: the same stable layout as torch's sort."""
+    from pprun.layers import moe_triton
+
+    monkeypatch.setattr(moe_triton, "ALIGN_KERNEL_MAX_ENTRIES", 0)
+    monkeypatch.setattr(moe_triton, "ALIGN_CHUNK", chunk)
+    _, _, _, _, ids = make_experts(num_tokens, 16, 16, num_experts, top_k, torch.float32, seed=num_tokens + 1)
+    got = moe_triton.align_by_expert(ids, num_experts, block_m)
+    want = moe_triton.align_by_expert_torch(ids, num_experts, block_m)
+    check_alignment(ids, num_experts, got)
+    assert torch.equal(got.sorted_entries, want.sorted_entries)
+    assert torch.equal(got.block_expert, want.block_expert)
+    assert torch.equal(got.num_rows, want.num_rows)
 
 
 @triton_only
@@ -379,6 +414,17 @@ def test_expert_kernels_compile_for_sm90():
                  pointers={"ids_ptr": "*i64", "weights_ptr": "*fp32"}, default_pointer="*bf16")
     compile_sm90("pprun.layers.moe_triton", "_align_kernel",
                  {"EXPERTS_P2": 128, "BLOCK_M": 16, "CHUNK": 64, "FILL": 1024}, options=options, pointers=_EXPERT_POINTERS)
+    chunk_pointers = {**_EXPERT_POINTERS, "chunk_counts_ptr": "*i32"}
+    compile_sm90("pprun.layers.moe_triton", "_chunk_counts_kernel", {"EXPERTS_P2": 128, "CHUNK": 1024, "SUB": 64},
+                 options=options, pointers=chunk_pointers)
+    compile_sm90("pprun.layers.moe_triton", "_chunk_place_kernel",
+                 {"EXPERTS_P2": 128, "BLOCK_M": 128, "CHUNK": 1024, "SUB": 64, "FILL": 1024}, options=options,
+                 pointers=chunk_pointers)
+    # The partials in the activation dtype (PARTIALS_IN_DTYPE) or fp32.
+    compile_sm90("pprun.layers.moe_triton", "_down_kernel",
+                 {**dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, DOT_F32=False), "TOP_K": 8, "PARTIALS": True,
+                  "DIRECT": False}, options={"num_warps": 8, "num_stages": 4, "enable_fp_fusion": False},
+                 pointers=_EXPERT_POINTERS, default_pointer="*bf16", divisible=("hidden", "inter"))
     gemm = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_F32": False}
     for (kernel, extra, pointers), direct in itertools.product((
         ("_gate_up_kernel", {"TOP_K": 8, "PRECISE_EXP": True}, {}),

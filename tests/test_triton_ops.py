@@ -398,6 +398,40 @@ def test_triton_head_dim_128_block_64(max_query_len_one):
     _check(case, torch.float32)
 
 
+@triton_only
+@pytest.mark.parametrize("block_m,block_size", [(64, 16), (128, 16), (128, 64)])
+def test_triton_prefill_split_diagonal(block_m, block_size, monkeypatch):
+    """``PREFILL_SPLIT_DIAGONAL``: the tiles below a query block's first row run without masks.
+    Contexts that end inside a tile, at a tile's edge and past several blocks; a fresh prompt
+    over three query blocks; a decode row; padding."""
+    from pprun.attention import triton_ops
+
+    monkeypatch.setattr(triton_ops, "PREFILL_BLOCK_M", block_m)
+    for split in (False, True):
+        monkeypatch.setattr(triton_ops, "PREFILL_SPLIT_DIAGONAL", split)
+        case = make_case(
+            [150, 9, 20, 1], [0, 45, 128, 70], num_heads=4, num_kv_heads=2, head_dim=128,
+            block_size=block_size, dtype=torch.float32, device=TRITON_DEVICE, num_reqs_padded=5,
+            num_tokens_padded=184, max_blocks_per_req=(256 // block_size), seed=21,
+        )
+        _check(case, torch.float32)
+
+
+def test_prefill_kernel_compiles_for_sm90():
+    """The prefill kernel with the unmasked tiles apart compiles for an H100/H200 without a GPU,
+    its K/V loads pipelined over ``cp.async`` and its dots on the tensor cores (``wgmma``)."""
+    from sm90_compile import compile_sm90
+
+    const = dict(GROUP=4, HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, BLOCK_D=128, PAGE_SIZE=16, DOT_F32=False,
+                 SPLIT_DIAGONAL=True)
+    pointers = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "query_start_loc_ptr": "*i32",
+                "seq_lens_ptr": "*i32", "block_table_ptr": "*i32", "out_ptr": "*bf16"}
+    ptx = compile_sm90("pprun.attention.triton_ops", "_prefill_kernel", const, pointers=pointers,
+                       float_args=("scale_log2",), options={"num_warps": 8, "num_stages": 3})
+    assert "cp.async" in ptx
+    assert "wgmma" in ptx
+
+
 # ---------------------------------------------------------------- decode with rotary folded in
 
 

@@ -799,6 +799,7 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     DOT_F32: tl.constexpr,
+    SPLIT_DIAGONAL: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -830,7 +831,29 @@ def _prefill_kernel(
     bt_row = block_table_ptr + req * stride_bt_req
     # Keys past the last row of this query block are masked for every row: skip them.
     end = tl.minimum(seq_len, context_len + (m_block + 1) * BLOCK_M)
-    for n0 in range(0, end, BLOCK_N):
+    start = 0
+    if SPLIT_DIAGONAL:
+        # Keys before the block's first row are visible to every row: whole tiles of them need
+        # neither the causal mask nor the bounds, only the tiles that reach the diagonal do.
+        start = (context_len + m_block * BLOCK_M) // BLOCK_N * BLOCK_N
+        for n0 in range(0, start, BLOCK_N):
+            n_pos = n0 + tl.arange(0, BLOCK_N)
+            blk = tl.load(bt_row + n_pos // PAGE_SIZE).to(tl.int64)
+            kv_off = blk * stride_c_blk + (n_pos % PAGE_SIZE) * stride_c_off + kv_head * stride_c_head
+            k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+            if DOT_F32:
+                qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            qk = qk * scale_log2
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+            v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+            acc = _accumulate_tile(acc, alpha, p, v, DOT_F32)
+    for n0 in range(start, end, BLOCK_N):
         pos, n_mask, kv_off, kv_mask = _kv_offsets(bt_row, n0, end, kv_head, d_mask, stride_c_blk, stride_c_off,
                                                    stride_c_head, BLOCK_N, PAGE_SIZE)
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -848,11 +871,25 @@ def _prefill_kernel(
     )
 
 
+PREFILL_BLOCK_M = 128
+"""Query rows per prefill program for heads wider than 64.  On the H200, 32 prompts of 512 in
+8,192-token steps (``python scripts/gpu_speed.py /tmp/q8b --no-decode --ab --ab-prefill
+--prefill-shape 512,32,8192 --prefill-trace --ab-only PREFILL_BLOCK_M=64+PREFILL_SPLIT_DIAGONAL=False``):
+the kernel takes 18.4 ms over Qwen3-8B's 72 layer-steps with 128 rows and the diagonal apart,
+21.0 ms with 64 rows and every tile masked."""
+PREFILL_NUM_STAGES = 2
+"""Pipeline stages of the prefill kernel's K/V tiles for heads wider than 64 (3 measured no
+faster: 18.2 against 18.4 ms above)."""
+PREFILL_SPLIT_DIAGONAL = True
+"""The prefill kernel walks the K/V tiles every query row of its block sees without the causal
+mask and bounds, and masks only the tiles that reach the diagonal."""
+
+
 def _prefill_config(head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel on Hopper."""
     if head_dim <= 64:
         return 64, 64, 4, 3
-    return 64, 64, 8, 2
+    return PREFILL_BLOCK_M, 64, 8, PREFILL_NUM_STAGES
 
 
 def paged_prefill_attention(
@@ -923,6 +960,7 @@ def paged_prefill_attention(
         BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE_SIZE=page_size,
         DOT_F32=_dot_in_fp32(q.dtype),
+        SPLIT_DIAGONAL=PREFILL_SPLIT_DIAGONAL,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -289,7 +289,8 @@ class LLMEngine:
                 answered = self.in_flight[0]
                 self.trace.record(
                     EngineStep(t_start, t_wait, time.perf_counter(), num_submitted,
-                               answered.total_num_scheduled_tokens, answered.num_reqs)
+                               answered.total_num_scheduled_tokens, answered.num_reqs,
+                               self.trace.prompt_tokens(answered))
                 )  # fmt: skip
         except StageFailedError as e:
             self._fail(str(e))

@@ -117,9 +117,9 @@ def fused_add_rms_norm(
     """
     parts = None
     if isinstance(x, SplitPartials):
-        if x.parts.dim() != 3 or x.parts.dtype != torch.float32:
-            raise ValueError(f"x.parts must be float32 [splits, tokens, hidden], got {x.parts.dtype} "
-                             f"{tuple(x.parts.shape)}")
+        if x.parts.dim() != 3 or x.parts.dtype not in (torch.float32, x.dtype):
+            raise ValueError(f"x.parts must be [splits, tokens, hidden] in float32 or {x.dtype}, got "
+                             f"{x.parts.dtype} {tuple(x.parts.shape)}")
         if x.bias is not None and (x.bias.shape != (x.parts.shape[2],) or x.bias.stride(0) != 1):
             raise ValueError(f"x.bias must be a contiguous ({x.parts.shape[2]},) tensor, got shape "
                              f"{tuple(x.bias.shape)}, strides {x.bias.stride()}")

@@ -18,12 +18,15 @@ import triton.language as tl
 
 from pprun.layers.triton_utils import NO_FMA, pdl_options, pdl_sync
 
-WHOLE_TOKEN_MIN_TOKENS: int | None = None
+WHOLE_TOKEN_MIN_TOKENS: int | None = 512
 """From this many tokens on, one program normalises all of a token's q and k heads (a ``[heads,
-head_dim]`` tile on 4 warps, 8 past 8,192 entries) instead of one program per head: a prefill step of 8,192 tokens of
-Qwen3-30B-A3B launches 295k one-warp programs otherwise, 0.18 ms per layer on the H200 for 151 MB
-read and written.  None: never (per head at every size); whether it gains on the GPU, and from
-how many tokens, is for ``scripts/gpu_speed.py --ab --ab-prefill`` to measure (its switch sets 1)."""
+head_dim]`` tile on 4 warps, 8 past 8,192 entries) instead of one program per head.  On the H200,
+8,192-token prefill steps (``python scripts/gpu_speed.py MODEL --no-decode --ab --ab-prefill
+--prefill-shape 512,32,8192 --prefill-trace --ab-only WHOLE_TOKEN_MIN_TOKENS=None``): the head
+norms take 2.5 ms over Qwen3-30B-A3B's 48 layer-steps one program per token, 8.6 ms one per head
+(295k one-warp programs a step); Qwen3-8B's 72, 4.2 against 14.3 ms.  Below 512 tokens (decode
+steps, whose full CUDA graphs were timed per head) one program per head; None: per head at every
+size."""
 
 
 @triton.jit

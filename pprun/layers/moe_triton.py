@@ -32,8 +32,9 @@ or, where a fused add + RMSNorm reads the output, none: the rows are left to tha
 split partials, which it sums in slot order as it reads them.
 
 The sort runs in one Triton program (:func:`_align_kernel`) up to :data:`ALIGN_KERNEL_MAX_ENTRIES`
-entries (decode steps, what full CUDA graphs hold); longer prefill steps sort with torch ops
-(:func:`align_by_expert_torch`, the same layout, also free of host syncs).
+entries (decode steps, what full CUDA graphs hold); longer prefill steps sort in two launches over
+chunks of entries (:func:`_chunk_counts_kernel`, :func:`_chunk_place_kernel`), or with torch ops
+(:func:`align_by_expert_torch`); the same layout every way, free of host syncs.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ logger = logging.getLogger(__name__)
 
 ALIGN_KERNEL_MAX_ENTRIES = 4096
 """Up to this many token -> expert assignments a step sorts them in one Triton program (its
-loop is ``N / 64`` steps); more (long prefill chunks) go to torch's sort."""
+loop is ``N / 64`` steps); more (long prefill chunks) are sorted over chunks
+(:data:`ALIGN_CHUNKED_ENABLED`)."""
 
 
 @triton.jit
@@ -145,6 +147,62 @@ def max_padded_rows(num_entries: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
+def _count_entries(ids_ptr, lo, hi, experts, EXPERTS_P2: tl.constexpr, SUB: tl.constexpr):
+    """Per expert, the entries of ``[lo, hi)`` routed to it."""
+    counts = tl.zeros([EXPERTS_P2], dtype=tl.int32)
+    for c0 in range(lo, hi, SUB):
+        idx = c0 + tl.arange(0, SUB)
+        ids = tl.load(ids_ptr + idx, mask=idx < hi, other=EXPERTS_P2)  # matches no expert
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    return counts
+
+
+@triton.jit
+def _place_entries(ids_ptr, sorted_ptr, lo, hi, starts, seen, experts, EXPERTS_P2: tl.constexpr, SUB: tl.constexpr):
+    """The entries of ``[lo, hi)`` to their rows: their expert's run start plus the entries of
+    that expert before them (``seen`` per expert before ``lo``, then in entry order: stable)."""
+    for c0 in range(lo, hi, SUB):
+        idx = c0 + tl.arange(0, SUB)
+        ids = tl.load(ids_ptr + idx, mask=idx < hi, other=EXPERTS_P2)
+        hit = (ids[:, None] == experts[None, :]).to(tl.int32)  # [SUB, EXPERTS_P2]
+        before = tl.cumsum(hit, axis=0) - hit  # same-expert entries earlier in the sub-chunk
+        row = tl.sum(hit * (before + starts[None, :] + seen[None, :]), axis=1)
+        tl.store(sorted_ptr + row, idx.to(tl.int32), mask=idx < hi)
+        seen += tl.sum(hit, axis=0)
+
+
+@triton.jit
+def _finish_layout(sorted_ptr, block_expert_ptr, num_rows_ptr, counts, padded, num_entries, max_rows, experts,
+                   EXPERTS_P2: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl.constexpr, FILL: tl.constexpr):
+    """What the entries' rows leave: ``num_rows``, the rows no entry took (holding N) and each
+    block's expert."""
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(num_rows_ptr, total)
+    # Rows no entry took hold N: each expert's padding (fewer than BLOCK_M rows after its
+    # entries, one [experts, BLOCK_M] store), and the rows past the last run (never read: blocks
+    # past num_rows return at once; filled so the layout is defined).  Both are disjoint from
+    # the entries' rows, so no ordering is needed.  Per row this is O(1), not O(experts): a test
+    # of every row against every run made this loop most of the kernel's time.
+    pad = tl.arange(0, BLOCK_M)
+    pad_rows = (starts + counts)[:, None] + pad[None, :]
+    tl.store(sorted_ptr + pad_rows, tl.zeros([EXPERTS_P2, BLOCK_M], dtype=tl.int32) + num_entries,
+             mask=pad[None, :] < (padded - counts)[:, None])
+    for r0 in range(total // FILL * FILL, max_rows, FILL):
+        rows = r0 + tl.arange(0, FILL)
+        tl.store(sorted_ptr + rows, tl.zeros([FILL], dtype=tl.int32) + num_entries,
+                 mask=(rows >= total) & (rows < max_rows))
+    # Each block's expert: the one whose padded run holds the block's first row; -1 past them.
+    for b0 in range(0, max_rows // BLOCK_M, SUB):
+        blocks = b0 + tl.arange(0, SUB)
+        first = blocks * BLOCK_M
+        owner = (starts[None, :] <= first[:, None]) & (first[:, None] < ends[None, :])
+        expert = tl.max(tl.where(owner, experts[None, :], -1), axis=1)
+        tl.store(block_expert_ptr + blocks, expert.to(tl.int32), mask=blocks < max_rows // BLOCK_M)
+
+
+@triton.jit
 def _align_kernel(
     ids_ptr,
     sorted_ptr,
@@ -160,65 +218,93 @@ def _align_kernel(
     """One program: per-expert counts, padded run starts, each entry's row (its expert's start
     plus the entries of that expert before it), padding rows and each block's expert."""
     experts = tl.arange(0, EXPERTS_P2)
-    counts = tl.zeros([EXPERTS_P2], dtype=tl.int32)
-    for c0 in range(0, num_entries, CHUNK):
-        idx = c0 + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + idx, mask=idx < num_entries, other=EXPERTS_P2)  # matches no expert
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    counts = _count_entries(ids_ptr, 0, num_entries, experts, EXPERTS_P2, CHUNK)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    tl.store(num_rows_ptr, tl.sum(padded, axis=0))
+    starts = tl.cumsum(padded, axis=0) - padded
+    _place_entries(ids_ptr, sorted_ptr, 0, num_entries, starts, tl.zeros([EXPERTS_P2], dtype=tl.int32), experts,
+                   EXPERTS_P2, CHUNK)
+    _finish_layout(sorted_ptr, block_expert_ptr, num_rows_ptr, counts, padded, num_entries, max_rows, experts,
+                   EXPERTS_P2, BLOCK_M, CHUNK, FILL)
 
-    # Entries to their rows, in entry order within an expert (a stable sort).
+
+@triton.jit
+def _chunk_counts_kernel(ids_ptr, chunk_counts_ptr, num_entries, EXPERTS_P2: tl.constexpr, CHUNK: tl.constexpr,
+                         SUB: tl.constexpr):
+    """The chunked sort's first launch: program ``c`` counts per expert the entries of chunk
+    ``c`` (``CHUNK`` entries) into row ``c`` of ``chunk_counts``."""
+    pid = tl.program_id(0)
+    experts = tl.arange(0, EXPERTS_P2)
+    lo = pid * CHUNK
+    counts = _count_entries(ids_ptr, lo, tl.minimum(lo + CHUNK, num_entries), experts, EXPERTS_P2, SUB)
+    tl.store(chunk_counts_ptr + pid * EXPERTS_P2 + experts, counts)
+
+
+@triton.jit
+def _chunk_place_kernel(ids_ptr, chunk_counts_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, num_entries,
+                        num_chunks, max_rows, EXPERTS_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                        SUB: tl.constexpr, FILL: tl.constexpr):
+    """The second launch: every program sums the chunks' counts (the runs' starts) and those of
+    the chunks before its own; program ``c < num_chunks`` places chunk ``c``'s entries after
+    them, the last program writes the rest of the layout (:func:`_finish_layout`)."""
+    pid = tl.program_id(0)
+    experts = tl.arange(0, EXPERTS_P2)
+    counts = tl.zeros([EXPERTS_P2], dtype=tl.int32)
     seen = tl.zeros([EXPERTS_P2], dtype=tl.int32)
-    for c0 in range(0, num_entries, CHUNK):
-        idx = c0 + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + idx, mask=idx < num_entries, other=EXPERTS_P2)
-        hit = (ids[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, EXPERTS_P2]
-        before = tl.cumsum(hit, axis=0) - hit  # same-expert entries earlier in the chunk
-        row = tl.sum(hit * (before + starts[None, :] + seen[None, :]), axis=1)
-        tl.store(sorted_ptr + row, idx.to(tl.int32), mask=idx < num_entries)
-        seen += tl.sum(hit, axis=0)
+    for c in range(0, num_chunks):
+        row = tl.load(chunk_counts_ptr + c * EXPERTS_P2 + experts)
+        counts += row
+        seen += tl.where(c < pid, row, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    if pid < num_chunks:
+        starts = tl.cumsum(padded, axis=0) - padded
+        lo = pid * CHUNK
+        _place_entries(ids_ptr, sorted_ptr, lo, tl.minimum(lo + CHUNK, num_entries), starts, seen, experts,
+                       EXPERTS_P2, SUB)
+    else:
+        _finish_layout(sorted_ptr, block_expert_ptr, num_rows_ptr, counts, padded, num_entries, max_rows, experts,
+                       EXPERTS_P2, BLOCK_M, SUB, FILL)
 
-    # Rows no entry took hold N: each expert's padding (fewer than BLOCK_M rows after its
-    # entries, one [experts, BLOCK_M] store), and the rows past the last run (never read: blocks
-    # past num_rows return at once; filled so the layout is defined).  Both are disjoint from
-    # the rows stored above, so no ordering is needed.  Per row this is O(1), not O(experts):
-    # a test of every row against every run made this loop most of the kernel's time.
-    pad = tl.arange(0, BLOCK_M)
-    pad_rows = (starts + counts)[:, None] + pad[None, :]
-    tl.store(sorted_ptr + pad_rows, tl.zeros([EXPERTS_P2, BLOCK_M], dtype=tl.int32) + num_entries,
-             mask=pad[None, :] < (padded - counts)[:, None])
-    total = tl.sum(padded, axis=0)
-    for r0 in range(0, max_rows, FILL):
-        rows = r0 + tl.arange(0, FILL)
-        tl.store(sorted_ptr + rows, tl.zeros([FILL], dtype=tl.int32) + num_entries,
-                 mask=(rows >= total) & (rows < max_rows))
-    # Each block's expert: the one whose padded run holds the block's first row; -1 past them.
-    for b0 in range(0, max_rows // BLOCK_M, CHUNK):
-        blocks = b0 + tl.arange(0, CHUNK)
-        first = blocks * BLOCK_M
-        owner = (starts[None, :] <= first[:, None]) & (first[:, None] < ends[None, :])
-        expert = tl.max(tl.where(owner, experts[None, :], -1), axis=1)
-        tl.store(block_expert_ptr + blocks, expert.to(tl.int32), mask=blocks < max_rows // BLOCK_M)
+
+ALIGN_CHUNK = 1024
+"""Entries per program of the chunked sort (past :data:`ALIGN_KERNEL_MAX_ENTRIES`)."""
+ALIGN_CHUNKED_ENABLED = True
+"""Past :data:`ALIGN_KERNEL_MAX_ENTRIES` the sort is two launches (:func:`_chunk_counts_kernel`,
+:func:`_chunk_place_kernel`: one program per :data:`ALIGN_CHUNK` entries) instead of torch's sort
+and the ops around it, about 40 launches: an 8,192-token prefill step of Qwen3-30B-A3B's 24
+layers launches some 1,300 kernels with torch's, and its host launching them takes most of
+the step's GPU time (an A/B switch of ``scripts/gpu_speed.py --ab-prefill``)."""
 
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
     """Sort the assignments ``ids [T, top_k]`` by expert, each expert's run padded to whole
-    ``block_m``-row blocks (module docstring); one Triton program, or torch's sort past
-    :data:`ALIGN_KERNEL_MAX_ENTRIES` entries."""
+    ``block_m``-row blocks (module docstring): one Triton program, past
+    :data:`ALIGN_KERNEL_MAX_ENTRIES` entries two launches over chunks (or torch's sort without
+    :data:`ALIGN_CHUNKED_ENABLED`)."""
     num_entries = ids.numel()
-    if num_entries > ALIGN_KERNEL_MAX_ENTRIES:
+    chunked = num_entries > ALIGN_KERNEL_MAX_ENTRIES
+    if chunked and not ALIGN_CHUNKED_ENABLED:
         return align_by_expert_torch(ids, num_experts, block_m)
     max_rows = max_padded_rows(num_entries, num_experts, block_m)
     device = ids.device
     sorted_entries = torch.empty(max_rows, dtype=torch.int32, device=device)
     block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=device)
     num_rows = torch.empty(1, dtype=torch.int32, device=device)
-    _align_kernel[(1,)](
-        ids.reshape(-1), sorted_entries, block_expert, num_rows, num_entries, max_rows,
-        EXPERTS_P2=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=64, FILL=1024, num_warps=4,
+    experts_p2 = triton.next_power_of_2(num_experts)
+    flat = ids.reshape(-1)
+    if not chunked:
+        _align_kernel[(1,)](
+            flat, sorted_entries, block_expert, num_rows, num_entries, max_rows,
+            EXPERTS_P2=experts_p2, BLOCK_M=block_m, CHUNK=64, FILL=1024, num_warps=4,
+        )
+        return ExpertAlignment(sorted_entries, block_expert, num_rows, block_m)
+    num_chunks = triton.cdiv(num_entries, ALIGN_CHUNK)
+    chunk_counts = torch.empty(num_chunks, experts_p2, dtype=torch.int32, device=device)
+    _chunk_counts_kernel[(num_chunks,)](
+        flat, chunk_counts, num_entries, EXPERTS_P2=experts_p2, CHUNK=ALIGN_CHUNK, SUB=64, num_warps=4,
+    )
+    _chunk_place_kernel[(num_chunks + 1,)](
+        flat, chunk_counts, sorted_entries, block_expert, num_rows, num_entries, num_chunks, max_rows,
+        EXPERTS_P2=experts_p2, BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, SUB=64, FILL=1024, num_warps=4,
     )
     return ExpertAlignment(sorted_entries, block_expert, num_rows, block_m)
 
@@ -409,11 +495,18 @@ narrower tiles put more programs on the SMs to stream the weights; an A/B switch
 
 PARTIALS_MAX_TOKENS: int | None = None
 """Up to this many tokens (None: any number) a step whose experts' output goes into a fused norm
-leaves each token's ``top_k`` weighted rows to it as fp32 partials; past it they are written in
-the activation dtype and summed here (``[top_k, T, hidden]`` in fp32 is 537 MB per layer at an
-8,192-token Qwen3-30B-A3B step, written once and read once; bf16 rows and their sum are about
-half that traffic, one launch more).  An A/B switch of ``scripts/gpu_speed.py --ab-prefill``
+leaves each token's ``top_k`` weighted rows to it as partials (:data:`PARTIALS_IN_DTYPE`); past
+it they are summed here, one launch more.  An A/B switch of ``scripts/gpu_speed.py --ab-prefill``
 (its switch sets 1024)."""
+
+PARTIALS_IN_DTYPE = True
+"""The partials left to the norm (:data:`PARTIALS_MAX_TOKENS`) are each weighted expert row
+rounded to the activation dtype, as the summed path rounds it before its sum, instead of fp32:
+half the bytes written and read.  On the H200 (``python scripts/gpu_speed.py /tmp/q30 --no-decode
+--ab --ab-prefill --prefill-shape 512,32,8192 --prefill-trace --ab-only PARTIALS_IN_DTYPE=False``)
+two 8,192-token steps of Qwen3-30B-A3B's 24 layers spend 129.7 ms in kernels with them in bf16,
+133.7 ms in fp32; summing the rows before the norm instead (``PARTIALS_MAX_TOKENS=1024``):
+133.8 ms."""
 
 TUNED_DIR = Path(__file__).with_name("moe_configs")
 """Tuned settings shipped with pprun: one JSON file per GPU model (``NVIDIA_H200.json``), written
@@ -579,10 +672,11 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, align: ExpertAlignment, top_k: i
 def down(act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, align: ExpertAlignment, top_k: int,
          cfg: GemmConfig, partials: bool = False) -> torch.Tensor:
     """The down launch of :func:`fused_experts`: ``y [T * top_k, hidden]`` by entry, weighted
-    (``partials``: fp32, by slot then token)."""
+    (``partials``: by slot then token, in fp32 unless :data:`PARTIALS_IN_DTYPE`)."""
     num_entries, inter = act.shape
     hidden = w2.shape[1]
-    y = torch.empty(num_entries, hidden, dtype=torch.float32 if partials else act.dtype, device=act.device)
+    fp32 = partials and not PARTIALS_IN_DTYPE
+    y = torch.empty(num_entries, hidden, dtype=torch.float32 if fp32 else act.dtype, device=act.device)
     _down_kernel[(align.block_expert.shape[0], triton.cdiv(hidden, cfg.block_n))](
         act, w2, weights.reshape(-1).contiguous(), y, align.sorted_entries, align.block_expert, align.num_rows,
         num_entries, num_entries // top_k, hidden, inter,
@@ -606,7 +700,8 @@ def fused_experts(
     docstring): ``w13 [E, 2 * inter, hidden]``, ``w2 [E, hidden, inter]``, ``weights`` and
     ``ids [T, top_k]``.  Returns ``[T, hidden]`` in ``x``'s dtype; with ``then="norm"`` (a
     fused add + RMSNorm reads the output) the ``top_k`` weighted expert outputs unsummed, as
-    :class:`~pprun.layers.partials.SplitPartials` ``[top_k, T, hidden]`` in fp32 that the
+    :class:`~pprun.layers.partials.SplitPartials` ``[top_k, T, hidden]`` (in ``x``'s dtype, or
+    fp32 without :data:`PARTIALS_IN_DTYPE`) that the
     norm's kernel sums as it reads them (one launch and one pass over the output fewer).
     ``config``: both GEMMs' settings (a :class:`GemmConfig` for both); by default
     :func:`experts_config`'s."""

@@ -23,7 +23,8 @@ class SplitPartials:
     """
 
     parts: torch.Tensor
-    """``[splits, M, N]`` float32."""
+    """``[splits, M, N]``, float32 (a mixture-of-experts layer's weighted expert rows may be in
+    ``dtype``: ``pprun.layers.moe_triton.PARTIALS_IN_DTYPE``); summed in float32."""
     bias: torch.Tensor | None
     dtype: torch.dtype
     """The matmul's output dtype."""
@@ -34,7 +35,7 @@ class SplitPartials:
 
     def merge(self) -> torch.Tensor:
         """The ``[M, N]`` output the matmul would have written, rounded the same way."""
-        total = torch.zeros_like(self.parts[0])
+        total = torch.zeros_like(self.parts[0], dtype=torch.float32)
         for part in self.parts:
             total += part
         if self.bias is not None:

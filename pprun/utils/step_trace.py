@@ -225,6 +225,9 @@ class EngineStep(NamedTuple):
     """Tokens scheduled in the answered step (real, not padded)."""
     num_reqs: int
     """Requests in the answered step."""
+    num_prefill_tokens: int = 0
+    """Prompt tokens computed in the answered step (:meth:`EngineTrace.prompt_tokens`; prompt
+    tokens served from the prefix cache are not computed); 0 in a trace written without it."""
 
 
 class EngineTrace:
@@ -234,6 +237,46 @@ class EngineTrace:
     def __init__(self, path: str | None = None) -> None:
         self.path = path
         self.rows: list[EngineStep] = []
+        self._partial_prompts: dict[str, int] = {}
+        """Request id -> prompt length, for requests whose prompt a step left unfinished
+        (chunked prefill): the only scheduled requests :meth:`prompt_tokens` looks at beyond
+        the step's new ones."""
+
+    def prompt_tokens(self, so: Any) -> int:
+        """The prompt tokens a step (a ``SchedulerOutput``) computes: each request's scheduled
+        tokens at positions before the end of its prompt (not of the outputs a resumed request
+        recomputes).  Prompt tokens found in the prefix cache are never scheduled, so they do not
+        count.  Call it on every step, in submission order: a prompt chunked over several steps
+        is followed from the step that admits it."""
+        partial = self._partial_prompts
+        for req_id in so.finished_req_ids:  # finished, aborted or preempted (back as a new request)
+            partial.pop(req_id, None)
+        scheduled = so.num_scheduled_tokens
+        total = 0
+        if partial:
+            cached = so.scheduled_cached_reqs
+            for req_id, prompt_len in list(partial.items()):
+                num_new = scheduled.get(req_id, 0)
+                if not num_new:
+                    continue
+                try:
+                    index = cached.req_ids.index(req_id)
+                except ValueError:
+                    continue  # a new request again (resumed): below
+                total += self._prompt_part(req_id, cached.num_computed_tokens[index], num_new, prompt_len)
+        for new in so.scheduled_new_reqs:
+            prompt_len = len(new.prompt_token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens
+            total += self._prompt_part(new.req_id, new.num_computed_tokens, scheduled.get(new.req_id, 0), prompt_len)
+        return total
+
+    def _prompt_part(self, req_id: str, computed: int, num_new: int, prompt_len: int) -> int:
+        """Of ``num_new`` tokens from position ``computed``, those before ``prompt_len``; notes
+        whether the prompt is still unfinished after them."""
+        if computed + num_new < prompt_len:
+            self._partial_prompts[req_id] = prompt_len
+        else:
+            self._partial_prompts.pop(req_id, None)
+        return max(0, min(computed + num_new, prompt_len) - computed)
 
     def record(self, step: EngineStep) -> None:
         """One ``LLMEngine.step`` (the first ``MAX_STEPS`` are kept)."""
@@ -255,6 +298,32 @@ class EngineTrace:
             "decode_ms_per_step": round(span / (len(window) - 1) * 1e3, 4),
             "decode_steps": len(window),
             "decode_batch": max(r.num_reqs for r in window),
+        }
+
+    def prefill_phase(self, start: float, since: int = 0) -> dict[str, float | int | None] | None:
+        """The prefill phase of the run over ``rows[since:]``, which started at ``start`` (the
+        rows' clock): its steps are the answered steps that carried prompt tokens
+        (``num_prefill_tokens > 0``).  Prompt tokens per second from ``start`` to the answer of
+        the last of them; their mean period (a step's answer less the previous step's answer, or
+        less ``start`` for the first step); their number.  None when no step carried prompt
+        tokens."""
+        prev = start
+        periods: list[float] = []
+        tokens = 0
+        last_end = start
+        for r in self.rows[since:]:
+            if r.num_prefill_tokens > 0:
+                periods.append(r.end - prev)
+                tokens += r.num_prefill_tokens
+                last_end = r.end
+            prev = r.end
+        if not periods:
+            return None
+        span = last_end - start
+        return {
+            "prefill_tokens_per_s": round(tokens / span, 1) if span > 0 else None,
+            "prefill_ms_per_step": round(statistics.fmean(periods) * 1e3, 4),
+            "prefill_steps": len(periods),
         }
 
     def steady_window(self, since: int = 0, min_steps: int = 10) -> list[EngineStep] | None:

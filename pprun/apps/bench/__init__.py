@@ -12,7 +12,9 @@ is padded), or vLLM's offline engine (``peer=vllm``) in its own process with the
 dtype, ``max_num_seqs`` and ``max_model_len``.  One JSON object is printed: pprun's tokens/s,
 request throughput, TTFT and TPOT percentiles, its steady decode rate (``decode_tokens_per_s``:
 the steps after the last prefill while the batch is full, so prefill and the tail do not dilute
-it), the configuration facts, the peer's figures and the ratio pprun/peer of output tokens/s.
+it), its prefill phase (``prefill_tokens_per_s``, ``prefill_ms_per_step``, ``prefill_steps``: the
+steps that computed prompt tokens, from the run's start to the last of them), the configuration
+facts, the peer's figures and the ratio pprun/peer of output tokens/s.
 
 ``workload=image`` (a Llava-form model) gives every request ``num_images`` seeded random images of
 ``image_size`` pixels square, then ``input_len`` random text tokens; the transformers peer is
@@ -34,6 +36,7 @@ the sweep report), :mod:`~pprun.apps.bench.app` (the run and the Hydra entry poi
 from pprun.apps.bench.app import free_device_memory, main, run
 from pprun.apps.bench.checks import check_bench_config, check_model_for_workload
 from pprun.apps.bench.metrics import (
+    PREFILL_KEYS,
     STEADY_DECODE_KEYS,
     greedy_match_fraction,
     percentile,
@@ -70,7 +73,8 @@ from pprun.apps.bench.workloads import (
 )
 
 __all__ = [
-    "AUDIO_SOURCES", "PEERS", "SAMPLE_RATE", "SPEECH_DIR", "STEADY_DECODE_KEYS", "WARMUP_MAX_TOKENS", "WORKLOADS",
+    "AUDIO_SOURCES", "PEERS", "PREFILL_KEYS", "SAMPLE_RATE", "SPEECH_DIR", "STEADY_DECODE_KEYS", "WARMUP_MAX_TOKENS",
+    "WORKLOADS",
     "BenchRequest", "Peer", "PeerFailed", "PeerJob", "PeerResult", "PeerSkipped", "ReportsCacheStats", "SweepReport",
     "Workload", "audio_workload", "build_workload", "chat_messages", "chat_workload", "check_bench_config",
     "check_model_for_workload", "check_workload_fits", "file_workload", "free_device_memory", "greedy_match_fraction",

@@ -128,6 +128,12 @@ def sweep_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "peer_ttft_ms_p50": peer.get("ttft_ms_p50"),
             "pprun_decode_ms_per_step": ours.get("decode_ms_per_step"),
             "peer_decode_ms_per_step": peer.get("decode_ms_per_step"),
+            "pprun_prefill_tokens_per_s": ours.get("prefill_tokens_per_s"),
+            "peer_prefill_tokens_per_s": peer.get("prefill_tokens_per_s"),
+            "pprun_prefill_ms_per_step": ours.get("prefill_ms_per_step"),
+            "peer_prefill_ms_per_step": peer.get("prefill_ms_per_step"),
+            "pprun_prefill_steps": ours.get("prefill_steps"),
+            "peer_prefill_steps": peer.get("prefill_steps"),
         })  # fmt: skip
     return out
 

@@ -11,8 +11,12 @@ from pprun.apps.bench.workloads import BenchRequest
 STEADY_DECODE_KEYS = ("decode_tokens_per_s", "decode_ms_per_step", "decode_steps", "decode_batch")
 """Keys of ``EngineTrace.steady_decode`` in the result (null when the run has too few such steps)."""
 
+PREFILL_KEYS = ("prefill_tokens_per_s", "prefill_ms_per_step", "prefill_steps")
+"""Keys of ``EngineTrace.prefill_phase`` in the result (null when no step record carried prompt tokens)."""
+
 COMPARED_KEYS = (
     "output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "decode_tokens_per_s",
+    "prefill_tokens_per_s", "prefill_ms_per_step",
 )  # fmt: skip
 """The figures ``pprun_over_peer`` divides (pprun's value over the peer's) when the peer has them."""
 

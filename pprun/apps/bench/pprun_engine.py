@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol, runtime_checkable
 
-from pprun.apps.bench.metrics import STEADY_DECODE_KEYS, latency_metrics, throughput_metrics
+from pprun.apps.bench.metrics import PREFILL_KEYS, STEADY_DECODE_KEYS, latency_metrics, throughput_metrics
 from pprun.apps.bench.workloads import Workload
 from pprun.sampling.params import SamplingParams
 
@@ -68,6 +68,9 @@ def run_pprun(llm: Any, workload: Workload, ignore_eos: bool) -> tuple[dict[str,
         # Steady decode: answered steps after the last prefill while the batch is full (None
         # when too few such steps); the whole-run rates above include prefill and the tail.
         **(trace.steady_decode(since=first_step) or dict.fromkeys(STEADY_DECODE_KEYS)),
+        # Prefill phase: the steps that computed prompt tokens, from the run's start to the
+        # answer of the last of them (None without such a step).
+        **(trace.prefill_phase(start, since=first_step) or dict.fromkeys(PREFILL_KEYS)),
     }
     if isinstance(llm, ReportsCacheStats):
         metrics["cache_stats"] = llm.cache_stats()

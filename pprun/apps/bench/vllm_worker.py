@@ -7,8 +7,12 @@ on the warm-up requests (one ``LLM.generate``), then times the requests twice: t
 only, as vLLM's users run it: the throughput), then through ``LLM.llm_engine``'s
 ``add_request``/``step`` loop with streamed outputs (``RequestOutputKind.DELTA``), recording each
 request's token ids, when it was queued, when its first token and its last came back, and per step
-how many tokens came back for how many requests (and the prompt tokens of requests whose first
-token came back, i.e. whose prefill ended in that step).  pprun computes every figure from that
+(``steps``: ``[t, num_tokens, num_reqs, num_prefill_tokens, num_cached_prompt_tokens]``, ``t`` when
+``step()`` returned) how many tokens came back for how many requests, the prompt tokens of the
+requests whose first token came back, i.e. whose prefill ended in that step (the prompt as vLLM
+processed it, images expanded), and how many of those it found in its prefix cache
+(``num_cached_tokens``).  ``start`` is the pass's start (before the first request is queued), on
+the steps' clock (``time.perf_counter``).  pprun computes every figure from that
 (``pprun.apps.bench.peers.vllm_peer``), the same way as its own.  On any error it writes
 ``{"error": ..., "traceback": ...}`` and exits with status 1.
 
@@ -70,20 +74,23 @@ def _run(engine: Any, tag: str, prompts: list[dict[str, Any]], params: list[Any]
     while engine.has_unfinished_requests():
         outputs = engine.step()
         now = time.perf_counter()
-        num_tokens = num_reqs = num_prefill_tokens = 0
+        num_tokens = num_reqs = num_prefill_tokens = num_cached = 0
         for out in outputs:
             i = index[out.request_id]
             new = list(out.outputs[0].token_ids) if out.outputs else []
             if new:
                 if first[i] is None:
                     first[i] = now
-                    num_prefill_tokens += prompt_lens[i]
+                    # The prompt as vLLM processed it (image placeholders expanded), where it says.
+                    prompt_len = len(getattr(out, "prompt_token_ids", None) or ()) or prompt_lens[i]
+                    num_prefill_tokens += prompt_len
+                    num_cached += min(max(int(getattr(out, "num_cached_tokens", None) or 0), 0), prompt_len)
                 tokens[i].extend(int(t) for t in new)
                 num_tokens += len(new)
                 num_reqs += 1
             if out.finished:
                 finished[i] = now
-        steps.append([now, num_tokens, num_reqs, num_prefill_tokens])
+        steps.append([now, num_tokens, num_reqs, num_prefill_tokens, num_cached])
     end = time.perf_counter()
     return {
         "elapsed_s": end - start,

@@ -12,9 +12,10 @@ The worker (``pprun/apps/bench/vllm_worker.py``, run by path with ``vllm_python`
 requests through ``LLM.generate`` (the throughput, as pprun's comes from its ``LLM.generate``),
 then again streamed step by step, recording what came back from each engine step and when; the
 figures are computed here, the same way as pprun's (:func:`metrics_from_worker`): TTFT from a
-request's queueing to its first token, TPOT over the rest, and the steady decode rate by
+request's queueing to its first token, TPOT over the rest, the steady decode rate by
 ``EngineTrace.steady_decode``'s rule (the steps after the last prefill while the batch is full)
-applied to vLLM's steps.
+and the prefill phase by ``EngineTrace.prefill_phase``'s (the steps that computed prompt tokens,
+from the pass's start to the last of them) applied to vLLM's steps.
 
 vLLM is never a dependency of pprun: it pins its own torch and needs CUDA.  ``peer=vllm`` without
 it fails before pprun starts, saying how to install it.
@@ -31,7 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pprun.apps.bench.metrics import STEADY_DECODE_KEYS, latency_metrics, throughput_metrics
+from pprun.apps.bench.metrics import PREFILL_KEYS, STEADY_DECODE_KEYS, latency_metrics, throughput_metrics
 from pprun.apps.bench.peers.base import PeerFailed, PeerJob, PeerOutcome, PeerResult, PeerSkipped
 from pprun.apps.bench.workloads import SAMPLE_RATE, workload_rates
 from pprun.config.config import BenchAppConfig
@@ -159,22 +160,27 @@ def build_sweep_spec(jobs: list[PeerJob]) -> tuple[dict[str, Any], dict[str, Any
 
 
 def _steps_as_trace(steps: list[list[float]]) -> Any:
-    """vLLM's steps as an ``EngineTrace`` (answer time, tokens, requests), so that its steady
-    decode rate is computed by the very rule pprun's is: a step where a prefill ended carries
-    those prompt tokens too, which marks it as a prefill step as pprun's scheduled-token count
-    does."""
+    """vLLM's steps as an ``EngineTrace`` (answer time, tokens, requests, prompt tokens computed),
+    so that its steady decode rate and prefill phase are computed by the very rules pprun's are.
+    A step where a prefill ended carries those prompt tokens too, which marks it as a prefill step
+    as pprun's scheduled-token count does; its ``num_prefill_tokens`` are those prompt tokens less
+    the ones vLLM found in its prefix cache (the worker's fifth column; a record without it counts
+    none as cached).  A chunk of a prompt that did not end its prefill returns nothing from vLLM's
+    step, so only the step where a prefill ended carries that request's prompt tokens."""
     from pprun.utils.step_trace import EngineStep, EngineTrace
 
     trace = EngineTrace()
-    for t, num_tokens, num_reqs, num_prefill_tokens in steps:
-        trace.record(EngineStep(t, t, t, 1, int(num_tokens + num_prefill_tokens), int(num_reqs)))
+    for t, num_tokens, num_reqs, num_prefill_tokens, *cached in steps:
+        computed = int(num_prefill_tokens) - int(cached[0] if cached else 0)
+        trace.record(EngineStep(t, t, t, 1, int(num_tokens + num_prefill_tokens), int(num_reqs), computed))
     return trace
 
 
 def metrics_from_worker(result: dict[str, Any], job: PeerJob) -> PeerResult:
     """pprun's figures for vLLM's run, from what the worker recorded: throughput from its
-    ``LLM.generate`` pass (as pprun's comes from ``LLM.generate``), latencies and the steady decode
-    rate from its streamed pass."""
+    ``LLM.generate`` pass (as pprun's comes from ``LLM.generate``), latencies, the steady decode
+    rate and the prefill phase from its streamed pass (the prefill phase needs the pass's
+    ``start``: null without it)."""
     generated = result["generate"]
     tokens = [list(t) for t in generated["tokens"]]
     stream = result["stream"]
@@ -185,7 +191,10 @@ def metrics_from_worker(result: dict[str, Any], job: PeerJob) -> PeerResult:
             if done is not None and len(toks) > 1:
                 tpots.append((done - first) / (len(toks) - 1))
     elapsed_s = float(generated["elapsed_s"])
-    steady = _steps_as_trace(stream["steps"]).steady_decode() or dict.fromkeys(STEADY_DECODE_KEYS)
+    trace = _steps_as_trace(stream["steps"])
+    steady = trace.steady_decode() or dict.fromkeys(STEADY_DECODE_KEYS)
+    start = stream.get("start")
+    prefill = (trace.prefill_phase(float(start)) if start is not None else None) or dict.fromkeys(PREFILL_KEYS)
     streamed = throughput_metrics(float(stream["elapsed_s"]), job.requests, stream["tokens"])
     metrics: dict[str, Any] = {
         "name": "vllm.LLM",
@@ -195,6 +204,7 @@ def metrics_from_worker(result: dict[str, Any], job: PeerJob) -> PeerResult:
         **throughput_metrics(elapsed_s, job.requests, tokens),
         **latency_metrics(ttfts, tpots),
         **steady,
+        **prefill,
         **workload_rates(job.cfg, job.requests, elapsed_s),
         # The streamed pass's own rate: what streaming every step's tokens back costs vLLM.
         "streamed_output_tokens_per_s": streamed["output_tokens_per_s"],
