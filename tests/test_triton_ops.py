@@ -417,6 +417,34 @@ def test_triton_prefill_split_diagonal(block_m, block_size, monkeypatch):
         _check(case, torch.float32)
 
 
+@triton_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_mixed_step_leading_decodes_through_the_decode_kernel(dtype):
+    """``num_decodes``: a mixed step's first one-token requests attend through the decode kernel,
+    the rest through the prefill kernel; the output is the reference's, padded rows zero."""
+    from pprun.attention.triton_ops import paged_attention
+
+    case = make_case(
+        [1, 1, 1, 70, 9, 1], [33, 130, 2, 0, 45, 20], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+        dtype=dtype, device=TRITON_DEVICE, num_reqs_padded=8, num_tokens_padded=88, max_blocks_per_req=12, seed=31,
+    )
+    ref_cache = case.kv_cache.clone()
+    write_kv_cache(case.k, case.v, ref_cache, case.slot_mapping)
+    expected = paged_attention_ref(
+        case.q, ref_cache, case.query_start_loc, case.seq_lens, case.block_table, case.scale, case.num_reqs
+    )
+    tol = TOLERANCE[dtype]
+    for num_decodes in (0, 3):
+        cache = case.kv_cache.clone()
+        out = torch.full_like(case.q, float("nan"))
+        paged_attention(case.q, case.k, case.v, cache, case.slot_mapping, case.query_start_loc, case.seq_lens,
+                        case.block_table, case.scale, out, case.max_query_len, num_decodes=num_decodes)
+        torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="num_decodes"):
+        paged_attention(case.q, case.k, case.v, case.kv_cache.clone(), case.slot_mapping, case.query_start_loc,
+                        case.seq_lens, case.block_table, case.scale, out, case.max_query_len, num_decodes=8)
+
+
 def test_prefill_kernel_compiles_for_sm90():
     """The prefill kernel with the unmasked tiles apart compiles for an H100/H200 without a GPU,
     its K/V loads pipelined over ``cp.async`` and its dots on the tensor cores (``wgmma``)."""

@@ -103,6 +103,7 @@ def triton_backend(
         scale,
         out,
         meta.max_query_len,
+        num_decodes=meta.num_decode_prefix,
     )
     return out
 

@@ -36,5 +36,11 @@ class AttentionMetadata:
     """[num_reqs_padded, max_num_blocks_per_req] int32: KV blocks of each request."""
     slot_mapping: torch.Tensor
     """[num_tokens_padded] int64: cache slot of each token (-1 for padding: not written)."""
+    num_decode_prefix: int = 0
+    """In a step with a longer query (``max_query_len > 1``), how many of the first requests have
+    one query token each (decodes scheduled ahead of prompt chunks): tokens ``0..n-1`` are theirs,
+    so a backend may attend them as a decode batch (the Triton one does: its varlen prefill kernel
+    spends a whole query tile and a K/V read per query head on each one-token request).  0: none,
+    or not known."""
     cross: CrossAttentionMetadata | None = None
     """Cross-attention lengths and slots of an encoder-decoder model's step (None otherwise)."""

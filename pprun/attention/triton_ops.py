@@ -979,19 +979,32 @@ def paged_attention(
     scale: float,
     out: torch.Tensor,
     max_query_len: int,
+    num_decodes: int = 0,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend: decode kernel when every request
     has one query token (``max_query_len == 1``), else the varlen prefill kernel.
 
     Shapes are those of :func:`paged_prefill_attention`; ``k``/``v`` are
     ``[num_tokens_padded, num_kv_heads, head_dim]`` and ``slot_mapping`` is
-    ``[num_tokens_padded]`` int64 with -1 for padded tokens.  Returns ``out``.
+    ``[num_tokens_padded]`` int64 with -1 for padded tokens.  ``num_decodes`` (a mixed step):
+    the first requests have one query token each, token ``r`` request ``r``; they go to the
+    decode kernel (one program per KV head reads its K/V once for the whole query group) and
+    the rest to the prefill kernel.  Returns ``out``.
     """
     reshape_and_cache(k, v, kv_cache, slot_mapping)
     if max_query_len != 1:
-        return paged_prefill_attention(
-            q, kv_cache, query_start_loc, seq_lens, block_table, scale, out, max_query_len
+        num_reqs_padded = seq_lens.shape[0]
+        if not 0 <= num_decodes < num_reqs_padded or num_decodes > q.shape[0]:
+            raise ValueError(f"num_decodes must be in [0, {min(num_reqs_padded - 1, q.shape[0])}] for "
+                             f"{num_reqs_padded} request rows and {q.shape[0]} tokens, got {num_decodes}")
+        n = num_decodes
+        # The prefill kernel zeroes every row first, then writes its requests' rows.
+        paged_prefill_attention(
+            q, kv_cache, query_start_loc[n:], seq_lens[n:], block_table[n:], scale, out, max_query_len
         )
+        if n:
+            paged_decode_attention(q[:n], kv_cache, block_table[:n], seq_lens[:n], scale, out[:n])
+        return out
     # With one token per request, token r is request r's (padded requests have qlen 0
     # and seq_len 0, so their rows come out zero).  The token and request paddings may
     # differ; both are shapes, so the slicing stays capture-safe.

@@ -227,7 +227,9 @@ def _align_kernel(
                    EXPERTS_P2, BLOCK_M, CHUNK, FILL)
 
 
-@triton.jit
+# Per-step sizes are not specialised on (Triton would compile a variant for each divisibility by
+# 16 of a prefill step's token count, seconds inside a timed run).
+@triton.jit(do_not_specialize=["num_entries"])
 def _chunk_counts_kernel(ids_ptr, chunk_counts_ptr, num_entries, EXPERTS_P2: tl.constexpr, CHUNK: tl.constexpr,
                          SUB: tl.constexpr):
     """The chunked sort's first launch: program ``c`` counts per expert the entries of chunk
@@ -239,7 +241,7 @@ def _chunk_counts_kernel(ids_ptr, chunk_counts_ptr, num_entries, EXPERTS_P2: tl.
     tl.store(chunk_counts_ptr + pid * EXPERTS_P2 + experts, counts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_entries", "num_chunks", "max_rows"])
 def _chunk_place_kernel(ids_ptr, chunk_counts_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, num_entries,
                         num_chunks, max_rows, EXPERTS_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
                         SUB: tl.constexpr, FILL: tl.constexpr):
@@ -381,7 +383,7 @@ def _block_tile(block_expert_ptr, sorted_ptr, pid_m, num_entries, width, BLOCK_M
     return expert, entries, entries < num_entries, cols, cols < width
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_entries"])
 def _gate_up_kernel(
     x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
     num_entries, hidden, inter,
@@ -423,7 +425,7 @@ def _gate_up_kernel(
     tl.store(out, act, mask=valid[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_entries", "num_tokens"])
 def _down_kernel(
     act_ptr, w_ptr, weights_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
     num_entries, num_tokens, hidden, inter,

@@ -129,12 +129,15 @@ class V1ModelRunner(ModelRunner):
             table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
         num_reqs, num_tokens = len(seq_lens), len(input_ids)
         dev = self.device
+        counts = list(so.num_scheduled_tokens.values())
+        max_query_len = max(counts)
         meta = AttentionMetadata(
             num_reqs=num_reqs,
             num_reqs_padded=num_reqs,
             num_tokens=num_tokens,
             num_tokens_padded=num_tokens,
-            max_query_len=max(so.num_scheduled_tokens.values()),
+            max_query_len=max_query_len,
+            num_decode_prefix=0 if max_query_len == 1 else next(i for i, n in enumerate(counts) if n != 1),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_table=table.to(dev),
