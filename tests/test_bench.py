@@ -368,8 +368,8 @@ def test_vllm_figures_use_pprun_rules():
     assert m["tpot_ms_p50"] == pytest.approx(1000.0)
     assert (m["decode_tokens_per_s"], m["decode_batch"], m["decode_steps"]) == (2.0, 2, 11)
     # One prefill step (both prompts ended at 1.0 s): 6 prompt tokens in 1 s, its period from the
-    # empty step's answer at 0.5 s.
-    assert (m["prefill_tokens_per_s"], m["prefill_ms_per_step"], m["prefill_steps"]) == (6.0, 500.0, 1)
+    # run's start (the empty step answered at 0.5 s is left out: its time is the prefill's).
+    assert (m["prefill_tokens_per_s"], m["prefill_ms_per_step"], m["prefill_steps"]) == (6.0, 1000.0, 1)
     assert result.tokens == [[1] * 13, [2] * 12]
     no_start = metrics_from_worker({**record, "stream": {**stream, "start": None}}, _job(cfg, reqs)).metrics
     assert no_start["prefill_steps"] is None and no_start["prefill_tokens_per_s"] is None
@@ -391,10 +391,11 @@ def test_vllm_prefill_phase_follows_pprun_rule():
         *[[101.5 + 0.25 * k, 3, 3, 0, 0] for k in range(1, 12)],
     ]
     got = _steps_as_trace(steps).prefill_phase(start)
-    # (128 - 16) + 64 prompt tokens over 100.0 -> 101.5; periods 0.5 and 0.25.
-    assert got == {"prefill_tokens_per_s": round(176 / 1.5, 1), "prefill_ms_per_step": 375.0, "prefill_steps": 2}
+    # (128 - 16) + 64 prompt tokens over 100.0 -> 101.5; periods 1.0 (the empty step is left
+    # out: the next answer's period covers it) and 0.25.
+    assert got == {"prefill_tokens_per_s": round(176 / 1.5, 1), "prefill_ms_per_step": 625.0, "prefill_steps": 2}
     ours = EngineTrace()
-    for t, n, r, p, c in steps:
+    for t, n, r, p, c in steps[1:]:
         ours.record(EngineStep(t, t, t, 1, n + p - c, r, p - c))
     assert ours.prefill_phase(start) == got
     # A record without the cached column (four numbers a step) counts no token as cached.

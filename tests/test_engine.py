@@ -368,6 +368,30 @@ def test_engine_trace_prefill_phase():
     assert EngineTrace().prefill_phase(start=0.0) is None
 
 
+def test_engine_trace_counts_a_resumed_prompt_once():
+    """A request back after a preemption with outputs computes its prompt again: not counted
+    (vLLM's record counts a prompt once); one preempted before its first output is counted
+    again from where it restarts."""
+    from pprun.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+    from pprun.utils.step_trace import EngineTrace
+
+    sp = SamplingParams(temperature=0, max_tokens=4)
+
+    def step(step_id, reqs, counts, finished=()):
+        return SchedulerOutput(step_id=step_id, scheduled_new_reqs=reqs, scheduled_cached_reqs=CachedRequestData(),
+                               num_scheduled_tokens=counts, total_num_scheduled_tokens=sum(counts.values()),
+                               finished_req_ids=set(finished))
+
+    trace = EngineTrace()
+    fresh = NewRequestData("a", list(range(10)), sp, [0], 0, num_prompt_tokens=10)
+    assert trace.prompt_tokens(step(1, [fresh], {"a": 10})) == 10
+    resumed = NewRequestData("a", list(range(12)), sp, [0], 0, num_prompt_tokens=10)  # 2 outputs
+    assert trace.prompt_tokens(step(2, [resumed], {"a": 12}, finished=["a"])) == 0
+    chunk = NewRequestData("b", list(range(8)), sp, [1], 0, num_prompt_tokens=8)
+    assert trace.prompt_tokens(step(3, [chunk], {"b": 5})) == 5
+    assert trace.prompt_tokens(step(4, [chunk], {"b": 8}, finished=["b"])) == 8  # restarted, no outputs
+
+
 def test_engine_trace_counts_the_prompt_tokens_each_step_computes(tiny_llama_dir):
     """Prompts chunked over 32-token steps and a prefix-cache hit: each step records the prompt
     tokens it computed, which add up to the prompts less their cached tokens."""

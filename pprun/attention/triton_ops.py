@@ -885,11 +885,19 @@ PREFILL_SPLIT_DIAGONAL = True
 mask and bounds, and masks only the tiles that reach the diagonal."""
 
 
-def _prefill_config(head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel on Hopper."""
+@functools.lru_cache(maxsize=None)
+def _hopper_or_later(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel.  :data:`PREFILL_BLOCK_M`
+    rows where they were measured (16-bit activations on Hopper; any under the interpreter); 64
+    elsewhere, whose tiles fit GPUs with less shared memory per block and fp32's wider tiles."""
     if head_dim <= 64:
         return 64, 64, 4, 3
-    return PREFILL_BLOCK_M, 64, 8, PREFILL_NUM_STAGES
+    wide = _INTERPRETED or (dtype in (torch.bfloat16, torch.float16) and _hopper_or_later(device))
+    return (PREFILL_BLOCK_M if wide else 64), 64, 8, PREFILL_NUM_STAGES
 
 
 def paged_prefill_attention(
@@ -932,7 +940,7 @@ def paged_prefill_attention(
     out.zero_()
     if num_reqs_padded == 0:
         return out
-    block_m, block_n, num_warps, num_stages = _prefill_config(head_dim)
+    block_m, block_n, num_warps, num_stages = _prefill_config(head_dim, q.dtype, q.device)
     page_size = kv_cache.shape[2]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (num_reqs_padded, num_heads, triton.cdiv(max_query_len, block_m))

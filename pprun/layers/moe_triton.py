@@ -202,7 +202,7 @@ def _finish_layout(sorted_ptr, block_expert_ptr, num_rows_ptr, counts, padded, n
         tl.store(block_expert_ptr + blocks, expert.to(tl.int32), mask=blocks < max_rows // BLOCK_M)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_entries", "max_rows"])
 def _align_kernel(
     ids_ptr,
     sorted_ptr,

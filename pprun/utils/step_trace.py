@@ -244,9 +244,10 @@ class EngineTrace:
 
     def prompt_tokens(self, so: Any) -> int:
         """The prompt tokens a step (a ``SchedulerOutput``) computes: each request's scheduled
-        tokens at positions before the end of its prompt (not of the outputs a resumed request
-        recomputes).  Prompt tokens found in the prefix cache are never scheduled, so they do not
-        count.  Call it on every step, in submission order: a prompt chunked over several steps
+        tokens at positions before the end of its prompt.  Prompt tokens found in the prefix
+        cache are never scheduled, so they do not count; nor does a preempted request's prompt
+        computed again once it has outputs (vLLM's record counts a prompt once, at its first
+        token).  Call it on every step, in submission order: a prompt chunked over several steps
         is followed from the step that admits it."""
         partial = self._partial_prompts
         for req_id in so.finished_req_ids:  # finished, aborted or preempted (back as a new request)
@@ -266,6 +267,8 @@ class EngineTrace:
                 total += self._prompt_part(req_id, cached.num_computed_tokens[index], num_new, prompt_len)
         for new in so.scheduled_new_reqs:
             prompt_len = len(new.prompt_token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens
+            if len(new.prompt_token_ids) > prompt_len:
+                continue  # resumed after a preemption with outputs: its prompt was counted
             total += self._prompt_part(new.req_id, new.num_computed_tokens, scheduled.get(new.req_id, 0), prompt_len)
         return total
 

@@ -166,11 +166,15 @@ def _steps_as_trace(steps: list[list[float]]) -> Any:
     as pprun's scheduled-token count does; its ``num_prefill_tokens`` are those prompt tokens less
     the ones vLLM found in its prefix cache (the worker's fifth column; a record without it counts
     none as cached).  A chunk of a prompt that did not end its prefill returns nothing from vLLM's
-    step, so only the step where a prefill ended carries that request's prompt tokens."""
+    step, so only the step where a prefill ended carries that request's prompt tokens; a step
+    that returned nothing is left out, so that the next step's period covers it (pprun's chunk
+    steps count as prefill steps of their own)."""
     from pprun.utils.step_trace import EngineStep, EngineTrace
 
     trace = EngineTrace()
     for t, num_tokens, num_reqs, num_prefill_tokens, *cached in steps:
+        if not num_reqs:
+            continue
         computed = int(num_prefill_tokens) - int(cached[0] if cached else 0)
         trace.record(EngineStep(t, t, t, 1, int(num_tokens + num_prefill_tokens), int(num_reqs), computed))
     return trace
