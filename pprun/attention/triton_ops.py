@@ -872,7 +872,8 @@ def _prefill_kernel(
 
 
 PREFILL_BLOCK_M = 128
-"""Query rows per prefill program for heads wider than 64.  On the H200, 32 prompts of 512 in
+"""Query rows per prefill program for heads wider than 64, with 16-bit activations on Hopper or
+later (64 otherwise: :func:`_prefill_config`).  On the H200, 32 prompts of 512 in
 8,192-token steps (``python scripts/gpu_speed.py /tmp/q8b --no-decode --ab --ab-prefill
 --prefill-shape 512,32,8192 --prefill-trace --ab-only PREFILL_BLOCK_M=64+PREFILL_SPLIT_DIAGONAL=False``):
 the kernel takes 18.4 ms over Qwen3-8B's 72 layer-steps with 128 rows and the diagonal apart,
