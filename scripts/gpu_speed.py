@@ -283,7 +283,7 @@ def switches() -> list[tuple]:
             (pprun.layers.moe_triton, "PARTIALS_MAX_TOKENS", 1024, False),  # prefill only
             (pprun.layers.moe_triton, "PARTIALS_IN_DTYPE", False, True),
             (pprun.layers.moe_triton, "ALIGN_CHUNKED_ENABLED", False, False),  # prefill only
-            # Qwen3 models: one program per token over all its q/k heads, at every size.
+            # Qwen3 models: the q/k head norms one program per head at every size.
             (pprun.layers.head_norm, "WHOLE_TOKEN_MIN_TOKENS", None, False),
             (pprun.layers.fused, "NORM_PARTS_NUM_WARPS", 4, False),
             (pprun.attention.triton_ops, "DECODE_PRELOAD_SECOND", False, False),

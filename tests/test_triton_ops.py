@@ -420,7 +420,7 @@ def test_triton_prefill_split_diagonal(block_m, block_size, monkeypatch):
 @triton_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_mixed_step_leading_decodes_through_the_decode_kernel(dtype):
-    """``num_decodes``: a mixed step's first one-token requests attend through the decode kernel,
+    """``num_leading_decodes``: a mixed step's first one-token requests attend through the decode kernel,
     the rest through the prefill kernel; the output is the reference's, padded rows zero."""
     from pprun.attention.triton_ops import paged_attention
 
@@ -434,15 +434,15 @@ def test_triton_mixed_step_leading_decodes_through_the_decode_kernel(dtype):
         case.q, ref_cache, case.query_start_loc, case.seq_lens, case.block_table, case.scale, case.num_reqs
     )
     tol = TOLERANCE[dtype]
-    for num_decodes in (0, 3):
+    for num_leading_decodes in (0, 3):
         cache = case.kv_cache.clone()
         out = torch.full_like(case.q, float("nan"))
         paged_attention(case.q, case.k, case.v, cache, case.slot_mapping, case.query_start_loc, case.seq_lens,
-                        case.block_table, case.scale, out, case.max_query_len, num_decodes=num_decodes)
+                        case.block_table, case.scale, out, case.max_query_len, num_leading_decodes=num_leading_decodes)
         torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
-    with pytest.raises(ValueError, match="num_decodes"):
+    with pytest.raises(ValueError, match="num_leading_decodes"):
         paged_attention(case.q, case.k, case.v, case.kv_cache.clone(), case.slot_mapping, case.query_start_loc,
-                        case.seq_lens, case.block_table, case.scale, out, case.max_query_len, num_decodes=8)
+                        case.seq_lens, case.block_table, case.scale, out, case.max_query_len, num_leading_decodes=8)
 
 
 def test_prefill_kernel_compiles_for_sm90():

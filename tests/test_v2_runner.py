@@ -122,7 +122,7 @@ def test_prepare_step_matches_python_construction_and_pads_inertly():
     # "a" stops short of its prompt's end: only "b" and "c" sample, from their last token's row.
     assert batch.sample_batch_idx.tolist() == [1, 2]
     assert bufs.logits_indices.host[:2].tolist() == [7, 12]
-    assert batch.num_decode_prefix == 0  # "a" (a prompt chunk) comes first
+    assert batch.num_leading_decodes == 0  # "a" (a prompt chunk) comes first
     meta = bufs.attn_metadata(3, 5, 13, 16, batch.max_query_len)
     assert meta.slot_mapping.shape == (16,) and meta.seq_lens.shape == (5,)
     assert meta.query_start_loc.shape == (6,) and meta.block_table.shape == (5, 8)
@@ -130,7 +130,7 @@ def test_prepare_step_matches_python_construction_and_pads_inertly():
 
 @pytest.mark.parametrize("order, prefix", [(("b", "d", "a", "c"), 2), (("b", "a", "d"), 1), (("b", "d"), 0)])
 def test_prepare_step_counts_the_decodes_ahead_of_prompt_chunks(order, prefix):
-    """``num_decode_prefix``: the leading one-token requests of a step with a longer query (the
+    """``num_leading_decodes``: the leading one-token requests of a step with a longer query (the
     Triton backend attends them with its decode kernel); 0 in a pure decode step."""
     table = RequestTable(max_num_reqs=6, max_model_len=64, max_num_blocks_per_req=8, device=torch.device("cpu"),
                          make_generators=False)
@@ -153,10 +153,10 @@ def test_prepare_step_counts_the_decodes_ahead_of_prompt_chunks(order, prefix):
     for new in so.scheduled_new_reqs:
         table.add(new.req_id, new.prompt_token_ids, new.block_ids, new.num_computed_tokens, new.sampling_params)
     batch = prepare_step(table, so, bufs, num_reqs_padded=len(order), num_tokens_padded=so.total_num_scheduled_tokens)
-    assert batch.num_decode_prefix == prefix
+    assert batch.num_leading_decodes == prefix
     meta = bufs.attn_metadata(batch.num_reqs, batch.num_reqs_padded, batch.num_tokens, batch.num_tokens_padded,
-                              batch.max_query_len, batch.num_decode_prefix)
-    assert meta.num_decode_prefix == prefix
+                              batch.max_query_len, batch.num_leading_decodes)
+    assert meta.num_leading_decodes == prefix
 
 
 def test_request_table_deltas_rows_and_unknown_finished_ids():

@@ -103,7 +103,7 @@ def triton_backend(
         scale,
         out,
         meta.max_query_len,
-        num_decodes=meta.num_decode_prefix,
+        num_leading_decodes=meta.num_leading_decodes,
     )
     return out
 

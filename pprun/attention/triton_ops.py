@@ -267,15 +267,26 @@ def _rope_row(x, partner, cos_row_ptr, sin_row_ptr, offs_d, HALF: tl.constexpr):
 
 
 @triton.jit
-def _softmax_tile(q, k, visible, m_i, l_i, scale_log2, DOT_F32: tl.constexpr):
-    """First half of one K/V tile of online softmax: the probabilities ``p`` of the ``visible``
-    keys against the new running max, the rescale ``alpha`` of what came before, and the new
-    (running max, sum)."""
+def _scores(q, k, scale_log2, DOT_F32: tl.constexpr):
+    """``q @ k^T`` times ``scale_log2`` (fp32 operands in IEEE fp32 where ``DOT_F32``)."""
     if DOT_F32:
         qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k))
-    qk = tl.where(visible, qk * scale_log2, float("-inf"))
+    return qk * scale_log2
+
+
+@triton.jit
+def _softmax_tile(q, k, visible, m_i, l_i, scale_log2, DOT_F32: tl.constexpr):
+    """First half of one K/V tile of online softmax: the probabilities ``p`` of the ``visible``
+    keys against the new running max, the rescale ``alpha`` of what came before, and the new
+    (running max, sum)."""
+    return _online_softmax(tl.where(visible, _scores(q, k, scale_log2, DOT_F32), float("-inf")), m_i, l_i)
+
+
+@triton.jit
+def _online_softmax(qk, m_i, l_i):
+    """:func:`_softmax_tile` of scores ``qk`` already scaled (and masked, where keys are)."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
@@ -834,23 +845,14 @@ def _prefill_kernel(
     start = 0
     if SPLIT_DIAGONAL:
         # Keys before the block's first row are visible to every row: whole tiles of them need
-        # neither the causal mask nor the bounds, only the tiles that reach the diagonal do.
+        # neither the causal mask nor bounds on their K/V loads; only the tiles that reach the
+        # diagonal do.
         start = (context_len + m_block * BLOCK_M) // BLOCK_N * BLOCK_N
         for n0 in range(0, start, BLOCK_N):
-            n_pos = n0 + tl.arange(0, BLOCK_N)
-            blk = tl.load(bt_row + n_pos // PAGE_SIZE).to(tl.int64)
-            kv_off = blk * stride_c_blk + (n_pos % PAGE_SIZE) * stride_c_off + kv_head * stride_c_head
+            _, _, kv_off, _ = _kv_offsets(bt_row, n0, start, kv_head, d_mask, stride_c_blk, stride_c_off,
+                                          stride_c_head, BLOCK_N, PAGE_SIZE)
             k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
-            if DOT_F32:
-                qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            qk = qk * scale_log2
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+            p, alpha, m_i, l_i = _online_softmax(_scores(q, k, scale_log2, DOT_F32), m_i, l_i)
             v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
             acc = _accumulate_tile(acc, alpha, p, v, DOT_F32)
     for n0 in range(start, end, BLOCK_N):
@@ -886,7 +888,7 @@ PREFILL_SPLIT_DIAGONAL = True
 mask and bounds, and masks only the tiles that reach the diagonal."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hopper_or_later(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
@@ -988,25 +990,25 @@ def paged_attention(
     scale: float,
     out: torch.Tensor,
     max_query_len: int,
-    num_decodes: int = 0,
+    num_leading_decodes: int = 0,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend: decode kernel when every request
     has one query token (``max_query_len == 1``), else the varlen prefill kernel.
 
     Shapes are those of :func:`paged_prefill_attention`; ``k``/``v`` are
     ``[num_tokens_padded, num_kv_heads, head_dim]`` and ``slot_mapping`` is
-    ``[num_tokens_padded]`` int64 with -1 for padded tokens.  ``num_decodes`` (a mixed step):
-    the first requests have one query token each, token ``r`` request ``r``; they go to the
-    decode kernel (one program per KV head reads its K/V once for the whole query group) and
+    ``[num_tokens_padded]`` int64 with -1 for padded tokens.  ``num_leading_decodes`` (a mixed
+    step): the first requests have one query token each, token ``r`` request ``r``; they go to
+    the decode kernel (one program per KV head reads its K/V once for the whole query group) and
     the rest to the prefill kernel.  Returns ``out``.
     """
     reshape_and_cache(k, v, kv_cache, slot_mapping)
     if max_query_len != 1:
         num_reqs_padded = seq_lens.shape[0]
-        if not 0 <= num_decodes < num_reqs_padded or num_decodes > q.shape[0]:
-            raise ValueError(f"num_decodes must be in [0, {min(num_reqs_padded - 1, q.shape[0])}] for "
-                             f"{num_reqs_padded} request rows and {q.shape[0]} tokens, got {num_decodes}")
-        n = num_decodes
+        n = num_leading_decodes
+        if not 0 <= n < num_reqs_padded or n > q.shape[0]:
+            raise ValueError(f"num_leading_decodes must be in [0, {min(num_reqs_padded - 1, q.shape[0])}] for "
+                             f"{num_reqs_padded} request rows and {q.shape[0]} tokens, got {n}")
         # The prefill kernel zeroes every row first, then writes its requests' rows.
         paged_prefill_attention(
             q, kv_cache, query_start_loc[n:], seq_lens[n:], block_table[n:], scale, out, max_query_len

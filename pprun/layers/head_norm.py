@@ -7,7 +7,8 @@ k head with ``k_weight [D]``, rounded as ``pprun.layers.norm.RMSNorm`` (the plai
 reference, ``pprun.models.llama.Attention.norm_heads``) rounds: fp32 mean of squares, the
 normalised value rounded to the activation dtype, then times the weight.  The values are not
 touched.  One program per (token, head), or from :data:`WHOLE_TOKEN_MIN_TOKENS` tokens on one
-program per token over all its q and k heads (one kernel, ``HEADS_PER_PROGRAM`` 1 or all); capture-safe (grid from shapes, written in place).
+program per token over all its q and k heads (one kernel, ``HEADS_PER_PROGRAM`` 1 or all);
+capture-safe (grid from shapes, written in place).
 """
 
 from __future__ import annotations

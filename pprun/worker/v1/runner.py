@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pprun.attention.metadata import AttentionMetadata
+from pprun.attention.metadata import AttentionMetadata, count_leading_decodes
 from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
@@ -130,14 +130,13 @@ class V1ModelRunner(ModelRunner):
         num_reqs, num_tokens = len(seq_lens), len(input_ids)
         dev = self.device
         counts = list(so.num_scheduled_tokens.values())
-        max_query_len = max(counts)
         meta = AttentionMetadata(
             num_reqs=num_reqs,
             num_reqs_padded=num_reqs,
             num_tokens=num_tokens,
             num_tokens_padded=num_tokens,
-            max_query_len=max_query_len,
-            num_decode_prefix=0 if max_query_len == 1 else next(i for i, n in enumerate(counts) if n != 1),
+            max_query_len=max(counts),
+            num_leading_decodes=count_leading_decodes(counts),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_table=table.to(dev),

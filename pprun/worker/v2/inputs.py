@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pprun.attention.metadata import AttentionMetadata
+from pprun.attention.metadata import AttentionMetadata, count_leading_decodes
 from pprun.core.outputs import SchedulerOutput
 from pprun.switches import enabled_unless
 from pprun.worker.v2.ranges import MAX_RANGES, fit_ranges, merge_ranges
@@ -118,9 +118,9 @@ class StepBatch:
     window starts at that prompt position (model-state plug-ins read it, e.g. for placeholder ranges)."""
     query_start: np.ndarray | None = None
     """[num_reqs] int64 (host): batch row of each request's first scheduled token."""
-    num_decode_prefix: int = 0
+    num_leading_decodes: int = 0
     """With ``max_query_len > 1``: how many of the first requests compute one token each
-    (:attr:`AttentionMetadata.num_decode_prefix`)."""
+    (:attr:`AttentionMetadata.num_leading_decodes`)."""
     num_request_rows: int = 0
     """Rows of the per-request buffers this step writes, real rows first and the rest inert:
     ``num_reqs_padded``, or up to ``num_tokens_padded`` (at most ``max_num_reqs``), since a
@@ -334,7 +334,7 @@ class InputBuffers:
 
     def attn_metadata(
         self, num_reqs: int, num_reqs_padded: int, num_tokens: int, num_tokens_padded: int, max_query_len: int,
-        num_decode_prefix: int = 0,
+        num_leading_decodes: int = 0,
     ) -> AttentionMetadata:
         """Attention metadata over views of the persistent device buffers (padded lengths)."""
         return AttentionMetadata(
@@ -343,7 +343,7 @@ class InputBuffers:
             num_tokens=num_tokens,
             num_tokens_padded=num_tokens_padded,
             max_query_len=max_query_len,
-            num_decode_prefix=num_decode_prefix,
+            num_leading_decodes=num_leading_decodes,
             query_start_loc=self.query_start_loc.device[: num_reqs_padded + 1],
             seq_lens=self.seq_lens.device[:num_reqs_padded],
             block_table=self.block_table.device[:num_reqs_padded],
@@ -407,8 +407,6 @@ def prepare_step(
         bufs.pending_token_idx.np[:num_pending] = cu_num_tokens[pending] - 1
         bufs.pending_sample_idx.np[:num_pending] = [prev[req_ids[i]] for i in pending.tolist()]
     max_query_len = int(num_scheduled.max())
-    # Decodes scheduled ahead of the prompt chunks (running requests come first).
-    num_decode_prefix = 0 if max_query_len == 1 else int(np.argmax(num_scheduled != 1))
     if max_query_len == 1:
         # Decode: one token per request, at its first uncomputed position.
         token_rows = rows
@@ -450,7 +448,8 @@ def prepare_step(
         num_tokens=num_tokens,
         num_tokens_padded=num_tokens_padded,
         max_query_len=max_query_len,
-        num_decode_prefix=num_decode_prefix,
+        # Decodes scheduled ahead of the prompt chunks (running requests come first).
+        num_leading_decodes=count_leading_decodes(num_scheduled) if max_query_len > 1 else 0,
         sample_batch_idx=torch.from_numpy(sample_batch_idx.astype(np.int64, copy=False)),
         num_pending=num_pending,
         num_computed_tokens=num_computed,

@@ -427,7 +427,7 @@ class V2ModelRunner(ModelRunner):
         if plan.mode != "full":  # a full graph reads its metadata from the buffers it was captured over
             meta = self.bufs.attn_metadata(
                 batch.num_reqs, plan.num_reqs_padded, num_tokens, plan.num_tokens_padded, batch.max_query_len,
-                batch.num_decode_prefix,
+                batch.num_leading_decodes,
             )
         clock.lap("to_device_us")
         hop_in_graph = self.hop_in_graph and plan.mode == "full"
