@@ -287,7 +287,11 @@ def _torchrun_job(model_dir, tmp_path, case: str, faults: dict,
     # rank between SIGTERM and SIGKILL when it ends the job; 5 s instead of its default 30 s.
     env.update(TMPDIR=str(job_tmp), OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5",
                PYTHONPATH=os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")])))  # fmt: skip
-    proc = subprocess.run([*cmd, "--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
+    # --monitor-interval: how often torchrun polls its ranks; once it sees one dead it SIGTERMs the
+    # rest.  At its default 0.1 s it can end the survivor before the survivor has reported the
+    # peer's death itself (what these cells check), a race a loaded 2-core machine loses at times.
+    proc = subprocess.run([*cmd, "--standalone", "--nproc-per-node", "2", "--monitor-interval", "2",
+                           "--log-dir", str(tmp_path / "logs"),
                            str(script), str(model_dir), str(tmp_path), case, json.dumps(faults), str(timeout_s)],
                           env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
     ranks = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)
