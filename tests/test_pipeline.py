@@ -493,9 +493,6 @@ def test_batches_overlap_across_stages(tiny_llama_dir, tmp_path, monkeypatch, in
 FAULT_TIMEOUT_S = STAGE_TIMEOUT_S
 """``parallel.stage_timeout_s`` of the fault cells below: their faults (an exception, a death)
 are detected without the timeout, which must then never fire, however loaded the machine."""
-FAULT_BOUND_S = 45.0
-"""How long their fault may take to become an error: a loaded 2-core machine stopping the
-stages (no timeout is involved)."""
 
 
 def pipeline_llm(model_dir, executor: str, request, **kwargs) -> LLM:
@@ -508,12 +505,10 @@ def pipeline_llm(model_dir, executor: str, request, **kwargs) -> LLM:
     return LLM(str(model_dir), dtype="float32", executor=executor, pipeline_parallel_size=2, **kwargs)
 
 
-def assert_failed_cleanly(info, llm: LLM, run: tuple, t0: float, before, model_dir, executor: str, request) -> None:
-    """The fault cells' checks (docs/failures.md): the error came within the bound, every
-    request ended with "error", nothing of the run is left (processes, sockets, shared memory,
+def assert_failed_cleanly(info, llm: LLM, run: tuple, before, model_dir, executor: str, request) -> None:
+    """The fault cells' checks (docs/failures.md): every request ended with "error", nothing of the run is left (processes, sockets, shared memory,
     the rendezvous directory: ``tests/leftovers.py``), and a new LLM starts and serves in this
     process.  ``run``: the stage pids and rendezvous directory, taken at start."""
-    assert time.perf_counter() - t0 < FAULT_BOUND_S
     outs = info.value.outputs
     assert len(outs) == len(TOKEN_PROMPTS)
     assert all(o.outputs[0].finish_reason == "error" and o.error for o in outs)
@@ -540,10 +535,9 @@ def test_stage_that_raises_becomes_an_error(tiny_llama_dir, executor, request, i
     with inject_faults({1: {"raise_at_step": 3}}):
         llm = pipeline_llm(tiny_llama_dir, executor, request)
     run = started(llm)
-    t0 = time.perf_counter()
     with pytest.raises(StageFailedError, match=r"^(the engine has failed \()?stage 1 raised:(.|\n)*injected failure in stage 1") as info:
         llm.generate(TOKEN_PROMPTS, GREEDY)
-    assert_failed_cleanly(info, llm, run, t0, before, tiny_llama_dir, executor, request)
+    assert_failed_cleanly(info, llm, run, before, tiny_llama_dir, executor, request)
 
 
 @pytest.mark.parametrize("executor", ["mp", "ray"])
@@ -557,11 +551,10 @@ def test_killed_stage_becomes_an_error(tiny_llama_dir, executor, request, inject
     run = started(llm)
     killer = threading.Timer(1.5, lambda: os.kill(run[0][1], signal.SIGKILL))
     killer.start()
-    t0 = time.perf_counter()
     with pytest.raises(StageFailedError, match="stage 1") as info:
         llm.generate(TOKEN_PROMPTS, SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
     killer.join()
-    assert_failed_cleanly(info, llm, run, t0, before, tiny_llama_dir, executor, request)
+    assert_failed_cleanly(info, llm, run, before, tiny_llama_dir, executor, request)
 
 
 @pytest.mark.parametrize("victim", [0, 1])
@@ -576,21 +569,18 @@ def test_killed_stage_with_async_pipeline_steps_becomes_an_error(tiny_llama_dir,
     run = started(llm)
     killer = threading.Timer(1.5, lambda: os.kill(run[0][victim], signal.SIGKILL))
     killer.start()
-    t0 = time.perf_counter()
     with pytest.raises(StageFailedError, match=f"stage {victim}") as info:
         llm.generate(TOKEN_PROMPTS, SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
     killer.join()
-    assert_failed_cleanly(info, llm, run, t0, before, tiny_llama_dir, "mp", request)
+    assert_failed_cleanly(info, llm, run, before, tiny_llama_dir, "mp", request)
 
 
 def test_mismatched_intermediate_keys_are_a_clear_error(tiny_llama_dir, inject_faults):
     with inject_faults({0: {"rename_sent_keys": True}}):
         llm = LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2, runner="v1",
                   stage_timeout_s=FAULT_TIMEOUT_S)
-    t0 = time.perf_counter()
     with pytest.raises(StageFailedError, match=r"keys differ.*hidden_states_renamed.*expects \['hidden_states'\]"):
         llm.generate(TOKEN_PROMPTS[:1], GREEDY)
-    assert time.perf_counter() - t0 < 30
     llm.shutdown()
 
 

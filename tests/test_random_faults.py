@@ -2,7 +2,8 @@
 random step of a random stage, on a random executor, seeded and reproducible from its seed.
 
 Per fault: the generation either finishes (the fault's step never came) or fails with
-``StageFailedError`` naming what the fault did, within a bound (:func:`bound_s`), with
+``StageFailedError`` naming what the fault did (never a hang: a stopped stage is detected by
+``parallel.stage_timeout_s``, every other fault without it; pytest-timeout reports a hang), with
 every request in flight ended as ``"error"`` (one that had finished before stays intact); no
 process, socket, shared-memory segment or rendezvous directory of the run is left behind; the
 next pipeline starts and serves in the same process.
@@ -53,9 +54,6 @@ TIMEOUT_S = 120.0
 """``parallel.stage_timeout_s`` of every other fault: an exception, a death or a lost actor is
 detected without the timeout, which must then never fire, however loaded the machine (a step
 slowed past a short timeout would end the run with the wrong error)."""
-MARGIN_S = 28.0
-"""What the bound allows beyond the timeout a fault relies on (none but a stopped stage's): a
-loaded 2-core machine stopping the stages."""
 EXPECTED = {
     "raise_at_step": "^(the engine has failed \\()?stage {stage} raised:(.|\n)*injected failure in stage {stage}",
     "kill_at_step": "stage {stage} (died|actor died)",
@@ -96,12 +94,6 @@ def stage_timeout_s(fault: dict) -> float:
     return STOP_TIMEOUT_S[fault["executor"]] if fault["kind"] == "stop_at_step" else TIMEOUT_S
 
 
-def bound_s(fault: dict) -> float:
-    """How long a fault's generation may take to end (in an error or not): the margin, plus the
-    stage timeout where only the timeout detects the fault (a stopped stage)."""
-    return MARGIN_S + (stage_timeout_s(fault) if fault["kind"] == "stop_at_step" else 0.0)
-
-
 def stage_faults(fault: dict) -> dict[int, dict]:
     """``PPRUN_TEST_FAULTS`` of a fault (``ray_kill`` is done by the test, not the stage)."""
     faults: dict[int, dict] = {}
@@ -130,7 +122,6 @@ def run_one(model_dir, fault: dict, inject_faults, ray=None) -> str:
         actor = ex.actors[fault["stage"]]
         killer = threading.Timer(fault["kill_after_s"], lambda: ray.kill(actor, no_restart=True))
     params = SamplingParams(temperature=0, max_tokens=fault["max_tokens"], ignore_eos=True)
-    t0 = time.monotonic()
     outcome = "not fired"
     try:
         if killer is not None:
@@ -152,8 +143,6 @@ def run_one(model_dir, fault: dict, inject_faults, ray=None) -> str:
             killer.cancel()
             killer.join()
         llm.shutdown()
-    elapsed = time.monotonic() - t0
-    assert elapsed < bound_s(fault), f"{where}: took {elapsed:.1f}s"
     left = before.left_behind(pids, [rendezvous])
     assert left == [], f"{where}: left {left}"
     return outcome
