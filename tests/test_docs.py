@@ -11,7 +11,9 @@ The docs are README.md, docs/*.md, launchers/*.md and protos/*.md.  A cited path
   ``#anchor`` (when it has one) a heading of the target.
 
 Paths under ``/tmp``, ``~`` or any other absolute path are the user's, not the repository's,
-and placeholders (``<...>``, ``{...}``, ``NAME``) are not checked.  A failure names the doc, the
+and placeholders are not checked: ``<...>`` and ``{...}``, and the path parts named in
+:data:`PLACEHOLDER_NAMES` (declared: an upper-case name such as ``README.md`` or
+``NVIDIA_H200.json`` is a file like any other).  A failure names the doc, the
 line and the path.
 """
 
@@ -44,7 +46,10 @@ PATH_TOKEN = re.compile(
 CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
-PLACEHOLDER = re.compile(r"[<>{}]|(?:^|/)[A-Z][A-Z0-9_]*(?:/|\.|$)")
+PLACEHOLDER_NAMES = ("NAME",)
+"""Path parts that stand for a name the reader picks (``scripts/NAME``): the only upper-case
+placeholders; every other upper-case part is checked."""
+PLACEHOLDER = re.compile(r"[<>{}]|(?:^|/)(?:" + "|".join(PLACEHOLDER_NAMES) + r")(?:/|\.|$)")
 
 
 def cited(doc: Path) -> Iterator[tuple[int, str, str]]:
@@ -165,7 +170,12 @@ def test_a_missing_path_is_named_with_its_doc_and_line(tmp_path: Path):
     assert "defines no test" in problem(doc, "path", "tests/test_docs.py::test_no_such_test")
     assert problem(doc, "path", "tests/test_docs.py::test_extraction[x]") is None
     assert problem(doc, "path", "conf/*.nothing") == "the pattern matches no file"
-    assert problem(doc, "path", "scripts/NAME") is None  # a placeholder
+    assert problem(doc, "path", "scripts/NAME") is None  # a declared placeholder
+    assert problem(doc, "path", "scripts/<name>.py") is None
+    # Upper-case names are files like any other: checked, and a missing one is named.
+    assert problem(doc, "path", "launchers/README.md") is None
+    assert problem(doc, "path", "launchers/READNE.md") == "no such file or folder"
+    assert problem(doc, "path", "pprun/layers/moe_configs/NVIDIA_H100.json") == "no such file or folder"
     readme = ROOT / "README.md"
     assert problem(readme, "link", "docs/performance.md#method") is None
     assert "no heading" in problem(readme, "link", "docs/performance.md#no-such-heading")

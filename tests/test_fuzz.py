@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 
@@ -86,8 +87,21 @@ def _count(name: str) -> None:
 
 
 def _names_a_field(error: Exception, fields) -> bool:
+    """The error's message names one of ``fields`` as a whole name: ``n`` is named by "n must be
+    at least 1" or "sampling.n", not by any word with an n in it, nor ``stop`` by
+    ``stop_token_ids``."""
     text = str(error)
-    return any(f in text for f in fields)
+    return any(re.search(rf"(?<![A-Za-z0-9_]){re.escape(str(f))}(?![A-Za-z0-9_])", text) for f in fields)
+
+
+def test_a_field_is_named_by_its_whole_name():
+    """The matcher the fuzz tests rely on: a field is named only by its whole name."""
+    assert _names_a_field(ValueError("n must be at least 1, got 0"), ["n"])
+    assert _names_a_field(ValueError("sampling.n=0: must be >= 1"), ["n"])
+    assert _names_a_field(ValueError("`top_p` must be in (0, 1], got nan"), ["n", "top_p"])
+    assert not _names_a_field(ValueError("temperature must be finite"), ["n"])
+    assert not _names_a_field(ValueError("stop_token_ids must be a list of ints"), ["stop"])
+    assert not _names_a_field(ValueError("max_num_seqs must be positive"), ["max_num_seq"])
 
 
 SAMPLING_FIELDS = ["n", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop", "stop_token_ids",
