@@ -165,24 +165,43 @@ def test_seeded_row_ignores_global_rng() -> None:
     assert streams[0] == streams[1]
 
 
+def max_z(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """The largest per-token z-score of observed ``counts`` against the distribution ``probs``:
+    how many standard errors of a count the farthest frequency lies from its probability."""
+    n = counts.sum()
+    return float(((counts - n * probs).abs() / (n * probs * (1 - probs)).sqrt()).max())
+
+
+Z_BOUND = 4.5
+"""A frequency this many standard errors from its probability fails (a true sampler trips it with
+probability well under 1e-4 per test, over its four tokens and two paths)."""
+
+
 def test_empirical_distribution_matches_softmax() -> None:
+    """Both sampling paths draw from softmax(logits / T) for T = 0.8, and the number of draws
+    separates T = 0.8 from its neighbours 0.7 and 0.9 (and from 1.0, the temperature ignored):
+    the same draws are checked to fail against those distributions."""
     logits = torch.tensor([1.0, 0.5, -0.5, 0.0])
     temperature = 0.8
     expected = torch.softmax(logits / temperature, dim=-1)
+    others = {t: torch.softmax(logits / t, dim=-1) for t in (0.7, 0.9, 1.0)}
     num_draws = 20000
     # Seeded path: one generator drawn from step after step.
     gen = make_generator(123, "cpu")
     params = SamplingParams(temperature=temperature, seed=123)
-    counts = torch.zeros(4)
+    counts = torch.zeros(4, dtype=torch.float64)
     t = SamplingTensors.build([params], [gen], "cpu")
     sampler = Sampler()
-    for _ in range(2000):
+    for _ in range(num_draws):
         counts[sampler(logits.unsqueeze(0), t).sampled_token_ids.item()] += 1
-    assert torch.allclose(counts / counts.sum(), expected, atol=0.05)
     # Global-RNG path: many unseeded rows in one step.
     sampled = draw_many(logits, SamplingParams(temperature=temperature), num_draws)
-    freq = torch.bincount(sampled, minlength=4).float() / num_draws
-    assert torch.allclose(freq, expected, atol=0.02)
+    batched = torch.bincount(sampled, minlength=4).double()
+    for path, observed in (("seeded", counts), ("batched", batched)):
+        assert max_z(observed, expected.double()) < Z_BOUND, (path, observed / num_draws, expected)
+        for t_other, probs in others.items():
+            z = max_z(observed, probs.double())
+            assert z > Z_BOUND, f"{path}: {num_draws} draws at T=0.8 cannot be told from T={t_other} (z={z:.1f})"
 
 
 def test_logprobs_match_log_softmax(logits: torch.Tensor) -> None:
