@@ -259,15 +259,26 @@ def test_tiny_llama_skinny_matmuls_match_cublas(monkeypatch, switch, tiny_llama_
 @pytest.mark.gpu
 def test_tiny_llama_norm_fold_matches_separate_norms(monkeypatch, switch, tiny_llama_dir):
     """A whole bf16 model on CUDA with a one-token batch: add + RMSNorm folded into the qkv and
-    gate_up split-K matmuls vs the norms as their own launches."""
+    gate_up split-K matmuls vs the norms as their own launches.  The folded launches are counted
+    (``skinny.skinny_norm_linear``): none with the fold off, qkv and gate_up of every layer with
+    it on, so the comparison is of two paths, not of one with itself."""
+    from pprun.layers import skinny
+
     arch, model_logits = _tiny_llama_on_cuda(tiny_llama_dir, torch.bfloat16, [[42]])
+    calls = count_calls_by_form(monkeypatch, skinny, "skinny_norm_linear")
+    # The split-K matmuls the fold lives in (they take one row; merges never deferred at one row).
+    switch("PPRUN_DISABLE_SKINNY_GEMM", True)
 
     def logits(enabled: bool) -> torch.Tensor:
         switch("PPRUN_DISABLE_NORM_FOLD", enabled)
         return model_logits()
 
     want = logits(False)
+    assert calls == {"plain": 0, "swiglu": 0}
     got = logits(True)
+    num_layers = arch.num_hidden_layers
+    # qkv after input_layernorm; gate_up (with its SwiGLU) after post_attention_layernorm.
+    assert calls == {"plain": num_layers, "swiglu": num_layers}
     torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
 
 

@@ -703,16 +703,45 @@ def test_fused_decode_matches_separate_kernels_gpu(model_dir, monkeypatch, switc
 @pytest.mark.parametrize("lengths", [[9], [6, 11, 4]])  # one row: split-K matmuls; three: cuBLAS
 def test_pdl_graphs_match_plain_launches_gpu(model_dir, monkeypatch, switch, lengths):
     """Full graphs whose Triton kernels overlap through programmatic dependent launch give the
-    same tokens and KV cache, bit for bit, as the same kernels launched one after another."""
+    same tokens and KV cache, bit for bit, as the same kernels launched one after another.  Each
+    side's launches are counted through ``pdl_options`` (what every PDL-capable kernel asks before
+    its launch): PDL launches on the PDL side only, PDL-capable launches on both."""
+    import sys
+
+    import pprun.attention.triton_ops  # noqa: F401  (every module whose kernels take PDL, loaded
+    import pprun.layers.fused  # noqa: F401            before their pdl_options is wrapped)
+    import pprun.layers.head_norm  # noqa: F401
+    import pprun.layers.skinny  # noqa: F401
+    import pprun.sampling.greedy_kernel  # noqa: F401
+    from pprun.layers import triton_utils
+
+    launches = {"pdl": 0, "plain": 0}
+
+    def counted(device):
+        options = triton_utils.pdl_options(device)
+        launches["pdl" if options.get("launch_pdl") else "plain"] += 1
+        return options
+
+    users = [m for name, m in list(sys.modules.items())
+             if name.startswith("pprun.") and getattr(m, "pdl_options", None) is triton_utils.pdl_options]  # fmt: skip
+    assert users, "no module launches kernels through pdl_options"
+    for module in users:
+        monkeypatch.setattr(module, "pdl_options", counted)
 
     prompts = prompts_of(lengths)
     rc = resolved_for(model_dir, "cuda", "bfloat16", cudagraph_mode="full", cudagraph_capture_sizes=[1, 4])
     results = {}
+    counts = {}
     for pdl in (False, True):
         switch("PPRUN_DISABLE_PDL", pdl)
+        launches.update(pdl=0, plain=0)
         runner, caches = build_runner("v2", rc, backend="triton")
         tokens, _ = drive(runner, prompts, 12)
         results[pdl] = (tokens, [c.clone() for c in caches])
+        counts[pdl] = dict(launches)
+    # The plain side launched the same kernels without PDL; the PDL side captured PDL launches.
+    assert counts[False]["pdl"] == 0 and counts[False]["plain"] > 0, counts
+    assert counts[True]["pdl"] > 0, counts
     assert results[True][0] == results[False][0]
     for a, b in zip(results[False][1], results[True][1]):
         assert torch.equal(a, b)
