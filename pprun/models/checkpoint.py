@@ -2,11 +2,24 @@
 
 Shapes and dtypes come from the files' headers, so validating a checkpoint reads no tensor data,
 and a stage that loads its layers opens only the shards that hold them.
+
+A checkpoint loads exactly or not at all.  Validation (:func:`validate_checkpoint`, before any
+process starts) and each stage's load (:func:`check_stage_tensors`) refuse, with the names:
+
+- a tensor the model needs that is missing or has another shape;
+- a tensor the checkpoint holds that no parameter takes (an *unclaimed* tensor), unless the model
+  declares it ignorable by name with a reason (:class:`IgnoreRule`: rotary tables, a tied head's
+  copy, multi-token-prediction layers, a vision tower's unused blocks); another stage's tensors
+  are that stage's to check;
+- a tensor stored as float8 or an integer where a floating-point weight belongs: a plain cast
+  would turn quantized values into wrong weights.  Floating dtypes convert (bf16, fp16, fp32).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -16,6 +29,8 @@ import torch
 from safetensors import safe_open
 
 from pprun.models.hf_config import ModelArchConfig, expected_tensor_shapes
+
+logger = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -145,7 +160,11 @@ class CheckpointIndex:
         dtype: torch.dtype | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, tensor)`` one at a time (each file opened once), so a loader can copy
-        each tensor into place before the next is read: peak memory stays near the weights."""
+        each tensor into place before the next is read: peak memory stays near the weights.
+
+        With ``dtype``, each tensor is cast to it, and a tensor stored as float8 or an integer
+        raises ValueError naming it: only a quantization method that owns such a tensor reads it
+        (``dtype=None`` reads tensors as stored)."""
         names_by_file: dict[str, list[str]] = defaultdict(list)
         for name in names:
             names_by_file[self.file_of(name)].append(name)
@@ -153,7 +172,9 @@ class CheckpointIndex:
             with safe_open(str(self.model_dir / file_name), framework="pt", device="cpu") as f:
                 for name in file_names:
                     tensor = f.get_tensor(self.stored_names.get(name, name))
-                    if dtype is not None and tensor.is_floating_point():
+                    if dtype is not None:
+                        if not is_plain_float(tensor.dtype):
+                            raise ValueError(_cast_refused(name, tensor.dtype, dtype, file_name))
                         tensor = tensor.to(dtype)
                     yield name, tensor.to(device)
 
@@ -163,7 +184,8 @@ class CheckpointIndex:
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Read only ``names`` (each file opened once), cast floating tensors to ``dtype``, move to ``device``."""
+        """Read only ``names`` (each file opened once), cast them to ``dtype`` (floating-point
+        tensors only: a float8 or integer tensor raises ValueError), move to ``device``."""
         return dict(self.iter_tensors(names, device, dtype))
 
 
@@ -177,6 +199,180 @@ def name_mapper(arch: ModelArchConfig) -> Callable[[str], str] | None:
     return None
 
 
+_PLAIN_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def is_plain_float(dtype: torch.dtype) -> bool:
+    """A dtype a weight may be cast from without changing what it means (not float8, not integer)."""
+    return dtype in _PLAIN_FLOATS
+
+
+def _cast_refused(name: str, stored: torch.dtype, wanted: torch.dtype, file_name: str) -> str:
+    return (
+        f"checkpoint tensor {name!r} in {file_name} is stored as {str(stored).removeprefix('torch.')}; "
+        f"a plain cast to {str(wanted).removeprefix('torch.')} would turn quantized values into wrong "
+        "weights, and no quantization method of this checkpoint reads it"
+    )
+
+
+@dataclass(frozen=True)
+class IgnoreRule:
+    """Checkpoint tensors a model never reads, by name, with why (see the module docstring)."""
+
+    pattern: str
+    """A regular expression a tensor's name (as the model names it) must match in full; its
+    first group, if any, is a layer index compared with :attr:`min_index`."""
+    reason: str
+    """Why the model does not read these tensors (shown in logs and docs)."""
+    min_index: int | None = None
+    """Only layer indices (the pattern's first group) from this one up match; None: any."""
+
+    def matches(self, name: str) -> bool:
+        """Whether ``name`` is one of the tensors this rule ignores."""
+        m = re.fullmatch(self.pattern, name)
+        if m is None:
+            return False
+        return self.min_index is None or int(m.group(1)) >= self.min_index
+
+
+def ignored_tensor_rules(arch: ModelArchConfig) -> tuple[IgnoreRule, ...]:
+    """Every tensor name ``arch``'s model declares it does not read (the family's own rules come
+    from its module, as :func:`name_mapper` does)."""
+    rules = [
+        IgnoreRule(r".*\.rotary_emb\.inv_freq",
+                   "rotary inverse frequencies: recomputed from config.json's RoPE settings"),
+        IgnoreRule(r"model\.layers\.(\d+)\..*", "multi-token-prediction layers past num_hidden_layers: "
+                   "pprun does not run speculative heads", min_index=arch.num_hidden_layers),
+        IgnoreRule(r"mtp\..*", "multi-token-prediction module: pprun does not run speculative heads"),
+    ]
+    if arch.tie_word_embeddings:
+        head = "proj_out.weight" if arch.audio_encoder is not None else "lm_head.weight"
+        rules.append(IgnoreRule(re.escape(head), "tied embeddings: the head is the embedding matrix, "
+                                "as transformers ties it"))
+    if arch.multimodal is not None:
+        from pprun.models.llava import ignored_tensor_rules as llava_rules
+
+        rules += llava_rules(arch)
+    return tuple(rules)
+
+
+def first_stage_prefixes(arch: ModelArchConfig) -> tuple[str, ...]:
+    """Name prefixes of modules only the first stage builds and whose tensors only it can list
+    (Llava's vision tower and projector): validation and the other stages leave them to it."""
+    if arch.multimodal is not None:
+        return ("vision_tower.", "multi_modal_projector.")
+    return ()
+
+
+def unclaimed_tensors(
+    index: CheckpointIndex,
+    arch: ModelArchConfig,
+    claimed: Iterable[str],
+    *,
+    lists_first_stage_modules: bool,
+    layer_range: range | None = None,
+) -> list[str]:
+    """Tensors of the checkpoint that no parameter takes: neither in ``claimed`` (this stage's
+    names) nor any stage's decoder tensors, nor ignorable by :func:`ignored_tensor_rules`.
+
+    ``layer_range``: the stage's decoder layers; a tensor of another stage's layer is that
+    stage's to check (None: every layer is checked here).
+
+    ``lists_first_stage_modules``: ``claimed`` is the first stage's, built, so it lists the
+    modules only that stage builds (:func:`first_stage_prefixes`); otherwise (validation, other
+    stages) their tensors are left to the first stage's load.
+    """
+    known = set(claimed) | set(expected_tensor_shapes(arch))
+    deferred = () if lists_first_stage_modules else first_stage_prefixes(arch)
+    rules = ignored_tensor_rules(arch)
+
+    def another_stages(name: str) -> bool:
+        m = _DECODER_LAYER.match(name)
+        if layer_range is None or m is None:
+            return False
+        layer = int(m.group(1))
+        return layer < arch.num_hidden_layers and layer not in layer_range
+
+    return [
+        name for name in index.names()
+        if name not in known
+        and not (deferred and name.startswith(deferred))
+        and not another_stages(name)
+        and not any(rule.matches(name) for rule in rules)
+    ]
+
+
+_DECODER_LAYER = re.compile(r"model\.(?:decoder\.)?layers\.(\d+)\.")
+"""A decoder layer's tensor names (Llama family, Llava's language model, Whisper's decoder)."""
+
+
+_QUANT_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", "qweight", "qzeros", "scales",
+                   "g_idx", "weight_zero_point", "weight_packed")
+
+
+def _unclaimed_error(model_dir: Path | str, arch: ModelArchConfig, names: list[str], where: str) -> str:
+    shown = ", ".join(names[:10]) + (f" (and {len(names) - 10} more)" if len(names) > 10 else "")
+    hint = ""
+    if any(name.rsplit(".", 1)[-1] in _QUANT_SUFFIXES for name in names):
+        hint = (" Some look like quantization scales or packed weights, but config.json names no "
+                "quantization_config: the checkpoint is quantized or mislabelled.")
+    return (
+        f"checkpoint at {model_dir}{where}: {len(names)} tensor(s) that no parameter of "
+        f"{arch.architecture} takes: {shown}. pprun loads a checkpoint exactly or not at all.{hint}"
+    )
+
+
+def _dtype_problems(index: CheckpointIndex, names: Iterable[str]) -> list[str]:
+    """``name (dtype) in file`` for each of ``names`` stored in a dtype a cast would corrupt."""
+    problems = []
+    for name in names:
+        stored = index.dtype(name)
+        if not is_plain_float(stored):
+            problems.append(f"{name} ({str(stored).removeprefix('torch.')}, in {index.file_of(name)})")
+    return problems
+
+
+def check_stage_tensors(
+    index: CheckpointIndex,
+    arch: ModelArchConfig,
+    claimed: list[str],
+    *,
+    lists_first_stage_modules: bool,
+    layer_range: range | None = None,
+    where: str = "",
+) -> None:
+    """Refuse, naming them, this stage's unclaimed tensors and its tensors stored as float8 or
+    integers (see the module docstring; the keywords: :func:`unclaimed_tensors`).  Reads headers
+    only."""
+    unclaimed = unclaimed_tensors(index, arch, claimed, lists_first_stage_modules=lists_first_stage_modules,
+                                  layer_range=layer_range)
+    if unclaimed:
+        raise ValueError(_unclaimed_error(index.model_dir, arch, unclaimed, where))
+    bad = _dtype_problems(index, claimed)
+    if bad:
+        shown = "; ".join(bad[:10]) + (f" (and {len(bad) - 10} more)" if len(bad) > 10 else "")
+        raise ValueError(
+            f"checkpoint at {index.model_dir}{where}: {len(bad)} weight(s) stored in a dtype a plain cast "
+            f"would corrupt: {shown}. Only a quantization method that owns such tensors reads them, and "
+            "config.json names no quantization_config."
+        )
+
+
+def log_conversions(index: CheckpointIndex, names: Iterable[str], dtype: torch.dtype, where: str) -> None:
+    """One log line for the floating-point tensors a load converts (e.g. fp32 stored, bf16 run)."""
+    converted: dict[torch.dtype, int] = defaultdict(int)
+    for name in names:
+        stored = index.dtype(name)
+        if stored != dtype:
+            converted[stored] += 1
+    if converted:
+        logger.info(
+            "%s: converting %s to %s", where.strip(" ,") or "checkpoint",
+            ", ".join(f"{n} tensor(s) stored as {str(d).removeprefix('torch.')}" for d, n in converted.items()),
+            str(dtype).removeprefix("torch."),
+        )
+
+
 def validate_checkpoint(
     model_dir: Path | str,
     arch: ModelArchConfig,
@@ -184,10 +380,13 @@ def validate_checkpoint(
     first: bool = True,
     last: bool = True,
 ) -> CheckpointIndex:
-    """Check every tensor the (stage of the) model needs is present with the right shape.
+    """Check every tensor the (stage of the) model needs is present with the right shape, stored
+    in a floating-point dtype, and that the checkpoint holds no tensor nothing takes.
 
     Raises one ValueError listing every missing tensor and every shape mismatch (expected vs found,
-    and the file), so a broken checkpoint is reported before any process starts. Returns the index.
+    and the file), so a broken checkpoint is reported before any process starts; then one for
+    unclaimed tensors or weights stored as float8 or integers (:func:`check_stage_tensors`; the
+    first stage's vision tower is checked where it is built).  Returns the index.
     """
     index = CheckpointIndex.open(model_dir, arch)
     expected = expected_tensor_shapes(arch, layer_range, first, last)
@@ -211,4 +410,5 @@ def validate_checkpoint(
             f"checkpoint at {model_dir} does not match its config.json ({arch.architecture}): "
             + ". ".join(problems)
         )
+    check_stage_tensors(index, arch, list(expected), lists_first_stage_modules=False)
     return index

@@ -9,9 +9,11 @@ Nothing here imports torch, so the engine and validation can read a model's shap
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from pprun.models.quantization_config import QuantizationArch, read_quantization_config
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
@@ -112,6 +114,10 @@ class ModelArchConfig:
     ``LlavaConfig``: ``image_token_index``, ``vision_feature_layer``,
     ``vision_feature_select_strategy``, ``projector_hidden_act``, ``multimodal_projector_bias``,
     ``vision_config`` (the full dict) and ``text_architecture``.  None for text-only models."""
+    quantization: QuantizationArch | None = None
+    """The checkpoint's quantization method (``quantization_config``, read and checked by
+    :func:`pprun.models.quantization_config.read_quantization_config`); None: floating-point
+    weights."""
 
 
 @dataclass(frozen=True)
@@ -286,9 +292,15 @@ def load_arch_config(model_dir: Path) -> ModelArchConfig:
         )
     config = json.loads(config_path.read_text())
     architecture = _architecture(config, config_path)
+    # Before anything else: a quantized checkpoint pprun does not run is refused by name.
+    quantization = read_quantization_config(config, model_dir, config_path)
+    if quantization is None and isinstance(config.get("text_config"), dict):
+        quantization = read_quantization_config(config["text_config"], model_dir, config_path)
     if architecture == "LlavaForConditionalGeneration":
-        return _load_llava_config(model_dir, config_path)
-    return _decoder_arch(config, architecture, model_dir, config_path)
+        arch = _load_llava_config(model_dir, config_path)
+    else:
+        arch = _decoder_arch(config, architecture, model_dir, config_path)
+    return arch if quantization is None else replace(arch, quantization=quantization)
 
 
 def _load_llava_config(model_dir: Path, config_path: Path) -> ModelArchConfig:
@@ -297,8 +309,6 @@ def _load_llava_config(model_dir: Path, config_path: Path) -> ModelArchConfig:
     ``transformers``' ``LlavaConfig`` fills the defaults a published config leaves out (the
     sub-configs of llava-1.5 name only what differs from their model type's defaults).
     """
-    from dataclasses import replace
-
     from transformers import LlavaConfig
 
     full = LlavaConfig.from_pretrained(str(model_dir), local_files_only=True).to_dict()

@@ -25,6 +25,7 @@ from pprun.attention.metadata import AttentionMetadata
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
 from pprun.models.base import PprunModel, allocate
+from pprun.models.checkpoint import IgnoreRule
 from pprun.models.clip import VisionTransformer, activation
 from pprun.models.hf_config import ModelArchConfig
 from pprun.models.llama import LlamaForCausalLM
@@ -49,6 +50,23 @@ def canonical_name(stored: str) -> str:
         if stored.startswith(prefix):
             return canonical + stored[len(prefix):]
     return stored
+
+
+def ignored_tensor_rules(arch: ModelArchConfig) -> list[IgnoreRule]:
+    """The tower's tensors this model never reads (by canonical name), each with why: blocks past
+    the deepest feature layer (not built), the tower's own head and final norm, and position-id
+    buffers older checkpoints store."""
+    mm = arch.multimodal
+    built = max(feature_layers(mm, int(mm["vision_config"]["num_hidden_layers"])))
+    return [
+        IgnoreRule(r"vision_tower\.(?:encoder|transformer)\.layers\.(\d+)\..*",
+                   "vision tower blocks past the deepest vision_feature_layer: never run", min_index=built),
+        IgnoreRule(r"vision_tower\.(?:post_layernorm|head)\..*",
+                   "the vision tower's final norm and pooling head: the projector reads hidden states "
+                   "before them"),
+        IgnoreRule(r"vision_tower\.embeddings\.position_ids",
+                   "position ids: a buffer of 0..n-1, not a weight"),
+    ]
 
 
 def feature_layers(mm: dict, num_tower_layers: int) -> list[int]:

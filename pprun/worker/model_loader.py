@@ -41,7 +41,7 @@ def load_stage_model(
     attn_backend,
 ) -> LlamaForCausalLM:
     """Allocate the stage's modules (and nothing else), then copy in exactly its tensors."""
-    from pprun.models.checkpoint import CheckpointIndex
+    from pprun.models.checkpoint import CheckpointIndex, check_stage_tensors, log_conversions
 
     t0 = time.perf_counter()
     cls = MODEL_CLASSES[arch.architecture]
@@ -55,6 +55,12 @@ def load_stage_model(
     )
     names = model.checkpoint_names()
     index = CheckpointIndex.open(model_dir, arch)
+    # Exactly or not at all: this stage's unclaimed tensors and float8/integer weights are refused
+    # (headers only) before a byte is read; the other stages' tensors are theirs to check.
+    where = f", stage {layout.pp_rank}/{layout.pp_size}"
+    check_stage_tensors(index, arch, names, lists_first_stage_modules=layout.is_first,
+                        layer_range=layout.layer_range, where=where)
+    log_conversions(index, names, dtype, where)
     loaded = model.load_weights(index.iter_tensors(names, device=device, dtype=dtype))
     missing = sorted(set(names) - loaded)
     if missing:
