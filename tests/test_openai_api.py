@@ -14,14 +14,19 @@ from pprun.engine.outputs import RequestDelta
 from pprun.executor.base import StageFailedError
 from pprun.serve import openai_api as oa
 from pprun.serve.errors import NotFoundError
+from pprun.serve.settings import RequestLimits
 
 
 class FakeInputs:
-    """The real parameter checks (InputProcessor.check_params) for a 256-token vocabulary;
-    prompts tokenized one id per character."""
+    """The real parameter checks (InputProcessor's) for a 256-token vocabulary, a 64-token context
+    and ``max_logprobs=20``; prompts tokenized one id per character."""
 
     vocab_size = 256
+    max_model_len = 64
+    max_logprobs = 20
     check_params = InputProcessor.check_params
+    output_room = InputProcessor.output_room
+    check_output_room = InputProcessor.check_output_room
 
     def check_prompt(self, prompt, where):
         if isinstance(prompt, str):
@@ -42,12 +47,16 @@ class FakeEngine:
         return {"prompt_token_ids": [len(m["content"] or "") + 1 for m in messages]}
 
 
+LIMITS = RequestLimits(max_model_len=64, max_unfinished=8, max_choices=6, max_request_output_tokens=200,
+                       max_stop_strings=3, max_stop_string_chars=5, max_chat_messages=4, max_content_parts=3)
+
+
 def completion(**body):
-    return oa.parse_completion({"prompt": "abc", **body}, FakeEngine(), "m")
+    return oa.parse_completion({"prompt": "abc", **body}, FakeEngine(), "m", LIMITS)
 
 
 def chat(**body):
-    return oa.parse_chat({"messages": [{"role": "user", "content": "hi"}], **body}, FakeEngine(), "m")
+    return oa.parse_chat({"messages": [{"role": "user", "content": "hi"}], **body}, FakeEngine(), "m", LIMITS)
 
 
 def expect_400(call, param: str, fragment: str) -> None:
@@ -85,24 +94,34 @@ def test_n_and_seeds():
     assert len(two.params) == 4 and [two.prompt_of(c) for c in range(4)] == [0, 0, 1, 1]
     assert [p["prompt_token_ids"] for p in completion(prompt=[5, 6]).prompts] == [[5, 6]]
     assert len(completion(prompt=["ab", "cd"]).prompts) == 2
-    expect_400(lambda: completion(n=0), "n", "n=0 is invalid: must be an integer in [1, 8]")
-    expect_400(lambda: completion(n=9), "n", "n=9 is invalid")
+    expect_400(lambda: completion(n=0), "n", "n=0 is invalid: must be an integer >= 1, or null")
+    expect_400(lambda: completion(n=7), "n", "n=7 is too many: a request may have at most 6 choices "
+                                            "(serve.max_choices=6)")
+    expect_400(lambda: completion(prompt=["ab", "cd"], n=4), "n", "2 prompts x n=4 = 8 choices is too many")
 
 
 def test_bad_parameters_name_themselves():
-    expect_400(lambda: chat(top_p=0), "top_p", "SamplingParams.top_p=0 is invalid: must be a number in (0, 1]")
+    expect_400(lambda: chat(top_p=0), "top_p", "top_p=0 is invalid: must be a number in (0, 1], or null")
     expect_400(lambda: chat(max_completion_tokens=0), "max_completion_tokens",
-               "max_completion_tokens: SamplingParams.max_tokens=0 is invalid")
-    expect_400(lambda: completion(max_tokens="x"), "max_tokens", "SamplingParams.max_tokens='x' is invalid")
+               "max_completion_tokens=0 is invalid: must be an integer >= 1, or null")
+    # SamplingParams' own checks, under the request's name for the field.
+    expect_400(lambda: chat(min_tokens=5, max_completion_tokens=4), "min_tokens",
+               "SamplingParams.min_tokens=5 is invalid: must be at most max_tokens=4")
+    expect_400(lambda: completion(max_tokens="x"), "max_tokens", "max_tokens='x' is invalid: must be an integer >= 1")
     expect_400(lambda: chat(logprobs=True, top_logprobs=300), "top_logprobs", "at most the vocabulary size 256")
-    expect_400(lambda: completion(logprobs=-1), "logprobs", "SamplingParams.logprobs=-1 is invalid")
+    expect_400(lambda: chat(logprobs=True, top_logprobs=21), "top_logprobs",
+               "SamplingParams.logprobs=21 is invalid: must be at most model.max_logprobs=20")
+    expect_400(lambda: completion(logprobs=21), "logprobs", "must be at most model.max_logprobs=20")
+    expect_400(lambda: completion(logprobs=-1), "logprobs", "logprobs=-1 is invalid: must be an integer >= 0")
     expect_400(lambda: chat(top_logprobs=2), "top_logprobs", "top_logprobs=2 needs logprobs=true")
     expect_400(lambda: chat(max_tokens=3, max_completion_tokens=4), "max_completion_tokens", "differ")
-    expect_400(lambda: chat(seed=2**70), "seed", "SamplingParams.seed=")
-    expect_400(lambda: chat(stop=5), "stop", "SamplingParams.stop=5 is invalid")
+    expect_400(lambda: chat(seed=2**70), "seed", "seed=1180591620717411303424 is invalid: must be an integer in [")
+    expect_400(lambda: chat(stop=5), "stop", "stop=5 is invalid: must be a string, a list (each item a string), "
+                                             "or null")
     expect_400(lambda: chat(stream_options={"include_usage": True}), "stream_options", "only taken with stream=true")
-    expect_400(lambda: chat(stream=True, stream_options={"x": 1}), "stream_options", "unknown key(s) ['x']")
-    expect_400(lambda: chat(stream="yes"), "stream", "stream='yes' is invalid")
+    expect_400(lambda: chat(stream=True, stream_options={"x": 1}), "stream_options.x",
+               "stream_options.x is unknown: stream_options takes the keys ['include_usage']")
+    expect_400(lambda: chat(stream="yes"), "stream", "stream='yes' is invalid: must be true or false")
     expect_400(lambda: chat(presence_penalty=0.1), "presence_penalty", "not supported")
     expect_400(lambda: chat(tools=[{"type": "function"}]), "tools", "not supported")
     expect_400(lambda: completion(echo=True), "echo", "not supported")
@@ -111,11 +130,44 @@ def test_bad_parameters_name_themselves():
     expect_400(lambda: completion(prompt=[]), "prompt", "prompt=[] is invalid")
     expect_400(lambda: completion(prompt=[[1], []]), "prompt", "prompt[1]: prompt has 0 tokens")
     expect_400(lambda: chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
-               "messages[0].content[0]", "text parts only")
-    expect_400(lambda: chat(messages=[{"content": "x"}]), "messages[0].role", "role=None is invalid")
+               "messages[0].content[0].type", "messages[0].content[0].type='image_url' is invalid: must be 'text'")
+    expect_400(lambda: chat(messages=[{"content": "x"}]), "messages[0].role", "messages[0].role is required")
     with pytest.raises(oa.OpenAIError) as info:
         chat(model="other")
     assert (info.value.status, info.value.code) == (404, "model_not_found")
+
+
+def test_max_tokens_against_the_context():
+    """``max_tokens`` past what the 64-token context leaves after the prompt is a 400 naming both
+    numbers; the completions default (16) is cut to the room instead; a chat without one runs to
+    the context's end."""
+    expect_400(lambda: completion(prompt=[1] * 10, max_tokens=55), "max_tokens",
+               "SamplingParams.max_tokens=55 is invalid: the prompt has 10 tokens and max_model_len=64 leaves "
+               "room for 54 output tokens")
+    assert completion(prompt=[1] * 10, max_tokens=54).params[0].max_tokens == 54
+    expect_400(lambda: chat(max_completion_tokens=10**9), "max_completion_tokens", "max_tokens=1000000000 is invalid")
+    # Per prompt: the second prompt leaves less room.
+    expect_400(lambda: completion(prompt=[[1], [1] * 60], max_tokens=5), "max_tokens", "the prompt has 60 tokens")
+    cut = completion(prompt=[[1], [1] * 60], n=2)
+    assert [p.max_tokens for p in cut.params] == [16, 16, 4, 4]
+    assert chat().params[0].max_tokens is None
+
+
+def test_request_limits():
+    """The server's per-request limits: each a 400 naming the setting."""
+    expect_400(lambda: completion(stop=["a", "b", "c", "d"]), "stop", "4 stop strings: at most serve.max_stop_strings=3")
+    expect_400(lambda: chat(stop="abcdef"), "stop", "stop[0] has 6 characters: a stop string may have at most "
+                                                    "serve.max_stop_string_chars=5")
+    expect_400(lambda: chat(messages=[{"role": "user", "content": "a"}] * 5), "messages",
+               "messages has 5 messages: at most serve.max_chat_messages=4")
+    parts = [{"type": "text", "text": "a"}] * 2
+    expect_400(lambda: chat(messages=[{"role": "user", "content": parts}] * 2), "messages",
+               "messages has 4 content parts: at most serve.max_content_parts=3")
+    # Output tokens over all choices: 4 choices x 60 > 200; a chat without max_tokens counts its room.
+    expect_400(lambda: completion(n=4, max_tokens=60), "max_tokens",
+               "up to 240 output tokens over its 4 choices")
+    expect_400(lambda: chat(n=4), "max_tokens", "at most serve.max_request_output_tokens=200")
+    assert len(completion(n=3, max_tokens=60).params) == 3
 
 
 def test_errors_from_the_engine():

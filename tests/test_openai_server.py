@@ -223,10 +223,14 @@ def test_stop_strings(server, offline):
 
 
 @pytest.mark.parametrize("kwargs, param, fragment", [
-    ({"top_p": 3}, "top_p", "SamplingParams.top_p=3 is invalid: must be a number in (0, 1]"),
-    ({"temperature": -1}, "temperature", "SamplingParams.temperature=-1 is invalid"),
-    ({"max_completion_tokens": 0}, "max_completion_tokens", "SamplingParams.max_tokens=0 is invalid"),
-    ({"logprobs": True, "top_logprobs": -2}, "top_logprobs", "SamplingParams.logprobs=-2 is invalid"),
+    ({"top_p": 3}, "top_p", "top_p=3 is invalid: must be a number in (0, 1], or null"),
+    ({"temperature": -1}, "temperature", "temperature=-1 is invalid: must be a number >= 0"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens=0 is invalid"),
+    ({"max_completion_tokens": 10**9}, "max_completion_tokens",
+     "SamplingParams.max_tokens=1000000000 is invalid: the prompt has"),
+    ({"logprobs": True, "top_logprobs": -2}, "top_logprobs", "top_logprobs=-2 is invalid"),
+    ({"logprobs": True, "top_logprobs": 99}, "top_logprobs", "must be at most model.max_logprobs=20"),
+    ({"stop": ["a"] * 17}, "stop", "17 stop strings: at most serve.max_stop_strings=16"),
     ({"stop": [""]}, "stop", "SamplingParams.stop=[''] is invalid"),
     ({"n": 0}, "n", "n=0 is invalid"),
     ({"presence_penalty": 0.5}, "presence_penalty", "presence_penalty=0.5 is not supported"),
@@ -244,6 +248,34 @@ def test_bad_parameters_are_400_naming_them(server, kwargs, param, fragment):
     err = info.value.body
     assert info.value.status_code == 400 and err["param"] == param and err["type"] == "invalid_request_error"
     assert fragment in err["message"], err["message"]
+
+
+def test_completions_limits(server):
+    """The issue's cases on /v1/completions: max_tokens past the context and logprobs past
+    model.max_logprobs are 400s naming the numbers; the server still serves."""
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as info:
+        c.completions.create(model="tiny-chat", prompt=[1, 5, 9], max_tokens=10**9)
+    assert info.value.body["param"] == "max_tokens"
+    assert ("max_tokens=1000000000 is invalid: the prompt has 3 tokens and max_model_len=2048 leaves room for 2045"
+            in info.value.body["message"])
+    with pytest.raises(openai.BadRequestError) as info:
+        c.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=2, logprobs=100)
+    assert info.value.body["param"] == "logprobs" and "model.max_logprobs=20" in info.value.body["message"]
+    # The completions default (16 tokens) is cut to what a long prompt leaves.
+    long = c.completions.create(model="tiny-chat", prompt=[1] * 2040, temperature=0, extra_body={"ignore_eos": True})
+    assert long.usage.completion_tokens == 8 and long.choices[0].finish_reason == "length"
+    assert metrics(server)["pprun_healthy"] == 1
+
+
+def test_openapi_describes_the_routes(server):
+    doc = httpx.get(f"http://{server.info['http_address']}/openapi.json", headers={"authorization": f"Bearer {TOKEN}"},
+                    timeout=30).json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"} <= set(doc["paths"])
+    body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    request = doc["components"]["schemas"][body["$ref"].rsplit("/", 1)[-1]]
+    assert {"prompt", "max_tokens", "logprobs", "stop"} <= set(request["properties"])
+    assert request["required"] == ["prompt"] and request["additionalProperties"] is False
 
 
 def test_other_errors(server):

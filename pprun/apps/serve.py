@@ -12,17 +12,14 @@ from pprun.config.config import ServeAppConfig
 
 
 def run(cfg: ServeAppConfig) -> None:
-    """Validate the server settings, resolve the engine's configuration (once: the server and the
-    engine take the result), start the engine and serve (returns after draining)."""
-    cfg.serve.validate()
-    from pprun.engine.resolve import resolve_config
-    from pprun.serve.layout import check_servable, engine_config
+    """Check every setting once (the server's, the token, the engine's configuration resolved:
+    ``pprun.serve.settings``), start the engine and serve (returns after draining)."""
+    from pprun.serve.settings import resolve_serve_settings
 
-    resolved = resolve_config(engine_config(cfg))
-    check_servable(resolved)
+    settings = resolve_serve_settings(cfg)
     from pprun.serve.server import serve
 
-    serve(cfg, resolved)
+    serve(settings)
 
 
 def main() -> None:

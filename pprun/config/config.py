@@ -41,6 +41,10 @@ class ModelConfig:
     capped at 8192 (so the default KV cache and buffers stay small)."""
     seed: int = 0
     """Seed for weight-independent randomness (unseeded sampling, dummy inputs)."""
+    max_logprobs: int = 20
+    """Most top alternatives a request may ask log-probabilities of (``SamplingParams.logprobs``,
+    the OpenAI API's ``logprobs`` and ``top_logprobs``); more is refused naming this setting
+    (vLLM's name and default)."""
 
 
 @dataclass
@@ -501,8 +505,26 @@ class ServeConfig:
     """Step the engine in a process of its own (the server process keeps gRPC, tokenizing and
     detokenizing: no shared interpreter lock); false: on a thread of the server process."""
 
-    def validate(self) -> None:
-        """Raise ValueError naming the first bad field, its value and what is allowed."""
+    max_choices: int = 128
+    """Most choices one OpenAI request may ask for: its prompts times ``n`` (OpenAI's cap on
+    ``n``); each choice is a request in the engine's queue, so a request must also fit
+    ``scheduler.max_num_seqs + max_queued_requests``."""
+    max_request_output_tokens: int | None = None
+    """Most output tokens one OpenAI request may ask for over all its choices (prompts times
+    ``n`` times ``max_tokens``; a choice without ``max_tokens`` counts what its context leaves);
+    None: 32 times ``model.max_model_len``."""
+    max_stop_strings: int = 16
+    """Most stop strings one request may give (every front end)."""
+    max_stop_string_chars: int = 256
+    """Longest stop string, in characters (a stream holds back that many characters minus one)."""
+    max_chat_messages: int = 1024
+    """Most messages one chat request may hold (every front end)."""
+    max_content_parts: int = 1024
+    """Most content parts one OpenAI chat request may hold, over all its messages."""
+
+    def validate(self) -> str | None:
+        """Raise ValueError naming the first bad field, its value and what is allowed; return the
+        warning the server logs about its address (``pprun.config.exposure``), or None."""
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"serve.host={self.host!r} is invalid: must be an address such as 127.0.0.1")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -521,6 +543,15 @@ class ServeConfig:
             raise ValueError(f"serve.max_queued_requests={self.max_queued_requests!r} is invalid: must be an integer >= 0")
         if not isinstance(self.drain_timeout_s, (int, float)) or not 0 <= self.drain_timeout_s < float("inf"):
             raise ValueError(f"serve.drain_timeout_s={self.drain_timeout_s!r} is invalid: must be a number >= 0")
+        for name in ("max_choices", "max_stop_strings", "max_stop_string_chars", "max_chat_messages",
+                     "max_content_parts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"serve.{name}={value!r} is invalid: must be an integer >= 1")
+        limit = self.max_request_output_tokens
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise ValueError(f"serve.max_request_output_tokens={limit!r} is invalid: must be an integer >= 1, or "
+                             "null (32 times model.max_model_len)")
         if not isinstance(self.engine_process, bool):
             raise ValueError(f"serve.engine_process={self.engine_process!r} is invalid: must be true or false")
         if self.auth_token is not None and self.auth_token_file is not None:
@@ -542,9 +573,9 @@ class ServeConfig:
             )
         from pprun.config.exposure import check_network_exposure
 
-        # Raises for a non-loopback host without a token (docs/security.md); the warnings are
-        # the server's to log when it starts.
-        check_network_exposure(
+        # Raises for a non-loopback host without a token (docs/security.md); the warning is the
+        # server's to log when it starts.
+        return check_network_exposure(
             self.host,
             has_token=self.auth_token is not None or self.auth_token_file is not None,
             tls=self.tls_cert_file is not None,

@@ -246,6 +246,7 @@ def _check_values(cfg: PprunConfig, env: Mapping[str, str]) -> None:
     if not is_seed(cfg.model.seed):
         raise ValueError(f"model.seed={cfg.model.seed!r} is not allowed; it must be an integer in "
                          f"[{SEED_MIN}, {SEED_MAX}] (64 bits)")
+    _check_min("model.max_logprobs", cfg.model.max_logprobs, 0, "an integer >= 0")
     pp_size = cfg.parallel.pipeline_parallel_size
     _check_min("parallel.pipeline_parallel_size", pp_size, 1, "an integer >= 1")
     if cfg.parallel.executor == "uni" and pp_size > 1:

@@ -246,9 +246,12 @@ class EngineClient(abc.ABC):
     def check_request(self, prompt: object, params: object, where: str = "request") -> tuple[str | None, list[int]]:
         """Validate a prompt (str or ``{"prompt_token_ids": [...]}``) and its sampling parameters
         in the caller's thread; returns ``(text, token_ids)`` or raises ValueError naming ``where``
-        (the engine's own checks and messages, :class:`~pprun.engine.inputs.InputProcessor`)."""
+        (the engine's own checks and messages, :class:`~pprun.engine.inputs.InputProcessor`),
+        ``max_tokens`` against what the context leaves after the prompt included."""
         self.inputs.check_params(params, f"{where}.sampling_params")
-        return self.inputs.check_prompt(prompt, f"{where}.prompt")
+        text, ids = self.inputs.check_prompt(prompt, f"{where}.prompt")
+        self.inputs.check_output_room(len(ids), params, f"{where}.sampling_params")
+        return text, ids
 
     def chat_prompt(self, messages: object, where: str = "messages", *, add_generation_prompt: bool = True) -> dict:
         """A chat conversation rendered with the model's template into a token-id prompt."""

@@ -40,6 +40,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = resolved.arch.vocab_size
         self.max_model_len = resolved.max_model_len
+        self.max_logprobs = resolved.cfg.model.max_logprobs
         self.speech = None
         """``pprun.engine.speech.SpeechRequests`` of a speech model (Whisper), else None."""
         if resolved.arch.audio_encoder is not None:
@@ -74,6 +75,24 @@ class InputProcessor:
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise ValueError(f"{where}: SamplingParams.logprobs={params.logprobs} is invalid: must be at most "
                              f"the vocabulary size {self.vocab_size}")
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ValueError(f"{where}: SamplingParams.logprobs={params.logprobs} is invalid: must be at most "
+                             f"model.max_logprobs={self.max_logprobs} (the engine's setting)")
+
+    def output_room(self, num_prompt_tokens: int) -> int:
+        """Output tokens the context leaves after a prompt of ``num_prompt_tokens``."""
+        return self.max_model_len - num_prompt_tokens
+
+    def check_output_room(self, num_prompt_tokens: int, params: SamplingParams, where: str) -> None:
+        """Raise ValueError when ``params.max_tokens`` asks for more tokens than the context leaves
+        after the prompt (naming both numbers); ``max_tokens=None`` asks for as many as it leaves."""
+        room = self.output_room(num_prompt_tokens)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"{where}: SamplingParams.max_tokens={params.max_tokens} is invalid: the prompt has "
+                f"{num_prompt_tokens} tokens and max_model_len={self.max_model_len} leaves room for {room} "
+                f"output tokens; ask for at most {room}, or max_tokens=None for as many as the context leaves"
+            )
 
     def check_prompt(self, prompt: object, where: str) -> tuple[str | None, list[int]]:
         """Tokenise and validate one text prompt; raise ValueError naming ``where`` and the value
@@ -198,6 +217,7 @@ class InputProcessor:
         """Checks of a prompt and its parameters together; returns the parameters to queue it
         with (a speech model's: with its checkpoint's suppress lists, ``pprun.engine.speech``)."""
         if self.speech is None:
+            self.check_output_room(len(processed.token_ids), params, where)
             return params
         self.speech.check_length(len(processed.token_ids), params, where)
         return self.speech.with_suppression(params)

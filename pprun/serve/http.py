@@ -4,7 +4,8 @@ uvicorn, on the event loop and over the engine the gRPC server uses.
 Routes: ``GET /v1/models`` (and ``/v1/models/{model}``), ``POST /v1/completions``, ``POST
 /v1/chat/completions`` (answered whole, or streamed as server-sent events: ``data: {chunk}``
 lines, then ``data: [DONE]``), ``GET /health`` (200 while the engine takes requests, 503 after a
-stage failure and while draining) and ``GET /metrics`` (Prometheus text, ``pprun.serve.metrics``).
+stage failure and while draining), ``GET /metrics`` (Prometheus text, ``pprun.serve.metrics``) and
+``GET /openapi.json`` (the routes and their schemas, ``pprun.serve.protocol``).
 Every route needs ``Authorization: Bearer <token>`` when a token is configured, checked before
 the body is read.  A client that disconnects aborts its requests (their KV blocks are back within
 a step), whether its answer is streamed or not.
@@ -29,11 +30,14 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+import pprun
 from pprun.config.config import ServeConfig
 from pprun.engine.async_engine import EngineClient, RequestStream
 from pprun.engine.outputs import RequestDelta
 from pprun.serve import openai_api as oa
 from pprun.serve.metrics import prometheus_text, server_metrics
+from pprun.serve.protocol import openapi_document
+from pprun.serve.settings import RequestLimits
 
 logger = logging.getLogger(__name__)
 
@@ -116,11 +120,13 @@ async def _until_disconnect(receive: Any) -> None:
 
 
 class OpenAIServer:
-    """The routes over one engine, for the model clients call ``model_name``."""
+    """The routes over one engine, for the model clients call ``model_name``, within ``limits``."""
 
-    def __init__(self, engine: EngineClient, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, limits: RequestLimits) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.limits = limits
+        self.openapi = _dumps(openapi_document(version=pprun.__version__))
         self.max_body_bytes = 4 * 1024 * 1024
         self.created = int(time.time())
         self.text_of = oa.TokenText(engine.inputs.tokenizer)
@@ -135,6 +141,7 @@ class OpenAIServer:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/openapi.json", self.openapi_json, methods=["GET"]),
         ]
         app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error, Exception: self._bug})
         return BearerTokenMiddleware(app, token) if token else app
@@ -168,10 +175,15 @@ class OpenAIServer:
         """``pprun.serve.metrics`` in Prometheus' text format."""
         return Response(prometheus_text(server_metrics(self.engine)), media_type="text/plain; version=0.0.4")
 
+    async def openapi_json(self, request: Request) -> Response:
+        """The OpenAPI document: every route, its request and response schemas."""
+        return Response(self.openapi, media_type="application/json")
+
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         if exc.status_code == 404:
             message = (f"{request.method} {request.url.path} is not served here: this server serves GET /v1/models, "
-                       "POST /v1/completions, POST /v1/chat/completions, GET /health and GET /metrics")
+                       "POST /v1/completions, POST /v1/chat/completions, GET /health, GET /metrics and "
+                       "GET /openapi.json")
         else:
             message = f"{request.method} {request.url.path}: {exc.detail}"
         return error_response(oa.OpenAIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None))
@@ -210,7 +222,7 @@ class OpenAIServer:
         try:
             body = await self._read_json(request)
             parse = oa.parse_chat if chat else oa.parse_completion
-            req = parse(body, self.engine, self.model_name)
+            req = parse(body, self.engine, self.model_name, self.limits)
             streams = self._add(req)
         except ClientDisconnect:  # gone while its body was read: nothing queued, nobody to answer
             return Response(b"", status_code=499)
@@ -379,9 +391,10 @@ def listening_socket(host: str, port: int) -> socket.socket:
 class HttpServer:
     """The OpenAI HTTP server's life: bind, serve on the running event loop, stop."""
 
-    def __init__(self, engine: EngineClient, model_name: str, sc: ServeConfig, token: str | None) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, sc: ServeConfig, token: str | None,
+                 limits: RequestLimits) -> None:
         self.sc = sc
-        self.openai = OpenAIServer(engine, model_name)
+        self.openai = OpenAIServer(engine, model_name, limits)
         self.app = self.openai.app(token, sc.max_message_bytes)
         self._server: _EmbeddedUvicorn | None = None
         self._task: asyncio.Task | None = None

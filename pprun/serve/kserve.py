@@ -29,6 +29,7 @@ from pprun.sampling.params import SamplingParams
 from pprun.serve._proto.inference import grpc_service_pb2 as pb
 from pprun.serve._proto.inference import grpc_service_pb2_grpc as pb_grpc
 from pprun.serve.errors import NotFoundError, message_for, status_for
+from pprun.serve.settings import RequestLimits
 
 logger = logging.getLogger(__name__)
 
@@ -157,9 +158,10 @@ def parse_infer_request(req: pb.ModelInferRequest, model_name: str) -> ParsedReq
 class KServeService(pb_grpc.GRPCInferenceServiceServicer):
     """The KServe v2 methods over the async engine, for one model named ``model_name``."""
 
-    def __init__(self, engine: EngineClient, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, limits: RequestLimits) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.limits = limits
 
     async def ServerLive(self, request, context):  # noqa: N802 (gRPC method names)
         """The process answers: live."""
@@ -213,6 +215,7 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
     async def _run(self, req: pb.ModelInferRequest, parsed: ParsedRequest, streaming: bool) -> AsyncIterator[pb.ModelInferResponse]:
         """The responses of one request: per delta (``streaming``) or one with the whole text.
         Raises on bad input or an engine failure."""
+        self.limits.check_stop(parsed.params.stop, "sampling_parameters.stop")
         stream = self.engine.add_request(parsed.text, parsed.params, loop=asyncio.get_running_loop(),
                                          where="ModelInferRequest")
         pieces: list[str] = []

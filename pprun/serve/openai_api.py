@@ -2,12 +2,14 @@
 token-id prompts and :class:`~pprun.sampling.params.SamplingParams`, and the engine's deltas
 written as OpenAI's answers and streamed chunks.  No HTTP here: ``pprun.serve.http`` serves it.
 
-Sampling parameters are checked by ``SamplingParams.validate`` (the Python API's and gRPC's
-checks); a bad one is a 400 whose ``param`` is the OpenAI name the client used
-(``max_completion_tokens``, ``top_logprobs``) and whose message is ``SamplingParams``' own
-(field, value, what is allowed).  Parameters pprun does not implement (penalties, logit bias,
-tools) are a 400 naming them unless they hold their neutral value; unknown keys are a 400 naming
-them, as OpenAI answers.
+A body is checked in this order, and the first failure is a 400 naming the field (``param``), its
+value and what is allowed: unknown keys (with the closest known one); the declared schema
+(``pprun.serve.protocol``: types, ranges); parameters pprun does not implement (penalties, logit
+bias, tools) unless they hold their neutral value; the model; ``SamplingParams.validate`` and the
+engine's own checks (``param`` is the OpenAI name the client used, ``max_completion_tokens``,
+``top_logprobs``, with ``SamplingParams``' message); the server's per-request limits
+(``pprun.serve.settings.RequestLimits``); the prompts, and each choice's ``max_tokens`` against
+what the context leaves after its prompt.  Nothing is queued before every check has passed.
 """
 
 from __future__ import annotations
@@ -19,12 +21,16 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
+
 from pprun.checks import SEED_MAX, is_int
 from pprun.engine.async_engine import EngineClient, EngineClosedError, QueueFullError
 from pprun.engine.outputs import RequestDelta
 from pprun.executor.base import StageFailedError
 from pprun.sampling.params import SamplingParams
+from pprun.serve import protocol
 from pprun.serve.errors import NotFoundError
+from pprun.serve.settings import RequestLimitError, RequestLimits
 
 
 class OpenAIError(Exception):
@@ -57,6 +63,8 @@ def error_for(exc: BaseException, param: str | None = None) -> OpenAIError:
         return OpenAIError(429, text, type="rate_limit_error", code="rate_limit_exceeded")
     if isinstance(exc, (EngineClosedError, StageFailedError)):
         return OpenAIError(503, text, type="server_error", code="service_unavailable")
+    if isinstance(exc, RequestLimitError):
+        return OpenAIError(400, text, param=exc.param or param)
     if isinstance(exc, (ValueError, TypeError)):
         return OpenAIError(400, text, param=param)
     return OpenAIError(500, f"internal error: {type(exc).__name__}: {text}", type="server_error", code="internal_error")
@@ -85,21 +93,12 @@ _NEUTRAL: dict[str, tuple[tuple[object, ...], str]] = {
 }
 """Parameters taken only at their neutral value (or null): anything else is a 400 naming them."""
 
-_IGNORED = ("user", "parallel_tool_calls")
-"""Parameters taken and ignored: an end-user id, and a tools option without tools."""
-
-_EXTENSIONS = ("return_token_ids", "return_timings")
-"""pprun's own flags: token ids in each choice (vLLM's name), and the engine's timings in each
-choice's last answer (what ``scripts/bench_serve.py`` splits the added TTFT with)."""
-
-_COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "logprobs", *_SAMPLING, *_NEUTRAL,
-           *_IGNORED, *_EXTENSIONS}
-COMPLETION_KEYS = frozenset(_COMMON | {"prompt"}) - {"tools", "tool_choice", "functions", "function_call",
-                                                    "response_format", "parallel_tool_calls"}
-"""Keys a ``/v1/completions`` body may have."""
-CHAT_KEYS = frozenset(_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt"}) - {
-    "best_of", "echo", "suffix"}
-"""Keys a ``/v1/chat/completions`` body may have."""
+COMPLETION_KEYS = frozenset(protocol.CompletionRequest.model_fields)
+"""Keys a ``/v1/completions`` body may have (``pprun.serve.protocol.CompletionRequest``)."""
+CHAT_KEYS = frozenset(protocol.ChatCompletionRequest.model_fields)
+"""Keys a ``/v1/chat/completions`` body may have (``pprun.serve.protocol.ChatCompletionRequest``)."""
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's ``max_tokens`` of a completion that gives none (cut to what the context leaves)."""
 
 _FIELD_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+)=")
 
@@ -134,6 +133,18 @@ def _check_keys(body: dict, allowed: frozenset[str], endpoint: str) -> None:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise OpenAIError(400, f"unrecognized request argument {key!r} for {endpoint}{hint} "
                                    f"(allowed: {', '.join(sorted(allowed))})", param=str(key))
+
+
+def _check_schema(body: dict, model: type[BaseModel]) -> None:
+    """The body against its declared schema: a 400 naming the first field that breaks it."""
+    try:
+        model.model_validate(body)
+    except ValidationError as e:
+        message, param = protocol.explain(e, model, body)
+        raise OpenAIError(400, message, param=param) from None
+
+
+def _check_neutral(body: dict) -> None:
     for key, (neutral, why) in _NEUTRAL.items():
         value = body.get(key)
         if value is not None and not any(value == v and type(value) is type(v) for v in neutral):
@@ -149,11 +160,16 @@ def _flag(body: dict, key: str, default: bool = False) -> bool:
     return value
 
 
-def _check_sampling(engine: EngineClient, params: SamplingParams, names: dict[str, str]) -> None:
-    """SamplingParams' own validation (and the model's logprobs bound); a failure is a 400 whose
-    ``param`` is the request's name for the field."""
+def _check_sampling(engine: EngineClient, params: SamplingParams, names: dict[str, str],
+                    num_prompt_tokens: int | None = None) -> None:
+    """SamplingParams' own validation and the engine's bounds (vocabulary, ``model.max_logprobs``;
+    with ``num_prompt_tokens``, ``max_tokens`` against what the context leaves after the prompt);
+    a failure is a 400 whose ``param`` is the request's name for the field."""
     try:
-        engine.inputs.check_params(params, "request")
+        if num_prompt_tokens is None:
+            engine.inputs.check_params(params, "request")
+        else:
+            engine.inputs.check_output_room(num_prompt_tokens, params, "request")
     except ValueError as e:
         message = str(e).removeprefix("request: ")
         found = _FIELD_IN_MESSAGE.search(message)
@@ -164,8 +180,10 @@ def _check_sampling(engine: EngineClient, params: SamplingParams, names: dict[st
         raise OpenAIError(400, message, param=param) from None
 
 
-def _sampling(body: dict, engine: EngineClient, *, chat: bool) -> tuple[list[SamplingParams], int, dict[str, str]]:
-    """The request's n and SamplingParams of its first choice, checked; then one per choice."""
+def _sampling(body: dict, engine: EngineClient, limits: RequestLimits, *,
+              chat: bool) -> tuple[SamplingParams, int, dict[str, str], bool]:
+    """The request's SamplingParams (checked), n, the request's names of the fields, and whether
+    ``max_tokens`` is the completions default (cut to each prompt's room, not refused)."""
     names = {f: f for f in _SAMPLING}
     values: dict[str, Any] = {f: body[f] for f in _SAMPLING if body.get(f) is not None}
     max_tokens, max_completion = body.get("max_tokens"), body.get("max_completion_tokens")
@@ -178,7 +196,7 @@ def _sampling(body: dict, engine: EngineClient, *, chat: bool) -> tuple[list[Sam
         values["max_tokens"], names["max_tokens"] = max_tokens, "max_tokens"
     else:
         # OpenAI's defaults: a completion stops after 16 tokens, a chat answer at the context's end.
-        values["max_tokens"] = None if chat else 16
+        values["max_tokens"] = None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
     if chat:
         logprobs, top = _flag(body, "logprobs"), body.get("top_logprobs")
         if top is not None and not logprobs:
@@ -189,19 +207,43 @@ def _sampling(body: dict, engine: EngineClient, *, chat: bool) -> tuple[list[Sam
         values["logprobs"], names["logprobs"] = body["logprobs"], "logprobs"
     n = body.get("n")
     n = 1 if n is None else n
-    if not is_int(n) or not 1 <= n <= engine.max_unfinished:
-        raise OpenAIError(400, f"n={n!r} is invalid: must be an integer in [1, {engine.max_unfinished}] (the most "
-                               "requests this server queues)", param="n")
+    if not is_int(n) or n < 1:
+        raise OpenAIError(400, f"n={n!r} is invalid: must be an integer >= 1", param="n")
+    limits.check_choices(1, n)
     first = SamplingParams(**values)
     _check_sampling(engine, first, names)
-    params = [first]
-    for i in range(1, n):
-        child = dataclasses.replace(first)
-        if first.seed is not None:
-            seed = first.seed + i
-            child.seed = seed - 2**64 if seed > SEED_MAX else seed  # stays a 64-bit seed
-        params.append(child)
-    return params, n, names
+    limits.check_stop(first.stop, "stop")
+    defaulted = not chat and max_tokens is None and max_completion is None
+    return first, n, names, defaulted
+
+
+def _choices(req_params: SamplingParams, n: int, prompts: list[list[int]], names: dict[str, str],
+             defaulted: bool, engine: EngineClient, limits: RequestLimits) -> list[SamplingParams]:
+    """One SamplingParams per choice (``n`` per prompt, in order), each prompt's ``max_tokens``
+    checked against what its context leaves (the completions default cut to it), and the
+    request's choices and output tokens within the server's limits."""
+    limits.check_choices(len(prompts), n)
+    per_prompt = []
+    for ids in prompts:
+        room = engine.inputs.output_room(len(ids))
+        params = req_params
+        if defaulted and params.max_tokens > room:
+            params = dataclasses.replace(params, max_tokens=room)
+        _check_sampling(engine, params, names, len(ids))
+        per_prompt.append(params)
+    limits.check_output_tokens([room if p.max_tokens is None else p.max_tokens
+                                for p, room in zip(per_prompt, (engine.inputs.output_room(len(i)) for i in prompts))
+                                for _ in range(n)], names.get("max_tokens", "max_tokens"))
+    params = []
+    for first in per_prompt:
+        params.append(first)
+        for i in range(1, n):
+            child = dataclasses.replace(first)
+            if first.seed is not None:
+                seed = first.seed + i
+                child.seed = seed - 2**64 if seed > SEED_MAX else seed  # stays a 64-bit seed
+            params.append(child)
+    return params
 
 
 def _stream_options(body: dict, stream: bool) -> bool:
@@ -232,20 +274,29 @@ def check_model(body: dict, served: str) -> None:
                           param="model", code="model_not_found")
 
 
-def _common(body: dict, served: str, keys: frozenset[str], endpoint: str) -> tuple[bool, bool]:
+def _common(body: dict, served: str, model: type[BaseModel], endpoint: str) -> tuple[bool, bool]:
     if not isinstance(body, dict):
         raise OpenAIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-    _check_keys(body, keys, endpoint)
+    _check_keys(body, frozenset(model.model_fields), endpoint)
+    _check_schema(body, model)
+    _check_neutral(body)
     check_model(body, served)
     stream = _flag(body, "stream")
     return stream, _stream_options(body, stream)
 
 
-def parse_completion(body: Any, engine: EngineClient, served: str) -> ParsedRequest:
+def parse_completion(body: Any, engine: EngineClient, served: str, limits: RequestLimits) -> ParsedRequest:
     """A ``/v1/completions`` body: ``prompt`` is a string, a list of strings, a list of token
-    ids or a list of such lists (one choice set per prompt)."""
-    stream, include_usage = _common(body, served, COMPLETION_KEYS, "/v1/completions")
-    params, n, _ = _sampling(body, engine, chat=False)
+    ids or a list of such lists (one choice set per prompt).  Raises :class:`OpenAIError`."""
+    try:
+        return _parse_completion(body, engine, served, limits)
+    except RequestLimitError as e:
+        raise error_for(e) from None
+
+
+def _parse_completion(body: Any, engine: EngineClient, served: str, limits: RequestLimits) -> ParsedRequest:
+    stream, include_usage = _common(body, served, protocol.CompletionRequest, "/v1/completions")
+    first, n, names, defaulted = _sampling(body, engine, limits, chat=False)
     raw = body.get("prompt")
     # A list of token ids is told from a list of prompts at C speed (the set of element types):
     # a burst of requests is read one after another on the event loop.
@@ -263,18 +314,27 @@ def parse_completion(body: Any, engine: EngineClient, served: str) -> ParsedRequ
         except ValueError as e:
             raise OpenAIError(400, str(e).replace(f"{where}.prompt", where, 1), param="prompt") from None
         prompts.append({"prompt_token_ids": ids})
-    return ParsedRequest(False, prompts, params * len(prompts), n, stream, include_usage,
-                         logprobs=params[0].logprobs is not None, return_token_ids=_flag(body, "return_token_ids"),
+    params = _choices(first, n, [p["prompt_token_ids"] for p in prompts], names, defaulted, engine, limits)
+    return ParsedRequest(False, prompts, params, n, stream, include_usage,
+                         logprobs=first.logprobs is not None, return_token_ids=_flag(body, "return_token_ids"),
                          return_timings=_flag(body, "return_timings"))
 
 
-def parse_chat(body: Any, engine: EngineClient, served: str) -> ParsedRequest:
+def parse_chat(body: Any, engine: EngineClient, served: str, limits: RequestLimits) -> ParsedRequest:
     """A ``/v1/chat/completions`` body: ``messages`` rendered with the model's chat template.
     Content is a string or a list of text parts; image parts are refused (images are taken
-    offline only)."""
-    stream, include_usage = _common(body, served, CHAT_KEYS, "/v1/chat/completions")
-    params, n, _ = _sampling(body, engine, chat=True)
+    offline only).  Raises :class:`OpenAIError`."""
+    try:
+        return _parse_chat(body, engine, served, limits)
+    except RequestLimitError as e:
+        raise error_for(e) from None
+
+
+def _parse_chat(body: Any, engine: EngineClient, served: str, limits: RequestLimits) -> ParsedRequest:
+    stream, include_usage = _common(body, served, protocol.ChatCompletionRequest, "/v1/chat/completions")
+    first, n, names, _ = _sampling(body, engine, limits, chat=True)
     messages = body.get("messages")
+    limits.check_messages(messages, "messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise OpenAIError(400, f"messages={_short(messages)} is invalid: must be a non-empty list of "
                                "{role, content} objects", param="messages")
@@ -297,8 +357,9 @@ def parse_chat(body: Any, engine: EngineClient, served: str) -> ParsedRequest:
         _, ids = engine.inputs.check_prompt({"prompt_token_ids": rendered["prompt_token_ids"]}, "messages.prompt")
     except ValueError as e:
         raise OpenAIError(400, str(e).replace("messages.prompt", "messages", 1), param="messages") from None
+    params = _choices(first, n, [ids], names, False, engine, limits)
     return ParsedRequest(True, [{"prompt_token_ids": ids}], params, n, stream, include_usage,
-                         logprobs=params[0].logprobs is not None, return_token_ids=_flag(body, "return_token_ids"),
+                         logprobs=first.logprobs is not None, return_token_ids=_flag(body, "return_token_ids"),
                          return_timings=_flag(body, "return_timings"))
 
 

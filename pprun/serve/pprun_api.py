@@ -13,6 +13,7 @@ from pprun.engine.outputs import RequestDelta
 from pprun.sampling.params import SamplingParams
 from pprun.serve._proto.pprun.v1 import pprun_pb2, pprun_pb2_grpc
 from pprun.serve.errors import NotFoundError, message_for, status_for
+from pprun.serve.settings import RequestLimits
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +33,10 @@ def sampling_from_proto(msg: pprun_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(**values)
 
 
-def prompt_from_proto(engine: EngineClient, request: pprun_pb2.GenerateRequest) -> str | dict:
-    """The request's prompt as the engine takes it (text, token ids, or a rendered chat)."""
+def prompt_from_proto(engine: EngineClient, request: pprun_pb2.GenerateRequest,
+                      limits: RequestLimits) -> str | dict:
+    """The request's prompt as the engine takes it (text, token ids, or a rendered chat of at
+    most ``serve.max_chat_messages`` messages)."""
     kind = request.WhichOneof("input")
     if kind == "text":
         return request.text
@@ -42,6 +45,7 @@ def prompt_from_proto(engine: EngineClient, request: pprun_pb2.GenerateRequest) 
     if kind == "chat":
         chat = request.chat
         add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        limits.check_messages(chat.messages, "GenerateRequest.chat.messages")
         messages = [{"role": m.role, "content": m.content} for m in chat.messages]
         return engine.chat_prompt(messages, "GenerateRequest.chat.messages", add_generation_prompt=add)
     raise ValueError("GenerateRequest.input is unset: give one of text, token_ids or chat")
@@ -80,11 +84,13 @@ def response_from_delta(delta: RequestDelta) -> pprun_pb2.GenerateResponse:
 
 
 class PprunService(pprun_pb2_grpc.PprunServicer):
-    """pprun.v1 over the async engine; ``model_name`` is the name clients may ask for."""
+    """pprun.v1 over the async engine; ``model_name`` is the name clients may ask for, ``limits``
+    what one request may ask of the server."""
 
-    def __init__(self, engine: EngineClient, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, limits: RequestLimits) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.limits = limits
 
     def check_model(self, name: str, field: str) -> None:
         """Raise NotFoundError unless ``name`` is empty or the served model's."""
@@ -97,8 +103,9 @@ class PprunService(pprun_pb2_grpc.PprunServicer):
         """Stream one request's deltas; a stage failure ends the call with UNAVAILABLE."""
         try:
             self.check_model(request.model, "GenerateRequest.model")
-            prompt = prompt_from_proto(self.engine, request)
+            prompt = prompt_from_proto(self.engine, request, self.limits)
             params = sampling_from_proto(request.sampling)
+            self.limits.check_stop(params.stop, "GenerateRequest.sampling.stop")
             stream = self.engine.add_request(prompt, params, request.request_id or None,
                                              loop=asyncio.get_running_loop(), where="GenerateRequest")
         except Exception as e:

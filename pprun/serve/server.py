@@ -8,8 +8,9 @@ this one (``pprun.engine.async_engine.AsyncEngine``).  Served: ``pprun.v1.Pprun`
 the engine takes requests; NOT_SERVING after a stage failure and while draining) and server
 reflection.  With a bearer token configured every call,
 health and reflection included, must carry ``authorization: Bearer <token>`` (so must every HTTP
-request).  Both servers bind ``serve.host``; every check of the settings (``ServeConfig.validate``,
-:func:`read_token`) runs in :func:`serve` before either starts.
+request).  Both servers bind ``serve.host``.  Every setting is checked once, before either
+starts, into the :class:`~pprun.serve.settings.ServeSettings` this module takes as it is
+(``pprun.serve.settings``).
 """
 
 from __future__ import annotations
@@ -27,16 +28,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pprun.config.config import ServeAppConfig, ServeConfig
-from pprun.config.exposure import check_network_exposure
+from pprun.config.config import ServeAppConfig
 from pprun.config.validate import ResolvedConfig
 from pprun.engine.async_engine import AsyncEngine, EngineClient
-from pprun.engine.resolve import resolve_config
 from pprun.serve._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from pprun.serve._proto.pprun.v1 import pprun_pb2, pprun_pb2_grpc
 from pprun.serve.kserve import KServeService
-from pprun.serve.layout import check_servable, engine_config
 from pprun.serve.pprun_api import PprunService
+from pprun.serve.settings import ServeSettings, resolve_serve_settings
 
 logger = logging.getLogger(__name__)
 
@@ -193,21 +192,6 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         return grpc.stream_unary_rpc_method_handler(client_stream, deserialize, handler.response_serializer)
 
 
-def served_model_name(cfg: ServeAppConfig) -> str:
-    """The name clients use for the model: ``serve.model_name`` or the model path's last part."""
-    return cfg.serve.model_name or Path(str(cfg.model.model)).name
-
-
-def read_token(sc: ServeConfig) -> str | None:
-    """The bearer token from ``serve.auth_token`` or the first line of ``serve.auth_token_file``."""
-    if sc.auth_token_file is not None:
-        token = Path(sc.auth_token_file).expanduser().read_text().strip().splitlines()
-        if not token or not token[0].strip():
-            raise ValueError(f"serve.auth_token_file={sc.auth_token_file!r} holds no token")
-        return token[0].strip()
-    return sc.auth_token
-
-
 def bind_address(host: str, port: int) -> str:
     """``host:port`` as gRPC takes it (an IPv6 literal in brackets)."""
     if ":" in host and not host.startswith("["):
@@ -215,10 +199,9 @@ def bind_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-async def serve_engine(engine: EngineClient, cfg: ServeAppConfig, stop: asyncio.Event | None = None) -> None:
+async def serve_engine(engine: EngineClient, settings: ServeSettings, stop: asyncio.Event | None = None) -> None:
     """Serve ``engine`` until SIGTERM/SIGINT (or ``stop`` is set), then drain and return."""
-    sc = cfg.serve
-    token = read_token(sc)
+    sc, token, name, limits = settings.serve, settings.token, settings.model_name, settings.limits
     loop = asyncio.get_running_loop()
     options = [
         ("grpc.max_receive_message_length", sc.max_message_bytes),
@@ -228,9 +211,8 @@ async def serve_engine(engine: EngineClient, cfg: ServeAppConfig, stop: asyncio.
     interceptors = [BearerTokenInterceptor(token)] if token else []
     interceptors.append(MalformedRequestInterceptor())
     server = grpc.aio.server(interceptors=interceptors, options=options)
-    name = served_model_name(cfg)
-    pprun_pb2_grpc.add_PprunServicer_to_server(PprunService(engine, name), server)
-    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeService(engine, name), server)
+    pprun_pb2_grpc.add_PprunServicer_to_server(PprunService(engine, name, limits), server)
+    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeService(engine, name, limits), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -247,14 +229,10 @@ async def serve_engine(engine: EngineClient, cfg: ServeAppConfig, stop: asyncio.
         lambda ok: loop.call_soon_threadsafe(lambda: asyncio.ensure_future(set_health(ok)))
     )
 
-    # The one rule for every server's address (pprun.config.exposure): refused before anything
-    # listens, or a warning to log.
-    exposure_warning = check_network_exposure(
-        sc.host, has_token=token is not None, tls=sc.tls_cert_file is not None,
-        allow_unauthenticated=sc.allow_unauthenticated,
-    )
-    if exposure_warning:
-        logger.warning("pprun serve: %s", exposure_warning)
+    # The one rule for every server's address (pprun.config.exposure), applied at validation:
+    # what is left is the warning to log.
+    if settings.exposure_warning:
+        logger.warning("pprun serve: %s", settings.exposure_warning)
     address = bind_address(sc.host, sc.port)
     if sc.tls_cert_file is not None:
         creds = grpc.ssl_server_credentials(
@@ -275,7 +253,7 @@ async def serve_engine(engine: EngineClient, cfg: ServeAppConfig, stop: asyncio.
         # Imported here: a gRPC-only server needs neither Starlette nor uvicorn loaded.
         from pprun.serve.http import HttpServer
 
-        http_server = HttpServer(engine, name, sc, token)
+        http_server = HttpServer(engine, name, sc, token, limits)
         try:
             http_bound = bind_address(sc.host, await http_server.start())
         except BaseException:
@@ -305,22 +283,24 @@ async def serve_engine(engine: EngineClient, cfg: ServeAppConfig, stop: asyncio.
     logger.info("pprun serve: stopped")
 
 
-def serve(cfg: ServeAppConfig, resolved: ResolvedConfig | None = None) -> None:
-    """Start the engine (the model's stages), then serve it until SIGTERM/SIGINT; returns after
-    draining, so the process exits 0.  ``resolved``: the engine's configuration resolved already
-    (``pprun serve`` does it once); None resolves ``cfg``'s here."""
-    cfg.serve.validate()
-    read_token(cfg.serve)  # a bad token file fails before the model loads
-    engine_cfg = resolve_config(engine_config(cfg)) if resolved is None else resolved
-    check_servable(engine_cfg)
-    if cfg.serve.engine_process:
+def serve(settings: ServeSettings | ServeAppConfig, resolved: ResolvedConfig | None = None,
+          stop: asyncio.Event | None = None) -> None:
+    """Start the engine (the model's stages), then serve it until SIGTERM/SIGINT (or ``stop`` is
+    set); returns after draining, so the process exits 0.  ``settings``: checked already
+    (``pprun serve`` does it once, :func:`~pprun.serve.settings.resolve_serve_settings`), or an
+    app configuration checked here (with ``resolved``, its engine's configuration resolved
+    already)."""
+    if not isinstance(settings, ServeSettings):
+        settings = resolve_serve_settings(settings, resolved)
+    sc = settings.serve
+    if sc.engine_process:
         from pprun.engine.engine_process import EngineProcess
 
-        engine = EngineProcess(engine_cfg, max_queued_requests=cfg.serve.max_queued_requests)
+        engine = EngineProcess(settings.engine, max_queued_requests=sc.max_queued_requests)
     else:
-        engine = AsyncEngine(engine_cfg, max_queued_requests=cfg.serve.max_queued_requests)
+        engine = AsyncEngine(settings.engine, max_queued_requests=sc.max_queued_requests)
     try:
-        asyncio.run(serve_engine(engine, cfg))
+        asyncio.run(serve_engine(engine, settings, stop))
     finally:
         engine.shutdown(drain_timeout_s=0.0)
         sys.stdout.flush()
