@@ -313,7 +313,7 @@ _QUANT_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", "qweight",
 def _unclaimed_error(model_dir: Path | str, arch: ModelArchConfig, names: list[str], where: str) -> str:
     shown = ", ".join(names[:10]) + (f" (and {len(names) - 10} more)" if len(names) > 10 else "")
     hint = ""
-    if any(name.rsplit(".", 1)[-1] in _QUANT_SUFFIXES for name in names):
+    if arch.quantization is None and any(name.rsplit(".", 1)[-1] in _QUANT_SUFFIXES for name in names):
         hint = (" Some look like quantization scales or packed weights, but config.json names no "
                 "quantization_config: the checkpoint is quantized or mislabelled.")
     return (
@@ -344,10 +344,25 @@ def check_stage_tensors(
     """Refuse, naming them, this stage's unclaimed tensors and its tensors stored as float8 or
     integers (see the module docstring; the keywords: :func:`unclaimed_tensors`).  Reads headers
     only."""
-    unclaimed = unclaimed_tensors(index, arch, claimed, lists_first_stage_modules=lists_first_stage_modules,
+    from pprun.models.quantization import weight_loader
+
+    loader = weight_loader(arch)
+    owned = loader.owned_names(claimed) if loader is not None else []
+    if loader is not None:
+        # First: a weight the config and the checkpoint disagree on explains the scale it leaves over.
+        bad = loader.problems(index, claimed)
+        if bad:
+            shown = "; ".join(bad[:10]) + (f" (and {len(bad) - 10} more)" if len(bad) > 10 else "")
+            raise ValueError(
+                f"checkpoint at {index.model_dir}{where} does not match its quantization_config "
+                f"({arch.quantization.method}): {shown}"
+            )
+    unclaimed = unclaimed_tensors(index, arch, claimed + owned, lists_first_stage_modules=lists_first_stage_modules,
                                   layer_range=layer_range)
     if unclaimed:
         raise ValueError(_unclaimed_error(index.model_dir, arch, unclaimed, where))
+    if loader is not None:
+        return
     bad = _dtype_problems(index, claimed)
     if bad:
         shown = "; ".join(bad[:10]) + (f" (and {len(bad) - 10} more)" if len(bad) > 10 else "")

@@ -42,6 +42,7 @@ def load_stage_model(
 ) -> LlamaForCausalLM:
     """Allocate the stage's modules (and nothing else), then copy in exactly its tensors."""
     from pprun.models.checkpoint import CheckpointIndex, check_stage_tensors, log_conversions
+    from pprun.models.quantization import weight_loader
 
     t0 = time.perf_counter()
     cls = MODEL_CLASSES[arch.architecture]
@@ -61,7 +62,13 @@ def load_stage_model(
     check_stage_tensors(index, arch, names, lists_first_stage_modules=layout.is_first,
                         layer_range=layout.layer_range, where=where)
     log_conversions(index, names, dtype, where)
-    loaded = model.load_weights(index.iter_tensors(names, device=device, dtype=dtype))
+    # A quantized checkpoint's method reads its weights with their scales (pprun.models.quantization).
+    loader = weight_loader(arch)
+    if loader is None:
+        tensors = index.iter_tensors(names, device=device, dtype=dtype)
+    else:
+        tensors = loader.iter_tensors(index, names, device=device, dtype=dtype)
+    loaded = model.load_weights(tensors)
     missing = sorted(set(names) - loaded)
     if missing:
         raise ValueError(f"stage {layout.pp_rank}: checkpoint tensors not loaded: {missing[:8]}")

@@ -1,0 +1,140 @@
+"""The weight loader of a quantized checkpoint: which tensors each quantized weight owns, what
+they must look like, and the weights they make.
+
+:class:`Fp8WeightLoader` follows a :class:`~pprun.models.quantization_config.QuantizationArch`:
+for every linear weight a stage reads, the config says whether it is quantized; a quantized one
+must be stored as float8 e4m3 beside its scale (and, for static activations, its input scale)
+of the shape the scheme implies, and an unquantized one must not be float8.  The weights are
+dequantized at load (float8 x scale in float32, then the run's dtype), on the stage's device, so
+a run computes on exactly the weights the checkpoint stores and CPU tests compare exactly with
+``transformers`` on the dequantized weights.  Stored input scales are checked and accounted for;
+activations are not quantized on this path (it runs the checkpoint's weights, not its
+activation rounding).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from pprun.models.checkpoint import CheckpointIndex
+from pprun.models.hf_config import ModelArchConfig
+from pprun.models.quantization_config import QuantizationArch, WeightScheme
+
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+class Fp8WeightLoader:
+    """Reads one stage's weights from an FP8 checkpoint (see the module docstring)."""
+
+    def __init__(self, arch: ModelArchConfig, quant: QuantizationArch) -> None:
+        self.arch = arch
+        self.quant = quant
+
+    def scheme(self, name: str) -> WeightScheme | None:
+        """How checkpoint tensor ``name`` is quantized; None when it is read as stored (not a
+        linear weight, or one the config leaves in floating point)."""
+        if not name.endswith(".weight"):
+            return None
+        module = name.removesuffix(".weight")
+        is_linear = module == "lm_head" or (".layers." in module and not module.endswith("norm"))
+        return self.quant.scheme_for(module) if is_linear else None
+
+    def owned_names(self, names: Iterable[str]) -> list[str]:
+        """The scale tensors the quantized ones of ``names`` own (what the stage also reads)."""
+        owned = []
+        for name in names:
+            scheme = self.scheme(name)
+            if scheme is not None:
+                base = name.removesuffix("weight")
+                owned.append(base + scheme.scale_name)
+                if scheme.static_input_scale:
+                    owned.append(base + "input_scale")
+        return owned
+
+    def scale_shape(self, scheme: WeightScheme, weight_shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """The shapes a weight's scale may be stored in (a scalar may be stored as ``[]`` or ``[1]``)."""
+        rows, cols = weight_shape
+        if scheme.strategy == "block":
+            return ((math.ceil(rows / scheme.block[0]), math.ceil(cols / scheme.block[1])),)
+        if scheme.strategy == "channel":
+            return ((rows, 1), (rows,))
+        return ((), (1,))
+
+    def problems(self, index: CheckpointIndex, names: Iterable[str]) -> list[str]:
+        """What in ``names`` (and the scales they own) disagrees with the config: each as
+        ``tensor: what is wrong`` (headers only)."""
+        out = []
+        for name in names:
+            scheme = self.scheme(name)
+            stored = index.dtype(name)
+            if scheme is None:
+                if stored == FP8_DTYPE or not stored.is_floating_point:
+                    out.append(f"{name}: stored as {_short(stored)}, but the quantization_config leaves "
+                               f"this module in floating point ({self.quant.method})")
+                continue
+            if stored != FP8_DTYPE:
+                out.append(f"{name}: stored as {_short(stored)}; the quantization_config "
+                           f"({self.quant.method}, {scheme.strategy}) quantizes it to float8_e4m3fn")
+                continue
+            base = name.removesuffix("weight")
+            scale = base + scheme.scale_name
+            allowed = self.scale_shape(scheme, index.shape(name))
+            if scale not in index:
+                out.append(f"{scale}: missing (the scale of {name}, {scheme.strategy}-wise)")
+            elif index.shape(scale) not in allowed or index.dtype(scale) not in (
+                    torch.float32, torch.bfloat16, torch.float16):
+                out.append(f"{scale}: shape {index.shape(scale)} {_short(index.dtype(scale))}; a "
+                           f"{scheme.strategy}-wise scale of a {index.shape(name)} weight is "
+                           f"{' or '.join(str(s) for s in allowed)} floating point")
+            if scheme.static_input_scale:
+                input_scale = base + "input_scale"
+                if input_scale not in index:
+                    out.append(f"{input_scale}: missing (static activations need it)")
+                elif index.shape(input_scale) not in ((), (1,)):
+                    out.append(f"{input_scale}: shape {index.shape(input_scale)}; a per-tensor scale is () or (1,)")
+        return out
+
+    def iter_tensors(
+        self, index: CheckpointIndex, names: list[str], device: torch.device | str, dtype: torch.dtype
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` for each of ``names``: quantized weights dequantized with their
+        scales, the rest cast to ``dtype`` as :meth:`CheckpointIndex.iter_tensors` casts."""
+        plain = [n for n in names if self.scheme(n) is None]
+        yield from index.iter_tensors(plain, device=device, dtype=dtype)
+        for name in names:
+            scheme = self.scheme(name)
+            if scheme is None:
+                continue
+            scale_name = name.removesuffix("weight") + scheme.scale_name
+            raw = index.load([name, scale_name], device=device)
+            weight = dequantize(raw[name], raw[scale_name], scheme)
+            yield name, weight.to(dtype)
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
+    """``weight`` (float8) times its scale, in float32: one scale per ``block`` tile, per output
+    row (``channel``) or for the whole tensor."""
+    w = weight.to(torch.float32)
+    s = scale.to(torch.float32)
+    if scheme.strategy == "block":
+        rows, cols = w.shape
+        block_rows, block_cols = scheme.block
+        s = s.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
+        return w * s
+    if scheme.strategy == "channel":
+        return w * s.reshape(-1, 1)
+    return w * s.reshape(())
+
+
+def weight_loader(arch: ModelArchConfig) -> Fp8WeightLoader | None:
+    """The quantization method's weight loader for ``arch``; None for a floating-point checkpoint."""
+    if arch.quantization is None:
+        return None
+    return Fp8WeightLoader(arch, arch.quantization)
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
