@@ -77,7 +77,7 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_e
 """Request keys that are SamplingParams fields of the same name (top_k, min_p, ignore_eos,
 min_tokens, stop_token_ids and skip_special_tokens are extensions, as vLLM takes them)."""
 
-_NEUTRAL: dict[str, tuple[tuple[object, ...], str]] = {
+NEUTRAL: dict[str, tuple[tuple[object, ...], str]] = {
     "presence_penalty": ((0, 0.0), "pprun does not implement penalties; leave it unset or 0"),
     "frequency_penalty": ((0, 0.0), "pprun does not implement penalties; leave it unset or 0"),
     "repetition_penalty": ((1, 1.0), "pprun does not implement penalties; leave it unset or 1"),
@@ -145,7 +145,7 @@ def _check_schema(body: dict, model: type[BaseModel]) -> None:
 
 
 def _check_neutral(body: dict) -> None:
-    for key, (neutral, why) in _NEUTRAL.items():
+    for key, (neutral, why) in NEUTRAL.items():
         value = body.get(key)
         if value is not None and not any(value == v and type(value) is type(v) for v in neutral):
             raise OpenAIError(400, f"{key}={value!r} is not supported: {why}", param=key)
