@@ -335,3 +335,37 @@ def _grpc_channel(fuzz_server):
     fuzz_server.grpc_channel = fuzz_server.channel()
     yield
     fuzz_server.grpc_channel.close()
+
+
+# --- the same limits on every front end --------------------------------------------------------------
+
+
+def test_max_tokens_past_the_context_on_every_front_end(fuzz_server):
+    """``max_tokens`` beyond what the 128-token context leaves after the prompt: a 400 (OpenAI) or
+    INVALID_ARGUMENT (pprun.v1, KServe) naming both numbers; too many stop strings the same."""
+    resp = fuzz_server.http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 126})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens"
+    assert "max_tokens=126 is invalid: the prompt has 3 tokens and max_model_len=128 leaves room for 125" in resp.text
+    stub = pb_grpc.PprunStub(fuzz_server.grpc_channel)
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling=pb.SamplingParams(max_tokens=126))
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(request, timeout=REQUEST_DEADLINE_S))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_tokens=126 is invalid: the prompt has 3 tokens and max_model_len=128 leaves room for 125" in (
+        info.value.details())
+    request = pb.GenerateRequest(text="abcd", sampling=pb.SamplingParams(max_tokens=2, stop=["a"] * 17))
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(request, timeout=REQUEST_DEADLINE_S))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "GenerateRequest.sampling.stop has 17 stop strings: at most serve.max_stop_strings=16" in info.value.details()
+
+    from serve_helpers import kserve_request
+    from tritonclient.grpc import service_pb2_grpc
+
+    kserve = service_pb2_grpc.GRPCInferenceServiceStub(fuzz_server.grpc_channel)
+    with pytest.raises(grpc.RpcError) as info:
+        kserve.ModelInfer(kserve_request(MODEL, "too-long", "abcd", {"max_tokens": 1000}, stream=False),
+                          timeout=REQUEST_DEADLINE_S)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_tokens=1000 is invalid: the prompt has" in info.value.details()
+    assert "max_model_len=128" in info.value.details()
