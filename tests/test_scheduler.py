@@ -720,3 +720,37 @@ def test_async_scheduling_over_batches_needs_two_steps_per_batch():
     with pytest.raises(ValueError, match="even max_in_flight"):
         Scheduler(8, 256, max_model_len=64, block_size=4, num_blocks=65, max_in_flight=3,
                   spread_over_in_flight=True, async_scheduling=True)
+
+
+# ---------------------------------------------------------------------- encoder budget
+
+
+def test_encoder_inputs_go_only_to_requests_the_step_runs():
+    """A running request whose next prefill chunk reaches an image and needs a block the pool
+    lacks preempts itself: the step neither encodes its image nor counts it encoded (a runner
+    drops a preempted request's items before it encodes), so the image is encoded in the step
+    whose window first reaches it after the request resumes."""
+    from pprun.multimodal.items import MultiModalItem, PlaceholderRange
+
+    # 5 usable blocks of 4: "a" (11 tokens) takes 3, "b" (12, its image at 8..12) 2 for its first
+    # chunk; b's second chunk needs a sixth block while a decodes, and b arrived last.
+    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=16, block_size=4, num_blocks=6)
+    sched.add_request(make_req("a", 11, max_tokens=2))
+    image = MultiModalItem("image", "img-b", PlaceholderRange(8, 4))
+    sched.add_request(Request("b", list(range(10, 22)), SamplingParams(max_tokens=2), eos_token_ids={EOS},
+                              mm_items=[image]))
+    runner, encoded = FakeRunner(block_size=4), False
+    outputs = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        outputs.append(out)
+        assert set(out.scheduled_encoder_inputs) <= set(out.num_scheduled_tokens), out
+        if "b" in out.scheduled_encoder_inputs:
+            encoded = True
+        elif "b" in out.num_scheduled_tokens and runner.num_computed.get("b", 0) < 12:
+            if runner.num_computed.get("b", 0) + out.num_scheduled_tokens["b"] > 8:
+                assert encoded, "b's window reaches its image, which was never encoded"
+        sched.update_from_output(out, runner.execute(out))
+        assert len(outputs) < 20
+    assert any("b" in o.finished_req_ids for o in outputs[:3])  # b was preempted
+    assert [o.scheduled_encoder_inputs for o in outputs if o.scheduled_encoder_inputs] == [{"b": [0]}]

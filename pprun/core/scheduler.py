@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pprun.core.block_manager import BlockManager, min_blocks_for_one_request
 from pprun.core.outputs import (
@@ -37,6 +39,54 @@ __all__ = ["Scheduler", "min_blocks_for_one_request"]
 def _positive_int(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
+
+
+class _EncoderPlan(NamedTuple):
+    """A request's window cut where the step's encoder budget ends, and what it encodes."""
+
+    num_new_tokens: int
+    to_encode: list[int]
+    """Indices into the request's ``mm_items`` to encode this step."""
+    cost: int
+    """Encoder rows they take of the step's encoder budget."""
+
+
+class _Admission(NamedTuple):
+    """How a waiting request enters the step: its cached prefix and the window after it."""
+
+    cached_block_ids: list[int]
+    num_computed: int
+    """Tokens of the cached prefix (whole blocks)."""
+    num_new_tokens: int
+    encoder: _EncoderPlan | None
+    """None: the request has no multimodal items."""
+
+
+class _RunningOrder(NamedTuple):
+    """The running requests a step looks at before the waiting ones, and the async joiners it
+    looks at after them."""
+
+    candidates: list[Request]
+    joiners: list[Request]
+
+
+@dataclass
+class _StepPlan:
+    """The step being built: what the phases have put in it so far, and the budgets left."""
+
+    step_cap: int
+    """Most requests the step may take (:meth:`Scheduler._step_request_cap`)."""
+    token_budget: int
+    encoder_budget: int
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    scheduled: list[Request] = field(default_factory=list)
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    samples: list[str] = field(default_factory=list)
+    """Ids of the requests the step samples for."""
+    preempted: bool = False
+    """Some running request was preempted for blocks: no waiting request is admitted."""
 
 
 class Scheduler:
@@ -154,7 +204,6 @@ class Scheduler:
         self._steps_in_flight: dict[int, list[Request]] = {}
         # Per in-flight step: ids of the requests it samples for.
         self._step_samples: dict[int, list[str]] = {}
-        self._samples_this_step: list[str] = []
 
     # ------------------------------------------------------------------ queries
 
@@ -290,198 +339,233 @@ class Scheduler:
                 f"schedule() called with {len(self._steps_in_flight)} steps in flight: "
                 f"max_in_flight={self.max_in_flight}; call update_from_output first"
             )
-        token_budget = self.max_num_batched_tokens
-        encoder_budget = self.max_num_encoder_tokens
-        encoder_inputs: dict[str, list[int]] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs = CachedRequestData()
-        num_scheduled_tokens: dict[str, int] = {}
-        scheduled: list[Request] = []
-        self._samples_this_step = []
-        preempted_this_step = False
         num_unfinished = min(len(self._requests), self.max_num_running)
-        step_cap = self._step_request_cap(num_unfinished)
-        block_manager = self.block_manager
-        prefix_caching = self.enable_prefix_caching
-        if prefix_caching:
-            block_manager.begin_step()
+        step = _StepPlan(
+            step_cap=self._step_request_cap(num_unfinished),
+            token_budget=self.max_num_batched_tokens,
+            encoder_budget=self.max_num_encoder_tokens,
+        )
+        if self.enable_prefix_caching:
+            self.block_manager.begin_step()
+        order = self._plan_running_order(num_unfinished, step.step_cap)
+        self._take_running(step, order.candidates)
+        # Skipped after a preemption: the blocks just freed are for the running requests, and
+        # re-admitting the victim now would only thrash.
+        if not step.preempted:
+            self._admit_waiting(step)
+        if order.joiners:
+            self._take_running(step, order.joiners)
+        return self._close_step(step)
 
-        # Running requests first, earliest arrival first.  The common case (a decode token
-        # within the request's last block) allocates nothing and reads lengths directly: with a
-        # few hundred requests this loop is most of the engine's host time per step.
+    def _plan_running_order(self, num_unfinished: int, step_cap: int) -> _RunningOrder:
+        """The running requests this step looks at, earliest arrival first, and the async joiners
+        it looks at after the waiting ones (none unless async steps spread over pipeline batches).
+
+        Pipeline batches with async steps: requests out of flight (and the waiting ones) first,
+        then those joining a step they are still in — only a step at least a round of batches
+        back (counted in steps that run), oldest first.  The first stage computes a joiner's next
+        token from the ids the last stage sends it once that step is through the whole pipeline:
+        a join straight behind its own step (what taking joiners in arrival order drifts into)
+        makes every step wait for the one before it, slower than the synchronous pipeline
+        (docs/performance.md, "Pipeline settings").  The round is the batches the unfinished
+        requests fill: a lone request joins right behind itself.
+        """
+        if not (self.async_scheduling and self.spread_over_in_flight):
+            return _RunningOrder(self._running, [])
+        batches_in_use = min(self._num_batches, -(-num_unfinished // step_cap))
+        newest_allowed = self._num_steps_built - batches_in_use
+        joiners = sorted(
+            (r for r in self._running if r.num_steps_in_flight and r.last_step_pos <= newest_allowed),
+            key=lambda r: r.last_step_pos,
+        )
+        return _RunningOrder([r for r in self._running if not r.num_steps_in_flight], joiners)
+
+    def _take_running(self, step: _StepPlan, reqs: list[Request]) -> None:
+        """Add running requests ``reqs``, in order, while the step has room: each its next decode
+        token or prefill chunk.  One that needs a KV block when none is free preempts
+        (:meth:`_allocate_or_preempt`).
+
+        The common case (a decode token within the request's last block) allocates nothing and
+        reads lengths directly: with a few hundred requests this loop is most of the engine's
+        host time per step.
+        """
         block_size, running, async_scheduling = self.block_size, RequestStatus.RUNNING, self.async_scheduling
-        candidates, joiners = self._running, []
-        if async_scheduling and self.spread_over_in_flight:
-            # Pipeline batches with async steps: requests out of flight (and the waiting ones)
-            # first, then those joining a step they are still in — only a step at least a
-            # round of batches back (counted in steps that run), oldest first.  The first stage
-            # computes a joiner's next token from the ids the last stage sends it once that
-            # step is through the whole pipeline: a join straight behind its own step (what
-            # taking joiners in arrival order drifts into) makes every step wait for the one
-            # before it, slower than the synchronous pipeline (docs/performance.md, "Pipeline
-            # settings").  The round is the batches the unfinished requests fill: a lone
-            # request joins right behind itself.
-            candidates = [r for r in self._running if not r.num_steps_in_flight]
-            batches_in_use = min(self._num_batches, -(-num_unfinished // step_cap))
-            newest_allowed = self._num_steps_built - batches_in_use
-            joiners = sorted(
-                (r for r in self._running if r.num_steps_in_flight and r.last_step_pos <= newest_allowed),
-                key=lambda r: r.last_step_pos,
+        cached_reqs = step.cached_reqs
+        for req in list(reqs):
+            if step.token_budget == 0 or len(step.scheduled) >= step.step_cap:
+                break
+            if req.status is not running:
+                continue  # preempted earlier in this loop
+            if req.num_steps_in_flight and (not async_scheduling or not self._can_join_step(req)):
+                continue  # in an outstanding step
+            num_computed = req.num_computed_tokens
+            num_new_tokens = min(
+                len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_pending_samples - num_computed,
+                step.token_budget,
             )
-
-        def plan_encoder(req: Request, num_new_tokens: int) -> int:
-            """Cut the window where the step's encoder budget ends; note the items to encode."""
-            nonlocal encoder_budget
-            if not req.mm_items or req.num_computed_tokens >= len(req.prompt_token_ids):
-                return num_new_tokens  # decoding, or no items: the hot path costs one check
-            num_new_tokens, to_encode, cost = plan_encoder_inputs(
-                req.mm_items, req.num_computed_tokens, num_new_tokens, encoder_budget, self.encoder_cache
-            )
-            if num_new_tokens and to_encode:
-                encoder_inputs[req.req_id] = to_encode
-                encoder_budget -= cost
-                for i in to_encode:
-                    self.encoder_cache.mark_encoded(req.mm_items[i].content_hash)
-            return num_new_tokens
-
-        def take_running(reqs: list[Request]) -> None:
-            nonlocal token_budget, preempted_this_step
-            for req in list(reqs):
-                if token_budget == 0 or len(scheduled) >= step_cap:
-                    break
-                if req.status is not running:
-                    continue  # preempted earlier in this loop
-                if req.num_steps_in_flight and (not async_scheduling or not self._can_join_step(req)):
-                    continue  # in an outstanding step
-                num_computed = req.num_computed_tokens
-                num_new_tokens = min(
-                    len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_pending_samples - num_computed,
-                    token_budget,
-                )
+            if num_new_tokens <= 0:
+                continue
+            encoder = None
+            if req.mm_items:
+                encoder = self._plan_encoder(req, num_computed, num_new_tokens, step.encoder_budget)
+                num_new_tokens = encoder.num_new_tokens
                 if num_new_tokens <= 0:
                     continue
-                if req.mm_items:
-                    num_new_tokens = plan_encoder(req, num_new_tokens)
-                    if num_new_tokens <= 0:
-                        continue
-                if num_computed + num_new_tokens <= len(req.block_ids) * block_size:
-                    new_block_ids = []  # the request's blocks already cover this step
-                else:
-                    new_block_ids, preempted = self._allocate_or_preempt(req, num_computed + num_new_tokens)
-                    preempted_this_step = preempted_this_step or preempted
-                    if new_block_ids is None:
-                        continue
-                cached_reqs.req_ids.append(req.req_id)
-                cached_reqs.new_block_ids.append(new_block_ids)
-                cached_reqs.num_computed_tokens.append(num_computed)
-                num_sent = req.num_output_tokens_sent
-                outputs = req.output_token_ids
-                cached_reqs.new_token_ids.append(outputs[num_sent:] if num_sent < len(outputs) else [])
-                req.num_output_tokens_sent = len(outputs)
-                self._mark_scheduled(req, num_new_tokens, num_scheduled_tokens, scheduled)
-                token_budget -= num_new_tokens
-                if prefix_caching and req.num_computed_tokens >= (req.num_registered_blocks + 1) * block_size:
-                    # Blocks this step fills, as far as their token ids are known (an async
-                    # step may compute a token the host learns later: named in a later step).
-                    # Checked inline first: most decode steps fill no block.
-                    block_manager.register_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+            if num_computed + num_new_tokens <= len(req.block_ids) * block_size:
+                new_block_ids = []  # the request's blocks already cover this step
+            else:
+                new_block_ids, preempted = self._allocate_or_preempt(req, num_computed + num_new_tokens)
+                step.preempted = step.preempted or preempted
+                if new_block_ids is None:
+                    continue  # preempted itself: nothing of it (its encoding neither) is in the step
+            if encoder is not None:
+                self._commit_encoder(step, req, encoder)
+            cached_reqs.req_ids.append(req.req_id)
+            cached_reqs.new_block_ids.append(new_block_ids)
+            cached_reqs.num_computed_tokens.append(num_computed)
+            num_sent = req.num_output_tokens_sent
+            outputs = req.output_token_ids
+            cached_reqs.new_token_ids.append(outputs[num_sent:] if num_sent < len(outputs) else [])
+            req.num_output_tokens_sent = len(outputs)
+            self._mark_scheduled(step, req, num_new_tokens)
+            if self.enable_prefix_caching and req.num_computed_tokens >= (req.num_registered_blocks + 1) * block_size:
+                # Blocks this step fills, as far as their token ids are known (an async step
+                # may compute a token the host learns later: named in a later step).  Checked
+                # inline first: most decode steps fill no block.
+                self.block_manager.register_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
 
-        take_running(candidates)
-
-        # Waiting requests, strictly FCFS.  Skipped after a preemption: the blocks just freed
-        # are for the running requests, and re-admitting the victim now would only thrash.
+    def _admit_waiting(self, step: _StepPlan) -> None:
+        """Admit waiting requests (new or preempted) strictly first-come first-served while the
+        step has room: the first one that does not fit blocks those behind it."""
         while (
-            not preempted_this_step
-            and self._waiting
-            and token_budget > 0
+            self._waiting
+            and step.token_budget > 0
             and len(self._running) < self.max_num_running  # max_num_seqs, or a free cross slot
-            and len(scheduled) < step_cap
+            and len(step.scheduled) < step.step_cap
         ):
             req = self._waiting[0]
-            # A waiting request is never in flight: only requests out of flight are preempted,
-            # and its num_computed_tokens is 0.
-            cached_block_ids = block_manager.find_cached_prefix(req) if prefix_caching else []
-            num_computed = len(cached_block_ids) * block_size
-            num_new_tokens = req.num_tokens - num_computed
-            if num_new_tokens > token_budget:
-                if not self.enable_chunked_prefill:
-                    break
-                num_new_tokens = token_budget
-            if num_new_tokens == 1 and cached_block_ids:
-                # A one-token step may run as a fused decode kernel that writes each token's KV
-                # and attends in one launch: no block this very step writes may be read.
-                num_kept = next(
-                    (i for i, b in enumerate(cached_block_ids) if block_manager.registered_this_step(b)),
-                    len(cached_block_ids),
-                )
-                if num_kept < len(cached_block_ids):
-                    cached_block_ids = cached_block_ids[:num_kept]
-                    num_computed = num_kept * block_size
-                    num_new_tokens = req.num_tokens - num_computed
-                    if num_new_tokens > token_budget:
-                        if not self.enable_chunked_prefill:
-                            break  # a prompt is scheduled whole without chunking: next step
-                        num_new_tokens = token_budget
-            if req.mm_items:
-                num_whole = num_new_tokens
-                num_new_tokens, to_encode, cost = plan_encoder_inputs(
-                    req.mm_items, num_computed, num_new_tokens, encoder_budget, self.encoder_cache
-                )
-                if num_new_tokens == 0 or (num_new_tokens < num_whole and not self.enable_chunked_prefill):
-                    break  # the step's encoder budget is spent: FCFS, so the rest wait too
-                if num_new_tokens == 1 and any(block_manager.registered_this_step(b) for b in cached_block_ids):
-                    break  # cut to one token on a block this step writes (see above): next step
-            if block_manager.allocate(req, num_computed + num_new_tokens, cached_block_ids) is None:
+            admission = self._plan_admission(req, step)
+            if admission is None:
                 break
-            req.num_computed_tokens = num_computed
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_computed
-                block_manager.record_admission(req, num_computed)
-            if req.mm_items and to_encode:
-                encoder_inputs[req.req_id] = to_encode
-                encoder_budget -= cost
-                for i in to_encode:
-                    self.encoder_cache.mark_encoded(req.mm_items[i].content_hash)
-            self._waiting.pop(0)
-            req.status = RequestStatus.RUNNING
-            self._insert_by_arrival(self._running, req)
-            new_reqs.append(
-                NewRequestData(
-                    req_id=req.req_id,
-                    prompt_token_ids=req.all_token_ids,
-                    sampling_params=req.sampling_params,
-                    block_ids=list(req.block_ids),
-                    num_computed_tokens=req.num_computed_tokens,
-                    mm_items=req.mm_items,
-                    num_prompt_tokens=len(req.prompt_token_ids),
-                )
-            )
-            req.num_output_tokens_sent = req.num_output_tokens
-            self._mark_scheduled(req, num_new_tokens, num_scheduled_tokens, scheduled)
-            token_budget -= num_new_tokens
-            if prefix_caching:
-                block_manager.register_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
-        if joiners:
-            take_running(joiners)
+            num_total_tokens = admission.num_computed + admission.num_new_tokens
+            if self.block_manager.allocate(req, num_total_tokens, admission.cached_block_ids) is None:
+                break
+            self._admit(step, req, admission)
 
+    def _plan_admission(self, req: Request, step: _StepPlan) -> _Admission | None:
+        """How the waiting request ``req`` would enter the step: its cached prefix and the window
+        after it, cut to the step's budgets; None when it must wait for a later step.
+
+        A waiting request is never in flight (only requests out of flight are preempted), and
+        its ``num_computed_tokens`` is 0.
+        """
+        block_manager = self.block_manager
+        cached_block_ids = block_manager.find_cached_prefix(req) if self.enable_prefix_caching else []
+        num_computed = len(cached_block_ids) * self.block_size
+        num_new_tokens = self._fit_window(req.num_tokens - num_computed, step.token_budget)
+        if num_new_tokens is None:
+            return None
+        if num_new_tokens == 1 and cached_block_ids:
+            # A one-token step may run as a fused decode kernel that writes each token's KV and
+            # attends in one launch: no block this very step writes may be read.
+            num_kept = next(
+                (i for i, b in enumerate(cached_block_ids) if block_manager.registered_this_step(b)),
+                len(cached_block_ids),
+            )
+            if num_kept < len(cached_block_ids):
+                cached_block_ids = cached_block_ids[:num_kept]
+                num_computed = num_kept * self.block_size
+                num_new_tokens = self._fit_window(req.num_tokens - num_computed, step.token_budget)
+                if num_new_tokens is None:
+                    return None  # a prompt is scheduled whole without chunking: next step
+        encoder = None
+        if req.mm_items:
+            encoder = self._plan_encoder(req, num_computed, num_new_tokens, step.encoder_budget)
+            if encoder.num_new_tokens == 0 or (
+                encoder.num_new_tokens < num_new_tokens and not self.enable_chunked_prefill
+            ):
+                return None  # the step's encoder budget is spent: FCFS, so the rest wait too
+            num_new_tokens = encoder.num_new_tokens
+            if num_new_tokens == 1 and any(block_manager.registered_this_step(b) for b in cached_block_ids):
+                return None  # cut to one token on a block this step writes (see above): next step
+        return _Admission(cached_block_ids, num_computed, num_new_tokens, encoder)
+
+    def _fit_window(self, num_tokens_left: int, token_budget: int) -> int | None:
+        """A waiting request's window of ``num_tokens_left`` tokens cut to ``token_budget``; None
+        when it does not fit and chunked prefill is off (a prompt is then scheduled whole)."""
+        if num_tokens_left <= token_budget:
+            return num_tokens_left
+        return token_budget if self.enable_chunked_prefill else None
+
+    def _admit(self, step: _StepPlan, req: Request, admission: _Admission) -> None:
+        """Move ``req`` (its blocks allocated) from waiting to running as a new request of the step."""
+        req.num_computed_tokens = admission.num_computed
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = admission.num_computed
+            self.block_manager.record_admission(req, admission.num_computed)
+        if admission.encoder is not None:
+            self._commit_encoder(step, req, admission.encoder)
+        self._waiting.pop(0)
+        req.status = RequestStatus.RUNNING
+        self._insert_by_arrival(self._running, req)
+        step.new_reqs.append(
+            NewRequestData(
+                req_id=req.req_id,
+                prompt_token_ids=req.all_token_ids,
+                sampling_params=req.sampling_params,
+                block_ids=list(req.block_ids),
+                num_computed_tokens=req.num_computed_tokens,
+                mm_items=req.mm_items,
+                num_prompt_tokens=len(req.prompt_token_ids),
+            )
+        )
+        req.num_output_tokens_sent = req.num_output_tokens
+        self._mark_scheduled(step, req, admission.num_new_tokens)
+        if self.enable_prefix_caching:
+            self.block_manager.register_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+
+    def _plan_encoder(self, req: Request, start: int, num_new_tokens: int, encoder_budget: int) -> _EncoderPlan:
+        """The encoder budget, planned for ``req``'s window ``[start, start + num_new_tokens)``:
+        the window cut where the budget ends, and the items to encode (nothing is committed:
+        :meth:`_commit_encoder` does that once the request is in the step)."""
+        if start >= len(req.prompt_token_ids):
+            return _EncoderPlan(num_new_tokens, [], 0)  # decoding: past every item's range
+        num_new_tokens, to_encode, cost = plan_encoder_inputs(
+            req.mm_items, start, num_new_tokens, encoder_budget, self.encoder_cache
+        )
+        return _EncoderPlan(num_new_tokens, to_encode, cost)
+
+    def _commit_encoder(self, step: _StepPlan, req: Request, plan: _EncoderPlan) -> None:
+        """``req`` is in the step: its items to encode are listed, charged to the encoder budget
+        and counted encoded."""
+        if not plan.to_encode:
+            return
+        step.encoder_inputs[req.req_id] = plan.to_encode
+        step.encoder_budget -= plan.cost
+        for i in plan.to_encode:
+            self.encoder_cache.mark_encoded(req.mm_items[i].content_hash)
+
+    def _close_step(self, step: _StepPlan) -> SchedulerOutput:
+        """Give the step built its id, count it in flight when it runs anything, and hand it out
+        with the ids and encoder outputs the runners must drop."""
         step_id = self._next_step_id
         self._next_step_id += 1
-        if scheduled:
+        if step.scheduled:
             self._num_steps_built += 1
-            self._steps_in_flight[step_id] = scheduled
-            self._step_samples[step_id] = self._samples_this_step
+            self._steps_in_flight[step_id] = step.scheduled
+            self._step_samples[step_id] = step.samples
         finished_req_ids = set(self._pending_finished_req_ids)
         self._pending_finished_req_ids = {}
         # Frees ride on a step that runs (an empty one never reaches the runners).
-        free_encoder_hashes = self.encoder_cache.take_freed() if scheduled else []
+        free_encoder_hashes = self.encoder_cache.take_freed() if step.scheduled else []
         return SchedulerOutput(
             step_id=step_id,
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+            scheduled_new_reqs=step.new_reqs,
+            scheduled_cached_reqs=step.cached_reqs,
+            num_scheduled_tokens=step.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(step.num_scheduled_tokens.values()),
             finished_req_ids=finished_req_ids,
-            scheduled_encoder_inputs=encoder_inputs,
+            scheduled_encoder_inputs=step.encoder_inputs,
             free_encoder_hashes=free_encoder_hashes,
         )
 
@@ -587,14 +671,11 @@ class Scheduler:
             return True
         return False
 
-    def _mark_scheduled(
-        self,
-        req: Request,
-        num_new_tokens: int,
-        num_scheduled_tokens: dict[str, int],
-        scheduled: list[Request],
-    ) -> None:
-        num_scheduled_tokens[req.req_id] = num_new_tokens
+    def _mark_scheduled(self, step: _StepPlan, req: Request, num_new_tokens: int) -> None:
+        """Put ``req``'s window of ``num_new_tokens`` in the step: its tokens computed, the step's
+        token budget charged, ``req`` in flight (sampling if the window ends its known tokens)."""
+        step.num_scheduled_tokens[req.req_id] = num_new_tokens
+        step.token_budget -= num_new_tokens
         req.num_computed_tokens += num_new_tokens
         req.last_step_pos = self._num_steps_built  # the step being built, counted in non-empty steps
         # Set now, so a later preemption in this same step cannot pick it.
@@ -603,8 +684,8 @@ class Scheduler:
         if req.num_computed_tokens >= num_tokens + req.num_pending_samples:
             # This step ends at the last known (or pending) token: it samples the next one.
             req.num_pending_samples += 1
-            self._samples_this_step.append(req.req_id)
-        scheduled.append(req)
+            step.samples.append(req.req_id)
+        step.scheduled.append(req)
 
     def _can_join_step(self, req: Request) -> bool:
         """Not in flight; or, with async scheduling, in exactly one step that samples for it
