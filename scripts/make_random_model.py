@@ -19,6 +19,11 @@ the output stays finite.  Decoders are written shard by shard (``--shard-gb``, w
 ``model.safetensors.index.json`` past one shard), each shard's tensors drawn on ``--device`` and
 freed once written, so host memory stays near one shard whatever the model's size.
 
+``--fp8 block`` writes the decoder layers' linear weights in the fine-grained FP8 layout of
+Qwen3-FP8 and DeepSeek-V3 (float8 e4m3, a ``weight_scale_inv`` per 128x128 block), ``--fp8
+channel`` in compressed-tensors' FP8-dynamic layout (a ``weight_scale`` per row), each with its
+``quantization_config``; routers, norms, embeddings and the LM head stay in ``--dtype``.
+
 ``--llava`` wraps that language model into a ``LlavaForConditionalGeneration``: a CLIP
 ViT-L/14-336 shaped vision tower (hidden 1024, 24 layers, 16 heads, intermediate 4096, patch 14,
 image 336; the ``--vision-*`` options change it), a two-layer GELU projector, projector input
@@ -122,6 +127,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shard-gb", type=float, default=4.0, help="most GB of tensors per safetensors file")
+    ap.add_argument("--fp8", choices=sorted(FP8_CONFIGS),
+                    help="write the decoder linears in a published FP8 layout: block (quant_method fp8, "
+                         "128x128 weight_scale_inv, as Qwen3-FP8) or channel (compressed-tensors FP8-dynamic)")
     llava = ap.add_argument_group("Llava (--llava)")
     llava.add_argument("--llava", action="store_true", help="a LlavaForConditionalGeneration with a CLIP tower")
     llava.add_argument("--vision-hidden", type=int, default=1024)
@@ -209,18 +217,38 @@ def text_config(args: argparse.Namespace, vocab_size: int) -> dict:
     return config
 
 
+FP8_CONFIGS = {
+    "block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    "channel": {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "channel"},
+            "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+                                  "strategy": "token"}}},
+        "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$"], "kv_cache_scheme": None,
+    },
+}
+"""``quantization_config`` of each ``--fp8`` layout, as the tools that publish them write it."""
+
+
 def write_decoder(args: argparse.Namespace) -> dict:
     """config.json + safetensors shards (and their index past one) of a random decoder, tensors
     named as pprun and transformers expect them, drawn and written one shard at a time."""
     from safetensors.torch import save_file
 
     from pprun.models.hf_config import expected_tensor_shapes, load_arch_config
+    from pprun.models.quantization import quantize, weight_loader
 
-    (args.out / "config.json").write_text(json.dumps(text_config(args, args.vocab), indent=2))
+    config = text_config(args, args.vocab)
+    if args.fp8:
+        config["quantization_config"] = FP8_CONFIGS[args.fp8]
+    (args.out / "config.json").write_text(json.dumps(config, indent=2))
     arch = load_arch_config(args.out)
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
     shapes = expected_tensor_shapes(arch)
+    fp8_loader = weight_loader(arch)  # with --fp8: which weights the layout quantizes, and how
     shard_bytes = int(args.shard_gb * 1e9)
     groups: list[list[str]] = [[]]
     size = 0
@@ -234,8 +262,14 @@ def write_decoder(args: argparse.Namespace) -> dict:
     files = ["model.safetensors"] if len(groups) == 1 else [
         f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     for file_name, names in zip(files, groups):
-        tensors = {name: random_tensor(name, shapes[name], dtype, args.device, gen).cpu().contiguous()
-                   for name in names}
+        tensors = {}
+        for name in names:
+            tensor = random_tensor(name, shapes[name], dtype, args.device, gen)
+            scheme = fp8_loader.scheme(name) if fp8_loader is not None else None
+            if scheme is not None:
+                tensor, scale = quantize(tensor, scheme)
+                tensors[name.removesuffix("weight") + scheme.scale_name] = scale.cpu().contiguous()
+            tensors[name] = tensor.cpu().contiguous()
         save_file(tensors, str(args.out / file_name), metadata={"format": "pt"})
         del tensors
     if len(files) > 1:

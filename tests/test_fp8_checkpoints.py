@@ -215,3 +215,24 @@ def test_bf16_runs_dequantize_into_bf16(fp8_dirs):
     want = _load(twin, dtype=torch.bfloat16).state_dict()
     for name, tensor in want.items():
         assert ours[name].dtype == torch.bfloat16 and torch.equal(ours[name], tensor), name
+
+
+@pytest.mark.parametrize("layout, scale", [("block", "weight_scale_inv"), ("channel", "weight_scale")])
+def test_random_model_script_writes_published_fp8_layouts(tmp_path, layout, scale):
+    from test_moe_models import _load_maker
+
+    out = tmp_path / layout
+    _load_maker().main([str(out), "--arch", "qwen3-moe", "--hidden", "256", "--layers", "2", "--heads", "4",
+                        "--kv-heads", "2", "--head-dim", "64", "--intermediate", "384", "--experts", "4",
+                        "--top-k", "2", "--expert-intermediate", "128", "--vocab", "300", "--max-pos", "128",
+                        "--fp8", layout])
+    stored = load_file(str(out / "model.safetensors"))
+    q = "model.layers.0.self_attn.q_proj"
+    assert stored[f"{q}.weight"].dtype == torch.float8_e4m3fn
+    assert stored[f"{q}.{scale}"].shape == ((2, 2) if layout == "block" else (256, 1))
+    assert stored["model.layers.0.mlp.experts.3.down_proj.weight"].dtype == torch.float8_e4m3fn
+    assert stored["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16
+    assert stored["lm_head.weight"].dtype == torch.bfloat16
+    resolved = _validate(out)
+    assert resolved.arch.quantization.method == ("fp8" if layout == "block" else "compressed-tensors")
+    _load(out)

@@ -50,6 +50,10 @@ class PprunModel(nn.Module, metaclass=ABCMeta):
     :class:`EncoderDecoderModel`): the worker gives each request an encoder step and a
     cross-cache slot (``pprun.worker.encoder_decoder``)."""
 
+    fp8_weight_names: frozenset[str] = frozenset()
+    """Checkpoint weights the model holds in float8 (an FP8 checkpoint's, where the run
+    multiplies in FP8): the loader hands these over as stored, each with its scale."""
+
     arch: ModelArchConfig
     """The checkpoint's architecture (``config.json``), as the model was built from it."""
     layout: StageLayout
@@ -145,23 +149,26 @@ class MultiModalModel(Protocol):
 
 def allocate(module: nn.Module, device: torch.device | str, dtype: torch.dtype | None = None) -> nn.Module:
     """Give every parameter and buffer of ``module`` (built on the meta device) uninitialised
-    storage on ``device``, floating ones in ``dtype``: ``module.to_empty(device=device).to(dtype)``
-    in one pass, keeping tensors shared between submodules shared.
+    storage on ``device``, floating ones in ``dtype`` (but those a module names in its
+    ``keep_dtypes``): ``module.to_empty(device=device).to(dtype)`` in one pass, keeping tensors
+    shared between submodules shared.
 
     ``to_empty`` makes each tensor with ``empty_like`` of a meta tensor, which runs torch's Python
     reference kernel, whose first use imports ``sympy`` (about a second of a stage's start-up on
     CPU); ``torch.empty`` does not."""
     made: dict[int, torch.Tensor] = {}
 
-    def empty(t: torch.Tensor) -> torch.Tensor:
-        new_dtype = dtype if dtype is not None and (t.is_floating_point() or t.is_complex()) else t.dtype
-        return torch.empty(t.shape, dtype=new_dtype, device=device)
+    def empty(t: torch.Tensor, keep: bool = False) -> torch.Tensor:
+        cast = dtype is not None and not keep and (t.is_floating_point() or t.is_complex())
+        return torch.empty(t.shape, dtype=dtype if cast else t.dtype, device=device)
 
     for sub in module.modules():
+        # A quantized layer's float8 weights and float32 scales keep their dtypes.
+        keep = getattr(sub, "keep_dtypes", ())
         for name, param in sub._parameters.items():
             if param is not None:
                 if id(param) not in made:
-                    made[id(param)] = nn.Parameter(empty(param), requires_grad=param.requires_grad)
+                    made[id(param)] = nn.Parameter(empty(param, name in keep), requires_grad=param.requires_grad)
                 sub._parameters[name] = made[id(param)]
         for name, buf in sub._buffers.items():
             if buf is not None:

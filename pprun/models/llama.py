@@ -43,6 +43,7 @@ from pprun.layers.plan import run_decoder_layers
 from pprun.models.base import PprunModel, allocate
 from pprun.models.hf_config import ModelArchConfig
 from pprun.models.moe import SparseMoeBlock
+from pprun.models.quantization import LinearFactory
 
 
 def rope_inv_freq(arch: ModelArchConfig) -> torch.Tensor:
@@ -103,7 +104,8 @@ class RotaryEmbedding:
 class Attention(nn.Module):
     """Grouped-query attention with one fused q/k/v projection over the paged KV cache."""
 
-    def __init__(self, arch: ModelArchConfig, rotary: RotaryEmbedding, backend: Callable) -> None:
+    def __init__(self, arch: ModelArchConfig, rotary: RotaryEmbedding, backend: Callable,
+                 make_linear: LinearFactory, prefix: str) -> None:
         super().__init__()
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.num_key_value_heads
@@ -111,10 +113,9 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
-            arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias)
+        self.qkv_proj = make_linear([f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"], arch.hidden_size,
+                                    [self.q_size, self.kv_size, self.kv_size], arch.attention_bias)
+        self.o_proj = make_linear([f"{prefix}.o_proj"], self.q_size, [arch.hidden_size], arch.o_proj_bias)
         # Qwen3: each head's q and k normalised over head_dim before RoPE.
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
@@ -151,11 +152,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward with gate and up fused into one matmul."""
 
-    def __init__(self, arch: ModelArchConfig) -> None:
+    def __init__(self, arch: ModelArchConfig, make_linear: LinearFactory, prefix: str) -> None:
         super().__init__()
-        self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        inter = self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = make_linear([f"{prefix}.gate_proj", f"{prefix}.up_proj"], arch.hidden_size,
+                                        [inter, inter], arch.mlp_bias)
+        self.down_proj = make_linear([f"{prefix}.down_proj"], inter, [arch.hidden_size], arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``down(silu(gate(x)) * up(x))``."""
@@ -166,16 +168,20 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block; carries the residual stream separately."""
 
-    def __init__(self, arch: ModelArchConfig, rotary: RotaryEmbedding, backend: Callable, layer: int = 0) -> None:
+    def __init__(self, arch: ModelArchConfig, rotary: RotaryEmbedding, backend: Callable, layer: int = 0,
+                 make_linear: LinearFactory | None = None) -> None:
         super().__init__()
+        prefix = f"model.layers.{layer}"
+        if make_linear is None:  # a layer on its own (tests): plain linears unless the arch is quantized
+            make_linear = LinearFactory(arch, torch.device("cpu"), torch.float32)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, rotary, backend)
+        self.self_attn = Attention(arch, rotary, backend, make_linear, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # A mixture-of-experts model's sparse layers (``layer``: the global index) hold experts.
         if arch.moe is not None and arch.moe.is_sparse(layer):
             self.mlp: nn.Module = SparseMoeBlock(arch.moe, arch.hidden_size)
         else:
-            self.mlp = MLP(arch)
+            self.mlp = MLP(arch, make_linear, f"{prefix}.mlp")
 
     def forward(
         self,
@@ -212,6 +218,8 @@ class LlamaForCausalLM(PprunModel):
         self.dtype = dtype
         self.device = device
         rotary = RotaryEmbedding(arch, max_positions, device)
+        # Each linear layer in its form: FP8 where an FP8 checkpoint's weights stay FP8 on this run.
+        make_linear = LinearFactory(arch, device, dtype)
         # Built on the meta device: nothing is allocated until ``allocate`` below, and then
         # only this stage's modules exist at all.
         with torch.device("meta"):
@@ -219,7 +227,7 @@ class LlamaForCausalLM(PprunModel):
                 Embedding(arch.vocab_size, arch.hidden_size) if layout.is_first else None
             )
             self.layers = nn.ModuleList(
-                DecoderLayer(arch, rotary, attn_backend, layer=i) for i in layout.layer_range
+                DecoderLayer(arch, rotary, attn_backend, i, make_linear) for i in layout.layer_range
             )
             if layout.is_last:
                 self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -228,6 +236,7 @@ class LlamaForCausalLM(PprunModel):
                 self.norm = None
                 self.lm_head = None
         allocate(self, device, dtype)
+        self.fp8_weight_names = frozenset(make_linear.fp8_weight_names)
         if layout.is_first and layout.is_last and arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -331,7 +340,7 @@ class LlamaForCausalLM(PprunModel):
                 part, param = rest.rsplit(".", 1)
                 if part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
                     row0, rows = qkv_rows[part[len("self_attn.")]]
-                    getattr(layer.self_attn.qkv_proj, param).data[row0 : row0 + rows].copy_(tensor)
+                    _copy_rows(layer.self_attn.qkv_proj, param, row0, rows, tensor)
                     loaded.add(name)
                     continue
                 if isinstance(layer.mlp, SparseMoeBlock) and part.startswith(f"{a.moe.checkpoint_prefix}."):
@@ -347,9 +356,12 @@ class LlamaForCausalLM(PprunModel):
                     target = layer.mlp.gate.get_parameter(param)
                 elif part in ("mlp.gate_proj", "mlp.up_proj"):
                     row0 = 0 if part == "mlp.gate_proj" else a.intermediate_size
-                    getattr(layer.mlp.gate_up_proj, param).data[
-                        row0 : row0 + a.intermediate_size
-                    ].copy_(tensor)
+                    _copy_rows(layer.mlp.gate_up_proj, param, row0, a.intermediate_size, tensor)
+                    loaded.add(name)
+                    continue
+                if target is None and param in _SCALES:
+                    module = layer.get_submodule(part)
+                    _copy_rows(module, param, 0, module.out_features, tensor)
                     loaded.add(name)
                     continue
                 if target is None:
@@ -359,3 +371,16 @@ class LlamaForCausalLM(PprunModel):
             target.data.copy_(tensor)
             loaded.add(name)
         return loaded
+
+
+_SCALES = ("weight_scale", "weight_scale_inv")
+"""An FP8 checkpoint's weight scales (kept beside float8 weights by ``Fp8Linear``)."""
+
+
+def _copy_rows(module: nn.Module, param: str, row0: int, rows: int, tensor: torch.Tensor) -> None:
+    """A checkpoint tensor of a layer fused from several (its rows ``row0 : row0 + rows``) into
+    place: a weight or bias as rows, an FP8 weight's scale through the layer's ``load_scale``."""
+    if param in _SCALES:
+        module.load_scale(row0, rows, tensor)
+    else:
+        getattr(module, param).data[row0 : row0 + rows].copy_(tensor)

@@ -98,10 +98,14 @@ class Fp8WeightLoader:
         return out
 
     def iter_tensors(
-        self, index: CheckpointIndex, names: list[str], device: torch.device | str, dtype: torch.dtype
+        self, index: CheckpointIndex, names: list[str], device: torch.device | str, dtype: torch.dtype,
+        keep_fp8: set[str] | frozenset[str] = frozenset(),
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` for each of ``names``: quantized weights dequantized with their
-        scales, the rest cast to ``dtype`` as :meth:`CheckpointIndex.iter_tensors` casts."""
+        scales, the rest cast to ``dtype`` as :meth:`CheckpointIndex.iter_tensors` casts.
+
+        ``keep_fp8``: weights the model holds in float8 (``LinearFactory.fp8_weight_names``):
+        these come as stored, each followed by its scale under its checkpoint name."""
         plain = [n for n in names if self.scheme(n) is None]
         yield from index.iter_tensors(plain, device=device, dtype=dtype)
         for name in names:
@@ -110,6 +114,10 @@ class Fp8WeightLoader:
                 continue
             scale_name = name.removesuffix("weight") + scheme.scale_name
             raw = index.load([name, scale_name], device=device)
+            if name in keep_fp8:
+                yield name, raw[name]
+                yield scale_name, raw[scale_name].to(torch.float32)
+                continue
             weight = dequantize(raw[name], raw[scale_name], scheme)
             yield name, weight.to(dtype)
 
@@ -129,6 +137,28 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, scheme: WeightScheme) 
     return w * s.reshape(())
 
 
+def quantize(weight: torch.Tensor, scheme: WeightScheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` as float8 e4m3 and its float32 scale, :func:`dequantize`'s inverse up to
+    rounding: each block's, row's or the tensor's largest magnitude maps to 448."""
+    w = weight.to(torch.float32)
+    if scheme.strategy == "block":
+        rows, cols = w.shape
+        block_rows, block_cols = scheme.block
+        padded = torch.zeros(math.ceil(rows / block_rows) * block_rows, math.ceil(cols / block_cols) * block_cols,
+                             device=w.device)
+        padded[:rows, :cols] = w
+        tiles = padded.view(padded.shape[0] // block_rows, block_rows, padded.shape[1] // block_cols, block_cols)
+        scale = (tiles.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
+        expanded = scale.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
+    elif scheme.strategy == "channel":
+        scale = (w.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
+        expanded = scale
+    else:
+        scale = (w.abs().max() / 448.0).clamp(min=1e-12).reshape(1)
+        expanded = scale
+    return (w / expanded).clamp(-448.0, 448.0).to(FP8_DTYPE), scale
+
+
 def weight_loader(arch: ModelArchConfig) -> Fp8WeightLoader | None:
     """The quantization method's weight loader for ``arch``; None for a floating-point checkpoint."""
     if arch.quantization is None:
@@ -138,3 +168,35 @@ def weight_loader(arch: ModelArchConfig) -> Fp8WeightLoader | None:
 
 def _short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+class LinearFactory:
+    """Builds each linear layer of a decoder in the form the checkpoint and the run call for: an
+    :class:`~pprun.layers.fp8_linear.Fp8Linear` keeping an FP8 checkpoint's weights where the
+    run multiplies in FP8 (:func:`~pprun.layers.fp8_linear.fp8_compute_supported`) and the
+    layer's shape fits, else a plain ``nn.Linear`` (whose FP8 weights the loader dequantizes).
+
+    The model file names its layers through it (``pprun.models.llama``); :attr:`fp8_weight_names`
+    is then what the loader hands over as stored (:meth:`Fp8WeightLoader.iter_tensors`).
+    """
+
+    def __init__(self, arch: ModelArchConfig, device: torch.device, dtype: torch.dtype) -> None:
+        from pprun.layers.fp8_linear import fp8_compute_supported
+
+        self.quant = arch.quantization
+        self.compute_fp8 = self.quant is not None and fp8_compute_supported(torch.device(device), dtype)
+        self.fp8_weight_names: set[str] = set()
+        """Checkpoint weight names held in float8 by an ``Fp8Linear``."""
+
+    def __call__(self, modules: list[str], in_features: int, rows: list[int], bias: bool) -> torch.nn.Module:
+        """The layer computing checkpoint ``modules`` (their names without ``.weight``; several
+        when fused, e.g. q, k and v) of ``rows`` output rows each from ``in_features``."""
+        from pprun.layers.fp8_linear import Fp8Linear, fits_fp8_compute
+
+        if self.compute_fp8:
+            schemes = {self.quant.scheme_for(m) for m in modules}
+            scheme = schemes.pop() if len(schemes) == 1 else None
+            if scheme is not None and fits_fp8_compute(scheme.block, in_features, rows):
+                self.fp8_weight_names.update(f"{m}.weight" for m in modules)
+                return Fp8Linear(in_features, sum(rows), bias, block_scaled=scheme.strategy == "block")
+        return torch.nn.Linear(in_features, sum(rows), bias=bias)

@@ -67,7 +67,7 @@ def load_stage_model(
     if loader is None:
         tensors = index.iter_tensors(names, device=device, dtype=dtype)
     else:
-        tensors = loader.iter_tensors(index, names, device=device, dtype=dtype)
+        tensors = loader.iter_tensors(index, names, device=device, dtype=dtype, keep_fp8=model.fp8_weight_names)
     loaded = model.load_weights(tensors)
     missing = sorted(set(names) - loaded)
     if missing:

@@ -1,0 +1,87 @@
+"""Dynamic FP8 quantization of activations, one Triton launch each: per row (token) or per row
+and group of columns (1x128 blocks), the scale of each being its largest magnitude over 448.
+
+What :class:`pprun.layers.fp8_linear.Fp8Linear` feeds cuBLAS's scaled matmul.  Capture-safe for
+CUDA graphs: grids come from shapes, outputs from ``torch.empty``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+SCALE_EPS = 1e-10
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, K,
+                          BLOCK_K: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr):
+    row = tl.program_id(0)
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX_C, EPS)
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
+        q = tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C)
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> ``(q [M, K] float8 e4m3, scale [M, 1] float32)`` with ``x ~ q * scale``."""
+    num_rows, k = x.shape
+    q = torch.empty((num_rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
+    if num_rows:
+        block_k = min(2048, triton.next_power_of_2(k))
+        _quantize_rows_kernel[(num_rows,)](x, q, s, x.stride(0), q.stride(0), k, BLOCK_K=block_k,
+                                           FP8_MAX_C=FP8_MAX, EPS=SCALE_EPS, num_warps=4)
+    return q, s
+
+
+@triton.jit
+def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, num_rows, num_rows_padded,
+                            GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr):
+    row = tl.program_id(0)
+    group = tl.program_id(1)
+    cols = group * GROUP + tl.arange(0, GROUP)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=(row < num_rows) & (cols >= 0), other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX_C, EPS)
+    # Scales column-major ([groups, rows] in memory), the layout cuBLAS's 1x128 scaling reads.
+    tl.store(s_ptr + group * num_rows_padded + row, scale)
+    q = tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C)
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty))
+
+
+def quantize_groups(x: torch.Tensor, group: int, min_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` (``K`` a multiple of ``group``) -> ``(q [P, K] float8 e4m3, scale [P, K /
+    group] float32)`` with ``x ~ q * scale`` per row and group of columns, ``P = max(M,
+    min_rows)`` (padding rows are zero); ``scale`` has strides ``(1, P)``, as cuBLAS reads it."""
+    num_rows, k = x.shape
+    if k % group:
+        raise ValueError(f"quantize_groups: {k} columns are not whole groups of {group}")
+    padded = max(num_rows, min_rows)
+    q = torch.empty((padded, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((k // group, padded), dtype=torch.float32, device=x.device)
+    _quantize_groups_kernel[(padded, k // group)](x, q, s, x.stride(0), q.stride(0), num_rows, padded,
+                                                  GROUP=group, FP8_MAX_C=FP8_MAX, EPS=SCALE_EPS, num_warps=1)
+    return q, s.t()
+
+
+def quantize_reference(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same in plain torch (the tests' reference): scales ``[M, 1]`` per row (``group``
+    None) or ``[M, K / group]``, both plainly laid out."""
+    xf = x.float()
+    if group is None:
+        s = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=SCALE_EPS)
+        return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
+    g = xf.view(x.shape[0], -1, group)
+    s = (g.abs().amax(dim=2) / FP8_MAX).clamp(min=SCALE_EPS)
+    q = (g / s[..., None]).clamp(-FP8_MAX, FP8_MAX).view(x.shape).to(torch.float8_e4m3fn)
+    return q, s
