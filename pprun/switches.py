@@ -22,7 +22,7 @@ SWITCHES: dict[str, str] = {
     "PPRUN_DISABLE_SKINNY_GEMM": "pprun.layers.SKINNY_ENABLED",
     "PPRUN_DISABLE_NORM_FOLD": "pprun.layers.NORM_FOLD_ENABLED",
     "PPRUN_DISABLE_DEFER_MERGE": "pprun.layers.DEFER_MERGE_ENABLED",
-    "PPRUN_DISABLE_PDL": "pprun.layers.triton_utils.PDL_ENABLED",
+    "PPRUN_DISABLE_PDL": "pprun.kernels.triton_utils.PDL_ENABLED",
     "PPRUN_DISABLE_GRAPH_LOGITS": "pprun.worker.v2.runner.GRAPH_LOGITS_ENABLED",
     "PPRUN_DISABLE_CROSS_DECODE_KERNEL": "pprun.attention.cross.CROSS_DECODE_KERNEL_ENABLED",
     "PPRUN_DISABLE_STAGING_KERNEL": "pprun.worker.v2.inputs.STAGING_KERNEL_ENABLED",

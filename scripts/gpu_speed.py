@@ -244,19 +244,19 @@ def prefill(model: str, prompt_len: int = 2048, num_prompts: int = 8, budget: in
 def switches() -> list[tuple]:
     """The A/B switches: (module, flag, the other value, whether batch 1 runs differently with it)."""
     import pprun.attention.triton_ops
+    import pprun.kernels.triton_utils
     import pprun.layers
     import pprun.layers.fused
     import pprun.layers.head_norm
     import pprun.layers.moe_triton
     import pprun.layers.skinny
-    import pprun.layers.triton_utils
     import pprun.worker.kv_cache
     import pprun.worker.v2.inputs
     import pprun.worker.v2.runner
 
     return [(pprun.layers, "SKINNY_ENABLED", False, True),
             (pprun.layers, "FUSED_DECODE_ENABLED", False, True),
-            (pprun.layers.triton_utils, "PDL_ENABLED", False, True),
+            (pprun.kernels.triton_utils, "PDL_ENABLED", False, True),
             (pprun.layers, "NORM_FOLD_ENABLED", False, True),
             (pprun.worker.v2.runner, "GRAPH_LOGITS_ENABLED", False, True),
             (pprun.layers.skinny, "DISPATCH_MAX_M", 1, False),  # 1: cuBLAS above one row

@@ -95,7 +95,7 @@ def test_copy_and_argmax_rejects_bad_arguments():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_graph_greedy_ids_match_eager_argmax():
     """In a captured graph (PDL on), the ids match torch's argmax of the same logits."""
-    from pprun.layers.triton_utils import force_pdl
+    from pprun.kernels.triton_utils import force_pdl
     from pprun.sampling.greedy_kernel import copy_and_argmax
 
     x = _logits(32, 32000, torch.bfloat16, seed=3).to(DEVICE)
@@ -115,7 +115,7 @@ def test_graph_greedy_ids_match_eager_argmax():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_graph_greedy_ids_reach_the_host_row_the_slot_names_at_replay():
     """Captured once, each replay writes the pinned ring's row that the slot holds at replay."""
-    from pprun.layers.triton_utils import force_pdl
+    from pprun.kernels.triton_utils import force_pdl
     from pprun.sampling.greedy_kernel import copy_and_argmax
 
     x = _logits(32, 32000, torch.bfloat16, seed=5).to(DEVICE)

@@ -211,8 +211,10 @@ def test_models_never_import_a_runner():
 
 LAYERS: list[tuple[str, ...]] = [
     ("switches", "checks", "utils"),
+    ("kernels",),
     ("audio", "multimodal"),
-    ("attention", "layers"),
+    ("attention",),
+    ("layers",),
     ("sampling",),
     ("core",),
     ("distributed",),
@@ -265,11 +267,15 @@ def test_layer_check_finds_an_upward_import():
         "pprun.worker.v2.model_state": {"pprun.models.base"},
         "pprun.models.base": set(),
         "pprun.layers.norm": {"pprun.attention.backend"},
-        "pprun.attention.backend": {"pprun.layers.partials"},
-        "pprun.layers.partials": set(),
+        "pprun.attention.backend": {"pprun.kernels.partials"},
+        "pprun.kernels.partials": set(),
     }
-    layers = [("attention", "layers"), ("models",), ("worker",)]
+    layers = [("kernels",), ("attention", "layers"), ("models",), ("worker",)]
     assert upward_imports(graph, layers) == {("models", "worker"): ["pprun.models.llama -> pprun.worker.v2.model_state"]}
+    layers = [("kernels",), ("attention",), ("layers",), ("models",), ("worker",)]
+    assert upward_imports(graph, layers) == {("models", "worker"): ["pprun.models.llama -> pprun.worker.v2.model_state"]}
+    graph["pprun.kernels.partials"] = {"pprun.layers.norm"}
+    assert upward_imports(graph, layers)[("kernels", "layers")] == ["pprun.kernels.partials -> pprun.layers.norm"]
 
 
 def test_imports_run_down_the_layers():
@@ -283,3 +289,51 @@ def test_imports_run_down_the_layers():
     )
     stale = sorted(set(UPWARD_ALLOWED) - set(up))
     assert not stale, f"allowed upward imports no longer made (remove them here and in the docs): {stale}"
+
+
+# --- packages: no two import each other -------------------------------------------------------
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Package (as :func:`package_of` names it) -> the other packages its modules import."""
+    packages: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        importer = package_of(module)
+        packages.setdefault(importer, set()).update(package_of(d) for d in deps if package_of(d) != importer)
+    return packages
+
+
+def test_package_check_finds_a_cycle_no_module_cycle_shows():
+    """The checker itself: two packages whose modules import each other's (``layers`` a backend,
+    ``attention`` the split partials) form a cycle, though no module reaches itself."""
+    graph = {
+        "pprun.layers.attend": {"pprun.attention.backend"},
+        "pprun.attention.backend": {"pprun.layers.partials"},
+        "pprun.layers.partials": set(),
+        "pprun.models.llama": {"pprun.layers.attend"},
+    }
+    assert not find_cycles(graph)
+    assert find_cycles(package_graph(graph)) == [["attention", "layers", "attention"]]
+    graph["pprun.attention.backend"] = {"pprun.kernels.partials"}
+    graph["pprun.kernels.partials"] = graph.pop("pprun.layers.partials")
+    assert not find_cycles(package_graph(graph))
+
+
+def test_no_package_import_cycles():
+    """No package of ``pprun`` reaches itself through its modules' imports, not even two packages
+    of one layer (``LAYERS`` lets those import each other; this does not)."""
+    cycles = find_cycles(package_graph(import_graph()))
+    assert not cycles, "import cycles between pprun's packages:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_attention_never_imports_layers():
+    """``pprun.attention`` sits below ``pprun.layers``: a layer calls an attention backend, never
+    the other way; the Triton helpers and split partials both use are in ``pprun.kernels``."""
+    bad = sorted(
+        f"{module} -> {dep}"
+        for module, deps in import_graph().items()
+        if package_of(module) == "attention"
+        for dep in deps
+        if package_of(dep) == "layers"
+    )
+    assert not bad, "pprun/attention imports pprun/layers:\n" + "\n".join(bad)

@@ -152,9 +152,9 @@ def test_fused_experts_left_to_the_next_norm_as_partials(dtype, in_dtype, monkey
     ``[top_k, T, hidden]`` split partials (fp32, or with ``PARTIALS_IN_DTYPE`` each row rounded to
     the activation dtype as the summed path rounds it); the fused add + RMSNorm sums them as it
     reads them and gives the norm of the summed output."""
+    from pprun.kernels.partials import SplitPartials
     from pprun.layers import fused, moe_triton
     from pprun.layers.moe_triton import fused_experts
-    from pprun.layers.partials import SplitPartials
 
     monkeypatch.setattr(moe_triton, "PARTIALS_IN_DTYPE", in_dtype)
     x, w13, w2, weights, ids = make_experts(6, 40, 36, 5, 3, dtype, seed=2)
@@ -181,8 +181,8 @@ def test_fused_experts_left_to_the_next_norm_as_partials(dtype, in_dtype, monkey
 @triton_only
 def test_fused_experts_sum_their_rows_past_partials_max_tokens(monkeypatch):
     """Past PARTIALS_MAX_TOKENS a ``then="norm"`` step gets the summed output, not partials."""
+    from pprun.kernels.partials import SplitPartials
     from pprun.layers import moe_triton
-    from pprun.layers.partials import SplitPartials
 
     x, w13, w2, weights, ids = make_experts(6, 40, 36, 5, 3, torch.float32, seed=2)
     monkeypatch.setattr(moe_triton, "PARTIALS_MAX_TOKENS", 6)

@@ -30,7 +30,8 @@ def _inputs(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("swap_ab", [False, True])
 def test_skinny_linear_matches_torch(dtype, m, split_k, bias, swap_ab):
-    from pprun.layers.skinny import SkinnyConfig, arrival_counters, skinny_linear
+    from pprun.kernels.grid import arrival_counters
+    from pprun.layers.skinny import SkinnyConfig, skinny_linear
 
     # Ragged everywhere: 100 columns over 16-wide tiles (64-wide swapped), K = 200 over 64-wide
     # tiles and 3 splits.
@@ -181,9 +182,10 @@ def test_linear_passes_hold_last_whatever_the_deferral_switch(monkeypatch, switc
 def test_skinny_deferred_merge_matches_in_kernel_merge(m, bias):
     """``defer_merge``: the partials, merged by torch or by the norm's kernel, give what the
     matmul's own merge writes, bit for bit."""
+    from pprun.kernels.grid import arrival_counters
     from pprun.layers import SplitPartials
     from pprun.layers.fused import fused_add_rms_norm
-    from pprun.layers.skinny import SkinnyConfig, arrival_counters, skinny_linear
+    from pprun.layers.skinny import SkinnyConfig, skinny_linear
 
     dtype = DTYPES[-1]
     x, w, b = _inputs(m, 100, 200, dtype, bias, seed=6)

@@ -1,4 +1,4 @@
-"""``pprun.layers.triton_utils``: the interpreter's boolean splat mend.
+"""``pprun.kernels.triton_utils``: the interpreter's boolean splat mend.
 
 Runs on CUDA, or on CPU under the Triton interpreter (the default without CUDA).
 """
@@ -19,7 +19,7 @@ def test_interpreter_splat_of_a_scalar_comparison_holds_bool():
     import triton.language as tl
     from triton.runtime import interpreter
 
-    import pprun.layers.triton_utils  # noqa: F401  (mends the splat)
+    import pprun.kernels.triton_utils  # noqa: F401  (mends the splat)
 
     scalar = interpreter.TensorHandle(np.array([True]), tl.int32)  # what ``pid < n`` gives
     out = interpreter.interpreter_builder.create_splat(tl.block_type(tl.int1, [4]), scalar)
@@ -37,7 +37,7 @@ def test_block_mask_and_scalar_condition_mask_loads_and_stores():
     import triton
     import triton.language as tl
 
-    import pprun.layers.triton_utils  # noqa: F401  (mends the interpreter's splat)
+    import pprun.kernels.triton_utils  # noqa: F401  (mends the interpreter's splat)
 
     @triton.jit
     def copy_where(x_ptr, out_ptr, n, rows_on, BLOCK: tl.constexpr):

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from pprun.attention.metadata import AttentionMetadata
-from pprun.layers.partials import SplitPartials
+from pprun.kernels.partials import SplitPartials
 
 BACKENDS = ("reference", "triton")
 

@@ -16,11 +16,11 @@ import triton
 import triton.language as tl
 
 from pprun.attention.ref_ops import check_kv_cache
-from pprun.layers.partials import SplitPartials
-from pprun.layers.skinny import arrival_counters
-from pprun.layers.triton_utils import INTERPRETED as _INTERPRETED
-from pprun.layers.triton_utils import NO_FMA as _NO_FMA
-from pprun.layers.triton_utils import pdl_options, pdl_sync
+from pprun.kernels.grid import arrival_counters, num_sms
+from pprun.kernels.partials import SplitPartials
+from pprun.kernels.triton_utils import INTERPRETED as _INTERPRETED
+from pprun.kernels.triton_utils import NO_FMA as _NO_FMA
+from pprun.kernels.triton_utils import pdl_options, pdl_sync
 
 LOG2_E = 1.4426950408889634
 # Stands in for -inf as the running max so that a fully masked tile gives
@@ -169,13 +169,6 @@ def reshape_and_cache(
 # --------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # interpreter on CPU: a Hopper GPU's SM count, so the CPU tests exercise splits
-
-
 def num_decode_splits(
     num_reqs_padded: int, num_kv_heads: int, max_context_len: int, device: torch.device
 ) -> int:
@@ -187,7 +180,7 @@ def num_decode_splits(
     ``_MAX_SPLITS`` splits, so the in-kernel merge stays cheap).
     """
     num_programs = num_reqs_padded * num_kv_heads
-    target = DECODE_PROGRAMS_PER_SM * _num_sms(device)
+    target = DECODE_PROGRAMS_PER_SM * num_sms(device)
     if num_programs >= target:
         return 1
     by_occupancy = -(-target // num_programs)

@@ -14,7 +14,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from pprun.layers.partials import DEFER_MERGERS, SplitPartials, check_defer_merge, merged  # noqa: F401  (re-exported)
+from pprun.kernels.partials import DEFER_MERGERS, SplitPartials, check_defer_merge, merged  # noqa: F401  (re-exported)
 from pprun.switches import enabled_unless
 
 FUSED_ENABLED: bool = enabled_unless("PPRUN_DISABLE_FUSED")

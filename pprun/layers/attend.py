@@ -16,8 +16,8 @@ import torch
 import pprun.layers as layers
 from pprun.attention.backend import AttentionBackend, RopeDecode
 from pprun.attention.metadata import AttentionMetadata
+from pprun.kernels.partials import SplitPartials
 from pprun.layers import fused_decode_enabled
-from pprun.layers.partials import SplitPartials
 
 
 class Rotary(Protocol):

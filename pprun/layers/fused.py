@@ -22,10 +22,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from pprun.layers.partials import SplitPartials
-from pprun.layers.triton_utils import INTERPRETED as _INTERPRETED
-from pprun.layers.triton_utils import NO_FMA as _NO_FMA
-from pprun.layers.triton_utils import pdl_options, pdl_sync
+from pprun.kernels.partials import SplitPartials
+from pprun.kernels.triton_utils import INTERPRETED as _INTERPRETED
+from pprun.kernels.triton_utils import NO_FMA as _NO_FMA
+from pprun.kernels.triton_utils import pdl_options, pdl_sync
 
 # The CPU interpreter has no libdevice; it gets tl.exp (tests there use a bf16 tolerance anyway).
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pprun.layers.triton_utils import NO_FMA, pdl_options, pdl_sync
+from pprun.kernels.triton_utils import NO_FMA, pdl_options, pdl_sync
 
 WHOLE_TOKEN_MIN_TOKENS: int | None = 512
 """From this many tokens on, one program normalises all of a token's q and k heads (a ``[heads,

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import pprun.layers as layers
-from pprun.layers.partials import SplitPartials, check_defer_merge
+from pprun.kernels.partials import SplitPartials, check_defer_merge
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +74,7 @@ def moe_experts(
     """The experts' weighted sum for ``x [T, hidden]`` (see :func:`experts_reference`): the fused
     grouped kernels where the fused ops run, the reference loop elsewhere.  ``then="norm"``: a
     fused add + RMSNorm reads the output, so the fused path leaves the ``top_k`` weighted rows
-    of each token unsummed (:class:`~pprun.layers.partials.SplitPartials`) for it to sum."""
+    of each token unsummed (:class:`~pprun.kernels.partials.SplitPartials`) for it to sum."""
     check_defer_merge(then)
     if layers.fused_ops_for(x) is None:
         return experts_reference(x, w13, w2, weights, ids)

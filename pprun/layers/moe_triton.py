@@ -51,9 +51,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pprun.kernels.partials import SplitPartials, check_defer_merge
+from pprun.kernels.triton_utils import INTERPRETED, NO_FMA
 from pprun.layers.fused import silu_mul
-from pprun.layers.partials import SplitPartials, check_defer_merge
-from pprun.layers.triton_utils import INTERPRETED, NO_FMA
 
 logger = logging.getLogger(__name__)
 
@@ -702,7 +702,7 @@ def fused_experts(
     docstring): ``w13 [E, 2 * inter, hidden]``, ``w2 [E, hidden, inter]``, ``weights`` and
     ``ids [T, top_k]``.  Returns ``[T, hidden]`` in ``x``'s dtype; with ``then="norm"`` (a
     fused add + RMSNorm reads the output) the ``top_k`` weighted expert outputs unsummed, as
-    :class:`~pprun.layers.partials.SplitPartials` ``[top_k, T, hidden]`` (in ``x``'s dtype, or
+    :class:`~pprun.kernels.partials.SplitPartials` ``[top_k, T, hidden]`` (in ``x``'s dtype, or
     fp32 without :data:`PARTIALS_IN_DTYPE`) that the
     norm's kernel sums as it reads them (one launch and one pass over the output fewer).
     ``config``: both GEMMs' settings (a :class:`GemmConfig` for both); by default

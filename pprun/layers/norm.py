@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import pprun.layers as layers
-from pprun.layers.partials import SplitPartials, merged
+from pprun.kernels.partials import SplitPartials, merged
 
 
 class RMSNorm(nn.Module):

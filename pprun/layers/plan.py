@@ -30,8 +30,8 @@ from torch import nn
 
 import pprun.layers as layers
 from pprun.attention.metadata import AttentionMetadata
+from pprun.kernels.partials import SplitPartials, merged
 from pprun.layers.attend import attend, attention_input
-from pprun.layers.partials import SplitPartials, merged
 
 
 def run_decoder_layers(

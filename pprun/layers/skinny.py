@@ -28,17 +28,17 @@ the norm prologue rounds as ``fused._add_rms_norm_kernel`` does, step by step.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from pprun.kernels.grid import arrival_counters
+from pprun.kernels.partials import SplitPartials, check_defer_merge
+from pprun.kernels.triton_utils import INTERPRETED as _INTERPRETED
+from pprun.kernels.triton_utils import pdl_options, pdl_sync
 from pprun.layers.fused import silu_mul
-from pprun.layers.partials import SplitPartials, check_defer_merge
-from pprun.layers.triton_utils import INTERPRETED as _INTERPRETED
-from pprun.layers.triton_utils import pdl_options, pdl_sync
 
 MAX_M = 64
 """Largest row count these kernels accept."""
@@ -363,13 +363,6 @@ class SkinnyConfig:
     wait and holds it while its loop streams the others (see :data:`HOLD_LAST_ENABLED`)."""
 
 
-@functools.lru_cache(maxsize=64)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # interpreter on CPU: a Hopper GPU's SM count, so the CPU tests exercise splits
-
-
 def default_config(
     m: int, n_out: int, k: int, swiglu: bool, device: torch.device, weights_ahead: bool = False,
     defer_merge: str | None = None, hold_last: bool = True,
@@ -410,26 +403,6 @@ def default_config(
     block_k = min(256 if long_k else 512, triton.next_power_of_2(k))
     split = max(1, k // 1024) if long_k else 1
     return SkinnyConfig(block_n, block_k, split)
-
-
-_counters: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
-
-
-def arrival_counters(device: torch.device, numel: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for in-kernel split merges, one set per (device, stream).
-
-    Shared by every kernel here and the fused decode attention: launches on one stream run one
-    after another and each leaves the counters it used at zero, while launches on different
-    streams (another engine in the process, a graph being captured) get their own.  Persistent,
-    because CUDA graphs keep the address; a larger request makes a new tensor and keeps the old
-    ones for graphs captured with them.  Made under capture, the zero-fill is part of the graph
-    and runs at each replay.
-    """
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    held = _counters.setdefault((device, stream), [])
-    if not held or held[-1].numel() < numel:
-        held.append(torch.zeros(max(numel, 4096), dtype=torch.int32, device=device))
-    return held[-1]
 
 
 def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool) -> None:

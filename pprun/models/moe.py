@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pprun.kernels.partials import SplitPartials
 from pprun.layers import linear
 from pprun.layers.moe import moe_experts, route
-from pprun.layers.partials import SplitPartials
 from pprun.models.hf_config import MoeArch
 
 

@@ -5,7 +5,7 @@ shared by every graph size, and each row's argmax.  As two torch ops those cost 
 and torch's argmax reduces a 32,000-wide row with one block, one SM for the whole row
 (docs/performance.md lists what this kernel saves).  Here every row is cut into chunks, one
 program each: it copies its chunk, finds the chunk's largest value and its first index, and
-the last program of the row to finish (an arrival counter, as in ``pprun.layers.skinny``)
+the last program of the row to finish (an arrival counter, ``pprun.kernels.grid``)
 merges the chunks' winners in chunk order.
 
 The result is ``torch.argmax``'s: the first index of the largest value, NaN counting as larger
@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pprun.layers.skinny import arrival_counters
-from pprun.layers.triton_utils import pdl_options, pdl_sync
+from pprun.kernels.grid import arrival_counters
+from pprun.kernels.triton_utils import pdl_options, pdl_sync
 
 BLOCK_V = 2048
 """Vocabulary entries per program (16 programs per row of a 32,000-word vocabulary)."""

@@ -13,7 +13,7 @@ on.  The sizes are then token counts: any batch of at most the largest size is p
 
 All graphs share one memory pool; each size is warmed up eagerly first (Triton kernels compile
 on their first call, which cannot happen under capture), once more with programmatic dependent
-launch forced on (the captured launches' compiled variant, see ``pprun.layers.triton_utils``).
+launch forced on (the captured launches' compiled variant, see ``pprun.kernels.triton_utils``).
 Piecewise graphs keep rotary, cache write and attention as separate kernels (the attention
 between segments runs eagerly over already-rotated q and k).  Capture reads only the runner's
 persistent buffers, made inert beforehand (slot -1, sequence length 0), so it writes no KV cache
@@ -218,7 +218,7 @@ class CudaGraphManager:
         """
         if self.mode == "none":
             return
-        from pprun.layers.triton_utils import force_pdl
+        from pprun.kernels.triton_utils import force_pdl
 
         for size in reversed(self.sizes):
             prepare(size, size)
