@@ -815,40 +815,56 @@ def test_snippets_are_found():
     assert "README.md" in ids and any(s.lang == "python" for s in SNIPPETS), sorted(ids)
 
 
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """The servers of ``runs beside`` markers, one per server command, each started once (in a
+    working folder of its own) and shared by the client snippets beside the same command: a
+    client's check is what it gets from the server, not the server's start, which the snippet
+    that shows the server command checks itself.  Stopped at the end of the module."""
+    running: dict[str, tuple[Server, list[tuple[int, int]]]] = {}
+
+    def get(snippet: Snippet) -> list[tuple[int, int]]:
+        """The (named, actual) ports of the running server of ``snippet``'s marker."""
+        command = snippet.server_command
+        if command not in running:
+            server_cmd = commands(Snippet(snippet.doc, snippet.line, "bash", command + "\n"))[0]
+            assert is_server(server_cmd), f"{snippet.id}: the marker's command is not a `pprun serve`"
+            workdir = Workdir(tmp_path_factory.mktemp("server"))
+            workdir.prepare(server_cmd.text)
+            argv = [workdir.substitute(a) for a in argv_for_run(server_cmd)]
+            server = Server(argv, run_env(server_cmd.env), workdir.path, f"{snippet.id} (server `{command}`)")
+            server.__enter__()
+            running[command] = (server, list(zip(named_ports(argv), server.ports)))
+        server, ports = running[command]
+        assert server.proc is not None and server.proc.poll() is None, f"{snippet.id}: the server `{command}` exited"
+        return ports
+
+    yield get
+    for server, _ in running.values():
+        server.__exit__(None, None, None)
+
+
 @pytest.mark.parametrize(
     "snippet",
     # A snippet that runs takes seconds to a minute or more: slow (`-m "not slow"` keeps the checks).
     [pytest.param(s, id=s.id, marks=[] if s.mode == "check-only" else [pytest.mark.slow]) for s in SNIPPETS],
 )
-def test_snippet(snippet: Snippet, tmp_path: Path, demo_model_dir):
+def test_snippet(snippet: Snippet, tmp_path: Path, demo_model_dir, servers):
     """Run the snippet (or check it, where its marker says why it cannot run here)."""
     mode = snippet.mode
     if snippet.lang == "python" and mode == "check-only":
         assert re.search(r"\(\s*\S.*\)", snippet.marker or ""), f"{snippet.id}: the marker gives no (reason)"
     workdir = Workdir(tmp_path)
-    server = None
-    server_ports: list[tuple[int, int]] = []
-    if mode == "beside":
-        server_cmd = commands(Snippet(snippet.doc, snippet.line, "bash", snippet.server_command + "\n"))[0]
-        assert is_server(server_cmd), f"{snippet.id}: the marker's command is not a `pprun serve`"
-        workdir.prepare(server_cmd.text)
-        argv = [workdir.substitute(a) for a in argv_for_run(server_cmd)]
-        server = Server(argv, run_env(server_cmd.env), tmp_path, f"{snippet.id} (server)")
-        server_ports = list(zip(named_ports(argv), server.ports))
-        server.__enter__()
-    try:
-        if snippet.lang == "python":
-            if mode == "check-only":
-                check_python(snippet)
-            else:
-                assert mode in ("run", "beside"), f"{snippet.id}: a Python snippet runs whole or is check-only"
-                run_python(snippet, workdir, server_ports)
-            return
-        check_marker(snippet)
-        run_shell(snippet, workdir, server_ports)
-    finally:
-        if server is not None:
-            server.__exit__(None, None, None)
+    server_ports = servers(snippet) if mode == "beside" else []
+    if snippet.lang == "python":
+        if mode == "check-only":
+            check_python(snippet)
+        else:
+            assert mode in ("run", "beside"), f"{snippet.id}: a Python snippet runs whole or is check-only"
+            run_python(snippet, workdir, server_ports)
+        return
+    check_marker(snippet)
+    run_shell(snippet, workdir, server_ports)
 
 
 @pytest.mark.parametrize(
