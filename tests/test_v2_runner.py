@@ -713,7 +713,7 @@ def test_pdl_graphs_match_plain_launches_gpu(model_dir, monkeypatch, switch, len
     import pprun.layers.head_norm  # noqa: F401
     import pprun.layers.skinny  # noqa: F401
     import pprun.sampling.greedy_kernel  # noqa: F401
-    from pprun.layers import triton_utils
+    from pprun.kernels import triton_utils
 
     launches = {"pdl": 0, "plain": 0}
     original = triton_utils.pdl_options
