@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from pprun.config.validate import ResolvedConfig
 from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
 
 
@@ -43,7 +44,7 @@ class Executor(ABC):
     """Parameter count of each stage's model."""
 
     @classmethod
-    def prepare(cls, resolved) -> None:
+    def prepare(cls, resolved: ResolvedConfig) -> None:
         """Imports the executor's start (``__init__``) will need, done by the engine before it
         starts its own threads (the tokenizer's), whose imports would slow these down (one
         interpreter lock); nothing by default."""

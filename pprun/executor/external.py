@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pprun.config.validate import ResolvedConfig
 from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pprun.distributed.layout import StageLayout
 from pprun.distributed.transport import PipelineTransport
@@ -45,7 +46,7 @@ class ExternalLauncherExecutor(Executor):
     name = "external_launcher"
     max_in_flight = 1
 
-    def __init__(self, resolved, runner: str) -> None:
+    def __init__(self, resolved: ResolvedConfig, runner: str) -> None:
         self.resolved = resolved
         self.pp_size = len(resolved.layer_partition)
         timeout_s = resolved.cfg.parallel.stage_timeout_s

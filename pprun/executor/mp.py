@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+from pprun.config.validate import ResolvedConfig
 from pprun.distributed.auth import loopback_env
 from pprun.distributed.layout import StageLayout
 from pprun.executor.remote import RemoteStagesExecutor
@@ -35,7 +36,7 @@ class MpExecutor(RemoteStagesExecutor):
 
     name = "mp"
 
-    def __init__(self, resolved, runner: str) -> None:
+    def __init__(self, resolved: ResolvedConfig, runner: str) -> None:
         super().__init__(resolved, resolved.cfg.parallel.stage_timeout_s, runner)
         # Every stage is on this host: the control listener and the sampled-ids socket on
         # loopback, the rendezvous a file in a private directory, gloo/NCCL on the loopback

@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
+from pprun.config.validate import ResolvedConfig
 from pprun.distributed.auth import loopback_env
 from pprun.distributed.layout import StageLayout
 from pprun.executor.remote import RemoteStagesExecutor, worker_main
@@ -295,7 +296,7 @@ class RayExecutor(RemoteStagesExecutor):
     name = "ray"
 
     @classmethod
-    def prepare(cls, resolved) -> None:
+    def prepare(cls, resolved: ResolvedConfig) -> None:
         """Import Ray, and where this process will start a local cluster (no ``ray_address``,
         no ``RAY_ADDRESS``, Ray not started yet) the dashboard's dependencies, which
         ``ray.init`` imports to check them before it starts the dashboard head (aiohttp,
@@ -305,7 +306,7 @@ class RayExecutor(RemoteStagesExecutor):
         if not ray.is_initialized() and not (resolved.cfg.parallel.ray_address or os.environ.get("RAY_ADDRESS")):
             ray._private.utils.get_dashboard_dependency_error()
 
-    def __init__(self, resolved, runner: str) -> None:
+    def __init__(self, resolved: ResolvedConfig, runner: str) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -353,7 +354,7 @@ class RayExecutor(RemoteStagesExecutor):
                 self.rendezvous = RendezvousServer(ray.util.get_node_ip_address(), authkey)
                 return self.rendezvous.init_method
 
-            def run(self, spec, address, authkey) -> None:
+            def run(self, spec: WorkerSpec, address: tuple[str, int], authkey: bytes) -> None:
                 worker_main(address, authkey, spec.layout.pp_rank, spec)
 
         # Created at once: each starts (its imports) as soon as its bundle is placed.

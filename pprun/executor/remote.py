@@ -22,14 +22,18 @@ import time
 import traceback
 from collections import deque
 from multiprocessing.connection import Client, Connection, Listener, wait
+from typing import TYPE_CHECKING
 
-from pprun.config.validate import CONTROL_SPIN_MAX_US
+from pprun.config.validate import CONTROL_SPIN_MAX_US, ResolvedConfig
 from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pprun.distributed.auth import accept_authenticated, new_key
 from pprun.executor.base import Executor, StageFailedError
 from pprun.switches import enabled_unless
 from pprun.utils.polling import Spinner
 from pprun.worker.runner_base import PendingOutput, resolve
+
+if TYPE_CHECKING:  # the stage module (torch, the models) is imported only where a stage runs
+    from pprun.worker.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +153,7 @@ def serve_steps(conn: Connection, worker, spin_s: float = 0.0) -> None:
             break
 
 
-def worker_main(address: tuple[str, int], authkey: bytes, rank: int, spec=None) -> None:
+def worker_main(address: tuple[str, int], authkey: bytes, rank: int, spec: WorkerSpec | None = None) -> None:
     """Body of a stage process: connect to the driver, build the stage, serve steps.
 
     ``spec`` (a WorkerSpec) is passed directly by Ray; a plain child process gets it as the
@@ -229,7 +233,7 @@ class RemoteStagesExecutor(Executor):
     """``submit`` only writes the step to the stages' sockets (the engine may submit before
     its bookkeeping: ``LLMEngine.step``)."""
 
-    def __init__(self, resolved, timeout_s: float, runner: str = "v1") -> None:
+    def __init__(self, resolved: ResolvedConfig, timeout_s: float, runner: str = "v1") -> None:
         self.resolved = resolved
         self.timeout_s = timeout_s
         self.pp_size = len(resolved.layer_partition)
@@ -272,7 +276,7 @@ class RemoteStagesExecutor(Executor):
         # A backlog beyond the stages: connections wait there until accepted one by one.
         return Listener((host, 0), backlog=max(16, 2 * self.pp_size))
 
-    def _accept_all(self, listener: Listener, specs: list | None = None) -> None:
+    def _accept_all(self, listener: Listener, specs: list[WorkerSpec] | None = None) -> None:
         """Accept one authenticated connection per stage (bounded by the timeout), keyed by pp
         rank; a connection that fails the handshake is dropped and the stages still get in.
 

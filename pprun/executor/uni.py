@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from pprun.config.validate import ResolvedConfig
 from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pprun.distributed.layout import StageLayout
 from pprun.executor.base import Executor, StageFailedError
@@ -18,7 +19,7 @@ class UniExecutor(Executor):
     name = "uni"
     max_in_flight = 1
 
-    def __init__(self, resolved, runner: str) -> None:
+    def __init__(self, resolved: ResolvedConfig, runner: str) -> None:
         layout = StageLayout.single(resolved.arch.num_hidden_layers)
         self.async_steps = runner == "v2" and resolved.cfg.scheduler.async_scheduling
         """Submit returns before the device finishes (V2's pending outputs): two steps in flight."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pprun.config.validate import ResolvedConfig
 from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
@@ -28,8 +29,8 @@ logger = logging.getLogger(__name__)
 class WorkerSpec:
     """Everything a worker needs to build its stage; picklable, sent to remote processes."""
 
-    resolved: object
-    """``pprun.config.validate.ResolvedConfig``."""
+    resolved: ResolvedConfig
+    """The run's configuration, validated once by the entry point (never validated again here)."""
     layout: StageLayout
     runner: str
     """"v1" or "v2" (already chosen by the engine)."""

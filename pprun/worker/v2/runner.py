@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from pprun.config.validate import ResolvedConfig
 from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pprun.distributed.feedback import SampleFeedback
 from pprun.distributed.intermediate import IntermediateTensors
@@ -131,7 +132,7 @@ class V2ModelRunner(ModelRunner):
         model: PprunModel,
         layout: StageLayout,
         device: torch.device,
-        resolved: Any,
+        resolved: ResolvedConfig,
         num_blocks: int,
         transport: PipelineTransport | None = None,
         sample_feedback_slots: int = 0,
