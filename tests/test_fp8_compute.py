@@ -36,8 +36,8 @@ def test_activation_quantization_matches_torch(rows, cols, group):
     if group is None:
         q, s = fp8_quant.quantize_rows(x)
     else:
-        q, s = fp8_quant.quantize_groups(x, group, min_rows=16)
-        assert q.shape[0] == max(rows, 16) and s.stride() == (1, q.shape[0])
+        q, s = fp8_quant.quantize_groups(x, group, row_multiple=16)
+        assert q.shape[0] == 16 * math.ceil(rows / 16) and s.stride() == (1, q.shape[0])
         assert torch.all(q[rows:].float() == 0)
         q, s = q[:rows], s[:rows]
     torch.testing.assert_close(s, want_s, rtol=1e-6, atol=0)
@@ -54,7 +54,7 @@ gpu_fp8 = pytest.mark.skipif(not (HAS_CUDA and torch.cuda.get_device_capability(
 @pytest.mark.gpu
 @gpu_fp8
 @pytest.mark.parametrize("block_scaled", [True, False])
-@pytest.mark.parametrize("rows", [1, 7, 16, 300])
+@pytest.mark.parametrize("rows", [1, 7, 16, 73, 300])
 def test_fp8_linear_matches_the_dequantized_weights(block_scaled, rows):
     from pprun.layers.fp8_linear import Fp8Linear
 
@@ -71,7 +71,7 @@ def test_fp8_linear_matches_the_dequantized_weights(block_scaled, rows):
         q, deq_scale = w / s, s
     layer.weight.data.copy_(q.to(torch.float8_e4m3fn))
     layer.load_scale(0, out_f, s)
-    layer.bias.data.normal_()
+    layer.bias.data = torch.randn(out_f, device=DEVICE, dtype=torch.bfloat16)  # as allocate() makes it
     x = torch.randn(rows, in_f, device=DEVICE, dtype=torch.bfloat16)
     want = torch.nn.functional.linear(x.float(), layer.weight.float() * deq_scale, layer.bias.float())
     got = layer(x)
@@ -118,14 +118,15 @@ def test_fp8_model_on_the_gpu_matches_its_dequantized_twin(monkeypatch, tmp_path
 
 @pytest.mark.gpu
 @gpu_fp8
-def test_fp8_model_holds_fp8_weights_and_runs_in_cuda_graphs(tmp_path):
+@pytest.mark.parametrize("layout", ["block", "channel"])
+def test_fp8_model_holds_fp8_weights_and_runs_in_cuda_graphs(tmp_path, layout):
     """The engine on one GPU, V2 with full CUDA graphs: the attention and MLP linears are
     ``Fp8Linear`` holding float8 (half the weight bytes), and greedy decoding through the graphs
     gives the eager steps' tokens."""
     from pprun import LLM, SamplingParams
     from pprun.layers.fp8_linear import Fp8Linear
 
-    fp8_dir, _ = _fp8_pair(tmp_path, "qwen3", "block")
+    fp8_dir, _ = _fp8_pair(tmp_path, "qwen3", layout)
     prompts = [[5, 9, 3, 200, 17], [1, 2, 3], [400, 401, 402, 403]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = {}

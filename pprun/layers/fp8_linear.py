@@ -28,8 +28,9 @@ SCALE_EPS = 1e-10
 """The smallest activation scale (an all-zero row would otherwise divide by zero)."""
 BLOCK = 128
 """The block size cuBLAS's block-scaled FP8 matmul takes (1x128 activations, 128x128 weights)."""
-MIN_BLOCKWISE_ROWS = 16
-"""cuBLAS has no block-scaled algorithm for a one-row matmul on Hopper: fewer rows are padded."""
+BLOCKWISE_ROW_MULTIPLE = 16
+"""cuBLAS's block-scaled FP8 matmul on Hopper has no algorithm for one row, nor for 73 (seen on
+the H200; 8, 16, 64, 256 and 2,048 run): rows are padded to a multiple of this."""
 
 
 def fp8_compute_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -85,7 +86,7 @@ class Fp8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         num_rows = x2.shape[0]
         if self.block_scaled:
-            xq, xs = fp8_quant.quantize_groups(x2, BLOCK, min_rows=MIN_BLOCKWISE_ROWS)
+            xq, xs = fp8_quant.quantize_groups(x2, BLOCK, row_multiple=BLOCKWISE_ROW_MULTIPLE)
             out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale.t(),
                                    out_dtype=x.dtype)[:num_rows]
             if self.bias is not None:

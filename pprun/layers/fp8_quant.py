@@ -59,14 +59,15 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, num_rows, n
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty))
 
 
-def quantize_groups(x: torch.Tensor, group: int, min_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_groups(x: torch.Tensor, group: int, row_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` (``K`` a multiple of ``group``) -> ``(q [P, K] float8 e4m3, scale [P, K /
-    group] float32)`` with ``x ~ q * scale`` per row and group of columns, ``P = max(M,
-    min_rows)`` (padding rows are zero); ``scale`` has strides ``(1, P)``, as cuBLAS reads it."""
+    group] float32)`` with ``x ~ q * scale`` per row and group of columns, ``P`` = ``M`` rounded
+    up to a multiple of ``row_multiple`` (padding rows are zero); ``scale`` has strides ``(1,
+    P)``, as cuBLAS reads it."""
     num_rows, k = x.shape
     if k % group:
         raise ValueError(f"quantize_groups: {k} columns are not whole groups of {group}")
-    padded = max(num_rows, min_rows)
+    padded = max(1, -(-num_rows // row_multiple)) * row_multiple
     q = torch.empty((padded, k), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((k // group, padded), dtype=torch.float32, device=x.device)
     _quantize_groups_kernel[(padded, k // group)](x, q, s, x.stride(0), q.stride(0), num_rows, padded,

@@ -29,6 +29,7 @@ import torch
 from safetensors import safe_open
 
 from pprun.models.hf_config import ModelArchConfig, expected_tensor_shapes
+from pprun.models.tensor_rules import IgnoreRule
 
 logger = logging.getLogger(__name__)
 
@@ -213,26 +214,6 @@ def _cast_refused(name: str, stored: torch.dtype, wanted: torch.dtype, file_name
         f"a plain cast to {str(wanted).removeprefix('torch.')} would turn quantized values into wrong "
         "weights, and no quantization method of this checkpoint reads it"
     )
-
-
-@dataclass(frozen=True)
-class IgnoreRule:
-    """Checkpoint tensors a model never reads, by name, with why (see the module docstring)."""
-
-    pattern: str
-    """A regular expression a tensor's name (as the model names it) must match in full; its
-    first group, if any, is a layer index compared with :attr:`min_index`."""
-    reason: str
-    """Why the model does not read these tensors (shown in logs and docs)."""
-    min_index: int | None = None
-    """Only layer indices (the pattern's first group) from this one up match; None: any."""
-
-    def matches(self, name: str) -> bool:
-        """Whether ``name`` is one of the tensors this rule ignores."""
-        m = re.fullmatch(self.pattern, name)
-        if m is None:
-            return False
-        return self.min_index is None or int(m.group(1)) >= self.min_index
 
 
 def ignored_tensor_rules(arch: ModelArchConfig) -> tuple[IgnoreRule, ...]:

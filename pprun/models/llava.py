@@ -25,10 +25,10 @@ from pprun.attention.metadata import AttentionMetadata
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
 from pprun.models.base import PprunModel, allocate
-from pprun.models.checkpoint import IgnoreRule
 from pprun.models.clip import VisionTransformer, activation
 from pprun.models.hf_config import ModelArchConfig
 from pprun.models.llama import LlamaForCausalLM
+from pprun.models.tensor_rules import IgnoreRule
 from pprun.multimodal.items import MultiModalItem
 
 _PREFIXES: tuple[tuple[str, str], ...] = (

@@ -16,14 +16,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 import torch
 
-from pprun.models.checkpoint import CheckpointIndex
 from pprun.models.hf_config import ModelArchConfig
 from pprun.models.quantization_config import QuantizationArch, WeightScheme
 
 FP8_DTYPE = torch.float8_e4m3fn
+
+
+class CheckpointIndex(Protocol):
+    """What the loader reads a checkpoint through (``pprun.models.checkpoint.CheckpointIndex``,
+    which imports this module's users: a protocol keeps the import graph acyclic)."""
+
+    def __contains__(self, name: object) -> bool: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def dtype(self, name: str) -> torch.dtype: ...
+    def load(self, names: Iterable[str], device: torch.device | str = "cpu",
+             dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]: ...
+    def iter_tensors(self, names: Iterable[str], device: torch.device | str = "cpu",
+                     dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
 class Fp8WeightLoader:
