@@ -261,6 +261,7 @@ def write_decoder(args: argparse.Namespace) -> dict:
         size += nbytes
     files = ["model.safetensors"] if len(groups) == 1 else [
         f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    weight_map: dict[str, str] = {}
     for file_name, names in zip(files, groups):
         tensors = {}
         for name in names:
@@ -271,10 +272,10 @@ def write_decoder(args: argparse.Namespace) -> dict:
                 tensors[name.removesuffix("weight") + scheme.scale_name] = scale.cpu().contiguous()
             tensors[name] = tensor.cpu().contiguous()
         save_file(tensors, str(args.out / file_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file_name))
         del tensors
     if len(files) > 1:
         total = sum(math.prod(shape) * dtype.itemsize for shape in shapes.values())
-        weight_map = {name: file_name for file_name, names in zip(files, groups) for name in names}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (args.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return {"path": str(args.out), "architecture": arch.architecture,
