@@ -79,14 +79,22 @@ def test_fp8_linear_matches_the_dequantized_weights(block_scaled, rows):
     assert (got.float() - want).abs().max() <= 0.06 * want.abs().max()
 
 
+@pytest.fixture(autouse=True)
+def block_gemm(monkeypatch):
+    """The block-scaled FP8 matmul is opt-in (PPRUN_FP8_BLOCK_GEMM); these tests check it."""
+    from pprun.layers import fp8_linear
+
+    monkeypatch.setattr(fp8_linear, "BLOCK_GEMM_ENABLED", True)
+
+
 def _fp8_pair(tmp_path, family: str, layout: str):
     make = {"qwen3": make_tiny_qwen3, "qwen3_moe": make_tiny_qwen3_moe}[family]
-    sizes = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512,
+    sizes = dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=512,
                  num_layers=2)
     if family == "qwen3":
-        src = make(tmp_path / "src", intermediate_size=512, **sizes)
+        src = make(tmp_path / "src", intermediate_size=1024, **sizes)
     else:
-        src = make(tmp_path / "src", intermediate_size=512, moe_intermediate_size=128, mlp_only_layers=(), **sizes)
+        src = make(tmp_path / "src", intermediate_size=1024, moe_intermediate_size=128, mlp_only_layers=(), **sizes)
     return write_fp8(src, tmp_path / layout, layout, block=(128, 128))
 
 
@@ -141,3 +149,22 @@ def test_fp8_model_holds_fp8_weights_and_runs_in_cuda_graphs(tmp_path, layout):
             assert all(m.weight.dtype == torch.float8_e4m3fn for m in fp8)
     assert outs["full"] == outs["none"]
     assert math.prod(len(t) for t in outs["full"]) > 0
+
+
+def test_layers_too_narrow_for_block_scaled_fp8_stay_dequantized(monkeypatch):
+    """Block-scaled FP8 only where cuBLAS runs it (and only with PPRUN_FP8_BLOCK_GEMM): 128x128
+    blocks, fused parts whole blocks, and at least four column blocks per row of scales (fewer
+    gave NaNs on the H200)."""
+    from pprun.layers import fp8_linear
+    from pprun.layers.fp8_linear import fits_fp8_compute
+
+    monkeypatch.setattr(fp8_linear, "BLOCK_GEMM_ENABLED", False)
+    assert not fits_fp8_compute((128, 128), 512, [512, 128, 128])
+    monkeypatch.setattr(fp8_linear, "BLOCK_GEMM_ENABLED", True)
+
+    assert fits_fp8_compute((128, 128), 512, [512, 128, 128])
+    assert not fits_fp8_compute((128, 128), 256, [256, 128, 128])
+    assert not fits_fp8_compute((128, 128), 512, [512, 64, 64])
+    assert not fits_fp8_compute((64, 64), 512, [512])
+    assert fits_fp8_compute(None, 48, [80, 48, 48])
+    assert not fits_fp8_compute(None, 40, [80])
