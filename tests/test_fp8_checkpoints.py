@@ -236,3 +236,57 @@ def test_random_model_script_writes_published_fp8_layouts(tmp_path, layout, scal
     resolved = _validate(out)
     assert resolved.arch.quantization.method == ("fp8" if layout == "block" else "compressed-tensors")
     _load(out)
+
+
+# --- online FP8: model.quantization=fp8 on a floating-point checkpoint ---------------------------
+
+
+def _rounded_twin(src: Path, dst: Path) -> Path:
+    """``src`` with every decoder linear (not routers, not the LM head) rounded through float8 per
+    output row, as online FP8 stores it: largest magnitude of a row -> 448 (written here
+    independently of pprun's quantizer)."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    for name, w in tensors.items():
+        linear = (name.endswith("proj.weight") and ".layers." in name) or ".experts." in name
+        if linear and not name.endswith("norm.weight"):
+            s = w.float().abs().amax(dim=1, keepdim=True) / 448.0
+            tensors[name] = (w.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).to(torch.float32) * s
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral"])
+def test_online_fp8_rounds_the_linears_and_matches_transformers_on_them(float_dirs, tmp_path, family):
+    from test_moe_models import hf_greedy_tokens
+    from transformers import AutoModelForCausalLM
+
+    src = float_dirs[family]
+    twin = _rounded_twin(src, tmp_path / "rounded")
+    arch = validate_config(PprunConfig.from_kwargs(model=str(src), dtype="float32", quantization="fp8"),
+                           cuda_available=False, env={}).arch
+    assert arch.quantization.online and arch.quantization.method == "fp8 (online)"
+    layout = StageLayout.single(arch.num_hidden_layers)
+    ours = load_stage_model(src, arch, layout, device=torch.device("cpu"), dtype=torch.float32,
+                            max_positions=64, attn_backend=reference_backend).state_dict()
+    want = _load(twin).state_dict()
+    plain = _load(src).state_dict()
+    assert any(not torch.equal(want[n], plain[n]) for n in want)  # the rounding changed weights
+    for name, tensor in want.items():
+        assert torch.equal(ours[name], tensor), name
+    model = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(str(src), dtype="float32", quantization="fp8", max_model_len=40) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy_tokens(model, p, MAX_TOKENS) for p in PROMPTS]
+
+
+def test_online_fp8_settings_are_checked(fp8_dirs, float_dirs, tmp_path):
+    with pytest.raises(ValueError, match=r"model\.quantization='int8' is not allowed; choose one of None, fp8"):
+        validate_config(PprunConfig.from_kwargs(model=str(float_dirs["qwen3"]), quantization="int8"),
+                        cuda_available=False, env={})
+    # An FP8 checkpoint with quantization=fp8 runs as stored.
+    fp8_dir = fp8_dirs[("qwen3", "channel")][0]
+    arch = validate_config(PprunConfig.from_kwargs(model=str(fp8_dir), quantization="fp8"),
+                           cuda_available=False, env={}).arch
+    assert arch.quantization.method == "compressed-tensors" and not arch.quantization.online

@@ -45,6 +45,11 @@ class ModelConfig:
     """Most top alternatives a request may ask log-probabilities of (``SamplingParams.logprobs``,
     the OpenAI API's ``logprobs`` and ``top_logprobs``); more is refused naming this setting
     (vLLM's name and default)."""
+    quantization: str | None = None
+    """None|fp8 (vLLM's name). fp8: a floating-point checkpoint's decoder linears are quantized to
+    float8 per output row at load (online FP8: half the weight memory, FP8 matmuls on Hopper;
+    dequantized again where the run does not keep FP8). A checkpoint that is already FP8 runs as
+    it is stored; another quantization method with it is an error."""
 
 
 @dataclass

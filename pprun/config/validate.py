@@ -247,6 +247,7 @@ def _check_values(cfg: PprunConfig, env: Mapping[str, str]) -> None:
         raise ValueError(f"model.seed={cfg.model.seed!r} is not allowed; it must be an integer in "
                          f"[{SEED_MIN}, {SEED_MAX}] (64 bits)")
     _check_min("model.max_logprobs", cfg.model.max_logprobs, 0, "an integer >= 0")
+    _check_choice("model.quantization", cfg.model.quantization, (None, "fp8"))
     pp_size = cfg.parallel.pipeline_parallel_size
     _check_min("parallel.pipeline_parallel_size", pp_size, 1, "an integer >= 1")
     if cfg.parallel.executor == "uni" and pp_size > 1:
@@ -530,6 +531,10 @@ def validate_config(
 
     model_dir = _model_dir(cfg.model.model)
     arch = load_arch_config(model_dir)
+    if cfg.model.quantization is not None:
+        from pprun.models.quantization import with_online_quantization
+
+        arch = with_online_quantization(arch, cfg.model.quantization, model_dir)
     dtype = _resolve_dtype(cfg, arch, device)
     max_model_len = _resolve_max_model_len(cfg, arch)
     max_num_batched_tokens = _resolve_max_num_batched_tokens(cfg, device, max_model_len)

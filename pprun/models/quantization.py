@@ -16,12 +16,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from pprun.models.hf_config import ModelArchConfig
-from pprun.models.quantization_config import QuantizationArch, WeightScheme
+from pprun.models.quantization_config import (
+    ONLINE_FP8_METHOD,
+    QUANTIZABLE_ARCHITECTURES,
+    SUPPORTED_QUANTIZATION_METHODS,
+    QuantizationArch,
+    WeightScheme,
+)
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -57,6 +65,8 @@ class Fp8WeightLoader:
 
     def owned_names(self, names: Iterable[str]) -> list[str]:
         """The scale tensors the quantized ones of ``names`` own (what the stage also reads)."""
+        if self.quant.online:
+            return []
         owned = []
         for name in names:
             scheme = self.scheme(name)
@@ -83,6 +93,10 @@ class Fp8WeightLoader:
         for name in names:
             scheme = self.scheme(name)
             stored = index.dtype(name)
+            if self.quant.online:  # floating-point weights, quantized here
+                if stored not in (torch.float32, torch.bfloat16, torch.float16):
+                    out.append(f"{name}: stored as {_short(stored)}; online FP8 quantizes floating-point weights")
+                continue
             if scheme is None:
                 if stored == FP8_DTYPE or not stored.is_floating_point:
                     out.append(f"{name}: stored as {_short(stored)}, but the quantization_config leaves "
@@ -126,7 +140,11 @@ class Fp8WeightLoader:
             if scheme is None:
                 continue
             scale_name = name.removesuffix("weight") + scheme.scale_name
-            raw = index.load([name, scale_name], device=device)
+            if self.quant.online:
+                weight, scale = quantize(index.load([name], device=device)[name], scheme)
+                raw = {name: weight, scale_name: scale}
+            else:
+                raw = index.load([name, scale_name], device=device)
             if name in keep_fp8:
                 yield name, raw[name]
                 yield scale_name, raw[scale_name].to(torch.float32)
@@ -213,3 +231,23 @@ class LinearFactory:
                 self.fp8_weight_names.update(f"{m}.weight" for m in modules)
                 return Fp8Linear(in_features, sum(rows), bias, block_scaled=scheme.strategy == "block")
         return torch.nn.Linear(in_features, sum(rows), bias=bias)
+
+
+def with_online_quantization(arch: ModelArchConfig, requested: str | None, model_dir: Path) -> ModelArchConfig:
+    """``arch`` as the run quantizes it: ``requested`` (``model.quantization``) None leaves it
+    as read; ``fp8`` on a floating-point checkpoint quantizes the decoder linears (not routers,
+    not the LM head) per output row at load; on an FP8 checkpoint it is what the checkpoint
+    already is.  Another quantization method with ``fp8`` requested is a ValueError."""
+    if requested is None:
+        return arch
+    if arch.quantization is not None:
+        if arch.quantization.method in SUPPORTED_QUANTIZATION_METHODS:  # FP8 already
+            return arch
+        raise ValueError(f"model.quantization={requested!r}, but {model_dir} is quantized by "
+                         f"{arch.quantization.method}")
+    if arch.architecture not in QUANTIZABLE_ARCHITECTURES:
+        raise ValueError(f"model.quantization={requested!r} is not supported for {arch.architecture}; "
+                         f"it is for {', '.join(QUANTIZABLE_ARCHITECTURES)}")
+    scheme = WeightScheme("channel", None, "weight_scale", False)
+    return replace(arch, quantization=QuantizationArch(ONLINE_FP8_METHOD, ((("Linear",), scheme),), (),
+                                                       routers_quantizable=False, online=True))

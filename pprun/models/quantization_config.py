@@ -74,11 +74,14 @@ class QuantizationArch:
     routers_quantizable: bool
     """The config may quantize a mixture-of-experts router (compressed-tensors targets every
     ``Linear`` unless ignored); ``fp8`` never does (transformers and vLLM keep routers dense)."""
+    online: bool = False
+    """The checkpoint stores floating-point weights that pprun quantizes at load
+    (``model.quantization=fp8``); no scales are stored."""
 
     def scheme_for(self, module: str) -> WeightScheme | None:
         """The scheme quantizing linear ``module`` (its name without ``.weight``), or None when
         the config leaves it in floating point."""
-        if self.method == "fp8" and module == "lm_head":
+        if self.method in ("fp8", ONLINE_FP8_METHOD) and module == "lm_head":
             return None
         for pattern in self.ignore:
             if pattern.startswith("re:"):
@@ -211,3 +214,8 @@ def _read_compressed_tensors(qc: dict[str, Any], refuse) -> QuantizationArch:
     if not isinstance(ignore, list) or not all(isinstance(m, str) for m in ignore):
         raise refuse("ignore", ignore, "a list of module names or 're:' patterns")
     return QuantizationArch("compressed-tensors", tuple(groups), tuple(ignore), routers_quantizable=True)
+
+
+ONLINE_FP8_METHOD = "fp8 (online)"
+"""What :func:`with_online_quantization` names the method it adds (logs and errors)."""
+
