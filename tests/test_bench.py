@@ -32,6 +32,7 @@ from pprun.apps.bench import (
     check_model_for_workload,
     shared_prefix_workload,
 )
+from pprun.apps.bench.peers import vllm_peer
 from pprun.apps.bench.peers.vllm_peer import (
     INSTALL_HINT,
     VllmPeer,
@@ -39,6 +40,7 @@ from pprun.apps.bench.peers.vllm_peer import (
     engine_args,
     metrics_from_worker,
     unsupported,
+    worker_env,
 )
 from pprun.config.config import BenchAppConfig
 
@@ -150,6 +152,8 @@ def test_engine_cache_stats_are_copied_when_the_llm_reports_them():
     [
         ({"workload": "shared_prefix", "prefix_len": 0}, r"prefix_len=0 must be an integer of at least 1"),
         ({"peer": "sglang"}, r"peer='sglang' is not allowed: choose one of hf, vllm, none"),
+        ({"repeats": 0}, r"repeats=0 must be an integer from 1 to 20"),
+        ({"peer_dtype": "int8"}, r"peer_dtype='int8' is not allowed: choose one of float32, bfloat16, float16"),
         ({"workload": "chat", "input_file": "w.jsonl"}, r"input_file='w.jsonl' is for workload=text"),
         ({"peer": "vllm", "vllm_args": {"hf_overrides": object()}}, r"vllm_args=.* must hold JSON values"),
         ({"batch_sizes": []}, r"batch_sizes=\[\] must be a non-empty list of distinct integers"),
@@ -198,7 +202,15 @@ def test_bench_shared_prefix_against_transformers(tiny_llama_dir: Path, capsys: 
     assert data["pprun"]["num_output_tokens"] == data["peer"]["num_output_tokens"] == 3 * 4
     assert data["peer"]["name"] == "transformers.generate"
     assert data["peer"]["greedy_match_fraction"] == 1.0  # fp32 greedy on CPU: the same tokens
+    assert data["peer"]["common_prefix_tokens_min"] == 4  # every token of every request
     assert "pprun_over_peer" not in data["peer"]  # transformers reports no latencies
+    # A peer runs: three timed passes each (medians, their min-max), the ratio median over median.
+    for side in ("pprun", "peer"):
+        assert data[side]["repeats"] == 3
+        lo, hi = data[side]["min_max"]["output_tokens_per_s"]
+        assert lo <= data[side]["output_tokens_per_s"] <= hi
+    assert data["ratio"] == round(data["pprun"]["output_tokens_per_s"] / data["peer"]["output_tokens_per_s"], 3)
+    assert len(data["load_average"]["start"]) == 3 and len(data["load_average"]["end"]) == 3
     # Prefill phase: two requests fit at once (max_num_seqs=2), the third is admitted when one
     # finishes, so two steps computed prompt tokens.
     ours = data["pprun"]
@@ -288,11 +300,15 @@ def test_vllm_settings_follow_pprun_run():
     cfg.scheduler.max_num_batched_tokens = 4096
     reqs = [BenchRequest([1, 2, 3], 8)]
     args = engine_args(_job(cfg, reqs))
+    # vLLM's own token budget and prefix caching; the context is the workload's (3 + 8), not pprun's 512.
     assert args == {
-        "model": "/ckpt", "dtype": "bfloat16", "max_num_seqs": 32, "max_model_len": 512,
-        "max_num_batched_tokens": 4096, "enforce_eager": False, "enable_prefix_caching": True, "seed": 0,
-        "skip_tokenizer_init": True,
+        "model": "/ckpt", "dtype": "bfloat16", "max_num_seqs": 32, "max_model_len": 11,
+        "enforce_eager": False, "seed": 0, "skip_tokenizer_init": True,
     }  # fmt: skip
+    cfg.vllm_args = {"max_num_batched_tokens": 4096, "enable_prefix_caching": False}
+    args = engine_args(_job(cfg, reqs))
+    assert args["max_num_batched_tokens"] == 4096 and args["enable_prefix_caching"] is False
+    cfg.vllm_args = {}
     for executor in ("mp", "ray"):
         args = engine_args(_job(cfg, reqs, executor=executor, pp_size=2))
         assert (args["pipeline_parallel_size"], args["distributed_executor_backend"]) == (2, executor)
@@ -499,6 +515,7 @@ class LLM:
         return [_Output(key, ids, True) for key, ids in tokens.items()]
 
     def reset_prefix_cache(self):
+        _log({"call": "reset_prefix_cache"})
         return True
 '''
 
@@ -513,6 +530,11 @@ class RequestOutputKind(enum.Enum):
 '''
 
 
+def _logged_requests(log: Path) -> list[dict]:
+    """What the stand-in logged: its construction and each request (cache resets left out)."""
+    return [c for c in map(json.loads, log.read_text().splitlines()) if "call" not in c]
+
+
 @pytest.fixture
 def fake_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A stand-in ``vllm`` package on PYTHONPATH (protocol tests only); returns its log file."""
@@ -521,6 +543,8 @@ def fake_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (pkg / "__init__.py").write_text(textwrap.dedent(FAKE_VLLM))
     (pkg / "sampling_params.py").write_text(textwrap.dedent(FAKE_SAMPLING_PARAMS))
     log = tmp_path / "vllm_calls.jsonl"
+    # The worker's environment is explicit: let the stand-in's own settings through.
+    monkeypatch.setattr(vllm_peer, "WORKER_ENV_PREFIXES", (*vllm_peer.WORKER_ENV_PREFIXES, "FAKE_VLLM_"))
     monkeypatch.setenv("PYTHONPATH", str(pkg.parent))
     monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
     monkeypatch.delenv("FAKE_VLLM_FAIL", raising=False)
@@ -535,7 +559,7 @@ def test_vllm_worker_protocol(fake_vllm: Path):
     reqs = [BenchRequest([9, 1, 2], 14, {"image": [img]}), BenchRequest([9, 3, 4], 14, {"image": [img]})]
     warm = [BenchRequest([9, 5, 6], 14, {"image": [img]}).for_warmup()]
     result = VllmPeer().measure(_job(cfg, reqs, warmup=warm))
-    calls = [json.loads(line) for line in fake_vllm.read_text().splitlines()]
+    calls = _logged_requests(fake_vllm)
     assert calls[0]["engine_args"]["max_num_seqs"] == cfg.scheduler.max_num_seqs
     assert calls[0]["engine_args"]["limit_mm_per_prompt"] == {"image": 1}
     requests = calls[1:]
@@ -560,7 +584,7 @@ def test_vllm_worker_protocol_audio_goes_to_the_encoder(fake_vllm: Path):
     clip = np.zeros(8000, dtype=np.float32)
     reqs = [BenchRequest([50257, 50362], 3, {"audio": (clip, 16000)})]
     result = VllmPeer().measure(_job(cfg, reqs, warmup=[]))
-    calls = [json.loads(line) for line in fake_vllm.read_text().splitlines()]
+    calls = _logged_requests(fake_vllm)
     assert [c["audio"] for c in calls[1:]] == [[8000, 16000]] * 2  # generate, then streamed
     assert calls[1]["prompt_token_ids"] == [50257, 50362] and calls[1]["ignore_eos"] is False
     assert result.metrics["audio_seconds_per_s"] > 0 and len(result.tokens[0]) == 3
@@ -573,7 +597,7 @@ def test_vllm_worker_runs_every_batch_size_on_one_engine(fake_vllm: Path):
     two = [BenchRequest([1, 2], 3), BenchRequest([3, 4], 3)]
     jobs = [_job(cfg, one, warmup=[one[0].for_warmup()]), _job(cfg, two, warmup=[r.for_warmup() for r in two])]
     results = VllmPeer().run_all(jobs)
-    calls = [json.loads(line) for line in fake_vllm.read_text().splitlines()]
+    calls = _logged_requests(fake_vllm)
     assert sum("engine_args" in c for c in calls) == 1  # one vllm.LLM for both rows
     ids = [c["prompt_token_ids"] for c in calls[1:]]
     # Row 1: warm-up, generate, streamed; row 2 likewise, after it.
@@ -591,7 +615,7 @@ def test_vllm_worker_keeps_each_rows_images_apart(fake_vllm: Path):
     one = [BenchRequest([9, 1], 2, {"image": [small]})]
     two = [BenchRequest([9, 2], 2, {"image": [large]}), BenchRequest([9, 3], 2, {"image": [large]})]
     results = VllmPeer().run_all([_job(cfg, one, warmup=[]), _job(cfg, two, warmup=[])])
-    calls = [json.loads(line) for line in fake_vllm.read_text().splitlines()][1:]
+    calls = _logged_requests(fake_vllm)[1:]
     assert [c["image_sizes"] for c in calls] == [[[4, 6]]] * 2 + [[[8, 9]]] * 4  # generate + streamed, per row
     assert [len(r.tokens) for r in results] == [1, 2]
 
@@ -697,3 +721,64 @@ def test_bench_batch_sizes_against_vllm_on_gpu(tmp_path: Path, capsys: pytest.Ca
         assert peer["num_output_tokens"] == row["pprun"]["num_output_tokens"] == row["config"]["batch"] * 16
         assert peer["settings"]["max_num_seqs"] == 8 and row["ratio"] > 0
     assert len({row["peer"]["load_s"] for row in data["rows"]}) == 1  # one vLLM engine for all rows
+
+
+def test_vllm_worker_times_every_repeat_from_an_empty_cache(fake_vllm: Path, monkeypatch: pytest.MonkeyPatch):
+    cfg = BenchAppConfig(output_len=3)
+    reqs = [BenchRequest([5, 6], 3), BenchRequest([7, 8], 3)]
+    # The stand-in's passes take microseconds and spread widely: no retiming here (below: always).
+    monkeypatch.setattr(vllm_peer, "SPREAD_LIMIT", 1e9)
+    result = VllmPeer().measure(_job(cfg, reqs, warmup=[reqs[0].for_warmup()], repeats=3))
+    calls = [json.loads(line) for line in fake_vllm.read_text().splitlines()]
+    order = ["reset" if c.get("call") == "reset_prefix_cache" else c["prompt_token_ids"][0] for c in calls[1:]]
+    # warm-up, the cache emptied, three timed passes each followed by emptying, the streamed pass,
+    # emptied again.
+    assert order == [5, "reset"] + [5, 7, "reset"] * 3 + [5, 7, "reset"]
+    m = result.metrics
+    assert m["repeats"] == 3
+    lo, hi = m["min_max"]["output_tokens_per_s"]
+    assert lo <= m["output_tokens_per_s"] <= hi and m["spread"] == round((hi - lo) / m["output_tokens_per_s"], 4)
+    assert "unstable" not in m
+    # A spread past the limit: the passes are timed once more, and the row flagged if it stays.
+    monkeypatch.setattr(vllm_peer, "SPREAD_LIMIT", 0.0)
+    fake_vllm.write_text("")
+    m = VllmPeer().measure(_job(cfg, reqs, warmup=[], repeats=2)).metrics
+    timed = [c for c in _logged_requests(fake_vllm)[1:] if c["output_kind"] == "FINAL_ONLY"]
+    assert len(timed) == 2 * 2 * 2 and m["retimed_after_spread"] > 0 and m["unstable"] is True
+
+
+def test_vllm_worker_environment_is_explicit():
+    env = worker_env("cuda:1", {"PATH": "/bin", "HOME": "/h", "PYTHONPATH": "/v", "VLLM_X": "1", "HF_HOME": "/hf",
+                                "AWS_SECRET_ACCESS_KEY": "s", "PPRUN_AUTHKEY": "k", "CUDA_VISIBLE_DEVICES": "4,5,6"})
+    assert env == {"PATH": "/bin", "HOME": "/h", "PYTHONPATH": "/v", "VLLM_X": "1", "HF_HOME": "/hf",
+                   "CUDA_VISIBLE_DEVICES": "5"}
+    assert worker_env("cuda", {})["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_repeated_passes_are_summarised_and_a_wide_spread_is_retimed_then_flagged():
+    from pprun.apps.bench.metrics import summarize_runs
+    from pprun.apps.bench.pprun_engine import repeated
+
+    s = summarize_runs([{"output_tokens_per_s": r, "elapsed_s": 1 / r, "name": "x"} for r in (100.0, 104.0, 98.0)])
+    assert s["output_tokens_per_s"] == 100.0 and s["min_max"]["output_tokens_per_s"] == [98.0, 104.0]
+    assert s["spread"] == 0.06 and s["repeats"] == 3 and s["name"] == "x" and "name" not in s["min_max"]
+
+    def passes(rates):
+        it = iter(rates)
+        return lambda: ({"output_tokens_per_s": next(it)}, [[1, 2]])
+
+    calm, tokens = repeated(passes([100.0, 101.0, 99.0]), 3)
+    assert "unstable" not in calm and "retimed_after_spread" not in calm and tokens == [[1, 2]]
+    settled, _ = repeated(passes([100.0, 150.0, 99.0, 100.0, 102.0, 101.0]), 3)
+    assert settled["retimed_after_spread"] == 0.51 and settled["unstable"] is False
+    assert settled["output_tokens_per_s"] == 101.0
+    noisy, _ = repeated(passes([100.0, 150.0, 99.0, 100.0, 160.0, 101.0]), 3)
+    assert noisy["unstable"] is True
+
+
+def test_common_prefix_tokens():
+    from pprun.apps.bench.metrics import common_prefix_tokens
+
+    ours = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9], [4]]
+    theirs = [[1, 2, 3, 4], [5, 0, 7, 8], [9, 9], [3]]
+    assert common_prefix_tokens(ours, theirs) == {"common_prefix_tokens_p50": 1.5, "common_prefix_tokens_min": 0}

@@ -182,7 +182,7 @@ def table_rows(runs: list[BenchRun], swept: list[str]) -> tuple[list[str], list[
     with_peer = any(isinstance(r.result.get("peer"), dict) for r in runs)
     header = ["run", *swept, *FACT_KEYS, *WORKLOAD_KEYS, *METRIC_KEYS]
     if with_peer:
-        header += ["peer_output_tokens_per_s", "ratio"]
+        header += ["peer_output_tokens_per_s", "ratio", "spread"]
     rows = []
     for run in runs:
         config, metrics = run.result["config"], run.result["pprun"]
@@ -193,9 +193,19 @@ def table_rows(runs: list[BenchRun], swept: list[str]) -> tuple[list[str], list[
         row += [_text(metrics.get(k)) for k in METRIC_KEYS]
         if with_peer:
             peer = run.result.get("peer") or {}
-            row += [_text(peer.get("output_tokens_per_s")), _text(run.result.get("ratio"))]
+            row += [_text(peer.get("output_tokens_per_s")), _text(run.result.get("ratio")), spread_text(metrics, peer)]
         rows.append(row)
     return header, rows
+
+
+def spread_text(ours: dict, peer: dict) -> str:
+    """The two engines' spread over repeated passes (``pprun / peer``, each max minus min over
+    the median), ``UNSTABLE`` appended where a row stayed past the limit after its second timing."""
+    spreads = [ours.get("spread"), peer.get("spread")]
+    if all(s is None for s in spreads):
+        return ""
+    text = " / ".join("" if s is None else f"{100 * s:.1f}%" for s in spreads)
+    return text + (" UNSTABLE" if ours.get("unstable") or peer.get("unstable") else "")
 
 
 def to_csv(header: list[str], rows: list[list[str]]) -> str:

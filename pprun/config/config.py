@@ -462,6 +462,14 @@ class BenchAppConfig(PprunConfig):
     vllm_args: dict[str, Any] = field(default_factory=dict)
     """peer=vllm: extra keyword arguments for ``vllm.LLM`` (e.g. ``+vllm_args.gpu_memory_utilization=0.8``),
     applied over the settings taken from pprun's configuration; they are reported in the JSON."""
+    repeats: int | None = None
+    """Timed passes per row and engine, after its one warm-up (each from an empty prefix cache):
+    the JSON and tables report the median of every figure and its min-max; the ratio is median
+    over median; a row whose output rate spreads by more than 15% of its median is timed again
+    once, then flagged ``unstable``.  None: 3 when a peer runs, else 1."""
+    peer_dtype: str | None = None
+    """The peer's dtype (e.g. ``float32``, to settle a token disagreement where half-precision
+    ties no longer decide); None: pprun's."""
     output_json: str | None = None
     """Write the result JSON here as well as printing it."""
 

@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from pprun.apps.bench.checks import check_bench_config, check_model_for_workload
+from pprun.apps.bench.checks import check_bench_config, check_model_for_workload, resolved_repeats
 from pprun.apps.bench.peers import PEERS, PeerFailed, PeerJob, PeerSkipped
 from pprun.apps.bench.pprun_engine import run_pprun
 from pprun.apps.bench.results import config_facts, emit, job_overrides, peer_entry
@@ -37,6 +37,16 @@ def free_device_memory(device: str) -> None:
         free, total = torch.cuda.mem_get_info()
         # What the next engine (a peer in another process) can have: printed for its errors.
         logger.info("bench: %s has %.1f of %.1f GiB free", device, free / 2**30, total / 2**30)
+
+
+def load_average() -> list[float] | None:
+    """The host's 1, 5 and 15 minute load averages (None where the OS has none)."""
+    import os
+
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        return None
 
 
 @dataclass
@@ -73,7 +83,7 @@ def time_pprun(cfg: BenchAppConfig, llm: Any, entries: list[tuple[str, dict, int
         "prefix_caching": bool(facts["prefix_caching"]),
     }
     logger.info("bench: %d %s requests (%s), timing pprun", len(workload.requests), cfg.workload, workload.source)
-    metrics, tokens = run_pprun(llm, workload, cfg.ignore_eos)
+    metrics, tokens = run_pprun(llm, workload, cfg.ignore_eos, resolved_repeats(cfg))
     return PprunRun(workload, facts, peer_settings, metrics, tokens)
 
 
@@ -134,6 +144,9 @@ def sweep_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "peer_prefill_ms_per_step": peer.get("prefill_ms_per_step"),
             "pprun_prefill_steps": ours.get("prefill_steps"),
             "peer_prefill_steps": peer.get("prefill_steps"),
+            "pprun_spread": ours.get("spread"),
+            "peer_spread": peer.get("spread"),
+            "unstable": bool(ours.get("unstable") or peer.get("unstable")),
         })  # fmt: skip
     return out
 
@@ -144,6 +157,7 @@ def run(cfg: BenchAppConfig) -> dict[str, Any]:
     from pprun.engine.llm import LLM
 
     entries = check_bench_config(cfg)
+    load_start = load_average()
     rows = row_configs(cfg)
     swept = cfg.batch_sizes is not None
     resolved = check_model_for_workload(rows[0])
@@ -173,7 +187,8 @@ def run(cfg: BenchAppConfig) -> dict[str, Any]:
         jobs = [
             PeerJob(
                 cfg=rows[i], requests=ours[i].workload.requests, warmup=ours[i].workload.warmup,
-                batch_size=rows[i].scheduler.max_num_seqs, **ours[i].peer_settings,
+                batch_size=rows[i].scheduler.max_num_seqs, repeats=resolved_repeats(cfg),
+                **{**ours[i].peer_settings, "dtype": cfg.peer_dtype or ours[i].peer_settings["dtype"]},
             )
             for i in picked
         ]  # fmt: skip
@@ -191,10 +206,14 @@ def run(cfg: BenchAppConfig) -> dict[str, Any]:
                     results[i]["pprun"], ours[i].tokens, outcome, job.eos_token_ids, cfg.ignore_eos
                 )
         free_device_memory(device)
+    # What else the machine ran: a loaded host moves host-bound figures.
+    load = {"start": load_start, "end": load_average()}
     if not swept:
+        results[0]["load_average"] = load
         emit(results[0], cfg.output_json)
         return results[0]
-    result = {"batch_sizes": list(cfg.batch_sizes), "rows": results, "summary": sweep_summary(results)}
+    result = {"batch_sizes": list(cfg.batch_sizes), "rows": results, "summary": sweep_summary(results),
+              "load_average": load}
     emit(result, cfg.output_json)
     return result
 

@@ -19,6 +19,16 @@ from pprun.checks import is_int
 from pprun.config.config import BenchAppConfig
 from pprun.config.validate import ResolvedConfig
 
+PEER_DTYPES = ("float32", "bfloat16", "float16")
+"""What ``peer_dtype`` may name."""
+
+
+def resolved_repeats(cfg: BenchAppConfig) -> int:
+    """Timed passes per row: ``repeats``, else 3 when a peer runs and 1 when none does."""
+    if cfg.repeats is not None:
+        return int(cfg.repeats)
+    return 1 if cfg.peer == "none" else 3
+
 
 def check_bench_config(cfg: BenchAppConfig) -> list[tuple[str, dict, int]] | None:
     """Reject workload settings no run can use (ValueError naming the field, the value and what is
@@ -33,6 +43,11 @@ def check_bench_config(cfg: BenchAppConfig) -> list[tuple[str, dict, int]] | Non
         if not is_int(value) or value < 1:
             raise ValueError(f"{name}={value!r} must be an integer of at least 1")
     check_batch_sizes(cfg)
+    if cfg.repeats is not None and (not is_int(cfg.repeats) or not 1 <= cfg.repeats <= 20):
+        raise ValueError(f"repeats={cfg.repeats!r} must be an integer from 1 to 20 (or null: 3 with a peer, else 1)")
+    if cfg.peer_dtype is not None and cfg.peer_dtype not in PEER_DTYPES:
+        raise ValueError(f"peer_dtype={cfg.peer_dtype!r} is not allowed: choose one of {', '.join(PEER_DTYPES)} "
+                         "(or null: pprun's)")
     warmup = cfg.num_warmup_prompts
     if warmup is not None and (not is_int(warmup) or warmup < 0):
         raise ValueError(f"num_warmup_prompts={warmup!r} must be an integer of at least 0 (or null: one full batch)")

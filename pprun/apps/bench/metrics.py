@@ -108,3 +108,53 @@ def first_token_match_fraction(ours: list[list[int]], theirs: list[list[int]]) -
     less often than they flip one of a whole sequence's tokens (``greedy_match_fraction``)."""
     pairs = [(a, b) for a, b in zip(ours, theirs) if a and b]
     return round(sum(a[0] == b[0] for a, b in pairs) / len(pairs), 3) if pairs else 0.0
+
+
+def common_prefix_tokens(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, float | None]:
+    """How many leading generated tokens the two engines agree on, per request: the median and
+    the least.  Unlike :func:`greedy_match_fraction` it says how far agreement reaches where one
+    near-tie flips a sequence (random half-precision checkpoints), so tokens 2..N are compared too."""
+    counts = []
+    for a, b in zip(ours, theirs):
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        counts.append(n)
+    return {"common_prefix_tokens_p50": percentile(counts, 50), "common_prefix_tokens_min": min(counts, default=None)}
+
+
+SPREAD_LIMIT = 0.15
+"""A row whose passes' output rates spread by more than this share of their median is timed
+again once, then flagged ``unstable``."""
+
+RUN_KEYS_SKIPPED = ("cache_stats", "settings", "effective_settings", "name", "version")
+"""Keys of a pass's figures that are facts about the engine, not measurements to take a median of."""
+
+
+def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One figure per key over repeated timed passes: the median of each number the passes all
+    report (the facts of the first pass otherwise), with ``min_max`` (``[min, max]`` per number),
+    ``repeats`` and ``spread`` (the output rate's max minus min over its median)."""
+    import statistics
+
+    first = runs[0]
+    out: dict[str, Any] = {}
+    min_max: dict[str, list[float]] = {}
+    for key, value in first.items():
+        values = [r.get(key) for r in runs]
+        numeric = key not in RUN_KEYS_SKIPPED and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        if numeric and len(runs) > 1:
+            median = statistics.median(values)
+            out[key] = round(median, 4) if isinstance(median, float) else median
+            min_max[key] = [min(values), max(values)]
+        else:
+            out[key] = value
+    out["repeats"] = len(runs)
+    rates = [r["output_tokens_per_s"] for r in runs if r.get("output_tokens_per_s")]
+    out["spread"] = round((max(rates) - min(rates)) / statistics.median(rates), 4) if rates else None
+    if len(runs) > 1:
+        out["min_max"] = min_max
+    return out

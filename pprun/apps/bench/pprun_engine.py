@@ -31,13 +31,40 @@ def sampling_params(max_tokens: int, ignore_eos: bool) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
 
 
-def run_pprun(llm: Any, workload: Workload, ignore_eos: bool) -> tuple[dict[str, Any], list[list[int]]]:
-    """Warm up on ``workload.warmup``, then time ``workload.requests`` through ``llm.generate``:
-    throughput and latency metrics, and each request's output token ids."""
+def run_pprun(
+    llm: Any, workload: Workload, ignore_eos: bool, repeats: int = 1
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """Warm up on ``workload.warmup``, then time ``workload.requests`` through ``llm.generate``
+    ``repeats`` times (:func:`repeated`): the passes' figures summarised, and each request's
+    output token ids (the first pass's)."""
     if workload.warmup:
         llm.generate(
             [r.prompt() for r in workload.warmup], [sampling_params(r.max_tokens, ignore_eos) for r in workload.warmup]
         )
+    return repeated(lambda: timed_pass(llm, workload, ignore_eos), repeats)
+
+
+def repeated(timed: Any, repeats: int) -> tuple[dict[str, Any], list[list[int]]]:
+    """``repeats`` calls of ``timed()`` (each ``(figures, tokens)``), summarised
+    (:func:`~pprun.apps.bench.metrics.summarize_runs`); when the output rate spreads by more than
+    :data:`~pprun.apps.bench.metrics.SPREAD_LIMIT` of its median the passes are made once more,
+    and a second spread that wide is flagged ``unstable`` (with the first set's spread kept)."""
+    from pprun.apps.bench.metrics import SPREAD_LIMIT, summarize_runs
+
+    passes = [timed() for _ in range(repeats)]
+    summary = summarize_runs([p[0] for p in passes])
+    if repeats > 1 and summary["spread"] is not None and summary["spread"] > SPREAD_LIMIT:
+        first_spread = summary["spread"]
+        passes = [timed() for _ in range(repeats)]
+        summary = summarize_runs([p[0] for p in passes])
+        summary["retimed_after_spread"] = first_spread
+        summary["unstable"] = summary["spread"] is not None and summary["spread"] > SPREAD_LIMIT
+    return summary, passes[0][1]
+
+
+def timed_pass(llm: Any, workload: Workload, ignore_eos: bool) -> tuple[dict[str, Any], list[list[int]]]:
+    """One timed pass of ``workload.requests`` from an empty prefix cache: its figures and each
+    request's output token ids."""
     if isinstance(llm, ReportsCacheStats):
         # The timed run's cache figures are its own, and it starts from no cached block (as the
         # vLLM peer's does): the warm-up's prompts are other prompts, but the counters add up.

@@ -9,7 +9,12 @@ import sys
 from typing import Any
 
 from pprun.apps import job_output_dir, job_output_path
-from pprun.apps.bench.metrics import first_token_match_fraction, greedy_match_fraction, pprun_over_peer
+from pprun.apps.bench.metrics import (
+    common_prefix_tokens,
+    first_token_match_fraction,
+    greedy_match_fraction,
+    pprun_over_peer,
+)
 from pprun.apps.bench.peers import PeerResult
 from pprun.config.config import BenchAppConfig
 
@@ -42,12 +47,14 @@ def peer_entry(
     eos_token_ids: set[int],
     ignore_eos: bool,
 ) -> tuple[dict[str, Any], float]:
-    """The result's ``"peer"`` object and the ratio of output tokens per second (pprun / peer)."""
+    """The result's ``"peer"`` object and the ratio of output tokens per second (pprun / peer;
+    with repeated passes, median over median)."""
     metrics = dict(peer.metrics)
     # Both are greedy on the same inputs: a low fraction flags a correctness problem (small
     # numeric differences can flip a near-tie, so 1.0 is not guaranteed in half precision).
     metrics["greedy_match_fraction"] = greedy_match_fraction(pprun_tokens, peer.tokens, eos_token_ids, ignore_eos)
     metrics["first_token_match_fraction"] = first_token_match_fraction(pprun_tokens, peer.tokens)
+    metrics.update(common_prefix_tokens(pprun_tokens, peer.tokens))
     if metrics.get("ttft_ms_p50") is not None:
         # A peer that reports latencies (vLLM) is compared figure by figure.
         metrics["pprun_over_peer"] = pprun_over_peer(pprun, metrics)

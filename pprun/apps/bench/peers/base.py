@@ -56,6 +56,9 @@ class PeerJob:
     max_num_batched_tokens: int
     """pprun's token budget per step, resolved (``scheduler.max_num_batched_tokens`` or the
     device's default)."""
+    repeats: int = 1
+    """Timed passes after the warm-up (``pprun bench``'s ``repeats``, resolved), summarised as
+    pprun's are (``pprun.apps.bench.metrics.summarize_runs``)."""
 
     @property
     def ignore_eos(self) -> bool:

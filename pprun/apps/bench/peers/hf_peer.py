@@ -159,16 +159,19 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_batches(
-    requests: list[BenchRequest], warmup: list[BenchRequest], batch_size: int, device: str, generate: Generate
-) -> tuple[float, list[list[int]], int]:
-    """Warm ``generate`` up on the first batch of ``warmup``, then time it over ``requests``'
-    :func:`peer_batches`; ``(elapsed_s, each request's tokens in request order, number of
-    batches)``."""
+def warm_up(warmup: list[BenchRequest], batch_size: int, device: str, generate: Generate) -> None:
+    """Run ``generate`` once on the first batch of ``warmup`` (nothing without warm-up requests)."""
     if warmup:
         first = peer_batches(warmup, batch_size)[0]
         generate(first, first[0].max_tokens)
         _sync(device)
+
+
+def time_batches(
+    requests: list[BenchRequest], batch_size: int, device: str, generate: Generate
+) -> tuple[float, list[list[int]], int]:
+    """Time ``generate`` over ``requests``' :func:`peer_batches`; ``(elapsed_s, each request's
+    tokens in request order, number of batches)``."""
     batches = peer_batches(requests, batch_size)
     start = time.perf_counter()
     batch_outputs = [generate(b, b[0].max_tokens) for b in batches]
@@ -207,10 +210,19 @@ class TransformersPeer:
 
     @staticmethod
     def timed(job: PeerJob, generate: Generate) -> PeerResult:
-        """Warm ``generate`` up on the job's warm-up requests, then time its requests."""
-        elapsed_s, tokens, num_batches = time_batches(job.requests, job.warmup, job.batch_size, job.device, generate)
-        rates = throughput_metrics(elapsed_s, job.requests, tokens)
-        name = family_of(job.cfg.workload).name
-        metrics = {"name": name, "elapsed_s": rates.pop("elapsed_s"), "num_batches": num_batches, **rates}
-        metrics.update(workload_rates(job.cfg, job.requests, elapsed_s))
+        """Warm ``generate`` up on the job's warm-up requests, then time its requests
+        ``job.repeats`` times (summarised as pprun's passes are)."""
+        from pprun.apps.bench.pprun_engine import repeated
+
+        warm_up(job.warmup, job.batch_size, job.device, generate)
+
+        def one_pass() -> tuple[dict, list[list[int]]]:
+            elapsed_s, tokens, num_batches = time_batches(job.requests, job.batch_size, job.device, generate)
+            rates = throughput_metrics(elapsed_s, job.requests, tokens)
+            name = family_of(job.cfg.workload).name
+            metrics = {"name": name, "elapsed_s": rates.pop("elapsed_s"), "num_batches": num_batches, **rates}
+            metrics.update(workload_rates(job.cfg, job.requests, elapsed_s))
+            return metrics, tokens
+
+        metrics, tokens = repeated(one_pass, job.repeats)
         return PeerResult(metrics, tokens)

@@ -1,16 +1,20 @@
 """``peer=vllm``: vLLM's offline engine on the same workload, in its own process, after pprun's
 engine is shut down and the device freed (the two never run at once).
 
-What vLLM runs is taken from pprun's run: the checkpoint, dtype, the token-id prompts (with the
-same images or audio), ``max_tokens`` with EOS ignored or not as pprun, greedy, the same
-``max_num_seqs``, ``max_model_len`` and ``max_num_batched_tokens``, CUDA graphs on unless pprun ran
-without them, the same pipeline size (``distributed_executor_backend`` "mp" against pprun's
-``mp``, "ray" against ``ray``), one warm-up pass on the same warm-up requests.  ``vllm_args``
-adds or overrides ``vllm.LLM`` arguments.
+vLLM runs at its own defaults but for what the comparison needs shared: the checkpoint, dtype
+(``peer_dtype`` may set another), the token-id prompts (with the same images or audio),
+``max_tokens`` with EOS ignored or not as pprun, greedy, the same ``max_num_seqs``, a
+``max_model_len`` of the workload's longest request (prompt plus output, which bounds pprun's
+requests too), CUDA graphs on unless pprun ran without them, the same pipeline size
+(``distributed_executor_backend`` "mp" against pprun's ``mp``, "ray" against ``ray``), one
+warm-up pass on the same warm-up requests.  Its token budget per step and prefix caching stay
+vLLM's defaults; ``vllm_args`` adds or overrides any ``vllm.LLM`` argument.  The worker runs with
+an explicit environment (:func:`worker_env`) on pprun's device.
 
-The worker (``pprun/apps/bench/vllm_worker.py``, run by path with ``vllm_python``) times the
-requests through ``LLM.generate`` (the throughput, as pprun's comes from its ``LLM.generate``),
-then again streamed step by step, recording what came back from each engine step and when; the
+The worker (``pprun/apps/bench/vllm_worker.py``, run by path with ``vllm_python``) empties vLLM's
+caches after the warm-up (as pprun's timed passes start from an empty prefix cache), times the
+requests ``repeats`` times through ``LLM.generate`` (the throughput, as pprun's comes from its
+``LLM.generate``; summarised as pprun's passes are), then once more streamed step by step, recording what came back from each engine step and when; the
 figures are computed here, the same way as pprun's (:func:`metrics_from_worker`): TTFT from a
 request's queueing to its first token, TPOT over the rest, the steady decode rate by
 ``EngineTrace.steady_decode``'s rule (the steps after the last prefill while the batch is full)
@@ -32,7 +36,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pprun.apps.bench.metrics import PREFILL_KEYS, STEADY_DECODE_KEYS, latency_metrics, throughput_metrics
+from pprun.apps.bench.metrics import (
+    PREFILL_KEYS,
+    SPREAD_LIMIT,
+    STEADY_DECODE_KEYS,
+    latency_metrics,
+    summarize_runs,
+    throughput_metrics,
+)
 from pprun.apps.bench.peers.base import PeerFailed, PeerJob, PeerOutcome, PeerResult, PeerSkipped
 from pprun.apps.bench.workloads import SAMPLE_RATE, workload_rates
 from pprun.config.config import BenchAppConfig
@@ -84,17 +95,51 @@ def unsupported(job: PeerJob) -> str | None:
     return None
 
 
+def workload_len(job: PeerJob) -> int:
+    """The longest prompt (as the model sees it, images expanded) plus its output among the job's
+    requests and warm-up: the context both engines need, and no more."""
+    return max(len(r.model_token_ids) + r.max_tokens for r in [*job.requests, *job.warmup])
+
+
+def worker_env(device: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The worker's environment, explicit: what a Python process and vLLM need (paths, locale,
+    ``PYTHONPATH``, CUDA/NCCL/Triton/Hugging Face/vLLM settings) and nothing else of pprun's, with
+    ``CUDA_VISIBLE_DEVICES`` naming pprun's device (``cuda:N``: the N-th device pprun saw)."""
+    import os
+
+    environ = dict(os.environ if environ is None else environ)
+    keep = {k: v for k, v in environ.items()
+            if k in WORKER_ENV_NAMES or k.startswith(WORKER_ENV_PREFIXES)}
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        ids = [d.strip() for d in visible.split(",") if d.strip()]
+        keep["CUDA_VISIBLE_DEVICES"] = ids[index] if index < len(ids) else str(index)
+    else:
+        keep["CUDA_VISIBLE_DEVICES"] = str(index)
+    return keep
+
+
+WORKER_ENV_NAMES = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "LD_LIBRARY_PATH",
+                    "CUDA_HOME", "TOKENIZERS_PARALLELISM")
+"""Environment variables the vLLM worker keeps as they are."""
+WORKER_ENV_PREFIXES = ("VLLM_", "HF_", "TRANSFORMERS_", "NCCL_", "TRITON_", "CUDA_", "TORCH_")
+"""Families of variables the worker keeps (vLLM's, Hugging Face's, the CUDA stack's)."""
+
+
 def engine_args(job: PeerJob) -> dict[str, Any]:
-    """The ``vllm.LLM`` keyword arguments matching pprun's run, ``vllm_args`` applied over them."""
+    """The ``vllm.LLM`` keyword arguments for pprun's run: vLLM's own defaults but for what the
+    comparison needs shared (``max_num_seqs``, ``max_model_len`` = the workload's longest request,
+    CUDA graphs on or off as pprun, the pipeline); its token budget and prefix caching are vLLM's
+    unless ``vllm_args`` sets them.  ``vllm_args`` applies over everything."""
     cfg = job.cfg
     args: dict[str, Any] = {
         "model": job.model_dir,
         "dtype": job.dtype,
+        # Shared, or the comparison means nothing: the batch and the context the workload needs.
         "max_num_seqs": job.batch_size,
-        "max_model_len": job.max_model_len,
-        "max_num_batched_tokens": job.max_num_batched_tokens,
+        "max_model_len": workload_len(job),
         "enforce_eager": cfg.compilation.cudagraph_mode == "none",
-        "enable_prefix_caching": job.prefix_caching,
         "seed": 0,
         # Token-id prompts need no tokenizer (nor does a random checkpoint have one); images
         # and audio go through vLLM's processors, which do.
@@ -134,6 +179,8 @@ def build_spec(job: PeerJob, prefix: str = "") -> tuple[dict[str, Any], dict[str
 
     spec = {
         "engine_args": engine_args(job),
+        "repeats": job.repeats,
+        "spread_limit": SPREAD_LIMIT,
         "ignore_eos": job.ignore_eos,
         "stop_token_ids": sorted(job.eos_token_ids),
         "encoder_decoder": job.cfg.workload == "audio",
@@ -156,6 +203,8 @@ def build_sweep_spec(jobs: list[PeerJob]) -> tuple[dict[str, Any], dict[str, Any
         spec = spec or one
         arrays.update(one_arrays)
     spec["runs"] = runs
+    if "max_model_len" not in jobs[0].cfg.vllm_args:  # one engine: the longest row's context
+        spec["engine_args"]["max_model_len"] = max(workload_len(job) for job in jobs)
     return spec, arrays
 
 
@@ -187,6 +236,7 @@ def metrics_from_worker(result: dict[str, Any], job: PeerJob) -> PeerResult:
     ``start``: null without it)."""
     generated = result["generate"]
     tokens = [list(t) for t in generated["tokens"]]
+    passes = [float(t) for t in generated.get("passes_s") or [generated["elapsed_s"]]]
     stream = result["stream"]
     ttfts, tpots = [], []
     for queued, first, done, toks in zip(stream["queued"], stream["first_token"], stream["finished"], stream["tokens"]):
@@ -194,22 +244,26 @@ def metrics_from_worker(result: dict[str, Any], job: PeerJob) -> PeerResult:
             ttfts.append(first - queued)
             if done is not None and len(toks) > 1:
                 tpots.append((done - first) / (len(toks) - 1))
-    elapsed_s = float(generated["elapsed_s"])
     trace = _steps_as_trace(stream["steps"])
     steady = trace.steady_decode() or dict.fromkeys(STEADY_DECODE_KEYS)
     start = stream.get("start")
     prefill = (trace.prefill_phase(float(start)) if start is not None else None) or dict.fromkeys(PREFILL_KEYS)
     streamed = throughput_metrics(float(stream["elapsed_s"]), job.requests, stream["tokens"])
+    # The throughput of each timed pass, summarised as pprun's passes are.
+    rates = summarize_runs([{**throughput_metrics(s, job.requests, tokens), **workload_rates(job.cfg, job.requests, s)}
+                            for s in passes])
+    if "retimed_after_spread" in generated:
+        rates["retimed_after_spread"] = round(float(generated["retimed_after_spread"]), 4)
+        rates["unstable"] = rates["spread"] is not None and rates["spread"] > SPREAD_LIMIT
     metrics: dict[str, Any] = {
         "name": "vllm.LLM",
         "version": result["vllm_version"],
         "settings": result["engine_args"],
         "effective_settings": result.get("effective", {}),
-        **throughput_metrics(elapsed_s, job.requests, tokens),
+        **rates,
         **latency_metrics(ttfts, tpots),
         **steady,
         **prefill,
-        **workload_rates(job.cfg, job.requests, elapsed_s),
         # The streamed pass's own rate: what streaming every step's tokens back costs vLLM.
         "streamed_output_tokens_per_s": streamed["output_tokens_per_s"],
         "load_s": round(float(result.get("load_s", 0.0)), 2),
@@ -217,7 +271,8 @@ def metrics_from_worker(result: dict[str, Any], job: PeerJob) -> PeerResult:
     return PeerResult(metrics, tokens)
 
 
-def run_worker(python: str, spec: dict[str, Any], arrays: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+def run_worker(python: str, spec: dict[str, Any], arrays: dict[str, Any], timeout_s: float | None = None,
+               env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run the worker on ``spec`` with ``python``; its result object.  The worker's output goes to
     this process's stderr as it comes (stdout carries only the bench JSON); a failure raises
     :class:`PeerFailed` with the worker's error, traceback and last lines of output."""
@@ -230,7 +285,8 @@ def run_worker(python: str, spec: dict[str, Any], arrays: dict[str, Any], timeou
         cmd = [python, str(WORKER), str(spec_path), str(arrays_path), str(out_path)]
         logger.info("bench: running vLLM: %s", " ".join(cmd))
         tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                                env=env)
         try:
             assert proc.stdout is not None  # PIPE was asked for
             for line in proc.stdout:
@@ -285,7 +341,7 @@ class VllmPeer:
     def measure(self, job: PeerJob) -> PeerResult:
         """Run the job in the worker and compute its figures."""
         spec, arrays = build_spec(job)
-        return metrics_from_worker(run_worker(vllm_python(job.cfg), spec, arrays), job)
+        return metrics_from_worker(run_worker(vllm_python(job.cfg), spec, arrays, env=worker_env(job.device)), job)
 
     def run_all(self, jobs: list[PeerJob]) -> list[PeerOutcome]:
         """Every job on one ``vllm.LLM`` in one worker (loaded and compiled once), in turn."""
@@ -296,7 +352,7 @@ class VllmPeer:
             return [PeerSkipped(reason) for _ in jobs]
         spec, arrays = build_sweep_spec(jobs)
         try:
-            result = run_worker(vllm_python(jobs[0].cfg), spec, arrays)
+            result = run_worker(vllm_python(jobs[0].cfg), spec, arrays, env=worker_env(jobs[0].device))
         except PeerFailed as e:
             return [e for _ in jobs]
         common = {k: v for k, v in result.items() if k != "runs"}
