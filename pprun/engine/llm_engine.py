@@ -24,6 +24,7 @@ from pprun.core.request import Request, RequestStatus
 from pprun.core.scheduler import Scheduler, min_blocks_for_one_request
 from pprun.engine.inputs import InputProcessor, load_tokenizer
 from pprun.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, stopped_by_string
+from pprun.engine.step_watchdog import StepWatchdog
 from pprun.executor.base import StageFailedError
 from pprun.sampling.params import SamplingParams
 from pprun.utils.startup import freeze_startup_objects, in_background
@@ -151,6 +152,8 @@ class LLMEngine:
         self.num_steps = 0
         self.num_preemptions = 0
         """Preemptions (by recompute) of requests finished so far."""
+        self.watchdog = StepWatchdog(graph_sizes=rc.cudagraph_capture_sizes if self.runner_name == "v2" else [])
+        """Times every step; logs one much slower than its class (``pprun.engine.step_watchdog``)."""
         freeze_startup_objects()  # the driver's start-up objects too (tokenizer, Hydra, Ray client)
 
     @property
@@ -285,6 +288,7 @@ class LLMEngine:
                 return self._collect_finished([])  # user aborts only
             t_wait = time.perf_counter()
             out = self.executor.get_output()
+            self.watchdog.answered(self.in_flight[0])
             if self.trace is not None:
                 answered = self.in_flight[0]
                 self.trace.record(
@@ -353,11 +357,23 @@ class LLMEngine:
                 # Nothing to compute: hand the finished ids to the runners with the next step.
                 self.carry_finished |= set(so.finished_req_ids)
                 break
+            if so.scheduled_new_reqs:
+                self._note_scheduled(so)
             self.executor.submit(so)
+            self.watchdog.submitted(so)
             self.in_flight.append(so)
             self.num_steps += 1
             num_submitted += 1
         return num_submitted
+
+    def _note_scheduled(self, so: SchedulerOutput) -> None:
+        """Stamp the first scheduling of the step's new requests (the end of their queue time)."""
+        now = time.time()
+        tracked = self.tracked
+        for new in so.scheduled_new_reqs:
+            tr = tracked.get(new.req_id)
+            if tr is not None and tr.metrics.first_scheduled_time is None:
+                tr.metrics.first_scheduled_time = now
 
     def _check_stop_strings(self, tr: _Tracked) -> None:
         """End a request whose text contains a stop string (the text is cut before it).
@@ -432,6 +448,7 @@ class LLMEngine:
         """A stage failed: every request ends with an error status; the engine is closed."""
         self.dead = why
         self.in_flight.clear()
+        self.watchdog.forget_in_flight()
         for req in self.scheduler.fail_all("error"):
             tr = self.tracked.get(req.req_id)
             if tr is not None:

@@ -12,9 +12,18 @@ class RequestMetrics:
     """Timings of one request (seconds; wall clock from ``time.time``)."""
 
     arrival_time: float
+    first_scheduled_time: float | None = None
+    """When a step first took the request (its queue time ends)."""
     first_token_time: float | None = None
     finished_time: float | None = None
     num_output_tokens: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        """Arrival to the first step that took the request (None until one did)."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
 
     @property
     def time_to_first_token(self) -> float | None:
