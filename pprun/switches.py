@@ -31,6 +31,7 @@ SWITCHES: dict[str, str] = {
     "PPRUN_DISABLE_FEEDBACK_SOCKET": "pprun.distributed.feedback.SOCKET_ENABLED",
     "PPRUN_DISABLE_FEEDBACK_SPIN": "pprun.distributed.feedback.SPIN_ENABLED",
     "PPRUN_DISABLE_EARLY_ANSWER": "pprun.executor.remote.EARLY_ANSWER",
+    "PPRUN_DISABLE_FP8_BLOCK_GEMM": "pprun.layers.fp8_linear.BLOCK_GEMM_ENABLED",
 }
 """Every switch: environment variable -> ``module.BOOL`` it sets (True unless the variable is set)."""
 

@@ -10,7 +10,7 @@ memory of bf16 and each step reads half the bytes.
 
 A model builds one where :func:`fp8_compute_supported` holds (a CUDA GPU of compute capability
 8.9 or more, 16-bit activations) and the layer's shape fits the scheme
-(:func:`fits_fp8_compute`; block-scaled weights only with :data:`BLOCK_GEMM_ENABLED`); elsewhere
+(:func:`fits_fp8_compute`; block-scaled weights unless :data:`BLOCK_GEMM_ENABLED` is off); elsewhere
 the loader dequantizes the weights into a plain ``nn.Linear`` (CPU, fp32 runs), which is the
 exact reference the tests compare with.
 """
@@ -18,10 +18,11 @@ exact reference the tests compare with.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import nn
+
+from pprun.switches import enabled_unless
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -35,12 +36,12 @@ BLOCKWISE_ROW_MULTIPLE = 16
 the H200; 8, 16, 64, 256 and 2,048 run): rows are padded to a multiple of this."""
 
 
-BLOCK_GEMM_ENABLED: bool = os.environ.get("PPRUN_FP8_BLOCK_GEMM", "") not in ("", "0")
-"""Block-scaled (128x128) FP8 weights multiply in FP8 only with ``PPRUN_FP8_BLOCK_GEMM=1``: on the
-H200 cuBLAS's block-scaled matmul matched the dequantized weights layer by layer (512 columns
-and more) but a whole model with 256-column layers gave NaNs, and wider whole models have not yet
-been checked token by token.  Without it such weights are dequantized at load (bf16 memory and
-speed, exact).  Per-row and per-tensor scaled weights always multiply in FP8."""
+BLOCK_GEMM_ENABLED: bool = enabled_unless("PPRUN_DISABLE_FP8_BLOCK_GEMM")
+"""False when ``PPRUN_DISABLE_FP8_BLOCK_GEMM`` is set: block-scaled (128x128) FP8 weights are then
+dequantized at load (bf16 memory and speed, exact) instead of multiplied by cuBLAS's
+block-scaled FP8 matmul.  The matmul takes layers of four or more column blocks only (on the
+H200, 256-column layers gave NaNs; 512 and wider matched the dequantized weights, whole models
+included)."""
 
 
 def fp8_compute_supported(device: torch.device, dtype: torch.dtype) -> bool:
