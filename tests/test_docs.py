@@ -1,6 +1,7 @@
 """Every repository path the docs cite exists.
 
-The docs are README.md, docs/*.md, launchers/*.md and protos/*.md.  A cited path is
+The docs are README.md, docs/*.md, launchers/*.md, protos/*.md and the index of the measurement
+records, benchmarks/README.md (the records themselves are kept as measured).  A cited path is
 
 - a token inside backticks or a fenced code block (relative to the repository's root or to the
   doc's folder) that starts with one of the repository's top-level folders (``pprun/...``, ``scripts/...``, ``tests/...``, ``conf/...``, ...), or a
@@ -30,14 +31,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def doc_files() -> list[Path]:
     """The Markdown files whose citations are checked."""
-    docs = [ROOT / "README.md"]
+    docs = [ROOT / "README.md", ROOT / "benchmarks" / "README.md"]  # the records' index, not the records
     for folder in ("docs", "launchers", "protos"):
         docs += sorted((ROOT / folder).glob("*.md"))
     return [d for d in docs if d.is_file()]
 
 
 # Top-level entries a cited path may start with: the tracked folders and files of the checkout.
-TOP_DIRS = ("pprun", "scripts", "tests", "conf", "docs", "launchers", "protos", ".ci")
+TOP_DIRS = ("pprun", "scripts", "tests", "conf", "docs", "benchmarks", "launchers", "protos", ".ci")
 TOP_FILES = ("README.md", "pyproject.toml", "setup.py", ".gitignore")
 PATH_TOKEN = re.compile(
     r"(?<![\w./~-])((?:" + "|".join(re.escape(d) for d in TOP_DIRS) + r")/[\w./*+-]*(?:::[\w\[\]-]+)*"
