@@ -54,6 +54,7 @@ from pprun.engine.engine_loop import (
 from pprun.engine.inputs import InputProcessor
 from pprun.engine.llm_engine import LLMEngine
 from pprun.engine.outputs import RequestDelta
+from pprun.engine.request_latency import LatencyHistograms, RequestTimes
 from pprun.engine.resolve import resolve_config
 from pprun.sampling.params import SamplingParams
 
@@ -145,6 +146,7 @@ class _Active:
     detok: IncrementalDetokenizer
     hold_back: int
     """Characters kept back while they could begin a stop string (longest stop string - 1)."""
+    times: RequestTimes
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
 
@@ -181,6 +183,9 @@ class EngineClient(abc.ABC):
         self._ids = itertools.count()
         """Request ids the client assigns: this client's random prefix and a count (``uuid4`` per
         request reads the OS's random source, a syscall on the event loop for every request)."""
+        self.latency = LatencyHistograms()
+        """Time to first token, per output token, between tokens and in the queue, observed as
+        reports come (``pprun.engine.request_latency``; served on ``/metrics``)."""
 
     # --- what the subclass provides ---------------------------------------------------------------
 
@@ -279,12 +284,14 @@ class EngineClient(abc.ABC):
         _, ids = self.check_request(prompt, params, where)
         req_id = request_id or f"{self._id_prefix}-{next(self._ids)}"
         stops = params.stop or []
+        arrival_time = time.time()
         active = _Active(
             RequestStream(req_id, loop),
             params,
             len(ids),
             IncrementalDetokenizer(self.inputs.tokenizer, params.skip_special_tokens),
             hold_back=max((len(s) for s in stops), default=1) - 1,
+            times=RequestTimes(arrival_time),
         )
         with self._lock:
             self._check_open()
@@ -296,7 +303,7 @@ class EngineClient(abc.ABC):
                     f"(scheduler.max_num_seqs + serve.max_queued_requests = {self.max_unfinished}); retry later"
                 )
             self._active[req_id] = active
-        self._send(AddCommand(req_id, ids, params, time.time()))
+        self._send(AddCommand(req_id, ids, params, arrival_time))
         return active.stream
 
     async def generate(self, prompt: str | dict, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestDelta]:
@@ -363,12 +370,14 @@ class EngineClient(abc.ABC):
             self._fail(report.failure, report.finished)
             return
         deliveries: list[tuple[_Active, RequestDelta]] = []
+        timed: list[tuple[RequestTimes, int]] = []
         actives = self._active
         detokenize = self.inputs.tokenizer is not None
         for req_id, new_ids, logprobs in report.updates:
             active = actives.get(req_id)
             if active is None:
                 continue
+            timed.append((active.times, len(new_ids)))
             text = ""
             if detokenize:
                 active.detok.add(new_ids)
@@ -383,7 +392,14 @@ class EngineClient(abc.ABC):
         for fin in report.finished:
             active = actives.get(fin.request_id)
             if active is not None:
+                timed.append((active.times, len(fin.new_token_ids)))
                 deliveries.append((active, self._final_delta(active, fin)))
+        if timed:
+            self.latency.step_tokens(report.time, timed)
+        for fin in report.finished:
+            active = actives.get(fin.request_id)
+            if active is not None:
+                self.latency.finished(active.times, fin.metrics)
         self._deliver(deliveries)
 
     def _final_delta(self, active: _Active, fin: FinishedUpdate) -> RequestDelta:

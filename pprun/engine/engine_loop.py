@@ -17,6 +17,7 @@ comes back) and does everything that touches it.  It runs on the async engine's 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -101,6 +102,9 @@ class StepReport:
     cache_stats: dict | None = None
     """``LLMEngine.cache_stats()`` when a request was admitted or a block evicted since the last
     report that carried them (None otherwise: nothing to resend on every step)."""
+    time: float = 0.0
+    """When the report was made (``time.time``): when its tokens were known, which the serving
+    client's latency histograms count to (``pprun.engine.request_latency``)."""
 
 
 def serving_facts(engine: LLMEngine) -> dict:
@@ -186,6 +190,7 @@ class EngineLoop:
         if not (report.updates or report.finished or report.failure) and counters == self._last_counters:
             return  # a round that scheduled nothing (waiting for blocks): nothing to wake the caller for
         self._last_counters = counters
+        report.time = time.time()
         stats = self.engine.scheduler.block_manager.stats
         cache_counters = (stats.num_queries, stats.num_evicted_blocks)
         if cache_counters != self._last_cache_counters:

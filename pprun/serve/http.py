@@ -35,7 +35,7 @@ from pprun.config.config import ServeConfig
 from pprun.engine.async_engine import EngineClient, RequestStream
 from pprun.engine.outputs import RequestDelta
 from pprun.serve import openai_api as oa
-from pprun.serve.metrics import prometheus_text, server_metrics
+from pprun.serve.metrics import CONTENT_TYPE, ServerMetrics
 from pprun.serve.protocol import openapi_document
 from pprun.serve.settings import RequestLimits
 
@@ -130,6 +130,7 @@ class OpenAIServer:
         self.max_body_bytes = 4 * 1024 * 1024
         self.created = int(time.time())
         self.text_of = oa.TokenText(engine.inputs.tokenizer)
+        self.server_metrics = ServerMetrics(engine)
 
     def app(self, token: str | None, max_body_bytes: int) -> Any:
         """The ASGI application (behind the bearer-token check when ``token`` is set)."""
@@ -173,7 +174,7 @@ class OpenAIServer:
 
     async def metrics(self, request: Request) -> Response:
         """``pprun.serve.metrics`` in Prometheus' text format."""
-        return Response(prometheus_text(server_metrics(self.engine)), media_type="text/plain; version=0.0.4")
+        return Response(self.server_metrics.text(), headers={"content-type": CONTENT_TYPE})
 
     async def openapi_json(self, request: Request) -> Response:
         """The OpenAPI document: every route, its request and response schemas."""

@@ -1,16 +1,30 @@
 """What the server reports about its engine, in one place: ``GET /metrics`` on the HTTP server
-writes these in Prometheus' text format.
+writes these in Prometheus' text format, through ``prometheus_client``.
 
-An engine-side statistic joins the list in :func:`server_metrics` (one :class:`Metric` each),
-read from what the :class:`~pprun.engine.async_engine.EngineClient` keeps of the engine's reports:
-nothing here asks the engine process anything, so a scrape never waits for a step.
+Two sources, one registry (:class:`ServerMetrics`):
+
+* the engine's state now (:func:`server_metrics`, one :class:`Metric` each, ``pprun_`` names): an
+  engine-side statistic joins that list, read from what the
+  :class:`~pprun.engine.async_engine.EngineClient` keeps of the engine's reports: nothing here asks
+  the engine process anything, so a scrape never waits for a step;
+* the request latency histograms the client observes as reports come (time to first token, per
+  output token, between tokens, in the queue: ``pprun:`` names, vLLM's with its prefix,
+  ``pprun.engine.request_latency``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
 from pprun.engine.async_engine import EngineClient
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""Prometheus' text exposition format, as ``/metrics`` answers it."""
 
 
 @dataclass(frozen=True)
@@ -19,7 +33,7 @@ class Metric:
 
     name: str
     kind: str
-    """Prometheus type: "gauge" or "counter"."""
+    """Prometheus type: "gauge" or "counter" (a counter's name ends in ``_total``)."""
     help: str
     value: float
 
@@ -53,9 +67,28 @@ def server_metrics(engine: EngineClient) -> list[Metric]:
     ]
 
 
-def prometheus_text(metrics: list[Metric]) -> str:
-    """Metrics in Prometheus' text exposition format."""
-    lines = []
-    for m in metrics:
-        lines += [f"# HELP {m.name} {m.help}", f"# TYPE {m.name} {m.kind}", f"{m.name} {m.value:g}"]
-    return "\n".join(lines) + "\n"
+class _EngineState(Collector):
+    """:func:`server_metrics` as a ``prometheus_client`` collector (read at each scrape)."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator:
+        for m in server_metrics(self.engine):
+            if m.kind == "counter":
+                yield CounterMetricFamily(m.name.removesuffix("_total"), m.help, value=m.value)
+            else:
+                yield GaugeMetricFamily(m.name, m.help, value=m.value)
+
+
+class ServerMetrics:
+    """The registry ``/metrics`` serves: the engine's state and its latency histograms."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineState(engine))
+        self.registry.register(engine.latency)
+
+    def text(self) -> bytes:
+        """Every metric in Prometheus' text format (:data:`CONTENT_TYPE`)."""
+        return generate_latest(self.registry)
