@@ -28,11 +28,13 @@ from pprun.executor.base import StageFailedError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 """The checkout under test: subprocesses (a driver, torchrun's ranks) import pprun from it."""
-STOP_TIMEOUT_S = {"mp": 6.0, "ray": 60.0, "external_launcher": 6.0}
-"""``parallel.stage_timeout_s`` of the cells with a stopped (SIGSTOPped) stage, the one fault
-only the timeout detects: short, since that stage is silent for good.  On Ray the same setting
-also bounds the group's rendezvous and, plus 60 s, the actors' start (fresh interpreters, two
-minutes on a loaded 2-core machine): there it is the default, 60 s."""
+STOP_TIMEOUT_S = {"mp": 6.0, "ray": 6.0, "external_launcher": 6.0}
+"""How long the cells with a stopped (SIGSTOPped) stage wait for it, the one fault only the
+timeout detects: short, since that stage is silent for good.  On ``mp`` (and torchrun) it is
+``parallel.stage_timeout_s``.  On Ray that setting also bounds the group's rendezvous and, plus
+60 s, the actors' start (fresh interpreters, two minutes on a loaded 2-core machine), so the
+pipeline starts with the default, 60 s, and only the driver's wait for a stage's answer
+(``executor.timeout_s``, set from the same setting) is shortened once every stage is up."""
 TIMEOUT_S = 120.0
 """``parallel.stage_timeout_s`` of every other cell: an exception, a death, a lost actor or a
 closed socket is detected without the timeout, which must then never fire, however loaded the
@@ -88,7 +90,10 @@ def test_stage_that_stops_answering(tiny_llama_dir, inject_faults, request, exec
     _executor(request, executor)
     before = Snapshot()
     with inject_faults({1: {"stop_at_step": 3}}):
-        llm = _llm(tiny_llama_dir, executor, stage_timeout_s=STOP_TIMEOUT_S[executor])
+        llm = _llm(tiny_llama_dir, executor, stage_timeout_s=STOP_TIMEOUT_S[executor] if executor == "mp" else 60.0)
+    if executor == "ray":
+        # Started with 60 s (see STOP_TIMEOUT_S); the stopped stage is then met by the driver.
+        llm.engine.executor.timeout_s = STOP_TIMEOUT_S[executor]
     _fails_cleanly(tiny_llama_dir, executor, llm, before, r"stage 1 sent nothing for|stage 0 raised:(.|\n)*Timed out")
 
 
@@ -241,7 +246,7 @@ llm = LLM(**common, cpu_kv_cache_bytes=1 << 20)
 result["ports"] = ports()
 write(f"start{rank}.json", {"pid": os.getpid(), "ports": [int(os.environ["MASTER_PORT"])] + result["ports"]})
 try:
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))  # max_model_len=128
     result["error"] = None
 except StageFailedError as e:
     result["error"] = str(e)
@@ -251,13 +256,44 @@ os._exit(1)  # as a failed job's rank would; interpreter teardown with a peer go
 """
 
 
-def _torchrun_job(model_dir, tmp_path, case: str, faults: dict,
-                  timeout_s: float = TIMEOUT_S) -> tuple[subprocess.CompletedProcess, dict, list]:  # fmt: skip
+def _sigterm_pending(pid: int) -> bool:
+    """Whether a SIGTERM waits to be delivered to process ``pid`` (as it does to a stopped one)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            masks = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return any(mask & (1 << (signal.SIGTERM - 1)) for mask in masks)
+
+
+def _continue_once_terminated(start_file, done) -> None:
+    """Send SIGCONT to the stopped rank that wrote ``start_file`` once torchrun's SIGTERM is
+    pending on it, so the SIGTERM ends it at once.  torchrun 2.13 ends a failed job's other ranks
+    with a 30 s grace before SIGKILL whatever ``--shutdown-timeout`` says (its ``_stop_workers``
+    passes no timeout), and a stopped rank acts on no signal but SIGKILL: the grace would be
+    waited out whole.  The rank is still ended by torchrun's own signal."""
+    import json
+
+    pid = None
+    while not done.is_set():
+        if pid is None and start_file.exists():
+            pid = json.loads(start_file.read_text())["pid"]
+        if pid is not None and _sigterm_pending(pid):
+            os.kill(pid, signal.SIGCONT)
+            return
+        time.sleep(0.05)
+
+
+def _torchrun_job(model_dir, tmp_path, case: str, faults: dict, timeout_s: float = TIMEOUT_S,
+                  stopped_rank: int | None = None) -> tuple[subprocess.CompletedProcess, dict, list]:  # fmt: skip
     """Run ``TORCHRUN_RANK`` as a two-rank torchrun job (its temporary files in a directory of
     its own) with ``parallel.stage_timeout_s=timeout_s``; returns torchrun's result, each rank's result (absent: it died) and what the job
-    left behind once torchrun exited (``leftovers.job_left_behind``)."""
+    left behind once torchrun exited (``leftovers.job_left_behind``).  ``stopped_rank``: the rank
+    that SIGSTOPs itself, continued once torchrun has signalled it to end
+    (:func:`_continue_once_terminated`)."""
     import json
     import shutil
+    import threading
 
     from leftovers import job_left_behind
 
@@ -276,10 +312,20 @@ def _torchrun_job(model_dir, tmp_path, case: str, faults: dict,
     # --monitor-interval: how often torchrun polls its ranks; once it sees one dead it SIGTERMs the
     # rest.  At its default 0.1 s it can end the survivor before the survivor has reported the
     # peer's death itself (what these cells check), a race a loaded 2-core machine loses at times.
-    proc = subprocess.run([*cmd, "--standalone", "--nproc-per-node", "2", "--monitor-interval", "2",
-                           "--log-dir", str(tmp_path / "logs"),
-                           str(script), str(model_dir), str(tmp_path), case, json.dumps(faults), str(timeout_s)],
-                          env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
+    done = threading.Event()
+    watcher = None
+    if stopped_rank is not None:
+        watcher = threading.Thread(target=_continue_once_terminated, args=(tmp_path / f"start{stopped_rank}.json", done))
+        watcher.start()
+    try:
+        proc = subprocess.run([*cmd, "--standalone", "--nproc-per-node", "2", "--monitor-interval", "2",
+                               "--log-dir", str(tmp_path / "logs"),
+                               str(script), str(model_dir), str(tmp_path), case, json.dumps(faults), str(timeout_s)],
+                              env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
+    finally:
+        done.set()
+        if watcher is not None:
+            watcher.join()
     ranks = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)
              if (tmp_path / f"rank{r}.json").exists()}  # fmt: skip
     started = [json.loads((tmp_path / f"start{r}.json").read_text()) for r in (0, 1)]
@@ -329,9 +375,11 @@ def test_stopped_torchrun_rank(tiny_llama_dir, tmp_path):
     """external_launcher: rank 1 SIGSTOPs itself at its third step (alive, silent): rank 0's next
     wait on it (its send of hidden states, or the step's output from the last stage) times out
     after ``stage_timeout_s``; torchrun then ends the stopped rank (SIGTERM, SIGKILL after its
-    grace, ``--shutdown-timeout``: 5 s here) and exits non-zero."""
+    grace; the test continues the stopped rank once the SIGTERM is pending, so it takes effect
+    without waiting out that grace) and exits non-zero."""
     timeout_s = STOP_TIMEOUT_S["external_launcher"]
-    proc, ranks, left = _torchrun_job(tiny_llama_dir, tmp_path, "fault", {"1": {"stop_at_step": 3}}, timeout_s)
+    proc, ranks, left = _torchrun_job(tiny_llama_dir, tmp_path, "fault", {"1": {"stop_at_step": 3}}, timeout_s,
+                                      stopped_rank=1)  # fmt: skip
     assert 1 not in ranks
     _job_failed_cleanly(proc, ranks, left, survivor=0,
                         match=r"torchrun rank 0 .*Timed out|rank 0: no output of step \d+ from the last stage")
