@@ -12,11 +12,13 @@ Kinds: an exception in a stage's forward (``raise_at_step``), a stage SIGKILLed 
 step (``kill_at_step``: its neighbour may be waiting in a hop from or to it), a stage that stops
 answering (``stop_at_step``: SIGSTOP), and on Ray ``ray.kill`` of a stage's actor at a random
 moment.  Some faults add a small per-step delay to a stage, which moves the fault against the
-other stage's work.  About one fault in ten runs on Ray (stages as actors of the session
-cluster); the rest on ``mp`` with stages forked from a warm template (``tests/stage_zygote.py``:
-a fresh interpreter per stage costs 4.5 s of CPU, more than the rest of a fault).
+other stage's work.  The executor and kind are stratified by seed (:data:`PLAN`): every 20
+consecutive seeds hold each Ray kind once (stages as actors of the session cluster) and the
+``mp`` kinds 16 times, so any 20 faults cover every executor and kind; ``mp`` stages fork from a
+warm template (``tests/stage_zygote.py``: a fresh interpreter per stage costs 4.5 s of CPU, more
+than the rest of a fault).  The stage, step, prompts, runner and delay are random.
 
-``PPRUN_RANDOM_FAULTS`` faults (default 100, what CI runs, in chunks of
+``PPRUN_RANDOM_FAULTS`` faults (default 40, what CI runs: each Ray kind twice, in chunks of
 :data:`FAULTS_PER_CHUNK`, one test each); ``PPRUN_RANDOM_FAULTS_SEED`` the first seed (default
 0): fault ``i`` draws everything from ``Random(seed + i)``.  A failing fault prints its seed, and
 ``PPRUN_RANDOM_FAULTS_SEED=<seed> PPRUN_RANDOM_FAULTS=1`` replays it alone.
@@ -37,19 +39,22 @@ from stage_zygote import Zygote, use_zygote
 from pprun import LLM, SamplingParams
 from pprun.executor.base import StageFailedError
 
-NUM_FAULTS = int(os.environ.get("PPRUN_RANDOM_FAULTS", "100"))
+NUM_FAULTS = int(os.environ.get("PPRUN_RANDOM_FAULTS", "40"))
 BASE_SEED = int(os.environ.get("PPRUN_RANDOM_FAULTS_SEED", "0"))
 FAULTS_PER_CHUNK = 10
 """Faults per test: a chunk stays well inside the per-test timeout."""
 KINDS = {"mp": ("raise_at_step", "kill_at_step", "stop_at_step"),
          "ray": ("raise_at_step", "kill_at_step", "stop_at_step", "ray_kill")}  # fmt: skip
-RAY_SHARE = 0.1
-"""Share of the faults on Ray (a Ray fault starts two fresh stage interpreters)."""
-STOP_TIMEOUT_S = {"mp": 3.0, "ray": 60.0}
-"""``parallel.stage_timeout_s`` of a ``stop_at_step`` fault, the one kind only the timeout
-detects: short, since the stopped stage is silent for good.  On Ray the same setting also bounds
-the group's rendezvous and, plus 60 s, the actors' start (fresh interpreters, not forked from the
-warm template, two minutes on a loaded 2-core machine): there it is the default, 60 s."""
+PLAN = tuple(("ray", KINDS["ray"][i // 5]) if i % 5 == 4 else ("mp", KINDS["mp"][(i - i // 5) % 3]) for i in range(20))
+"""(executor, kind) of seed ``s``: ``PLAN[s % 20]``; one fault in five on Ray (a Ray fault starts
+two fresh stage interpreters), each of its kinds once per 20 seeds, the ``mp`` kinds in turn."""
+STOP_TIMEOUT_S = {"mp": 3.0, "ray": 3.0}
+"""How long a ``stop_at_step`` fault's pipeline waits for the stopped stage, the one kind only the
+timeout detects: short, since the stopped stage is silent for good.  On ``mp`` it is
+``parallel.stage_timeout_s``.  On Ray that setting also bounds the group's rendezvous and, plus
+60 s, the actors' start (fresh interpreters, not forked from the warm template, two minutes on a
+loaded 2-core machine), so the pipeline starts with the default, 60 s, and only the driver's wait
+for a stage's answer (``executor.timeout_s``) is shortened once every stage is up."""
 TIMEOUT_S = 120.0
 """``parallel.stage_timeout_s`` of every other fault: an exception, a death or a lost actor is
 detected without the timeout, which must then never fire, however loaded the machine (a step
@@ -70,12 +75,12 @@ TOTALS = {"injected": 0, "fired": 0, "not fired": 0}
 def draw(seed: int) -> dict:
     """The fault and the generation of one seed."""
     rng = random.Random(seed)
-    executor = "ray" if rng.random() < RAY_SHARE else "mp"
+    executor, kind = PLAN[seed % len(PLAN)]
     fault = {
         "seed": seed,
         "executor": executor,
         "stage": rng.randint(0, 1),
-        "kind": rng.choice(KINDS[executor]),
+        "kind": kind,
         "step": rng.randint(1, 10),
         "prompts": [{"prompt_token_ids": [rng.randrange(1, 250) for _ in range(rng.randint(1, 12))]}
                     for _ in range(rng.randint(1, 4))],  # fmt: skip
@@ -90,8 +95,10 @@ def draw(seed: int) -> dict:
 
 
 def stage_timeout_s(fault: dict) -> float:
-    """``parallel.stage_timeout_s`` of a fault's pipeline."""
-    return STOP_TIMEOUT_S[fault["executor"]] if fault["kind"] == "stop_at_step" else TIMEOUT_S
+    """``parallel.stage_timeout_s`` of a fault's pipeline (a stopped Ray stage: see STOP_TIMEOUT_S)."""
+    if fault["kind"] == "stop_at_step" and fault["executor"] == "mp":
+        return STOP_TIMEOUT_S["mp"]
+    return 60.0 if fault["kind"] == "stop_at_step" else TIMEOUT_S
 
 
 def stage_faults(fault: dict) -> dict[int, dict]:
@@ -116,6 +123,8 @@ def run_one(model_dir, fault: dict, inject_faults, ray=None) -> str:
                   runner="v2" if fault["async"] else "v1", async_pipeline=fault["async"],
                   stage_timeout_s=stage_timeout_s(fault))  # fmt: skip
     ex = llm.engine.executor
+    if fault["kind"] == "stop_at_step" and fault["executor"] == "ray":
+        ex.timeout_s = STOP_TIMEOUT_S["ray"]  # started with 60 s (see STOP_TIMEOUT_S)
     pids, rendezvous = list(ex.stage_pids), ex.rendezvous_dir
     killer = None
     if fault["kind"] == "ray_kill":
@@ -189,3 +198,11 @@ def test_random_faults_end_in_errors_and_leave_nothing(tiny_llama_dir, inject_fa
               f"so far {TOTALS['injected']} injected, {TOTALS['fired']} fired, 0 hangs, 0 leftovers")  # fmt: skip
     # The draws are meant to fire mostly: a harness whose faults never fire tests nothing.
     assert counts["fired"] >= len(faults) // 2
+
+
+def test_every_twenty_seeds_cover_every_executor_and_kind():
+    """The stratified plan: any 20 consecutive seeds (so CI's default draws, from any first seed)
+    hold every kind on every executor that can have it."""
+    pairs = {(executor, kind) for executor, kinds in KINDS.items() for kind in kinds}
+    for first in (0, 7, 1234):
+        assert {(f["executor"], f["kind"]) for f in map(draw, range(first, first + 20))} == pairs
