@@ -145,8 +145,8 @@ def test_a_moe_checkpoint_with_an_extra_expert_tensor_is_refused(base_dirs, tmp_
 
 def test_what_a_model_declares_ignorable_loads(base_dirs, tmp_path):
     """Rotary tables, a tied head's stored copy and multi-token-prediction layers past
-    num_hidden_layers are declared ignorable with reasons: such a checkpoint loads, exactly as the
-    one without them."""
+    num_hidden_layers (where config.json declares them) are declared ignorable with reasons: such
+    a checkpoint loads, exactly as the one without them."""
     model_dir = _copy(base_dirs["llama_tied"], tmp_path / "ignorable")
     arch = load_arch_config(model_dir)
     mtp = f"model.layers.{arch.num_hidden_layers}"
@@ -158,6 +158,7 @@ def test_what_a_model_declares_ignorable_loads(base_dirs, tmp_path):
         t["mtp.norm.weight"] = torch.ones(2)
 
     _rewrite(model_dir, add)
+    _set_config(model_dir, num_nextn_predict_layers=1)  # the MTP layer, declared
     _validate(model_dir)
     plain = _load_stage(base_dirs["llama_tied"]).state_dict()
     loaded = _load_stage(model_dir).state_dict()

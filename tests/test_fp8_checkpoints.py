@@ -290,3 +290,72 @@ def test_online_fp8_settings_are_checked(fp8_dirs, float_dirs, tmp_path):
     arch = validate_config(PprunConfig.from_kwargs(model=str(fp8_dir), quantization="fp8"),
                            cuda_available=False, env={}).arch
     assert arch.quantization.method == "compressed-tensors" and not arch.quantization.online
+
+
+def test_review_findings_stay_fixed(fp8_dirs, float_dirs, tmp_path):
+    """A quantized LM head's scale is the last stage's (stage 0 of 2 does not call it unclaimed);
+    decoder layers past num_hidden_layers are refused unless config.json declares MTP layers;
+    malformed compressed-tensors groups and an e5m2 norm are named at validation."""
+    # A compressed-tensors checkpoint whose LM head is quantized too.
+    model_dir = tmp_path / "head"
+    shutil.copytree(fp8_dirs[("qwen3", "channel")][0], model_dir)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    w = tensors["lm_head.weight"].float()
+    s = w.abs().amax(dim=1, keepdim=True) / 448.0
+    tensors["lm_head.weight"], tensors["lm_head.weight_scale"] = (w / s).to(torch.float8_e4m3fn), s
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"]["ignore"] = ["re:.*mlp.gate$"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    _validate(model_dir)
+    _load(model_dir, rank=0, pp=2)
+    head = _load(model_dir, rank=1, pp=2).state_dict()["lm_head.weight"]
+    assert torch.equal(head, tensors["lm_head.weight"].float() * s)
+
+    # Two more decoder layers than config.json says: refused, unless declared as MTP layers.
+    longer = tmp_path / "longer"
+    shutil.copytree(float_dirs["qwen3"], longer)
+    config = json.loads((longer / "config.json").read_text())
+    config["num_hidden_layers"] -= 2
+    (longer / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"tensor\(s\) that no parameter of Qwen3ForCausalLM takes: model\.layers\.2"):
+        _validate(longer)
+    config["num_nextn_predict_layers"] = 2
+    (longer / "config.json").write_text(json.dumps(config))
+    _validate(longer)
+
+    # Malformed compressed-tensors groups.
+    for group, message in [("x", r"config_groups\.g='x'"),
+                           ({"targets": ["Linear"], "weights": "w"}, r"config_groups\.g\.weights='w'"),
+                           ({"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                                                                "block_structure": [True, 128]}},
+                            r"block_structure=\[True, 128\]")]:
+        bad = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(fp8_dirs[("qwen3", "channel")][0], bad)
+        config = json.loads((bad / "config.json").read_text())
+        config["quantization_config"]["config_groups"] = {"g": group}
+        (bad / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=message):
+            load_arch_config(bad)
+
+    # An e5m2 norm in an FP8 checkpoint: named at validation, not at load.
+    e5m2 = tmp_path / "e5m2"
+    shutil.copytree(fp8_dirs[("qwen3", "channel")][0], e5m2)
+    tensors = load_file(str(e5m2 / "model.safetensors"))
+    norm = "model.layers.0.input_layernorm.weight"
+    tensors[norm] = tensors[norm].to(torch.float8_e5m2)
+    save_file(tensors, str(e5m2 / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{re.escape(norm)}: stored as float8_e5m2"):
+        _validate(e5m2)
+
+
+def test_a_quantized_llava_is_refused_even_with_its_config_in_text_config(tmp_path):
+    from tiny_models import make_tiny_llava
+
+    model_dir = make_tiny_llava(tmp_path / "llava")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["text_config"]["quantization_config"] = {
+        "quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"a quantized LlavaForConditionalGeneration .* is not supported"):
+        load_arch_config(model_dir)

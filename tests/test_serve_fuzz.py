@@ -358,6 +358,13 @@ def test_max_tokens_past_the_context_on_every_front_end(fuzz_server):
         list(stub.Generate(request, timeout=REQUEST_DEADLINE_S))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "GenerateRequest.sampling.stop has 17 stop strings: at most serve.max_stop_strings=16" in info.value.details()
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="ab")] * 1025)
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(pb.GenerateRequest(chat=chat, sampling=pb.SamplingParams(max_tokens=2)),
+                           timeout=REQUEST_DEADLINE_S))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ("GenerateRequest.chat.messages has 1025 messages: at most serve.max_chat_messages=1024"
+            in info.value.details())
 
     from serve_helpers import kserve_request
     from tritonclient.grpc import service_pb2_grpc

@@ -525,7 +525,8 @@ class ServeConfig:
     max_request_output_tokens: int | None = None
     """Most output tokens one OpenAI request may ask for over all its choices (prompts times
     ``n`` times ``max_tokens``; a choice without ``max_tokens`` counts what its context leaves);
-    None: 32 times ``model.max_model_len``."""
+    None: ``max_choices`` times ``model.max_model_len`` (every choice a request may have may run
+    to a full context)."""
     max_stop_strings: int = 16
     """Most stop strings one request may give (every front end)."""
     max_stop_string_chars: int = 256

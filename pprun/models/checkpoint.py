@@ -222,10 +222,14 @@ def ignored_tensor_rules(arch: ModelArchConfig) -> tuple[IgnoreRule, ...]:
     rules = [
         IgnoreRule(r".*\.rotary_emb\.inv_freq",
                    "rotary inverse frequencies: recomputed from config.json's RoPE settings"),
-        IgnoreRule(r"model\.layers\.(\d+)\..*", "multi-token-prediction layers past num_hidden_layers: "
-                   "pprun does not run speculative heads", min_index=arch.num_hidden_layers),
         IgnoreRule(r"mtp\..*", "multi-token-prediction module: pprun does not run speculative heads"),
     ]
+    if arch.num_mtp_layers:
+        # Only where config.json declares them: else layers past num_hidden_layers are a
+        # mislabelled checkpoint, which must not load as a shorter model.
+        rules.append(IgnoreRule(r"model\.layers\.(\d+)\..*", "multi-token-prediction layers past "
+                                "num_hidden_layers (num_nextn_predict_layers): pprun does not run speculative heads",
+                                min_index=arch.num_hidden_layers))
     if arch.tie_word_embeddings:
         head = "proj_out.weight" if arch.audio_encoder is not None else "lm_head.weight"
         rules.append(IgnoreRule(re.escape(head), "tied embeddings: the head is the embedding matrix, "
@@ -328,7 +332,8 @@ def check_stage_tensors(
     from pprun.models.quantization import weight_loader
 
     loader = weight_loader(arch)
-    owned = loader.owned_names(claimed) if loader is not None else []
+    # The scales every stage's weights own (another stage's, e.g. a quantized LM head's, are its).
+    owned = loader.owned_names(list(expected_tensor_shapes(arch))) if loader is not None else []
     if loader is not None:
         # First: a weight the config and the checkpoint disagree on explains the scale it leaves over.
         bad = loader.problems(index, claimed)

@@ -114,6 +114,9 @@ class ModelArchConfig:
     ``LlavaConfig``: ``image_token_index``, ``vision_feature_layer``,
     ``vision_feature_select_strategy``, ``projector_hidden_act``, ``multimodal_projector_bias``,
     ``vision_config`` (the full dict) and ``text_architecture``.  None for text-only models."""
+    num_mtp_layers: int = 0
+    """Multi-token-prediction layers the checkpoint stores past ``num_hidden_layers``
+    (``num_nextn_predict_layers``), which pprun does not run; 0 for the supported families."""
     quantization: QuantizationArch | None = None
     """The checkpoint's quantization method (``quantization_config``, read and checked by
     :func:`pprun.models.quantization_config.read_quantization_config`); None: floating-point
@@ -293,9 +296,9 @@ def load_arch_config(model_dir: Path) -> ModelArchConfig:
     config = json.loads(config_path.read_text())
     architecture = _architecture(config, config_path)
     # Before anything else: a quantized checkpoint pprun does not run is refused by name.
-    quantization = read_quantization_config(config, model_dir, config_path)
+    quantization = read_quantization_config(config, model_dir, config_path, architecture)
     if quantization is None and isinstance(config.get("text_config"), dict):
-        quantization = read_quantization_config(config["text_config"], model_dir, config_path)
+        quantization = read_quantization_config(config["text_config"], model_dir, config_path, architecture)
     if architecture == "LlavaForConditionalGeneration":
         arch = _load_llava_config(model_dir, config_path)
     else:
@@ -418,6 +421,7 @@ def _decoder_arch(config: dict[str, Any], architecture: str, model_dir: Path, co
         audio_encoder=config.get("_audio_encoder"),
         qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         moe=_moe_arch(config, architecture, config_path),
+        num_mtp_layers=int(config.get("num_nextn_predict_layers") or 0),
     )
 
 

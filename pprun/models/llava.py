@@ -128,6 +128,7 @@ class LlavaForConditionalGeneration(PprunModel):
         self.language_model = LlamaForCausalLM(
             text_arch, layout, device=device, dtype=dtype, max_positions=max_positions, attn_backend=attn_backend
         )
+        self.fp8_weight_names = self.language_model.fp8_weight_names
         self.vision_tower: nn.Module | None = None
         self.multi_modal_projector: MultiModalProjector | None = None
         if layout.is_first:

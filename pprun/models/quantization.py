@@ -63,6 +63,10 @@ class Fp8WeightLoader:
         is_linear = module == "lm_head" or (".layers." in module and not module.endswith("norm"))
         return self.quant.scheme_for(module) if is_linear else None
 
+    def scale_name(self, name: str) -> str:
+        """The checkpoint name of quantized weight ``name``'s scale."""
+        return name.removesuffix("weight") + self.scheme(name).scale_name
+
     def owned_names(self, names: Iterable[str]) -> list[str]:
         """The scale tensors the quantized ones of ``names`` own (what the stage also reads)."""
         if self.quant.online:
@@ -98,7 +102,7 @@ class Fp8WeightLoader:
                     out.append(f"{name}: stored as {_short(stored)}; online FP8 quantizes floating-point weights")
                 continue
             if scheme is None:
-                if stored == FP8_DTYPE or not stored.is_floating_point:
+                if stored not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
                     out.append(f"{name}: stored as {_short(stored)}, but the quantization_config leaves "
                                f"this module in floating point ({self.quant.method})")
                 continue

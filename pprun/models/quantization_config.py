@@ -102,12 +102,15 @@ def _is_router(module: str) -> bool:
     return module.endswith(".mlp.gate") or module.endswith(".block_sparse_moe.gate")
 
 
-def read_quantization_config(config: dict[str, Any], model_dir: Path, source: Path) -> QuantizationArch | None:
+def read_quantization_config(
+    config: dict[str, Any], model_dir: Path, source: Path, architecture: str
+) -> QuantizationArch | None:
     """The checkpoint's quantization method, or None for a floating-point checkpoint.
 
     Raises ValueError naming the method (or the setting), the checkpoint and what pprun supports
     when ``config.json`` names a method pprun does not run, a setting of a supported method it
-    does not run, or no method in a quantization config.
+    does not run, or no method in a quantization config, or when ``architecture`` (the model's,
+    ``config.json``'s top level) is not one whose quantized checkpoints pprun loads.
     """
     for key in ("quantization_config", "compression_config"):
         qc = config.get(key)
@@ -131,9 +134,12 @@ def read_quantization_config(config: dict[str, Any], model_dir: Path, source: Pa
                 f"supported; pprun runs {allowed}"
             )
 
-        architecture = (config.get("architectures") or [""])[0]
-        if architecture and architecture not in QUANTIZABLE_ARCHITECTURES:
-            raise refuse("quant_method", method, "quantized checkpoints of " + ", ".join(QUANTIZABLE_ARCHITECTURES))
+        if architecture not in QUANTIZABLE_ARCHITECTURES:
+            raise ValueError(
+                f"checkpoint model.model={str(model_dir)!r}: a quantized {architecture} ({key}.quant_method="
+                f"{method!r}) is not supported; pprun loads quantized checkpoints of "
+                + ", ".join(QUANTIZABLE_ARCHITECTURES)
+            )
         if method == "fp8":
             return _read_fp8(qc, refuse)
         return _read_compressed_tensors(qc, refuse)
@@ -177,12 +183,14 @@ def _read_compressed_tensors(qc: dict[str, Any], refuse) -> QuantizationArch:
     groups = []
     for group_name, group in groups_cfg.items():
         prefix = f"config_groups.{group_name}"
+        if not isinstance(group, dict):
+            raise refuse(prefix, group, "a mapping with targets, weights and input_activations")
         targets = group.get("targets")
         if not isinstance(targets, list) or not targets or not all(
                 isinstance(t, str) and (t == "Linear" or t.startswith("re:")) for t in targets):
             raise refuse(f"{prefix}.targets", targets, "'Linear' or 're:' patterns of module names")
         weights = group.get("weights") or {}
-        if weights.get("type") != "float" or weights.get("num_bits") != 8:
+        if not isinstance(weights, dict) or weights.get("type") != "float" or weights.get("num_bits") != 8:
             raise refuse(f"{prefix}.weights", weights, "8-bit float weights (type 'float', num_bits 8)")
         if weights.get("dynamic"):
             raise refuse(f"{prefix}.weights.dynamic", True, "weights quantized in the checkpoint")
@@ -192,7 +200,8 @@ def _read_compressed_tensors(qc: dict[str, Any], refuse) -> QuantizationArch:
         block = None
         if strategy == "block":
             block = weights.get("block_structure")
-            if not isinstance(block, list) or len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+            if not isinstance(block, list) or len(block) != 2 or not all(
+                    isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
                 raise refuse(f"{prefix}.weights.block_structure", block, "two positive integers")
             block = (block[0], block[1])
         elif strategy not in ("channel", "tensor"):
@@ -200,7 +209,7 @@ def _read_compressed_tensors(qc: dict[str, Any], refuse) -> QuantizationArch:
         acts = group.get("input_activations")
         static_input = False
         if acts is not None:
-            if acts.get("type") != "float" or acts.get("num_bits") != 8:
+            if not isinstance(acts, dict) or acts.get("type") != "float" or acts.get("num_bits") != 8:
                 raise refuse(f"{prefix}.input_activations", acts, "8-bit float activations or none")
             if acts.get("strategy") not in ("token", "tensor", "group"):
                 raise refuse(f"{prefix}.input_activations.strategy", acts.get("strategy"),

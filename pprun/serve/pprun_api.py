@@ -45,8 +45,8 @@ def prompt_from_proto(engine: EngineClient, request: pprun_pb2.GenerateRequest,
     if kind == "chat":
         chat = request.chat
         add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-        limits.check_messages(chat.messages, "GenerateRequest.chat.messages")
         messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        limits.check_messages(messages, "GenerateRequest.chat.messages")
         return engine.chat_prompt(messages, "GenerateRequest.chat.messages", add_generation_prompt=add)
     raise ValueError("GenerateRequest.input is unset: give one of text, token_ids or chat")
 

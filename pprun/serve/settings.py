@@ -51,7 +51,8 @@ class RequestLimits:
             max_model_len=max_model_len,
             max_unfinished=resolved.cfg.scheduler.max_num_seqs + sc.max_queued_requests,
             max_choices=sc.max_choices,
-            max_request_output_tokens=32 * max_model_len if output_tokens is None else output_tokens,
+            # Default: every choice allowed (serve.max_choices) may run to a full context.
+            max_request_output_tokens=sc.max_choices * max_model_len if output_tokens is None else output_tokens,
             max_stop_strings=sc.max_stop_strings,
             max_stop_string_chars=sc.max_stop_string_chars,
             max_chat_messages=sc.max_chat_messages,

@@ -70,6 +70,9 @@ def load_stage_model(
         tensors = loader.iter_tensors(index, names, device=device, dtype=dtype, keep_fp8=model.fp8_weight_names)
     loaded = model.load_weights(tensors)
     missing = sorted(set(names) - loaded)
+    if loader is not None:
+        # A weight kept in float8 is nothing without its scale.
+        missing += sorted(loader.scale_name(n) for n in model.fp8_weight_names if loader.scale_name(n) not in loaded)
     if missing:
         raise ValueError(f"stage {layout.pp_rank}: checkpoint tensors not loaded: {missing[:8]}")
     model.eval().requires_grad_(False)
