@@ -18,7 +18,7 @@ Prints one JSON object (and writes it to ``--out``).  Four parts, each selectabl
                 (nothing to compute: the control path alone) and a 1-request decode step, for
                 uni, mp pp=2 and ray pp=2.
 
-    python scripts/bench_pipeline.py --out docs/bench_pipeline_cpu.json
+    python scripts/bench_pipeline.py --out bench_pipeline_cpu.json
     python scripts/bench_pipeline.py --parts hop,control
 
 On a machine with two GPUs (docs/performance.md's pipeline figures)::
