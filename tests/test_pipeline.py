@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 from leftovers import Snapshot
+from stage_zygote import Zygote, use_zygote
 
 from pprun import LLM, SamplingParams
 from pprun.executor.base import StageFailedError
@@ -57,6 +58,14 @@ def pids_gone(pids: list[int], within_s: float = 15.0) -> bool:
 
 
 @pytest.fixture(scope="module")
+def zygote():
+    """The warm template that the ``mp`` stages of some cells fork from (``tests/stage_zygote.py``)."""
+    z = Zygote(dict(os.environ, OMP_NUM_THREADS="1"))
+    yield z
+    z.close()
+
+
+@pytest.fixture(scope="module")
 def tiny_reference(tiny_llama_dir):
     with LLM(str(tiny_llama_dir), dtype="float32", executor="uni", runner="v1") as llm:
         return tokens(llm.generate(TOKEN_PROMPTS, GREEDY))
@@ -73,9 +82,15 @@ def tiny_reference(tiny_llama_dir):
         ("ray", 4, None),
     ],
 )
-def test_tiny_tokens_identical_across_pp(tiny_llama_dir, tiny_reference, executor, pp, partition, request):
+def test_tiny_tokens_identical_across_pp(tiny_llama_dir, tiny_reference, executor, pp, partition, request,
+                                        monkeypatch):  # fmt: skip
+    """Tokens as in one process for every pp and executor.  The ``mp`` cells of three and four
+    stages fork their stages from the warm template (``tests/stage_zygote.py``): what they check is
+    the pipeline's tokens; the fresh-interpreter start is checked by every other ``mp`` cell here."""
     if executor == "ray":
         request.getfixturevalue("ray_cluster")
+    if executor == "mp" and pp > 2:
+        use_zygote(monkeypatch, request.getfixturevalue("zygote"))
     with LLM(str(tiny_llama_dir), dtype="float32", executor=executor, pipeline_parallel_size=pp,
              layer_partition=partition, runner="v1", stage_timeout_s=STAGE_TIMEOUT_S) as llm:
         assert tokens(llm.generate(TOKEN_PROMPTS, GREEDY)) == tiny_reference
