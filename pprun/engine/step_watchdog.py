@@ -166,6 +166,8 @@ class StepWatchdog:
     num_slow: int = 0
     """Steps found slow so far (logged or not)."""
     _pending: dict[int, SubmittedStep] = field(default_factory=dict, init=False, repr=False)
+    _decode_sizes: set[int] = field(default_factory=set, init=False, repr=False)
+    """Request counts of the decode steps submitted so far."""
     _last_warning: float | None = field(default=None, init=False, repr=False)
     _num_unlogged: int = field(default=0, init=False, repr=False)
 
@@ -176,9 +178,11 @@ class StepWatchdog:
         """Note a step handed to the executor: its class, sizes and what it uses for the first time."""
         cls = step_class(so)
         firsts = []
-        if (name := f"class {cls}") not in self.seen:
+        # The strings are made only for what may be new: a known class, a decode size met before.
+        if cls not in self.times and (name := f"class {cls}") not in self.seen:
             firsts.append(name)
-        if cls.kind == "decode" and self.graph_sizes:
+        if cls.kind == "decode" and self.graph_sizes and so.num_reqs not in self._decode_sizes:
+            self._decode_sizes.add(so.num_reqs)
             i = bisect_left(self.graph_sizes, so.num_reqs)
             name = (
                 f"CUDA graph of {self.graph_sizes[i]} requests"
@@ -191,13 +195,8 @@ class StepWatchdog:
             firsts += [f for f in request_features(new) if f not in self.seen and f not in firsts]
         self.seen.update(firsts)
         self._pending[so.step_id] = SubmittedStep(
-            cls,
-            self.clock(),
-            so.total_num_scheduled_tokens,
-            so.num_reqs,
-            len(so.scheduled_new_reqs),
-            tuple(firsts),
-        )
+            cls, self.clock(), so.total_num_scheduled_tokens, so.num_reqs, len(so.scheduled_new_reqs), tuple(firsts)
+        )  # fmt: skip
 
     def answered(self, so: SchedulerOutput) -> SlowStep | None:
         """Time a step whose output came back; log it (rate-limited) when slow; returns it then."""
