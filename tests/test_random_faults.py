@@ -12,13 +12,13 @@ Kinds: an exception in a stage's forward (``raise_at_step``), a stage SIGKILLed 
 step (``kill_at_step``: its neighbour may be waiting in a hop from or to it), a stage that stops
 answering (``stop_at_step``: SIGSTOP), and on Ray ``ray.kill`` of a stage's actor at a random
 moment.  Some faults add a small per-step delay to a stage, which moves the fault against the
-other stage's work.  The executor and kind are stratified by seed (:data:`PLAN`): every 20
-consecutive seeds hold each Ray kind once (stages as actors of the session cluster) and the
-``mp`` kinds 16 times, so any 20 faults cover every executor and kind; ``mp`` stages fork from a
+other stage's work.  The executor and kind are stratified by seed (:data:`PLAN`): every 40
+consecutive seeds hold each Ray kind once (stages as actors of the session cluster) and each
+``mp`` kind 12 times, so any 40 faults cover every executor and kind; ``mp`` stages fork from a
 warm template (``tests/stage_zygote.py``: a fresh interpreter per stage costs 4.5 s of CPU, more
 than the rest of a fault).  The stage, step, prompts, runner and delay are random.
 
-``PPRUN_RANDOM_FAULTS`` faults (default 40, what CI runs: each Ray kind twice, in chunks of
+``PPRUN_RANDOM_FAULTS`` faults (default 40, what CI runs: every executor and kind, in chunks of
 :data:`FAULTS_PER_CHUNK`, one test each); ``PPRUN_RANDOM_FAULTS_SEED`` the first seed (default
 0): fault ``i`` draws everything from ``Random(seed + i)``.  A failing fault prints its seed, and
 ``PPRUN_RANDOM_FAULTS_SEED=<seed> PPRUN_RANDOM_FAULTS=1`` replays it alone.
@@ -45,9 +45,9 @@ FAULTS_PER_CHUNK = 10
 """Faults per test: a chunk stays well inside the per-test timeout."""
 KINDS = {"mp": ("raise_at_step", "kill_at_step", "stop_at_step"),
          "ray": ("raise_at_step", "kill_at_step", "stop_at_step", "ray_kill")}  # fmt: skip
-PLAN = tuple(("ray", KINDS["ray"][i // 5]) if i % 5 == 4 else ("mp", KINDS["mp"][(i - i // 5) % 3]) for i in range(20))
-"""(executor, kind) of seed ``s``: ``PLAN[s % 20]``; one fault in five on Ray (a Ray fault starts
-two fresh stage interpreters), each of its kinds once per 20 seeds, the ``mp`` kinds in turn."""
+PLAN = tuple(("ray", KINDS["ray"][i // 10]) if i % 10 == 9 else ("mp", KINDS["mp"][(i - i // 10) % 3]) for i in range(40))
+"""(executor, kind) of seed ``s``: ``PLAN[s % 40]``; one fault in ten on Ray (a Ray fault starts
+two fresh stage interpreters), each of its kinds once per 40 seeds, the ``mp`` kinds in turn."""
 STOP_TIMEOUT_S = {"mp": 3.0, "ray": 3.0}
 """How long a ``stop_at_step`` fault's pipeline waits for the stopped stage, the one kind only the
 timeout detects: short, since the stopped stage is silent for good.  On ``mp`` it is
@@ -76,10 +76,15 @@ def draw(seed: int) -> dict:
     """The fault and the generation of one seed."""
     rng = random.Random(seed)
     executor, kind = PLAN[seed % len(PLAN)]
+    # The executor and the kind were drawn here before PLAN: drawn and dropped, so that a seed's
+    # stage, step, prompts and timing stay what they were.
+    rng.random()
+    stage = rng.randint(0, 1)
+    rng.choice(KINDS["mp"])
     fault = {
         "seed": seed,
         "executor": executor,
-        "stage": rng.randint(0, 1),
+        "stage": stage,
         "kind": kind,
         "step": rng.randint(1, 10),
         "prompts": [{"prompt_token_ids": [rng.randrange(1, 250) for _ in range(rng.randint(1, 12))]}
@@ -200,9 +205,9 @@ def test_random_faults_end_in_errors_and_leave_nothing(tiny_llama_dir, inject_fa
     assert counts["fired"] >= len(faults) // 2
 
 
-def test_every_twenty_seeds_cover_every_executor_and_kind():
-    """The stratified plan: any 20 consecutive seeds (so CI's default draws, from any first seed)
+def test_every_forty_seeds_cover_every_executor_and_kind():
+    """The stratified plan: any 40 consecutive seeds (so CI's default draws, from any first seed)
     hold every kind on every executor that can have it."""
     pairs = {(executor, kind) for executor, kinds in KINDS.items() for kind in kinds}
     for first in (0, 7, 1234):
-        assert {(f["executor"], f["kind"]) for f in map(draw, range(first, first + 20))} == pairs
+        assert {(f["executor"], f["kind"]) for f in map(draw, range(first, first + 40))} == pairs
