@@ -5,35 +5,53 @@ request limits the Python API shares with every front end (``max_tokens`` agains
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
-from test_validate_once import count_calls
 
 from pprun import LLM
+from pprun.config.config import ServeConfig
+from pprun.sampling.params import SamplingParams
+
+_SETTINGS_ONCE = """
+import asyncio, io, json, sys
+from contextlib import redirect_stdout
+sys.path.insert(0, "tests")
+from test_validate_once import count_calls
 from pprun.config import exposure
 from pprun.config.config import ServeAppConfig, ServeConfig
 from pprun.config.validate import validate_config
-from pprun.sampling.params import SamplingParams
 from pprun.serve import layout, settings
+from pprun.serve.server import serve
+
+model_dir, token_file = sys.argv[1], sys.argv[2]
+cfg = ServeAppConfig(serve=ServeConfig(port=0, http_port=0, engine_process=False, auth_token_file=token_file))
+cfg.model.model, cfg.model.dtype, cfg.parallel.executor = model_dir, "float32", "uni"
+stop = asyncio.Event()
+stop.set()  # serve, then drain at once
+checks = (ServeConfig.validate, settings.read_token, layout.check_servable, exposure.check_network_exposure,
+          validate_config)
+out = io.StringIO()
+with count_calls(*checks) as counts, redirect_stdout(out):
+    serve(cfg, stop=stop)
+print(json.dumps({"serving": '"event": "serving"' in out.getvalue(), "counts": {str(k): v for k, v in counts.items()}}))
+"""
 
 
-def test_serve_checks_its_settings_once(tiny_llama_dir, tmp_path, capsys):
-    """From ``serve(cfg)`` to serving (gRPC and HTTP) and back: every check runs once."""
-    from pprun.serve.server import serve
+def test_serve_checks_its_settings_once(tiny_llama_dir, tmp_path):
+    """From ``serve(cfg)`` to serving (gRPC and HTTP) and back: every check runs once.  In a
+    process of its own: this one may hold tritonclient's copy of the KServe messages, which
+    pprun.serve.server's own copy would clash with in protobuf's default pool."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
 
     (tmp_path / "token").write_text("t0ken\n")
-    cfg = ServeAppConfig(serve=ServeConfig(port=0, http_port=0, engine_process=False,
-                                           auth_token_file=str(tmp_path / "token")))  # fmt: skip
-    cfg.model.model, cfg.model.dtype, cfg.parallel.executor = str(tiny_llama_dir), "float32", "uni"
-    stop = asyncio.Event()
-    stop.set()  # serve, then drain at once
-    checks = (ServeConfig.validate, settings.read_token, layout.check_servable, exposure.check_network_exposure,
-              validate_config)
-    with count_calls(*checks) as counts:
-        serve(cfg, stop=stop)
-    assert '"event": "serving"' in capsys.readouterr().out
-    assert counts == dict.fromkeys(counts, 1), counts
+    out = subprocess.run([sys.executable, "-c", _SETTINGS_ONCE, str(tiny_llama_dir), str(tmp_path / "token")],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["serving"]
+    assert len(result["counts"]) == 5 and set(result["counts"].values()) == {1}, result["counts"]
 
 
 def test_bad_serve_settings_name_themselves():
