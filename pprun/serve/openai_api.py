@@ -285,13 +285,18 @@ def _common(body: dict, served: str, model: type[BaseModel], endpoint: str) -> t
     return stream, _stream_options(body, stream)
 
 
+def _limits_as_errors(parse: Any, body: Any, engine: EngineClient, served: str, limits: RequestLimits) -> ParsedRequest:
+    """``parse(...)``, a request limit it meets raised as the :class:`OpenAIError` (a 400) it is."""
+    try:
+        return parse(body, engine, served, limits)
+    except RequestLimitError as e:
+        raise error_for(e) from None
+
+
 def parse_completion(body: Any, engine: EngineClient, served: str, limits: RequestLimits) -> ParsedRequest:
     """A ``/v1/completions`` body: ``prompt`` is a string, a list of strings, a list of token
     ids or a list of such lists (one choice set per prompt).  Raises :class:`OpenAIError`."""
-    try:
-        return _parse_completion(body, engine, served, limits)
-    except RequestLimitError as e:
-        raise error_for(e) from None
+    return _limits_as_errors(_parse_completion, body, engine, served, limits)
 
 
 def _parse_completion(body: Any, engine: EngineClient, served: str, limits: RequestLimits) -> ParsedRequest:
@@ -324,10 +329,7 @@ def parse_chat(body: Any, engine: EngineClient, served: str, limits: RequestLimi
     """A ``/v1/chat/completions`` body: ``messages`` rendered with the model's chat template.
     Content is a string or a list of text parts; image parts are refused (images are taken
     offline only).  Raises :class:`OpenAIError`."""
-    try:
-        return _parse_chat(body, engine, served, limits)
-    except RequestLimitError as e:
-        raise error_for(e) from None
+    return _limits_as_errors(_parse_chat, body, engine, served, limits)
 
 
 def _parse_chat(body: Any, engine: EngineClient, served: str, limits: RequestLimits) -> ParsedRequest:
