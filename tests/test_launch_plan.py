@@ -1,7 +1,7 @@
-"""``pprun.layers.plan``: the kernels a Llama decode step launches where the fused ops run, in
-order, with the settings each matmul is given (``weights_ahead``, ``defer_merge``,
-``hold_last``, the SwiGLU form) and whether a norm reads split partials.  The plan is the CUDA
-path of ``pprun.models.llama``; these sequences are what it must keep launching.  Runs on CUDA,
+"""The kernels a Llama decode step launches where the fused ops run (each block's
+``forward_fused`` in ``pprun.models.llama``), in order, with the settings each matmul is given
+(``weights_ahead``, ``defer_merge``, ``hold_last``, the SwiGLU form) and whether a norm reads
+split partials: the sequences the model's CUDA path must keep launching.  Runs on CUDA,
 or on CPU under the Triton interpreter with the fused path taken for CPU tensors::
 
     pytest tests/test_launch_plan.py

@@ -159,10 +159,8 @@ def _decode_meta() -> AttentionMetadata:
 def test_decoder_layer_norm_fold_matches_unfolded(
     monkeypatch, switch, fused_on_this_device, fold_calls, tiny_llama_dir, with_residual
 ):
-    """A bf16 one-row DecoderLayer as ``pprun.layers.plan`` launches it, with the fold on (qkv
+    """A bf16 one-row DecoderLayer as its ``forward_fused`` launches it, with the fold on (qkv
     and gate_up take their norms) and off (each norm its own launch, then the split-K matmuls)."""
-    from pprun.layers.plan import fused_decoder_layer
-
     # Biased q/k/v, as Qwen2 has: the fold's bias path too.
     arch = dataclasses.replace(load_arch_config(tiny_llama_dir), attention_bias=True)
     dtype = torch.bfloat16
@@ -180,7 +178,7 @@ def test_decoder_layer_norm_fold_matches_unfolded(
     def run(fold: bool) -> tuple[torch.Tensor, torch.Tensor]:
         switch("PPRUN_DISABLE_NORM_FOLD", fold)
         with torch.inference_mode():
-            return fused_decoder_layer(layer, positions, hidden, residual, meta, feeds_norm=True)
+            return layer.forward_fused(positions, hidden, residual, meta, feeds_norm=True)
 
     want_h, want_res = run(False)
     assert fold_calls == {"plain": 0, "swiglu": 0}

@@ -125,7 +125,7 @@ def linear(
 ) -> torch.Tensor | SplitPartials:
     """``layer(x)``; decode-sized CUDA batches take the split-K kernels of ``skinny``.
 
-    The caller (``pprun.layers.plan``) says where the matmul sits in its model, and this
+    The caller (a block's ``forward_fused`` in ``pprun.models.llama``) says where the matmul sits in its model, and this
     dispatch decides the kernel's launch from it:
 
     ``after``: the kernel that produced ``x``.  After one of :data:`LIGHT_PRODUCERS` a decode

@@ -4,7 +4,7 @@ A model computes ``qkv = qkv_proj(x)`` and then ``attend(...)``; this module dec
 step takes the one-kernel decode (rotary, cache write, attention and split merge in one launch,
 which also merges the projection's split-K partials as it reads q, k and v) or rotary (one
 kernel where the fused ops run, the model's own torch elsewhere) followed by the backend.
-:func:`attention_input` tells ``pprun.layers.plan`` which of the two reads the projection.
+:func:`attention_input` tells ``pprun.models.llama.Attention.forward_fused`` which of the two reads the projection.
 """
 
 from __future__ import annotations

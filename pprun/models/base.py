@@ -94,6 +94,13 @@ class PprunModel(nn.Module, metaclass=ABCMeta):
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Give each of :attr:`layers` its KV cache, in layer order."""
 
+    def attention_layers(self) -> list[nn.Module]:
+        """The modules that call an attention backend, in layer order: each has a ``backend``
+        (the callable it attends through, which the V2 runner may wrap to cut piecewise CUDA
+        graphs around attention) and a ``kv_cache``.  This default finds them by those two
+        attributes; a model whose attention modules are built otherwise overrides it."""
+        return [m for m in self.modules() if hasattr(m, "backend") and hasattr(m, "kv_cache")]
+
     @abstractmethod
     def checkpoint_names(self) -> list[str]:
         """The checkpoint tensors this stage reads, and no other."""

@@ -4,9 +4,8 @@ Face checkpoints describe it, built per stage.
 One plain module tree, read top to bottom: rotary helpers, ``Attention``, ``MLP``,
 ``DecoderLayer``, ``LlamaForCausalLM`` (``RMSNorm`` comes from ``pprun.layers.norm``).  The model
 says what it computes, in plain torch; that is the reference path (CPU, HF parity).  Where the
-fused ops run (CUDA with Triton), ``pprun.layers.plan`` runs the same layers from their own
-modules and decides each launch: the norm folded into the matmul after it, split-K partials
-merged by the next kernel, the one-kernel decode attention.  A model is built for one pipeline
+fused ops run (CUDA with Triton), each block's ``forward_fused`` runs the same modules with the
+launches picked (see "Where the fused ops run" below).  A model is built for one pipeline
 stage: the first stage owns the embedding, the last the final norm and LM head (a tied head
 reads the embedding weights), and only the stage's own layers are ever allocated (a sparse
 layer's experts included: a stage reads no other stage's experts).  Checkpoint quirks (separate
@@ -20,6 +19,28 @@ added to its residual, which the layers otherwise carry apart to fold the add in
 norm).  The next stage's first layer takes it as the first stage's first layer takes the
 embeddings, so a hop carries half the bytes of the (output, residual) pair in one message, and
 the tokens do not change: the add rounds as the next norm's fused add would have.
+
+Where the fused ops run (``pprun.layers.fused_ops_for``: CUDA with Triton, unless
+``PPRUN_DISABLE_FUSED=1``), ``LlamaForCausalLM.forward`` calls each layer's
+``DecoderLayer.forward_fused``: the same modules, in the same order, with the kernels picked by
+the blocks themselves (``Attention.forward_fused``, ``MLP.forward_fused``,
+``SparseMoeBlock.forward_fused``; each takes the norm before it):
+
+- at one row the residual add + RMSNorm runs as the prologue of the matmul after it
+  (``pprun.layers.norm_linear``: qkv, and gate_up with its SwiGLU);
+- each decode matmul is told where it sits (``pprun.layers.linear``'s ``after`` / ``then``): qkv
+  after a norm and before the attention, o_proj after the attention and before a norm, down
+  before a norm unless it ends a stage that sends its output on; from that the dispatch decides
+  whether the weights load ahead of the PDL wait, whether split-K partials are left to the next
+  kernel (``SplitPartials``, merged by the norm or by the one-kernel decode attention) and
+  whether the last weight tile is held across the wait;
+- gate_up and its SwiGLU are one launch where the split-K kernels take the rows;
+- a sparse layer's block (``pprun.models.moe``) runs the router and the grouped expert kernels,
+  each token's expert outputs left to the next norm to sum.
+
+The tests that keep the two paths together: ``tests/test_norm_linear.py`` (a layer folded and
+not), ``tests/test_launch_plan.py`` (the kernels a decode step launches),
+``tests/test_fused_ops.py`` (whole models, fused against plain torch; on CUDA).
 """
 
 from __future__ import annotations
@@ -35,11 +56,11 @@ import pprun.layers as layers
 from pprun.attention.metadata import AttentionMetadata
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
+from pprun.kernels.partials import SplitPartials, merged
 from pprun.layers import linear
-from pprun.layers.attend import attend
+from pprun.layers.attend import attend, attention_input
 from pprun.layers.embedding import Embedding
 from pprun.layers.norm import RMSNorm
-from pprun.layers.plan import run_decoder_layers
 from pprun.models.base import PprunModel, allocate
 from pprun.models.hf_config import ModelArchConfig
 from pprun.models.moe import SparseMoeBlock
@@ -132,6 +153,26 @@ class Attention(nn.Module):
                      self.num_heads, self.num_kv_heads, self.head_dim)
         return self.o_proj(out)
 
+    def forward_fused(
+        self, positions: torch.Tensor, norm: RMSNorm, h: torch.Tensor | SplitPartials,
+        residual: torch.Tensor | None, meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor | SplitPartials, torch.Tensor]:
+        """``norm`` (the input norm, adding ``h`` to ``residual`` first) and then :meth:`forward`,
+        with the launches picked where the fused ops run (module docstring); returns the output,
+        possibly split partials for the next norm to merge, and the residual."""
+        folded = layers.norm_linear(norm, self.qkv_proj, h, residual)
+        if folded is not None:
+            qkv, residual = folded
+        else:
+            x, residual = norm(h, residual)
+            # Per-head q/k norms (Qwen3) read the projection merged; else the attention may merge it.
+            then = attention_input(self.backend, meta, x) if self.q_norm is None else None
+            qkv = layers.linear(self.qkv_proj, x, after="norm", then=then)
+        qkv = self.norm_heads(qkv)
+        out = attend(self.backend, self.rotary, positions, qkv, self.kv_cache, meta, self.scale,
+                     self.num_heads, self.num_kv_heads, self.head_dim)
+        return layers.linear(self.o_proj, out, after="attention", then="norm"), residual
+
     def norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """``qkv`` with each q and k head through ``q_norm`` / ``k_norm`` (a model with them),
         else ``qkv`` itself."""
@@ -163,6 +204,23 @@ class MLP(nn.Module):
         """``down(silu(gate(x)) * up(x))``."""
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def forward_fused(
+        self, norm: RMSNorm, h: torch.Tensor | SplitPartials, residual: torch.Tensor, then: str | None,
+    ) -> tuple[torch.Tensor | SplitPartials, torch.Tensor]:
+        """``norm`` (the post-attention norm) and then :meth:`forward`, with the launches picked
+        where the fused ops run (module docstring); ``then="norm"``: a norm reads the output, so
+        it may be split partials."""
+        folded = layers.norm_linear(norm, self.gate_up_proj, h, residual, swiglu=True)
+        if folded is not None:
+            act, residual = folded
+            return layers.linear(self.down_proj, act, then=then), residual
+        x, residual = norm(h, residual)
+        act = layers.linear_swiglu(self.gate_up_proj, x)
+        if act is not None:
+            return layers.linear(self.down_proj, act, then=then), residual
+        # Rows the split-K kernels do not take (prefill, wide batches): cuBLAS, the fused activation.
+        return self.down_proj(layers.fused_ops_for(x).silu_and_mul(self.gate_up_proj(x))), residual
 
 
 class DecoderLayer(nn.Module):
@@ -196,6 +254,19 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(positions, h, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+    def forward_fused(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor | SplitPartials,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+        feeds_norm: bool,
+    ) -> tuple[torch.Tensor | SplitPartials, torch.Tensor]:
+        """:meth:`forward` where the fused ops run, each block picking its launches (module
+        docstring); ``feeds_norm``: a norm reads the output, so it may be split partials."""
+        h, residual = self.self_attn.forward_fused(positions, self.input_layernorm, hidden_states, residual, meta)
+        return self.mlp.forward_fused(self.post_attention_layernorm, h, residual, "norm" if feeds_norm else None)
 
 
 class LlamaForCausalLM(PprunModel):
@@ -264,14 +335,32 @@ class LlamaForCausalLM(PprunModel):
                     "intermediate_tensors"
                 )
             h = intermediate_tensors["hidden_states"]
-        # Each layer's forward, or where the fused ops run, the same layers as pprun.layers.plan
-        # launches them; the last stage's output goes into the final norm.
-        h, residual = run_decoder_layers(self.layers, positions, h, attn_metadata, into_norm=self.layout.is_last)
+        h, residual = self._run_layers(positions, h, attn_metadata)
         if not self.layout.is_last:
             # The residual stream itself (see the module docstring): one tensor on the wire.
             return IntermediateTensors({"hidden_states": h + residual})
         h, _ = self.norm(h, residual)
         return h
+
+    def _run_layers(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor | SplitPartials, torch.Tensor]:
+        """This stage's layers over ``hidden_states``, the residual stream (every stage's first
+        layer starts from it alone): each layer's ``forward``, or where the fused ops run its
+        ``forward_fused``.  Returns the last layer's output and residual, not yet added; the last
+        stage's output goes into the final norm, which may merge split partials as it reads them,
+        any other stage's is merged here (it is sent on)."""
+        residual: torch.Tensor | None = None
+        h: torch.Tensor | SplitPartials = hidden_states
+        if layers.fused_ops_for(hidden_states) is None:
+            for layer in self.layers:
+                h, residual = layer(positions, h, residual, meta)
+            return h, residual
+        into_norm = self.layout.is_last
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            h, residual = layer.forward_fused(positions, h, residual, meta, feeds_norm=into_norm or i < last)
+        return (h if into_norm else merged(h)), residual
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """LM-head logits for the given (last stage) hidden states."""

@@ -37,11 +37,20 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, then: str | None = None) -> torch.Tensor | SplitPartials:
         """The experts' weighted sum for ``x [T, hidden]`` (the post-attention norm's output);
-        ``then="norm"`` (``pprun.layers.plan``: a fused norm reads it) may leave it unsummed
+        ``then="norm"`` (:meth:`forward_fused`: a fused norm reads it) may leave it unsummed
         (``pprun.layers.moe.moe_experts``)."""
         # Logits in the activation dtype and softmax in float32, as transformers' routers.
         weights, ids = route(linear(self.gate, x), self.top_k, self.renormalize)
         return moe_experts(x, self.w13, self.w2, weights, ids, then=then)
+
+    def forward_fused(
+        self, norm: nn.Module, h: torch.Tensor | SplitPartials, residual: torch.Tensor, then: str | None,
+    ) -> tuple[torch.Tensor | SplitPartials, torch.Tensor]:
+        """``norm`` (the post-attention norm) and then :meth:`forward` where the fused ops run: the
+        router, the grouped expert kernels, each token's expert outputs left to the next norm to
+        sum when ``then="norm"`` (the interface of ``pprun.models.llama.MLP.forward_fused``)."""
+        x, residual = norm(h, residual)
+        return self(x, then=then), residual
 
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> None:
         """Copy one expert's checkpoint tensor (``proj``: its gate, up or down name) into place."""

@@ -99,8 +99,9 @@ class ModelState:
         return None, {}
 
     def attention_layers(self) -> list[nn.Module]:
-        """Modules that call an attention backend through a swappable ``backend`` attribute."""
-        return [m for m in self.model.modules() if hasattr(m, "backend") and hasattr(m, "kv_cache")]
+        """Modules that call an attention backend through a swappable ``backend`` attribute, as
+        the model names them (``PprunModel.attention_layers``)."""
+        return self.model.attention_layers()
 
     def full_graph_unsupported_reason(self) -> str | None:
         """Why a whole-forward graph cannot be captured for this model (``None``: it can)."""
