@@ -358,37 +358,60 @@ def test_vllm_spec_carries_the_same_token_ids_images_and_audio():
 # --- the vLLM peer: figures from what the worker recorded ----------------------------------------
 
 
-def test_vllm_figures_use_pprun_rules():
-    """Throughput from the LLM.generate pass; from the streamed pass: two requests queued at 0; their first tokens at 1.0 s (the step where both prefills
-    ended), then one token each per second for 12 steps, one finishing at 13 s and one at 12 s:
-    TTFT 1 s, and a steady decode of 2 tokens per second over the full-batch steps after the
-    last prefill (what ``EngineTrace.steady_decode`` says of pprun's steps)."""
+def test_vllm_figures_come_from_the_timed_pass_by_pprun_rules():
+    """One timed pass: two requests queued at 0, both first tokens at 1.0 s (the step where both
+    prefills ended), then one token each per second, one finishing at 13 s and one at 12 s.  TTFT
+    is vLLM's own first-token latency, TPOT from its first and last token times; the steady
+    decode is ``EngineTrace.steady_decode``'s rule over the pass's steps (each step's requests
+    placed from the metrics): 2 tokens per second over the full-batch steps after the prefill."""
     cfg = BenchAppConfig()
     reqs = [BenchRequest([1, 2, 3], 13), BenchRequest([4, 5, 6], 12)]
-    steps = [[0.5, 0, 0, 0], [1.0, 2, 2, 6]]
-    steps += [[float(t), 2, 2, 0] for t in range(2, 13)] + [[13.0, 1, 1, 0]]
-    stream = {
-        "elapsed_s": 13.0, "start": 0.0, "tokens": [[1] * 13, [2] * 12], "queued": [0.0, 0.0],
-        "first_token": [1.0, 1.0], "finished": [13.0, 12.0], "steps": steps,
-    }  # fmt: skip
-    record = {
-        "vllm_version": "0.26.0", "engine_args": {"model": "/ckpt"}, "effective": {}, "load_s": 9.0,
-        "generate": {"elapsed_s": 5.0, "tokens": [[1] * 13, [2] * 12]}, "stream": stream,
-    }  # fmt: skip
+    steps = [0.5, *[float(t) for t in range(1, 14)]]  # step k returned at t = k (step 0 at 0.5 s)
+    requests = [
+        {"tokens": [1] * 13, "prompt_len": 3, "num_cached": 0, "finished_step": 13, "first_token_latency": 1.0,
+         "first_token_ts": 0.9, "last_token_ts": 12.9, "num_generation_tokens": 13},
+        {"tokens": [2] * 12, "prompt_len": 3, "num_cached": 0, "finished_step": 12, "first_token_latency": 1.0,
+         "first_token_ts": 0.9, "last_token_ts": 11.9, "num_generation_tokens": 12},
+    ]  # fmt: skip
+    timed = {"elapsed_s": 5.0, "start": 0.0, "monotonic_offset": 0.0, "steps": steps, "requests": requests}
+    record = {"vllm_version": "0.26.0", "engine_args": {"model": "/ckpt"}, "effective": {}, "load_s": 9.0,
+              "passes": [timed]}  # fmt: skip
     result = metrics_from_worker(record, _job(cfg, reqs))
     m = result.metrics
     assert (m["name"], m["version"], m["num_output_tokens"]) == ("vllm.LLM", "0.26.0", 25)
-    assert m["output_tokens_per_s"] == 5.0  # the LLM.generate pass: 25 tokens in 5 s
-    assert m["streamed_output_tokens_per_s"] == round(25 / 13.0, 2)
+    assert m["output_tokens_per_s"] == 5.0  # 25 tokens in the pass's 5 s
     assert m["ttft_ms_p50"] == m["ttft_ms_p99"] == 1000.0
     assert m["tpot_ms_p50"] == pytest.approx(1000.0)
     assert (m["decode_tokens_per_s"], m["decode_batch"], m["decode_steps"]) == (2.0, 2, 11)
     # One prefill step (both prompts ended at 1.0 s): 6 prompt tokens in 1 s, its period from the
-    # run's start (the empty step answered at 0.5 s is left out: its time is the prefill's).
+    # pass's start (the step answered at 0.5 s brought nothing: its time is the prefill's).
     assert (m["prefill_tokens_per_s"], m["prefill_ms_per_step"], m["prefill_steps"]) == (6.0, 1000.0, 1)
     assert result.tokens == [[1] * 13, [2] * 12]
-    no_start = metrics_from_worker({**record, "stream": {**stream, "start": None}}, _job(cfg, reqs)).metrics
-    assert no_start["prefill_steps"] is None and no_start["prefill_tokens_per_s"] is None
+    # A second pass twice as fast: the medians of the two, and their range.
+    fast = {**timed, "elapsed_s": 2.5, "requests": [{**r, "first_token_latency": 0.5} for r in requests]}
+    m2 = metrics_from_worker({**record, "passes": [timed, fast]}, _job(cfg, reqs)).metrics
+    assert m2["repeats"] == 2 and m2["output_tokens_per_s"] == 7.5 and m2["ttft_ms_p50"] == 750.0
+    assert m2["min_max"]["output_tokens_per_s"] == [5.0, 10.0]
+    # Without vLLM's request metrics nothing is placed: no latencies and no step figures.
+    bare = {**timed, "requests": [{"tokens": r["tokens"], "prompt_len": 3, "num_cached": 0, "finished_step": 12}
+                                  for r in requests]}  # fmt: skip
+    m3 = metrics_from_worker({**record, "passes": [bare]}, _job(cfg, reqs)).metrics
+    assert m3["output_tokens_per_s"] == 5.0 and m3["ttft_ms_p50"] is None and m3["decode_steps"] is None
+
+
+def test_steps_from_pass_places_each_request_by_its_metrics():
+    """A request's prompt tokens count in the first step returned at or after its first token
+    (engine-core clock shifted onto the steps'), and it brings a token per step until the step
+    that returned it finished."""
+    from pprun.apps.bench.peers.vllm_peer import steps_from_pass
+
+    timed = {"steps": [10.0, 11.0, 12.0, 13.0], "monotonic_offset": 5.0, "requests": [
+        {"prompt_len": 8, "num_cached": 4, "finished_step": 2, "first_token_ts": 5.5},  # at 10.5: step 1
+        {"prompt_len": 6, "num_cached": 9, "finished_step": 3, "first_token_ts": 4.0},  # at 9.0: step 0
+    ]}  # fmt: skip
+    assert steps_from_pass(timed) == [
+        [10.0, 1, 1, 6, 6], [11.0, 2, 2, 8, 4], [12.0, 2, 2, 0, 0], [13.0, 1, 1, 0, 0],
+    ]  # fmt: skip
 
 
 def test_vllm_prefill_phase_follows_pprun_rule():
@@ -440,6 +463,7 @@ request's k-th token is (sum of its prompt ids + k) % 97, one token per step.  F
 file where it appends what it was given (JSON lines); FAKE_VLLM_FAIL: fail in LLM() with it."""
 import json
 import os
+import time
 
 __version__ = "0.0-protocol-test"
 
@@ -462,9 +486,16 @@ class _Completion:
         self.token_ids = token_ids
 
 
+class _Metrics:
+    def __init__(self, arrival):
+        self.arrival_time, self.first_token_ts, self.last_token_ts = arrival, 0.0, 0.0
+        self.first_token_latency, self.num_generation_tokens = 0.0, 0
+
+
 class _Output:
-    def __init__(self, request_id, token_ids, finished):
+    def __init__(self, request_id, token_ids, finished, metrics=None):
         self.request_id, self.outputs, self.finished = request_id, [_Completion(token_ids)], finished
+        self.metrics = metrics
 
 
 class _Engine:
@@ -479,18 +510,28 @@ class _Engine:
               "temperature": params.temperature, "output_kind": params.output_kind.name,
               "image_sizes": [list(im.size) for im in mm.get("image", [])],
               "audio": [len(mm["audio"][0]), mm["audio"][1]] if "audio" in mm else None})
-        self.running[request_id] = [sum(decoder["prompt_token_ids"]), params.max_tokens, 0]
+        self.running[request_id] = [sum(decoder["prompt_token_ids"]), params.max_tokens, 0, [],
+                                    _Metrics(time.monotonic()), params.output_kind.name]
 
     def has_unfinished_requests(self):
         return bool(self.running)
 
     def step(self):
         outputs = []
+        now = time.monotonic()
         for request_id, state in list(self.running.items()):
-            base, max_tokens, k = state
+            base, max_tokens, k, tokens, metrics, kind = state
             state[2] += 1
-            outputs.append(_Output(request_id, [(base + k) % 97], state[2] == max_tokens))
-            if state[2] == max_tokens:
+            tokens.append((base + k) % 97)
+            if k == 0:
+                metrics.first_token_ts, metrics.first_token_latency = now, now - metrics.arrival_time
+            metrics.last_token_ts, metrics.num_generation_tokens = now, k + 1
+            finished = state[2] == max_tokens
+            if kind != "FINAL_ONLY":
+                outputs.append(_Output(request_id, [(base + k) % 97], finished, metrics))
+            elif finished:
+                outputs.append(_Output(request_id, list(tokens), True, metrics))
+            if finished:
                 del self.running[request_id]
         return outputs
 
@@ -508,11 +549,11 @@ class LLM:
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             params.output_kind = RequestOutputKind.FINAL_ONLY  # as vLLM's LLM.generate does
             self.llm_engine.add_request(f"generate-{i}", prompt, params)
-        tokens = {f"generate-{i}": [] for i in range(len(prompts))}
+        outputs = {}
         while self.llm_engine.has_unfinished_requests():
             for out in self.llm_engine.step():
-                tokens[out.request_id] += out.outputs[0].token_ids
-        return [_Output(key, ids, True) for key, ids in tokens.items()]
+                outputs[out.request_id] = out
+        return [outputs[f"generate-{i}"] for i in range(len(prompts))]
 
     def reset_prefix_cache(self):
         _log({"call": "reset_prefix_cache"})
@@ -552,8 +593,9 @@ def fake_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_vllm_worker_protocol(fake_vllm: Path):
-    """The worker gets the spec, runs warm-up then timed requests through the engine loop with
-    streamed greedy outputs, and what it records comes back as the peer's figures and tokens."""
+    """The worker gets the spec, runs warm-up then the timed requests through LLM.generate's own
+    loop (greedy, final outputs only, request metrics on), and what it records comes back as the
+    peer's figures and tokens."""
     cfg = BenchAppConfig(workload="image", num_images=1, output_len=14)
     img = np.full((12, 10, 3), 3, dtype=np.uint8)
     reqs = [BenchRequest([9, 1, 2], 14, {"image": [img]}), BenchRequest([9, 3, 4], 14, {"image": [img]})]
@@ -562,18 +604,18 @@ def test_vllm_worker_protocol(fake_vllm: Path):
     calls = _logged_requests(fake_vllm)
     assert calls[0]["engine_args"]["max_num_seqs"] == cfg.scheduler.max_num_seqs
     assert calls[0]["engine_args"]["limit_mm_per_prompt"] == {"image": 1}
+    assert calls[0]["engine_args"]["disable_log_stats"] is False  # request metrics on each output
     requests = calls[1:]
-    # The warm-up, the timed LLM.generate pass, the timed streamed pass.
-    assert [c["prompt_token_ids"] for c in requests] == [[9, 5, 6]] + [[9, 1, 2], [9, 3, 4]] * 2
-    assert [c["output_kind"] for c in requests] == ["FINAL_ONLY"] * 3 + ["DELTA"] * 2
-    assert [c["max_tokens"] for c in requests] == [14] * 5
+    # The warm-up, then the timed pass.
+    assert [c["prompt_token_ids"] for c in requests] == [[9, 5, 6]] + [[9, 1, 2], [9, 3, 4]]
+    assert [c["output_kind"] for c in requests] == ["FINAL_ONLY"] * 3
+    assert [c["max_tokens"] for c in requests] == [14] * 3
     assert all(c["temperature"] == 0.0 and c["ignore_eos"] for c in requests)
     assert all(c["image_sizes"] == [[10, 12]] for c in requests)  # PIL size is (width, height)
     assert result.tokens == [[(12 + k) % 97 for k in range(14)], [(16 + k) % 97 for k in range(14)]]
     m = result.metrics
     assert m["version"] == "0.0-protocol-test" and m["num_output_tokens"] == 28
-    assert m["streamed_output_tokens_per_s"] > 0
-    assert m["ttft_ms_p50"] is not None and m["decode_batch"] == 2 and m["decode_steps"] == 13
+    assert m["ttft_ms_p50"] is not None and m["tpot_ms_p50"] is not None and m["decode_batch"] == 2 and m["decode_steps"] == 13
     assert m["images_per_s"] > 0
     # Both first tokens come back from the first step: one prefill step, from the pass's start.
     assert m["prefill_steps"] == 1 and m["prefill_tokens_per_s"] > 0 and m["prefill_ms_per_step"] > 0
@@ -585,7 +627,7 @@ def test_vllm_worker_protocol_audio_goes_to_the_encoder(fake_vllm: Path):
     reqs = [BenchRequest([50257, 50362], 3, {"audio": (clip, 16000)})]
     result = VllmPeer().measure(_job(cfg, reqs, warmup=[]))
     calls = _logged_requests(fake_vllm)
-    assert [c["audio"] for c in calls[1:]] == [[8000, 16000]] * 2  # generate, then streamed
+    assert [c["audio"] for c in calls[1:]] == [[8000, 16000]]  # the timed pass (no warm-up)
     assert calls[1]["prompt_token_ids"] == [50257, 50362] and calls[1]["ignore_eos"] is False
     assert result.metrics["audio_seconds_per_s"] > 0 and len(result.tokens[0]) == 3
 
@@ -600,8 +642,8 @@ def test_vllm_worker_runs_every_batch_size_on_one_engine(fake_vllm: Path):
     calls = _logged_requests(fake_vllm)
     assert sum("engine_args" in c for c in calls) == 1  # one vllm.LLM for both rows
     ids = [c["prompt_token_ids"] for c in calls[1:]]
-    # Row 1: warm-up, generate, streamed; row 2 likewise, after it.
-    assert ids == [[5, 6]] * 3 + [[1, 2], [3, 4]] * 3
+    # Row 1: warm-up, timed pass; row 2 likewise, after it.
+    assert ids == [[5, 6]] * 2 + [[1, 2], [3, 4]] * 2
     assert [r.tokens for r in results] == [[[11, 12, 13]], [[3, 4, 5], [7, 8, 9]]]
     assert [r.metrics["num_output_tokens"] for r in results] == [3, 6]
     assert results[0].metrics["version"] == results[1].metrics["version"] == "0.0-protocol-test"
@@ -616,7 +658,7 @@ def test_vllm_worker_keeps_each_rows_images_apart(fake_vllm: Path):
     two = [BenchRequest([9, 2], 2, {"image": [large]}), BenchRequest([9, 3], 2, {"image": [large]})]
     results = VllmPeer().run_all([_job(cfg, one, warmup=[]), _job(cfg, two, warmup=[])])
     calls = _logged_requests(fake_vllm)[1:]
-    assert [c["image_sizes"] for c in calls] == [[[4, 6]]] * 2 + [[[8, 9]]] * 4  # generate + streamed, per row
+    assert [c["image_sizes"] for c in calls] == [[[4, 6]]] + [[[8, 9]]] * 2  # each row's timed pass
     assert [len(r.tokens) for r in results] == [1, 2]
 
 
@@ -731,9 +773,8 @@ def test_vllm_worker_times_every_repeat_from_an_empty_cache(fake_vllm: Path, mon
     result = VllmPeer().measure(_job(cfg, reqs, warmup=[reqs[0].for_warmup()], repeats=3))
     calls = [json.loads(line) for line in fake_vllm.read_text().splitlines()]
     order = ["reset" if c.get("call") == "reset_prefix_cache" else c["prompt_token_ids"][0] for c in calls[1:]]
-    # warm-up, the cache emptied, three timed passes each followed by emptying, the streamed pass,
-    # emptied again.
-    assert order == [5, "reset"] + [5, 7, "reset"] * 3 + [5, 7, "reset"]
+    # warm-up, the cache emptied, three timed passes each followed by emptying.
+    assert order == [5, "reset"] + [5, 7, "reset"] * 3
     m = result.metrics
     assert m["repeats"] == 3
     lo, hi = m["min_max"]["output_tokens_per_s"]

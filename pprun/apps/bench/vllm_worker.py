@@ -2,21 +2,22 @@
 ``python vllm_worker.py SPEC.json ARRAYS.npz RESULT.json``.
 
 It imports only the standard library, NumPy, Pillow and vLLM (never pprun), so it runs in an
-environment that has vLLM and nothing of pprun's.  It builds ``vllm.LLM(**engine_args)``, warms up
-on the warm-up requests (one ``LLM.generate``), empties its caches, then times the requests through
-``LLM.generate`` ``repeats`` times (final outputs only, as vLLM's users run it: the throughput;
-``passes_s``, each pass from empty caches, timed once more when their rates spread past
-``spread_limit``), then once through ``LLM.llm_engine``'s
-``add_request``/``step`` loop with streamed outputs (``RequestOutputKind.DELTA``), recording each
-request's token ids, when it was queued, when its first token and its last came back, and per step
-(``steps``: ``[t, num_tokens, num_reqs, num_prefill_tokens, num_cached_prompt_tokens]``, ``t`` when
-``step()`` returned) how many tokens came back for how many requests, the prompt tokens of the
-requests whose first token came back, i.e. whose prefill ended in that step (the prompt as vLLM
-processed it, images expanded), and how many of those it found in its prefix cache
-(``num_cached_tokens``).  ``start`` is the pass's start (before the first request is queued), on
-the steps' clock (``time.perf_counter``).  pprun computes every figure from that
-(``pprun.apps.bench.peers.vllm_peer``), the same way as its own.  On any error it writes
-``{"error": ..., "traceback": ...}`` and exits with status 1.
+environment that has vLLM and nothing of pprun's.  It builds ``vllm.LLM(**engine_args)`` (with
+vLLM's request statistics on: ``disable_log_stats=False``, so each output carries its
+``metrics``), warms up on the warm-up requests (one ``LLM.generate``), empties its caches, then
+times the requests ``repeats`` times, each pass from empty caches, through the loop
+``LLM.generate`` runs (``LLM._run_engine``: every request queued through
+``llm_engine.add_request``, then ``llm_engine.step()`` until none is unfinished, final outputs
+only), timed once more when their rates spread past ``spread_limit``.  Per pass it records when
+each ``step()`` returned (``steps``, ``time.perf_counter``), the pass's ``start`` on that clock,
+and per request (``requests``): its token ids, prompt length, the prompt tokens vLLM found cached,
+the index of the step that returned it finished, and vLLM's own request metrics:
+``first_token_latency`` (from its arrival to its first token, seconds), ``first_token_ts`` /
+``last_token_ts`` (engine-core clock, ``time.monotonic``) and ``num_generation_tokens``;
+``monotonic_offset`` is ``perf_counter() - monotonic()`` (zero on Linux, where both read
+CLOCK_MONOTONIC).  pprun computes every figure from that
+(``pprun.apps.bench.peers.vllm_peer``), with the rules it applies to its own timed passes.  On any
+error it writes ``{"error": ..., "traceback": ...}`` and exits with status 1.
 
 The spec (JSON): ``engine_args`` (keyword arguments of ``vllm.LLM``), ``ignore_eos``,
 ``stop_token_ids`` (EOS ids, used when not ``ignore_eos``), ``encoder_decoder`` (Whisper: the
@@ -24,8 +25,7 @@ audio goes to the encoder prompt, the token ids are the decoder prompt), and ``r
 ``warmup``: lists of ``{"prompt_token_ids": [...], "max_tokens": n, "images": [key, ...],
 "audio": key}`` whose keys name arrays in the ``.npz`` file (images HxWx3 uint8, audio float32 at
 ``sample_rate``).  A spec with ``runs`` (a list of ``{"requests", "warmup"}``) instead runs each on
-the one engine in turn and returns ``runs``, each with the ``generate`` and ``stream`` keys a
-single run has at the top.
+the one engine in turn and returns ``runs``, each with the ``passes`` a single run has at the top.
 """
 
 from __future__ import annotations
@@ -58,52 +58,48 @@ def _prompt(req: dict[str, Any], arrays: Any, encoder_decoder: bool, sample_rate
     return ids
 
 
-def _run(engine: Any, tag: str, prompts: list[dict[str, Any]], params: list[Any]) -> dict[str, Any]:
-    """Queue every prompt (request ids ``tag`` + index, so no run reuses another's), step until
-    all finish; what came back and when (perf_counter seconds)."""
+def _metric(metrics: Any, name: str) -> float | None:
+    """One of a request's vLLM metrics (None where this release or its settings give none)."""
+    value = getattr(metrics, name, None)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _timed_pass(engine: Any, tag: str, prompts: list[dict[str, Any]], params: list[Any]) -> dict[str, Any]:
+    """One pass as ``LLM.generate`` runs it (request ids ``tag`` + index, so no pass reuses
+    another's): what came back, when each step returned, and each request's vLLM metrics."""
     n = len(prompts)
     index = {f"{tag}{i}": i for i in range(n)}
-    tokens: list[list[int]] = [[] for _ in range(n)]
-    queued = [0.0] * n
-    first: list[float | None] = [None] * n
-    finished: list[float | None] = [None] * n
+    finals: list[Any] = [None] * n
+    finished_step: list[int | None] = [None] * n
     prompt_lens = [len(p.get("decoder_prompt", p)["prompt_token_ids"]) for p in prompts]
+    monotonic_offset = time.perf_counter() - time.monotonic()
     start = time.perf_counter()
     for i, (prompt, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"{tag}{i}", prompt, sp)
-        # As in pprun, a request counts from its queueing, after its own prompt processing.
-        queued[i] = time.perf_counter()
-    steps = []
+    steps: list[float] = []
     while engine.has_unfinished_requests():
         outputs = engine.step()
         now = time.perf_counter()
-        num_tokens = num_reqs = num_prefill_tokens = num_cached = 0
         for out in outputs:
-            i = index[out.request_id]
-            new = list(out.outputs[0].token_ids) if out.outputs else []
-            if new:
-                if first[i] is None:
-                    first[i] = now
-                    # The prompt as vLLM processed it (image placeholders expanded), where it says.
-                    prompt_len = len(getattr(out, "prompt_token_ids", None) or ()) or prompt_lens[i]
-                    num_prefill_tokens += prompt_len
-                    num_cached += min(max(int(getattr(out, "num_cached_tokens", None) or 0), 0), prompt_len)
-                tokens[i].extend(int(t) for t in new)
-                num_tokens += len(new)
-                num_reqs += 1
             if out.finished:
-                finished[i] = now
-        steps.append([now, num_tokens, num_reqs, num_prefill_tokens, num_cached])
-    end = time.perf_counter()
-    return {
-        "elapsed_s": end - start,
-        "start": start,
-        "tokens": tokens,
-        "queued": queued,
-        "first_token": first,
-        "finished": finished,
-        "steps": steps,
-    }
+                i = index[out.request_id]
+                finals[i], finished_step[i] = out, len(steps)
+        steps.append(now)
+    elapsed = time.perf_counter() - start
+    requests = []
+    for i, out in enumerate(finals):
+        m = getattr(out, "metrics", None)
+        requests.append({
+            "tokens": [int(t) for t in out.outputs[0].token_ids],
+            # The prompt as vLLM processed it (image placeholders expanded), where it says.
+            "prompt_len": len(getattr(out, "prompt_token_ids", None) or ()) or prompt_lens[i],
+            "num_cached": max(int(getattr(out, "num_cached_tokens", None) or 0), 0),
+            "finished_step": finished_step[i],
+            **{k: _metric(m, k) for k in ("first_token_latency", "first_token_ts", "last_token_ts",
+                                          "num_generation_tokens")},
+        })  # fmt: skip
+    return {"elapsed_s": elapsed, "start": start, "monotonic_offset": monotonic_offset, "steps": steps,
+            "requests": requests}
 
 
 def _effective_settings(llm: Any) -> dict[str, Any]:
@@ -139,15 +135,15 @@ def main(argv: list[str]) -> int:
         enc_dec = bool(spec["encoder_decoder"])
         sample_rate = int(spec["sample_rate"])
 
-        def job(requests: list[dict[str, Any]], stream: bool) -> tuple[list[dict[str, Any]], list[Any]]:
+        def job(requests: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
             prompts = [_prompt(r, arrays, enc_dec, sample_rate) for r in requests]
-            # Streamed: every step's new tokens come back (DELTA); else vLLM's own offline default.
-            kind = {"output_kind": RequestOutputKind.DELTA} if stream else {}
             params = [
                 SamplingParams(
                     temperature=0.0, max_tokens=int(r["max_tokens"]), ignore_eos=bool(spec["ignore_eos"]),
                     stop_token_ids=None if spec["ignore_eos"] else list(spec["stop_token_ids"]),
-                    detokenize=False, **kind,
+                    detokenize=False,
+                    # Final outputs only, as LLM.generate asks for them.
+                    output_kind=RequestOutputKind.FINAL_ONLY,
                 )
                 for r in requests
             ]  # fmt: skip
@@ -166,48 +162,36 @@ def main(argv: list[str]) -> int:
         repeats = int(spec.get("repeats", 1))
         spread_limit = float(spec.get("spread_limit", 0.15))
 
-        def generate_passes(run: dict[str, Any]) -> tuple[list[float], list[list[int]]]:
-            """``repeats`` timed ``LLM.generate`` passes, each from an empty cache: their seconds
-            and the first pass's tokens."""
-            seconds, generated = [], None
-            for _ in range(repeats):
-                prompts, params = job(run["requests"], stream=False)
-                start = time.perf_counter()
-                outputs = llm.generate(prompts, params, use_tqdm=False)
-                seconds.append(time.perf_counter() - start)
-                if generated is None:
-                    generated = [[int(t) for t in o.outputs[0].token_ids] for o in outputs]
+        def timed_passes(run: dict[str, Any], tag: str) -> list[dict[str, Any]]:
+            """``repeats`` timed passes, each from an empty cache."""
+            passes = []
+            for k in range(repeats):
+                passes.append(_timed_pass(llm.llm_engine, f"{tag}pass{k}-", *job(run["requests"])))
                 forget_cached()
-            return seconds, generated or []
+            return passes
 
-        def spread(seconds: list[float]) -> float:
-            rates = [1.0 / s for s in seconds]
+        def spread(passes: list[dict[str, Any]]) -> float:
+            rates = [1.0 / p["elapsed_s"] for p in passes]
             return (max(rates) - min(rates)) / statistics.median(rates)
 
         def timed(run: dict[str, Any], tag: str) -> dict[str, Any]:
             """Warm up on ``run``'s warm-up requests, empty the caches, then time its requests
-            ``repeats`` times through ``LLM.generate`` (again once if their rates spread past
-            ``spread_limit``), then once streamed."""
+            ``repeats`` times (again once if their rates spread past ``spread_limit``)."""
             if run["warmup"]:
-                llm.generate(*job(run["warmup"], stream=False), use_tqdm=False)
+                llm.generate(*job(run["warmup"]), use_tqdm=False)
             # Timed from the state pprun's timed passes start from: nothing cached.
             forget_cached()
-            # Throughput as vLLM's users get it: LLM.generate, final outputs only.
-            seconds, generated = generate_passes(run)
-            retimed = None
-            if repeats > 1 and spread(seconds) > spread_limit:
-                retimed = spread(seconds)
-                seconds, generated = generate_passes(run)
-            # Latencies and per-step rates: the same requests again, every step's tokens streamed.
-            stream = _run(llm.llm_engine, tag, *job(run["requests"], stream=True))
-            forget_cached()  # the next run (batch_sizes) finds nothing cached either
-            generate = {"elapsed_s": seconds[0], "passes_s": seconds, "tokens": generated}
-            if retimed is not None:
-                generate["retimed_after_spread"] = retimed
-            return {"generate": generate, "stream": stream}
+            passes = timed_passes(run, tag)
+            out: dict[str, Any] = {}
+            if repeats > 1 and spread(passes) > spread_limit:
+                out["retimed_after_spread"] = spread(passes)
+                passes = timed_passes(run, tag + "again-")
+            out["passes"] = passes
+            return out
 
         t0 = time.perf_counter()
-        llm = LLM(**spec["engine_args"])
+        # Request metrics on each output (vLLM's default for LLM is off).
+        llm = LLM(**{"disable_log_stats": False, **spec["engine_args"]})
         load_s = time.perf_counter() - t0
         result = {
             "vllm_version": vllm.__version__,

@@ -12,14 +12,16 @@ vLLM's defaults; ``vllm_args`` adds or overrides any ``vllm.LLM`` argument.  The
 an explicit environment (:func:`worker_env`) on pprun's device.
 
 The worker (``pprun/apps/bench/vllm_worker.py``, run by path with ``vllm_python``) empties vLLM's
-caches after the warm-up (as pprun's timed passes start from an empty prefix cache), times the
-requests ``repeats`` times through ``LLM.generate`` (the throughput, as pprun's comes from its
-``LLM.generate``; summarised as pprun's passes are), then once more streamed step by step, recording what came back from each engine step and when; the
-figures are computed here, the same way as pprun's (:func:`metrics_from_worker`): TTFT from a
-request's queueing to its first token, TPOT over the rest, the steady decode rate by
-``EngineTrace.steady_decode``'s rule (the steps after the last prefill while the batch is full)
-and the prefill phase by ``EngineTrace.prefill_phase``'s (the steps that computed prompt tokens,
-from the pass's start to the last of them) applied to vLLM's steps.
+caches after the warm-up (as pprun's timed passes start from an empty prefix cache) and times the
+requests ``repeats`` times through the loop ``LLM.generate`` runs, with vLLM's request metrics on
+(pprun's figures likewise come from its timed ``LLM.generate`` passes).  Every figure comes from
+those timed passes, computed here by pprun's rules (:func:`pass_figures`), and is summarised over
+the passes as pprun's are: throughput from the pass's time; TTFT from vLLM's
+``first_token_latency`` (a request's arrival to its first token), TPOT from its first and last
+token times over the tokens between; the steady decode rate and the prefill phase by
+``EngineTrace.steady_decode``'s and ``EngineTrace.prefill_phase``'s rules over the pass's steps,
+each step's requests and prompt tokens known from when each request's first token came and which
+step returned it finished (:func:`steps_from_pass`).
 
 vLLM is never a dependency of pprun: it pins its own torch and needs CUDA.  ``peer=vllm`` without
 it fails before pprun starts, saying how to install it.
@@ -213,11 +215,8 @@ def _steps_as_trace(steps: list[list[float]]) -> Any:
     so that its steady decode rate and prefill phase are computed by the very rules pprun's are.
     A step where a prefill ended carries those prompt tokens too, which marks it as a prefill step
     as pprun's scheduled-token count does; its ``num_prefill_tokens`` are those prompt tokens less
-    the ones vLLM found in its prefix cache (the worker's fifth column; a record without it counts
-    none as cached).  A chunk of a prompt that did not end its prefill returns nothing from vLLM's
-    step, so only the step where a prefill ended carries that request's prompt tokens; a step
-    that returned nothing is left out, so that the next step's period covers it (pprun's chunk
-    steps count as prefill steps of their own)."""
+    the ones vLLM found in its prefix cache (the fifth column; a record without it counts none as
+    cached).  A step that returned nothing is left out, so that the next step's period covers it."""
     from pprun.utils.step_trace import EngineStep, EngineTrace
 
     trace = EngineTrace()
@@ -229,46 +228,67 @@ def _steps_as_trace(steps: list[list[float]]) -> Any:
     return trace
 
 
+def steps_from_pass(timed: dict[str, Any]) -> list[list[float]]:
+    """A timed pass's steps as ``[t, num_tokens, num_reqs, num_prefill_tokens, num_cached]`` rows
+    (``_steps_as_trace``'s input), from when each ``step()`` returned and each request's metrics:
+    a request's first token came back from the first step that returned at or after its
+    ``first_token_ts`` (vLLM's engine-core clock, shifted by ``monotonic_offset`` onto the steps'
+    clock), which is where its prefill ended and where its prompt tokens count; from then until
+    the step that returned it finished, each step brought one of its tokens.  Without the metrics
+    (a vLLM that gives none) there is nothing to place, and no rows."""
+    times = [float(t) for t in timed["steps"]]
+    offset = float(timed.get("monotonic_offset") or 0.0)
+    rows = [[t, 0, 0, 0, 0] for t in times]
+    for r in timed["requests"]:
+        first_ts, done = r.get("first_token_ts"), r.get("finished_step")
+        if first_ts is None or done is None or not times:
+            return []
+        first = next((i for i, t in enumerate(times) if t >= first_ts + offset), done)
+        first = min(first, done)
+        rows[first][3] += int(r["prompt_len"])
+        rows[first][4] += min(int(r["num_cached"]), int(r["prompt_len"]))
+        for i in range(first, done + 1):
+            rows[i][1] += 1
+            rows[i][2] += 1
+    return rows
+
+
+def pass_figures(timed: dict[str, Any], job: PeerJob) -> dict[str, Any]:
+    """pprun's figures for one of vLLM's timed passes (see the module docstring)."""
+    reqs = timed["requests"]
+    tokens = [r["tokens"] for r in reqs]
+    ttfts = [r["first_token_latency"] for r in reqs if r.get("first_token_latency") is not None]
+    tpots = [(r["last_token_ts"] - r["first_token_ts"]) / (r["num_generation_tokens"] - 1) for r in reqs
+             if r.get("last_token_ts") is not None and r.get("first_token_ts") is not None
+             and (r.get("num_generation_tokens") or 0) > 1]
+    trace = _steps_as_trace(steps_from_pass(timed))
+    elapsed = float(timed["elapsed_s"])
+    return {
+        **throughput_metrics(elapsed, job.requests, tokens),
+        **workload_rates(job.cfg, job.requests, elapsed),
+        **latency_metrics(ttfts, tpots),
+        **(trace.steady_decode() or dict.fromkeys(STEADY_DECODE_KEYS)),
+        **(trace.prefill_phase(float(timed["start"])) or dict.fromkeys(PREFILL_KEYS)),
+    }
+
+
 def metrics_from_worker(result: dict[str, Any], job: PeerJob) -> PeerResult:
-    """pprun's figures for vLLM's run, from what the worker recorded: throughput from its
-    ``LLM.generate`` pass (as pprun's comes from ``LLM.generate``), latencies, the steady decode
-    rate and the prefill phase from its streamed pass (the prefill phase needs the pass's
-    ``start``: null without it)."""
-    generated = result["generate"]
-    tokens = [list(t) for t in generated["tokens"]]
-    passes = [float(t) for t in generated.get("passes_s") or [generated["elapsed_s"]]]
-    stream = result["stream"]
-    ttfts, tpots = [], []
-    for queued, first, done, toks in zip(stream["queued"], stream["first_token"], stream["finished"], stream["tokens"]):
-        if first is not None:
-            ttfts.append(first - queued)
-            if done is not None and len(toks) > 1:
-                tpots.append((done - first) / (len(toks) - 1))
-    trace = _steps_as_trace(stream["steps"])
-    steady = trace.steady_decode() or dict.fromkeys(STEADY_DECODE_KEYS)
-    start = stream.get("start")
-    prefill = (trace.prefill_phase(float(start)) if start is not None else None) or dict.fromkeys(PREFILL_KEYS)
-    streamed = throughput_metrics(float(stream["elapsed_s"]), job.requests, stream["tokens"])
-    # The throughput of each timed pass, summarised as pprun's passes are.
-    rates = summarize_runs([{**throughput_metrics(s, job.requests, tokens), **workload_rates(job.cfg, job.requests, s)}
-                            for s in passes])
-    if "retimed_after_spread" in generated:
-        rates["retimed_after_spread"] = round(float(generated["retimed_after_spread"]), 4)
-        rates["unstable"] = rates["spread"] is not None and rates["spread"] > SPREAD_LIMIT
+    """pprun's figures for vLLM's run, from what the worker recorded: each timed pass's figures
+    (:func:`pass_figures`), summarised over the passes as pprun's are; the tokens of the first."""
+    passes = result["passes"]
+    summary = summarize_runs([pass_figures(p, job) for p in passes])
+    if "retimed_after_spread" in result:
+        summary["retimed_after_spread"] = round(float(result["retimed_after_spread"]), 4)
+        summary["unstable"] = summary["spread"] is not None and summary["spread"] > SPREAD_LIMIT
     metrics: dict[str, Any] = {
         "name": "vllm.LLM",
         "version": result["vllm_version"],
         "settings": result["engine_args"],
         "effective_settings": result.get("effective", {}),
-        **rates,
-        **latency_metrics(ttfts, tpots),
-        **steady,
-        **prefill,
-        # The streamed pass's own rate: what streaming every step's tokens back costs vLLM.
-        "streamed_output_tokens_per_s": streamed["output_tokens_per_s"],
+        **summary,
         "load_s": round(float(result.get("load_s", 0.0)), 2),
     }
-    return PeerResult(metrics, tokens)
+    return PeerResult(metrics, [list(r["tokens"]) for r in passes[0]["requests"]])
 
 
 def run_worker(python: str, spec: dict[str, Any], arrays: dict[str, Any], timeout_s: float | None = None,
