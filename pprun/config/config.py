@@ -57,7 +57,12 @@ class ParallelConfig:
     """How the model is split into pipeline stages and which processes run them."""
 
     pipeline_parallel_size: int = 1
-    """Number of pipeline stages (one process and one device each)."""
+    """Number of pipeline stages (each a group of ``tensor_parallel_size`` processes)."""
+    tensor_parallel_size: int = 1
+    """Processes (one device each) that split every layer of a stage between them (vLLM's name):
+    column-parallel q/k/v and gate/up, row-parallel o and down, one all-reduce per block.  It must
+    divide the model's attention heads.  A run has ``tensor_parallel_size x pipeline_parallel_size``
+    workers; executor uni takes 1 only."""
     executor: str = "auto"
     """auto|uni|mp|ray|external_launcher. auto: external_launcher under torchrun, else uni for one
     stage and ray for several. ``LLM(distributed_executor_backend=...)`` is an alias."""
@@ -161,6 +166,11 @@ class CompilationConfig:
     """Padded batch sizes to capture; None: 1,2,4,8,16,24,32,48,64,96,128,192,256,384,512 capped at
     max_num_seqs (plus max_num_seqs itself up to 512, so every decode batch up to 512 has a graph;
     a larger one runs eagerly)."""
+    warmup: str = "auto"
+    """auto|full|none: before the engine reports ready, run one step of every class a step can take
+    (token and request counts, mixed steps, sampler variants, prefix hits, chunked prefill,
+    encoders), so that nothing compiles, captures or loads for the first time under traffic
+    (``pprun.engine.warmup``); auto: full on CUDA, none on CPU (nothing compiles there)."""
 
     def resolved_capture_sizes(self, max_num_seqs: int) -> list[int]:
         """The sorted capture sizes for a scheduler admitting at most ``max_num_seqs`` requests."""

@@ -39,6 +39,8 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 """Allowed values of ``model.dtype``."""
 CUDAGRAPH_MODES: tuple[str, ...] = ("none", "piecewise", "full")
 """Allowed values of ``compilation.cudagraph_mode``."""
+WARMUP_MODES: tuple[str, ...] = ("auto", "full", "none")
+"""Allowed values of ``compilation.warmup``."""
 BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128)
 """Allowed values of ``cache.block_size``."""
 LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -107,6 +109,9 @@ class ResolvedConfig:
     attention_backend: str = "auto"
     """``attention_backend``, or ``PPRUN_ATTN_BACKEND`` where set (``auto`` is resolved by each
     stage: whether Triton imports is the stage process's fact)."""
+    warmup: bool = False
+    """Whether the engine runs its warm-up before it reports ready (``compilation.warmup``: full;
+    auto on CUDA; ``pprun.engine.warmup``)."""
 
     def stage_layer_range(self, pp_rank: int) -> range:
         """The decoder layers stage ``pp_rank`` owns."""
@@ -137,7 +142,8 @@ def even_partition(num_layers: int, pp_size: int) -> list[int]:
 
 
 def resolve_executor(cfg: PprunConfig, env: Mapping[str, str] = os.environ) -> str:
-    """The executor ``cfg`` runs with: ``auto`` -> external_launcher under torchrun, else uni (pp=1) or ray."""
+    """The executor ``cfg`` runs with: ``auto`` -> external_launcher under torchrun, else uni (one
+    process: pp = tp = 1) or ray."""
     executor = cfg.parallel.executor
     if executor not in EXECUTORS:
         raise ValueError(
@@ -147,7 +153,8 @@ def resolve_executor(cfg: PprunConfig, env: Mapping[str, str] = os.environ) -> s
         return executor
     if _under_torchrun(env):
         return "external_launcher"
-    return "uni" if cfg.parallel.pipeline_parallel_size == 1 else "ray"
+    one_process = cfg.parallel.pipeline_parallel_size == 1 and cfg.parallel.tensor_parallel_size == 1
+    return "uni" if one_process else "ray"
 
 
 def _under_torchrun(env: Mapping[str, str]) -> bool:
@@ -230,6 +237,7 @@ def _check_values(cfg: PprunConfig, env: Mapping[str, str]) -> None:
     _check_choice("model.dtype", cfg.model.dtype, DTYPES)
     _check_choice("parallel.executor", cfg.parallel.executor, EXECUTORS)
     _check_choice("compilation.cudagraph_mode", cfg.compilation.cudagraph_mode, CUDAGRAPH_MODES)
+    _check_choice("compilation.warmup", cfg.compilation.warmup, WARMUP_MODES)
     _check_choice("cache.block_size", cfg.cache.block_size, BLOCK_SIZES)
     _check_choice("log_level", str(cfg.log_level).upper(), LOG_LEVELS)
     _check_choice("attention_backend", cfg.attention_backend, ATTENTION_BACKENDS)
@@ -250,19 +258,28 @@ def _check_values(cfg: PprunConfig, env: Mapping[str, str]) -> None:
     _check_choice("model.quantization", cfg.model.quantization, (None, "fp8"))
     pp_size = cfg.parallel.pipeline_parallel_size
     _check_min("parallel.pipeline_parallel_size", pp_size, 1, "an integer >= 1")
+    tp_size = cfg.parallel.tensor_parallel_size
+    _check_min("parallel.tensor_parallel_size", tp_size, 1, "an integer >= 1")
     if cfg.parallel.executor == "uni" and pp_size > 1:
         raise ValueError(
             f"parallel.executor='uni' runs one process, so parallel.pipeline_parallel_size={pp_size} is not "
             "allowed with it; use pipeline_parallel_size=1, or executor mp, ray or external_launcher"
         )
+    if cfg.parallel.executor == "uni" and tp_size > 1:
+        raise ValueError(
+            f"parallel.executor='uni' runs one process, so parallel.tensor_parallel_size={tp_size} is not "
+            "allowed with it; use tensor_parallel_size=1, or executor mp, ray or external_launcher (one "
+            "process per device)"
+        )
     if (
         resolve_executor(cfg, env) == "external_launcher"
         and "WORLD_SIZE" in env
-        and int(env["WORLD_SIZE"]) != pp_size
+        and int(env["WORLD_SIZE"]) != pp_size * tp_size
     ):
         raise ValueError(
-            f"parallel.pipeline_parallel_size={pp_size} but torchrun started WORLD_SIZE={env['WORLD_SIZE']} ranks; "
-            "with executor=external_launcher every rank is one stage, so they must be equal"
+            f"parallel.pipeline_parallel_size={pp_size} x parallel.tensor_parallel_size={tp_size} = "
+            f"{pp_size * tp_size} workers but torchrun started WORLD_SIZE={env['WORLD_SIZE']} ranks; with "
+            "executor=external_launcher every rank is one worker, so they must be equal"
         )
     _check_min("parallel.stage_timeout_s", cfg.parallel.stage_timeout_s, 1e-9, "a number of seconds > 0")
     _check_min("parallel.ray_num_cpus_per_stage", cfg.parallel.ray_num_cpus_per_stage, 0, "a number >= 0")
@@ -574,6 +591,7 @@ def validate_config(
         max_num_batched_tokens=max_num_batched_tokens,
         v2_fallback_reasons=tuple(reasons),
         attention_backend=attention_backend,
+        warmup=cfg.compilation.warmup == "full" or (cfg.compilation.warmup == "auto" and device == "cuda"),
     )
     logger.info(
         "pprun config: model=%s (%s, %d layers) device=%s dtype=%s pp=%d layer_partition=%s executor=%s runner=%s "

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from datetime import timedelta
 from urllib.parse import urlsplit
 
 import torch
@@ -102,61 +101,37 @@ class PipelineTransport:
         feedback_host: str | None = None,
         authkey: bytes | None = None,
     ) -> PipelineTransport:
-        """Join a fresh process group of ``pp_size`` ranks (pprun's own executors); with
-        ``feedback`` (every rank passes the same) also the first and last stage's gloo group.
-        ``feedback_host``: where the first stage listens for the sampled ids' socket (default:
-        the host of a ``tcp://`` rendezvous); ``authkey``: the run's secret, which that socket
-        needs (without it the ids stay on gloo)."""
-        timeout = timedelta(seconds=timeout_s)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        # A pprun:// rendezvous (stages on several hosts) is an authenticated store served by
-        # stage 0 (pprun.distributed.rendezvous), never torch's open TCP store.
-        store = None
-        if init_method.startswith(rendezvous.SCHEME):
-            store = rendezvous.store_from_init_method(init_method, authkey, timeout_s)
-        dist.init_process_group(
-            backend=backend,
-            init_method=None if store is not None else init_method,
-            store=store,
-            world_size=layout.pp_size,
-            rank=layout.pp_rank,
-            timeout=timeout,
-            device_id=device if device.type == "cuda" else None,
-        )
-        ranks = list(range(layout.pp_size))
-        device_group = dist.group.WORLD
-        cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout) if backend == "nccl" else device_group
-        # Every rank creates every group (a collective), members or not.  On gloo, also between
-        # GPUs: a second NCCL group would not be an independent channel (docs/performance.md,
-        # "Hops and the control path").
-        feedback_group = None
-        if feedback:
-            feedback_group = dist.new_group([ranks[0], ranks[-1]], backend="gloo", timeout=timeout)
+        """Join a fresh world of ``layout.world_size`` ranks (pprun's own executors) and make the
+        pipelines' groups (``pprun.distributed.groups``); with ``feedback`` (every rank passes the
+        same) also the first and last stage's gloo group.  ``feedback_host``: where the first
+        stage listens for the sampled ids' socket (default: the host of a ``tcp://``
+        rendezvous); ``authkey``: the run's secret, which that socket needs (without it the ids
+        stay on gloo).  A worker with tp > 1 makes its stage's tp group after this
+        (``groups.tensor_parallel_group``), in the same order on every rank."""
+        from pprun.distributed import groups
+
+        store = groups.init_world(layout, device, init_method, timeout_s, authkey)
+        mine = groups.pipeline_groups(layout, device, timeout_s, feedback=feedback)
         host = feedback_host
         if host is None and init_method.startswith(("tcp://", rendezvous.SCHEME)):
             host = urlsplit(init_method).hostname
         if authkey is None:
             host = None
-        transport = cls(layout, device, cpu_group, device_group, ranks, feedback_group, host, timeout_s, authkey)
+        transport = cls(
+            layout, device, mine.cpu_group, mine.device_group, layout.pipeline_ranks, mine.feedback_group, host,
+            timeout_s, authkey,
+        )
         transport._store = store
         return transport
 
     @classmethod
-    def from_existing(
-        cls, layout: StageLayout, device: torch.device, global_ranks: list[int], timeout_s: float
-    ) -> PipelineTransport:
-        """Use an already initialised default group (torchrun); makes the stage's subgroups."""
-        timeout = timedelta(seconds=timeout_s)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if dist.get_world_size() == len(global_ranks):
-            device_group = dist.group.WORLD
-        else:
-            device_group = dist.new_group(global_ranks, backend=backend, timeout=timeout)
-        if backend == "nccl":
-            cpu_group = dist.new_group(global_ranks, backend="gloo", timeout=timeout)
-        else:
-            cpu_group = device_group
-        return cls(layout, device, cpu_group, device_group, global_ranks, timeout_s=timeout_s)
+    def from_existing(cls, layout: StageLayout, device: torch.device, timeout_s: float) -> PipelineTransport:
+        """Use an already initialised default group of ``layout.world_size`` ranks (torchrun);
+        makes the pipelines' groups (a collective: every rank calls it)."""
+        from pprun.distributed import groups
+
+        mine = groups.pipeline_groups(layout, device, timeout_s)
+        return cls(layout, device, mine.cpu_group, mine.device_group, layout.pipeline_ranks, timeout_s=timeout_s)
 
     # --- point to point ------------------------------------------------------------------------
 
@@ -296,17 +271,9 @@ class PipelineTransport:
             dist.recv(buffers[key], src, group=self.device_group)
 
     def broadcast_object(self, obj: object, src_stage: int) -> object:
-        """Broadcast ``obj`` from stage ``src_stage`` to every stage (CPU group), encoded as JSON
-        (:func:`_encode_plain`: plain values and pprun's output dataclasses), never pickled —
-        the gloo pairs do not authenticate their peer."""
-        src = self.global_ranks[src_stage]
-        is_src = dist.get_rank() == src
-        data = _encode_plain(obj) if is_src else b""
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        dist.broadcast(size, src=src, group=self.cpu_group)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if is_src else torch.empty(int(size), dtype=torch.uint8)
-        dist.broadcast(buf, src=src, group=self.cpu_group)
-        return obj if is_src else _decode_plain(buf.numpy().tobytes())
+        """Broadcast ``obj`` from stage ``src_stage`` to every stage of this pipeline (CPU group),
+        as :func:`broadcast_plain` does."""
+        return broadcast_plain(obj, self.global_ranks[src_stage], self.cpu_group)
 
     def close(self) -> None:
         """Tear the process group down (pprun's own executors only)."""
@@ -315,6 +282,19 @@ class PipelineTransport:
         if self._store is not None:
             self._store.close()
             self._store = None
+
+
+def broadcast_plain(obj: object, src: int, group: dist.ProcessGroup) -> object:
+    """Broadcast ``obj`` from global rank ``src`` to every rank of ``group`` (a gloo group), encoded
+    as JSON (:func:`_encode_plain`: plain values and pprun's output dataclasses), never pickled —
+    the gloo pairs do not authenticate their peer."""
+    is_src = dist.get_rank() == src
+    data = _encode_plain(obj) if is_src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, src=src, group=group)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if is_src else torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(buf, src=src, group=group)
+    return obj if is_src else _decode_plain(buf.numpy().tobytes())
 
 
 def _plain_types() -> dict[str, type]:

@@ -1,4 +1,4 @@
-"""``mp``: one local process per stage, controlled over local sockets.
+"""``mp``: one local process per worker (per tp rank of each stage), controlled over local sockets.
 
 Stages start as fresh interpreters (``python -m pprun.executor.stage_main``), not through
 ``multiprocessing``: a user's script is never re-imported in the children, so it needs no
@@ -43,10 +43,12 @@ class MpExecutor(RemoteStagesExecutor):
         # interface (docs/failures.md, "Sockets").
         listener = self._listen("127.0.0.1")
         init_method = self._local_rendezvous()
+        # One process per worker, by global rank (pp_rank * tp + tp_rank): device i for rank i,
+        # so a stage's tp group is consecutive GPUs.
         specs = [
             WorkerSpec(
                 resolved,
-                StageLayout.from_partition(resolved.layer_partition, rank),
+                StageLayout.of_global_rank(resolved.layer_partition, rank, self.tp_size),
                 runner,
                 init_method=init_method,
                 device_index=rank if resolved.device == "cuda" else None,
@@ -56,13 +58,13 @@ class MpExecutor(RemoteStagesExecutor):
                 env=loopback_env(),
                 faults=stage_faults(rank),
             )
-            for rank in range(self.pp_size)
+            for rank in range(self.num_workers)
         ]
         env = dict(os.environ, PPRUN_AUTHKEY=self.authkey.hex())
         host, port = listener.address
         self.procs: list[subprocess.Popen] = []
         try:
-            for rank in range(self.pp_size):
+            for rank in range(self.num_workers):
                 self.procs.append(
                     subprocess.Popen(
                         [sys.executable, "-m", "pprun.executor.stage_main", host, str(port), str(rank)],
@@ -78,11 +80,13 @@ class MpExecutor(RemoteStagesExecutor):
 
     def describe(self) -> str:
         """Executor and placement."""
-        return f"mp ({self.pp_size} local processes)"
+        if self.tp_size == 1:
+            return f"mp ({self.pp_size} local processes)"
+        return f"mp ({self.num_workers} local processes: {self.pp_size} stages x tp {self.tp_size})"
 
     def _stage_exits(self, crashed_only: bool = False) -> list[tuple[int, str]]:
         return [
-            (rank, f"stage {rank} died (process exited with code {p.poll()})")
+            (rank, f"{self.worker_name(rank)} died (process exited with code {p.poll()})")
             for rank, p in enumerate(self.procs)
             if p.poll() is not None and not (crashed_only and p.poll() == 0)
         ]

@@ -154,7 +154,8 @@ def serve_steps(conn: Connection, worker, spin_s: float = 0.0) -> None:
 
 
 def worker_main(address: tuple[str, int], authkey: bytes, rank: int, spec: WorkerSpec | None = None) -> None:
-    """Body of a stage process: connect to the driver, build the stage, serve steps.
+    """Body of a worker process (one tp rank of one stage; ``rank``: its global rank): connect to
+    the driver, build the stage, serve steps.
 
     ``spec`` (a WorkerSpec) is passed directly by Ray; a plain child process gets it as the
     driver's first message.
@@ -195,7 +196,7 @@ def worker_main(address: tuple[str, int], authkey: bytes, rank: int, spec: Worke
         if profiler is not None:
             profiler.disable()
             try:
-                profiler.dump_stats(f"{profile_path}.stage{rank}.prof")
+                profiler.dump_stats(f"{profile_path}.stage{rank}.prof")  # rank: the global rank
             except OSError as e:
                 logging.getLogger(__name__).warning("PPRUN_STAGE_PROFILE: cannot write the profile: %s", e)
         if worker is not None:
@@ -237,13 +238,19 @@ class RemoteStagesExecutor(Executor):
         self.resolved = resolved
         self.timeout_s = timeout_s
         self.pp_size = len(resolved.layer_partition)
+        self.tp_size = resolved.cfg.parallel.tensor_parallel_size
+        self.num_workers = self.pp_size * self.tp_size
+        """Worker processes: tp per stage, global rank ``pp_rank * tp + tp_rank`` (each has its own
+        control socket and gets every step's message; only the last stage's tp rank 0 answers)."""
+        self.answer_rank = (self.pp_size - 1) * self.tp_size
+        """The worker that samples and answers each step: the last stage's tp rank 0."""
         batches = resolved.cfg.parallel.microbatches or self.pp_size
         wanted = resolved.cfg.parallel.async_pipeline
         # By default only on GPUs: there the stages' hosts only launch work and a batch's round
         # trip through the engine leaves the devices idle; on CPU the stages compute on their
         # hosts, which the extra channel's work competes with, and nothing idles to hide.
         self.async_steps = (
-            runner == "v2" and self.pp_size > 1 and (wanted is True or (wanted is None and resolved.device == "cuda"))
+            runner == "v2" and self.pp_size > 1 and self.tp_size == 1 and (wanted is True or (wanted is None and resolved.device == "cuda"))
         )
         """Async pipeline steps: each batch's next step is submitted while its current one is in
         the pipeline, its input ids sent by the last stage to the first (``WorkerSpec.
@@ -257,14 +264,14 @@ class RemoteStagesExecutor(Executor):
         self.rendezvous_dir: str | None = None
         """Private directory of a file rendezvous (stages on this host only), removed once every
         stage has joined the process groups (and at shutdown, should start-up fail first)."""
-        self.conns: list[Connection | None] = [None] * self.pp_size
+        self.conns: list[Connection | None] = [None] * self.num_workers
         self.pending: deque[int] = deque()
-        self.inbox: list[deque[tuple]] = [deque() for _ in range(self.pp_size)]
+        self.inbox: list[deque[tuple]] = [deque() for _ in range(self.num_workers)]
         self.dead = False
         self.stage_params: list[int] = []
-        self.stage_pids: list[int | None] = [None] * self.pp_size
-        """Process id of each stage (reported by the stage itself)."""
-        self.spin_s = control_spin_s(self.pp_size + 1, resolved.device, resolved.cfg.parallel.control_spin_us)
+        self.stage_pids: list[int | None] = [None] * self.num_workers
+        """Process id of each worker by global rank (reported by the worker itself)."""
+        self.spin_s = control_spin_s(self.num_workers + 1, resolved.device, resolved.cfg.parallel.control_spin_us)
         """How long a wait for a stage's message polls before blocking (:func:`control_spin_s`)."""
         self._spinner: Spinner | None = None
 
@@ -274,10 +281,10 @@ class RemoteStagesExecutor(Executor):
         # No authkey here: _accept_all runs the same challenge-response itself, bounded in time,
         # so that a stranger's connection is dropped instead of failing or stalling start-up.
         # A backlog beyond the stages: connections wait there until accepted one by one.
-        return Listener((host, 0), backlog=max(16, 2 * self.pp_size))
+        return Listener((host, 0), backlog=max(16, 2 * self.num_workers))
 
     def _accept_all(self, listener: Listener, specs: list[WorkerSpec] | None = None) -> None:
-        """Accept one authenticated connection per stage (bounded by the timeout), keyed by pp
+        """Accept one authenticated connection per worker (bounded by the timeout), keyed by global
         rank; a connection that fails the handshake is dropped and the stages still get in.
 
         With ``specs``, each stage is sent its WorkerSpec once it connects.
@@ -300,12 +307,19 @@ class RemoteStagesExecutor(Executor):
             self.stage_pids[rank] = pid
             if specs is not None:
                 conn.send(("spec", specs[rank]))
-            logger.debug("stage %d connected (pid %d)", rank, pid)
+            logger.debug("%s connected (pid %d)", self.worker_name(rank), pid)
         listener.close()
 
+    def worker_name(self, rank: int) -> str:
+        """How messages name the worker of global rank ``rank``: ``stage 1``, or ``stage 1 tp rank
+        0`` with tensor parallelism."""
+        if self.tp_size == 1:
+            return f"stage {rank}"
+        return f"stage {rank // self.tp_size} tp rank {rank % self.tp_size}"
+
     def _gather(self, expect: str) -> list[tuple]:
-        """Wait for one ``expect`` message from every stage."""
-        return [self._recv(rank, expect, self.timeout_s + 600.0) for rank in range(self.pp_size)]
+        """Wait for one ``expect`` message from every worker (by global rank)."""
+        return [self._recv(rank, expect, self.timeout_s + 600.0) for rank in range(self.num_workers)]
 
     def _recv(self, rank: int, expect: str, timeout_s: float) -> tuple:
         """Next message of stage ``rank``; meanwhile any stage's error or death fails fast."""
@@ -313,14 +327,14 @@ class RemoteStagesExecutor(Executor):
         while not self.inbox[rank]:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                self._fail(f"stage {rank} sent nothing for {timeout_s:.0f}s (waiting for {expect})")
+                self._fail(f"{self.worker_name(rank)} sent nothing for {timeout_s:.0f}s (waiting for {expect})")
             if self._spinner is not None and self._spinner.wait(remaining):
                 self._poll(0)
             else:
                 self._poll(min(remaining, 1.0))
         msg = self.inbox[rank].popleft()
         if msg[0] != expect:
-            self._fail(f"stage {rank} sent {msg[0]!r}, expected {expect!r}")
+            self._fail(f"{self.worker_name(rank)} sent {msg[0]!r}, expected {expect!r}")
         return msg
 
     def _poll(self, timeout_s: float) -> None:
@@ -332,7 +346,7 @@ class RemoteStagesExecutor(Executor):
             try:
                 msg = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
-                self._fail(f"stage {rank} died (its process exited or was killed)")
+                self._fail(f"{self.worker_name(rank)} died (its process exited or was killed)")
             if msg[0] == "error":
                 self._fail_with_error(rank, msg)
             self.inbox[rank].append(msg)
@@ -345,7 +359,7 @@ class RemoteStagesExecutor(Executor):
         # name the dead stage first when there is one.
         dead = self._dead_stages(exclude=rank)
         cause = f"{dead}; then " if dead else ""
-        self._fail(f"{cause}stage {msg[1]} raised:\n{msg[2]}")
+        self._fail(f"{cause}{self.worker_name(msg[1])} raised:\n{msg[2]}")
 
     def _fail_with_unread_error(self) -> None:
         """Fail with an error a stage sent that is not read yet, if there is one: a stage that
@@ -403,7 +417,9 @@ class RemoteStagesExecutor(Executor):
             # killed driver never reaches (Ray may end its stages before they notice and
             # remove it themselves).
             shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
-        self.stage_params = [m[1] for m in loaded]
+        # A stage's parameters are its tp ranks' together (each rank holds its shards and the
+        # tensors it keeps whole).
+        self.stage_params = [sum(m[1] for m in loaded[pp * self.tp_size : (pp + 1) * self.tp_size]) for pp in range(self.pp_size)]
         self.num_blocks = min(m[2] for m in loaded)
         if loaded[0][3] is not None:
             self.num_cross_slots = min(m[3] for m in loaded)
@@ -416,7 +432,8 @@ class RemoteStagesExecutor(Executor):
         self._gather("result")
 
     def call_all(self, name: str, **kwargs) -> list:
-        """Call a Worker method on every stage between steps (diagnostics, memory stats)."""
+        """Call a Worker method on every worker between steps (diagnostics, memory stats); the
+        results by global rank (one per stage at tp = 1)."""
         for conn in self.conns:
             conn.send(("call", name, kwargs))
         return [m[1] for m in self._gather("result")]
@@ -432,17 +449,17 @@ class RemoteStagesExecutor(Executor):
         rest = pickle.dumps(("step", so.without_payload()), protocol=pickle.HIGHEST_PROTOCOL) if so.has_payload() else data
         for rank, conn in enumerate(self.conns):
             try:
-                conn.send_bytes(data if rank == 0 else rest)
+                conn.send_bytes(data if rank < self.tp_size else rest)
             except OSError:
                 self._fail_with_unread_error()
-                self._fail(f"stage {rank} died (its control socket is closed)")
+                self._fail(f"{self.worker_name(rank)} died (its control socket is closed)")
         self.pending.append(so.step_id)
 
     def get_output(self) -> ModelRunnerOutput:
         """The oldest outstanding step's output from the last stage."""
         step_id = self.pending.popleft()
         try:
-            msg = self._recv(self.pp_size - 1, "output", self.timeout_s)
+            msg = self._recv(self.answer_rank, "output", self.timeout_s)
         except StageFailedError:
             raise
         except BaseException:
@@ -474,7 +491,7 @@ class RemoteStagesExecutor(Executor):
         for conn in self.conns:
             if conn is not None:
                 conn.close()
-        self.conns = [None] * self.pp_size
+        self.conns = [None] * self.num_workers
         if self.rendezvous_dir is not None:
             shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
             self.rendezvous_dir = None

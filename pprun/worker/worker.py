@@ -16,6 +16,7 @@ from pprun.config.validate import ResolvedConfig
 from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
+from pprun.distributed.tensor_parallel import TensorParallel
 from pprun.distributed.transport import PipelineTransport
 from pprun.models.base import PprunModel
 from pprun.utils.startup import freeze_startup_objects
@@ -35,9 +36,9 @@ class WorkerSpec:
     runner: str
     """"v1" or "v2" (already chosen by the engine)."""
     init_method: str | None = None
-    """``torch.distributed`` rendezvous (``tcp://host:port``) for pp > 1 with own executors."""
+    """``torch.distributed`` rendezvous (``tcp://host:port``) for pp x tp > 1 with own executors."""
     device_index: int | None = None
-    """CUDA device of this stage; ``None`` on CPU."""
+    """CUDA device of this worker; ``None`` on CPU."""
     sample_feedback_slots: int = 0
     """Async pipeline steps: the last stage sends its sampled ids straight to the first
     (``pprun.distributed.feedback``) into a ring of this many steps (the executor's steps in
@@ -59,9 +60,14 @@ class WorkerSpec:
 
 
 class Worker:
-    """One stage: owns its model, its KV cache, its runner and its pipeline channel."""
+    """One worker of a stage (its tp rank): owns its model (or its shard of it), its KV cache, its
+    runner, its pipeline channel and its place in the stage's tensor-parallel group."""
 
-    def __init__(self, spec: WorkerSpec, transport: PipelineTransport | None = None) -> None:
+    def __init__(
+        self, spec: WorkerSpec, transport: PipelineTransport | None = None, tp: TensorParallel | None = None
+    ) -> None:
+        """``transport`` and ``tp``: groups made by the caller in an existing world (torchrun);
+        else the worker joins the run's world itself (``spec.init_method``) and makes them."""
         self.spec = spec
         self.layout = spec.layout
         rc = spec.resolved
@@ -73,16 +79,34 @@ class Worker:
         else:
             self.device = torch.device("cpu")
         torch.manual_seed(rc.cfg.model.seed)
-        if self.device.type == "cpu" and self.layout.pp_size > 1 and "OMP_NUM_THREADS" not in os.environ:
-            # Stages share the host's cores: one thread pool per core each would oversubscribe
+        world_size = self.layout.world_size
+        if self.device.type == "cpu" and world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+            # Workers share the host's cores: one thread pool per core each would oversubscribe
             # them, and oversubscribed pools spin against each other.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.layout.pp_size))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         self.transport = transport
-        if transport is None and self.layout.pp_size > 1:
-            self.transport = PipelineTransport.init(
-                self.layout, self.device, spec.init_method, rc.cfg.parallel.stage_timeout_s,
-                feedback=spec.sample_feedback_slots > 0, feedback_host=spec.feedback_host, authkey=spec.authkey,
-            )
+        self._world_store = None
+        """The rendezvous store of a world joined without a transport (pp = 1, tp > 1)."""
+        self._owns_world = transport is None and tp is None and world_size > 1
+        """Whether this worker joined the world (and tears it down at shutdown)."""
+        timeout_s = rc.cfg.parallel.stage_timeout_s
+        if self._owns_world:
+            # Every rank makes the same groups in the same order (pprun.distributed.groups).
+            if self.layout.pp_size > 1:
+                self.transport = PipelineTransport.init(
+                    self.layout, self.device, spec.init_method, timeout_s,
+                    feedback=spec.sample_feedback_slots > 0, feedback_host=spec.feedback_host, authkey=spec.authkey,
+                )
+            else:
+                from pprun.distributed.groups import init_world
+
+                self._world_store = init_world(self.layout, self.device, spec.init_method, timeout_s, spec.authkey)
+        if tp is None:
+            from pprun.distributed.groups import tensor_parallel_group
+
+            tp = tensor_parallel_group(self.layout, self.device, timeout_s) if world_size > 1 else TensorParallel.single()
+        self.tp = tp
+        """This worker's place in its stage's tensor-parallel group."""
         self.model: PprunModel | None = None
         self.runner: ModelRunner | None = None
         self.encoder_decoder = None
@@ -95,6 +119,8 @@ class Worker:
         """Bytes of the KV cache allocated by :meth:`init_cache` (0 before)."""
         self.step_count = 0
         prefix, name = trace_prefix(), f"stage{self.layout.pp_rank}"
+        if self.layout.tp_size > 1:
+            name += f"_tp{self.layout.tp_rank}"
         self.trace = StageTrace(self.device, name, f"{prefix}.{name}.json") if prefix else NullStageTrace()
 
     def load_model(self) -> int:
@@ -354,3 +380,11 @@ class Worker:
             self.runner.close()  # before the groups go away under an outstanding send or receive
         if self.transport is not None and self.spec.init_method is not None:
             self.transport.close()
+        elif self._owns_world:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            if self._world_store is not None:
+                self._world_store.close()
+                self._world_store = None

@@ -80,7 +80,7 @@ class V1ModelRunner(ModelRunner):
             if self.mm is not None:
                 self.mm.add_request(new.req_id, new.mm_items)
             num_prompt_tokens = new.num_prompt_tokens if new.num_prompt_tokens is not None else len(new.prompt_token_ids)
-            gen = make_generator(new.sampling_params.seed, self.device) if self.layout.is_last else None
+            gen = make_generator(new.sampling_params.seed, self.device) if self.layout.samples else None
             self.requests[new.req_id] = RequestState(
                 new.req_id,
                 list(new.prompt_token_ids),
@@ -164,7 +164,7 @@ class V1ModelRunner(ModelRunner):
         if self.encoder_decoder is not None:
             self.encoder_decoder.begin_step(so)
         if so.is_empty():
-            return StepResult(ModelRunnerOutput(so.step_id, [], [])) if self.layout.is_last else StepResult()
+            return StepResult(ModelRunnerOutput(so.step_id, [], [])) if self.layout.samples else StepResult()
         ids, positions, meta, last_rows = self.prepare_inputs(so)
         if receive is not None:
             intermediate_tensors = receive()
@@ -192,8 +192,12 @@ class V1ModelRunner(ModelRunner):
             return StepResult(to_send=out)
         return StepResult(self.sample(so, out, last_rows))
 
-    def sample(self, so: SchedulerOutput, hidden: torch.Tensor, last_rows: list[int]) -> ModelRunnerOutput:
-        """Sample for each request whose scheduled tokens reach the end of what it knows."""
+    def sample(self, so: SchedulerOutput, hidden: torch.Tensor, last_rows: list[int]) -> ModelRunnerOutput | None:
+        """Sample for each request whose scheduled tokens reach the end of what it knows.
+
+        With tensor parallelism every tp rank of the last stage computes the logits (the LM
+        head's gather is a collective of the group) and only tp rank 0 samples and answers
+        (None elsewhere)."""
         req_ids = list(so.num_scheduled_tokens)
         rows, states = [], []
         for i, req_id in enumerate(req_ids):
@@ -201,10 +205,14 @@ class V1ModelRunner(ModelRunner):
             if st.num_computed_tokens + so.num_scheduled_tokens[req_id] == len(st.token_ids):
                 rows.append(last_rows[i])
                 states.append(st)
+        if not self.layout.samples and not rows:
+            return None
         sampled: dict[str, list[int]] = {r: [] for r in req_ids}
         logprobs_by_req: dict[str, object] = {}
         if rows:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+            if not self.layout.samples:
+                return None
             params = [s.sampling_params for s in states]
             logits = suppress_tokens(logits, params, [len(s.token_ids) == s.num_prompt_tokens for s in states])
             t = SamplingTensors.build(params, [s.generator for s in states], self.device)

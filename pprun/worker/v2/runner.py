@@ -395,7 +395,7 @@ class V2ModelRunner(ModelRunner):
         self.update_states(so)
         clock.lap("update_us")
         if so.is_empty():
-            return StepResult(ModelRunnerOutput(so.step_id, [], [])) if self.layout.is_last else StepResult()
+            return StepResult(ModelRunnerOutput(so.step_id, [], [])) if self.layout.samples else StepResult()
         num_tokens = so.total_num_scheduled_tokens
         plan = self.plan(so)
         if self.layout.pp_size == 1:
@@ -535,8 +535,12 @@ class V2ModelRunner(ModelRunner):
 
     def sample(
         self, so: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor, full_graph: bool = False
-    ) -> PendingOutput:
+    ) -> PendingOutput | None:
         """Sample for each request whose scheduled tokens reach the end of what it knows.
+
+        With tensor parallelism every tp rank of the last stage computes the logits (the LM
+        head's gather is a collective of the group; a full graph computed them already) and only
+        tp rank 0 samples and answers (None elsewhere).
 
         Returns at once: the sampled ids are copied to pinned host memory behind an event, and
         the output is built when :meth:`PendingOutput.result` is called.  After a full decode
@@ -548,6 +552,8 @@ class V2ModelRunner(ModelRunner):
         no host work per request), else through ``mask_token_ids`` with each request's ids.
         """
         num_sampled = batch.num_sampled
+        if not num_sampled and not self.layout.samples:
+            return None
         if not num_sampled:
             self.prev_sample_index = {}
             empty = ModelRunnerOutput(so.step_id, batch.req_ids, [[] for _ in batch.req_ids], [None] * batch.num_reqs)
@@ -565,6 +571,10 @@ class V2ModelRunner(ModelRunner):
         else:  # prefill chunks, some of which do not reach their prompt's end: gather
             rows = self.bufs.logits_indices.device[:num_sampled]
             picked = [t[rows] for t in sources]
+        if not self.layout.samples:
+            if not in_graph:
+                self.model.compute_logits(picked[0])
+            return None
         suppressed = self._suppressed_ids(batch)
         if suppressed is _Suppression.TABLE_MASK and in_graph and self.model_state.masks_suppressed_in_graph:
             suppressed = _Suppression.NONE  # the graph masked its logits before its argmax
