@@ -28,6 +28,7 @@ from torch import nn
 from pprun.attention.metadata import AttentionMetadata
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
+from pprun.layers.parallel_linear import Shard
 from pprun.models.hf_config import AudioEncoderArch, ModelArchConfig
 from pprun.multimodal.items import MultiModalItem
 
@@ -104,6 +105,12 @@ class PprunModel(nn.Module, metaclass=ABCMeta):
     @abstractmethod
     def checkpoint_names(self) -> list[str]:
         """The checkpoint tensors this stage reads, and no other."""
+
+    def checkpoint_shards(self) -> dict[str, Shard]:
+        """``checkpoint name -> Shard``: the row or column range of a tensor this tensor-parallel
+        rank reads (``pprun.layers.parallel_linear``); tensors not named are read whole.  A model
+        built at tp 1 reads everything whole (this default)."""
+        return {}
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

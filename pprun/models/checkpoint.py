@@ -21,13 +21,14 @@ import json
 import logging
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from pprun.layers.parallel_linear import Shard
 from pprun.models.hf_config import ModelArchConfig, expected_tensor_shapes
 from pprun.models.tensor_rules import IgnoreRule
 
@@ -159,9 +160,14 @@ class CheckpointIndex:
         names: Iterable[str],
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
+        shards: Mapping[str, Shard] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, tensor)`` one at a time (each file opened once), so a loader can copy
         each tensor into place before the next is read: peak memory stays near the weights.
+
+        ``shards``: for a tensor named there, only that row or column range is read from the
+        file (a tensor-parallel rank's part, ``pprun.layers.parallel_linear.Shard``); the rest
+        are read whole.
 
         With ``dtype``, each tensor is cast to it, and a tensor stored as float8 or an integer
         raises ValueError naming it: only a quantization method that owns such a tensor reads it
@@ -172,7 +178,9 @@ class CheckpointIndex:
         for file_name, file_names in names_by_file.items():
             with safe_open(str(self.model_dir / file_name), framework="pt", device="cpu") as f:
                 for name in file_names:
-                    tensor = f.get_tensor(self.stored_names.get(name, name))
+                    stored = self.stored_names.get(name, name)
+                    shard = shards.get(name) if shards else None
+                    tensor = f.get_tensor(stored) if shard is None else f.get_slice(stored)[shard.index()]
                     if dtype is not None:
                         if not is_plain_float(tensor.dtype):
                             raise ValueError(_cast_refused(name, tensor.dtype, dtype, file_name))

@@ -56,11 +56,21 @@ import pprun.layers as layers
 from pprun.attention.metadata import AttentionMetadata
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
+from pprun.distributed.tensor_parallel import TensorParallel
 from pprun.kernels.partials import SplitPartials, merged
 from pprun.layers import linear
 from pprun.layers.attend import attend, attention_input
-from pprun.layers.embedding import Embedding
 from pprun.layers.norm import RMSNorm
+from pprun.layers.parallel_linear import (
+    Shard,
+    kv_head_shard,
+    kv_heads_per_rank,
+    linear_shards,
+    lm_head,
+    load_vocab_rows,
+    split,
+    vocab_embedding,
+)
 from pprun.models.base import PprunModel, allocate
 from pprun.models.hf_config import ModelArchConfig
 from pprun.models.moe import SparseMoeBlock
@@ -128,15 +138,21 @@ class Attention(nn.Module):
     def __init__(self, arch: ModelArchConfig, rotary: RotaryEmbedding, backend: Callable,
                  make_linear: LinearFactory, prefix: str) -> None:
         super().__init__()
-        self.num_heads = arch.num_attention_heads
-        self.num_kv_heads = arch.num_key_value_heads
+        tp = make_linear.tp
+        # This tp rank's heads: its share of the query heads, its KV heads (one, replicated, where
+        # tp exceeds them); at tp 1 all of them.
+        self.num_heads = tp.shard(arch.num_attention_heads, "num_attention_heads")
+        self.num_kv_heads = kv_heads_per_rank(arch.num_key_value_heads, tp.size)
         self.head_dim = arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = make_linear([f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"], arch.hidden_size,
-                                    [self.q_size, self.kv_size, self.kv_size], arch.attention_bias)
-        self.o_proj = make_linear([f"{prefix}.o_proj"], self.q_size, [arch.hidden_size], arch.o_proj_bias)
+        kv_rows = kv_head_shard(arch.num_key_value_heads, self.head_dim, tp)
+        self.qkv_proj = make_linear.column(
+            [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"], arch.hidden_size,
+            [split(arch.num_attention_heads * self.head_dim, tp), kv_rows, kv_rows], arch.attention_bias)
+        self.o_proj = make_linear.row(f"{prefix}.o_proj", arch.num_attention_heads * self.head_dim,
+                                      arch.hidden_size, arch.o_proj_bias)
         # Qwen3: each head's q and k normalised over head_dim before RoPE.
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
@@ -195,10 +211,14 @@ class MLP(nn.Module):
 
     def __init__(self, arch: ModelArchConfig, make_linear: LinearFactory, prefix: str) -> None:
         super().__init__()
-        inter = self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = make_linear([f"{prefix}.gate_proj", f"{prefix}.up_proj"], arch.hidden_size,
-                                        [inter, inter], arch.mlp_bias)
-        self.down_proj = make_linear([f"{prefix}.down_proj"], inter, [arch.hidden_size], arch.mlp_bias)
+        tp = make_linear.tp
+        rows = split(arch.intermediate_size, tp)
+        self.intermediate_size = rows.size
+        """This tp rank's share of the intermediate width (all of it at tp 1)."""
+        self.gate_up_proj = make_linear.column([f"{prefix}.gate_proj", f"{prefix}.up_proj"], arch.hidden_size,
+                                               [rows, rows], arch.mlp_bias)
+        self.down_proj = make_linear.row(f"{prefix}.down_proj", arch.intermediate_size, arch.hidden_size,
+                                         arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``down(silu(gate(x)) * up(x))``."""
@@ -230,6 +250,8 @@ class DecoderLayer(nn.Module):
                  make_linear: LinearFactory | None = None) -> None:
         super().__init__()
         prefix = f"model.layers.{layer}"
+        self.index = layer
+        """The layer's global index (its checkpoint names')."""
         if make_linear is None:  # a layer on its own (tests): plain linears unless the arch is quantized
             make_linear = LinearFactory(arch, torch.device("cpu"), torch.float32)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -237,7 +259,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # A mixture-of-experts model's sparse layers (``layer``: the global index) hold experts.
         if arch.moe is not None and arch.moe.is_sparse(layer):
-            self.mlp: nn.Module = SparseMoeBlock(arch.moe, arch.hidden_size)
+            self.mlp: nn.Module = SparseMoeBlock(arch.moe, arch.hidden_size, make_linear.tp)
         else:
             self.mlp = MLP(arch, make_linear, f"{prefix}.mlp")
 
@@ -282,27 +304,28 @@ class LlamaForCausalLM(PprunModel):
         dtype: torch.dtype,
         max_positions: int,
         attn_backend: Callable,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.arch = arch
         self.layout = layout
+        self.tp = tp if tp is not None else TensorParallel.single()
         self.dtype = dtype
         self.device = device
         rotary = RotaryEmbedding(arch, max_positions, device)
-        # Each linear layer in its form: FP8 where an FP8 checkpoint's weights stay FP8 on this run.
-        make_linear = LinearFactory(arch, device, dtype)
+        # Each linear layer in its form: FP8 where an FP8 checkpoint's weights stay FP8 on this
+        # run; this tp rank's shard of it under tensor parallelism.
+        make_linear = LinearFactory(arch, device, dtype, self.tp)
         # Built on the meta device: nothing is allocated until ``allocate`` below, and then
         # only this stage's modules exist at all.
         with torch.device("meta"):
-            self.embed_tokens = (
-                Embedding(arch.vocab_size, arch.hidden_size) if layout.is_first else None
-            )
+            self.embed_tokens = vocab_embedding(arch.vocab_size, arch.hidden_size, self.tp) if layout.is_first else None
             self.layers = nn.ModuleList(
                 DecoderLayer(arch, rotary, attn_backend, i, make_linear) for i in layout.layer_range
             )
             if layout.is_last:
                 self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-                self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+                self.lm_head = lm_head(arch.vocab_size, arch.hidden_size, self.tp)
             else:
                 self.norm = None
                 self.lm_head = None
@@ -399,8 +422,28 @@ class LlamaForCausalLM(PprunModel):
         )
         return names
 
+    def checkpoint_shards(self) -> dict[str, Shard]:
+        """The part of each checkpoint tensor this tp rank reads, where it reads a part (see
+        ``pprun.layers.parallel_linear``): empty at tp 1."""
+        if self.tp.size == 1:
+            return {}
+        shards: dict[str, Shard] = {}
+        if self.embed_tokens is not None:
+            shards["model.embed_tokens.weight"] = self.embed_tokens.shard
+        if self.lm_head is not None:
+            shards["lm_head.weight" if not self.arch.tie_word_embeddings else "model.embed_tokens.weight"] = (
+                self.lm_head.shard)
+        for layer in self.layers:
+            shards |= linear_shards(layer.self_attn.qkv_proj) | linear_shards(layer.self_attn.o_proj)
+            if isinstance(layer.mlp, SparseMoeBlock):
+                shards |= layer.mlp.expert_shards(f"model.layers.{layer.index}.{self.arch.moe.checkpoint_prefix}")
+            else:
+                shards |= linear_shards(layer.mlp.gate_up_proj) | linear_shards(layer.mlp.down_proj)
+        return shards
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors into this stage's parameters; returns the names loaded.
+        """Copy HF-named tensors (this tp rank's shards of them: :meth:`checkpoint_shards`) into
+        this stage's parameters; returns the names loaded.
 
         q/k/v land in row blocks of ``qkv_proj``; gate/up in ``gate_up_proj``; a tied
         ``lm_head`` takes ``model.embed_tokens.weight`` on the last stage.
@@ -408,27 +451,30 @@ class LlamaForCausalLM(PprunModel):
         loaded: set[str] = set()
         start = self.layout.start_layer
         a = self.arch
-        q_size, kv_size = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
-        qkv_rows = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
         for name, tensor in weights:
             target: torch.Tensor | None = None
             if name == "model.embed_tokens.weight":
                 if self.embed_tokens is not None:
-                    self.embed_tokens.weight.data.copy_(tensor)
+                    load_vocab_rows(self.embed_tokens.weight, tensor)
                 if self.lm_head is not None and a.tie_word_embeddings:
-                    self.lm_head.weight.data.copy_(tensor)
+                    load_vocab_rows(self.lm_head.weight, tensor)
                 loaded.add(name)
                 continue
             if name == "model.norm.weight":
                 target = self.norm.weight
             elif name == "lm_head.weight":
-                target = self.lm_head.weight
+                load_vocab_rows(self.lm_head.weight, tensor)
+                loaded.add(name)
+                continue
             elif name.startswith("model.layers."):
                 idx_str, rest = name[len("model.layers.") :].split(".", 1)
                 layer = self.layers[int(idx_str) - start]
                 part, param = rest.rsplit(".", 1)
                 if part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
-                    row0, rows = qkv_rows[part[len("self_attn.")]]
+                    attn = layer.self_attn  # this rank's q, k and v rows, in that order
+                    q_size, kv_size = attn.q_size, attn.kv_size
+                    row0, rows = {"q": (0, q_size), "k": (q_size, kv_size),
+                                  "v": (q_size + kv_size, kv_size)}[part[len("self_attn.")]]
                     _copy_rows(layer.self_attn.qkv_proj, param, row0, rows, tensor)
                     loaded.add(name)
                     continue
@@ -444,8 +490,8 @@ class LlamaForCausalLM(PprunModel):
                         raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
                     target = layer.mlp.gate.get_parameter(param)
                 elif part in ("mlp.gate_proj", "mlp.up_proj"):
-                    row0 = 0 if part == "mlp.gate_proj" else a.intermediate_size
-                    _copy_rows(layer.mlp.gate_up_proj, param, row0, a.intermediate_size, tensor)
+                    inter = layer.mlp.intermediate_size  # this rank's
+                    _copy_rows(layer.mlp.gate_up_proj, param, 0 if part == "mlp.gate_proj" else inter, inter, tensor)
                     loaded.add(name)
                     continue
                 if target is None and param in _SCALES:

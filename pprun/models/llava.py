@@ -3,7 +3,11 @@
 A vision tower (CLIP, SigLIP or Pixtral) and a two-layer projector turn each image into rows of
 the language model's embedding width; the language model is pprun's Llama family
 (:class:`~pprun.models.llama.LlamaForCausalLM`, from the config's ``text_config``).  The tower
-and projector live on the first stage only: later stages never build or read them.  The first
+and projector live on the first stage only: later stages never build or read them.  Under
+tensor parallelism the language model is split (``pprun.models.llama``) and the tower and
+projector run replicated on every tp rank of the first stage: each image is encoded once per
+request, small beside the decoder, and every rank then holds the rows it merges into its
+embeddings without a collective.  The first
 stage's runner scatters the image rows into the token embeddings where ``is_mm_embed`` is True
 (``pprun.worker.multimodal``) and calls :meth:`LlavaForConditionalGeneration.forward` with
 ``input_ids=None`` and those ``inputs_embeds``.
@@ -24,6 +28,8 @@ from torch import nn
 from pprun.attention.metadata import AttentionMetadata
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
+from pprun.distributed.tensor_parallel import TensorParallel
+from pprun.layers.parallel_linear import Shard
 from pprun.models.base import PprunModel, allocate
 from pprun.models.clip import VisionTransformer, activation
 from pprun.models.hf_config import ModelArchConfig
@@ -114,6 +120,7 @@ class LlavaForConditionalGeneration(PprunModel):
         dtype: torch.dtype,
         max_positions: int,
         attn_backend: Callable,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         mm = arch.multimodal
@@ -126,7 +133,8 @@ class LlavaForConditionalGeneration(PprunModel):
         self.image_token_index = int(mm["image_token_index"])
         text_arch = replace(arch, architecture=mm["text_architecture"], multimodal=None)
         self.language_model = LlamaForCausalLM(
-            text_arch, layout, device=device, dtype=dtype, max_positions=max_positions, attn_backend=attn_backend
+            text_arch, layout, device=device, dtype=dtype, max_positions=max_positions, attn_backend=attn_backend,
+            tp=tp,
         )
         self.fp8_weight_names = self.language_model.fp8_weight_names
         self.vision_tower: nn.Module | None = None
@@ -221,6 +229,11 @@ class LlavaForConditionalGeneration(PprunModel):
             names += [f"vision_tower.{n}" for n, _ in self.vision_tower.named_parameters()]
             names += [f"multi_modal_projector.{n}" for n, _ in self.multi_modal_projector.named_parameters()]
         return names
+
+    def checkpoint_shards(self) -> dict[str, Shard]:
+        """The language model's shards on this tp rank; the tower and projector are read whole
+        (they run replicated on every tp rank of the first stage)."""
+        return self.language_model.checkpoint_shards()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy canonically named tensors into place; returns the names loaded."""

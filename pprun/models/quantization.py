@@ -22,6 +22,8 @@ from typing import Protocol
 
 import torch
 
+from pprun.distributed.tensor_parallel import TensorParallel
+from pprun.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, Shard
 from pprun.models.hf_config import ModelArchConfig
 from pprun.models.quantization_config import (
     ONLINE_FP8_METHOD,
@@ -209,23 +211,30 @@ class LinearFactory:
     """Builds each linear layer of a decoder in the form the checkpoint and the run call for: an
     :class:`~pprun.layers.fp8_linear.Fp8Linear` keeping an FP8 checkpoint's weights where the
     run multiplies in FP8 (:func:`~pprun.layers.fp8_linear.fp8_compute_supported`) and the
-    layer's shape fits, else a plain ``nn.Linear`` (whose FP8 weights the loader dequantizes).
+    layer's shape fits, else a plain ``nn.Linear`` (whose FP8 weights the loader dequantizes);
+    with tensor parallelism (``tp.size > 1``) this rank's shard of it
+    (:mod:`pprun.layers.parallel_linear`: :meth:`column` and :meth:`row`).
 
     The model file names its layers through it (``pprun.models.llama``); :attr:`fp8_weight_names`
     is then what the loader hands over as stored (:meth:`Fp8WeightLoader.iter_tensors`).
     """
 
-    def __init__(self, arch: ModelArchConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArchConfig, device: torch.device, dtype: torch.dtype,
+                 tp: TensorParallel | None = None) -> None:
         from pprun.layers.fp8_linear import fp8_compute_supported
 
+        self.tp = tp if tp is not None else TensorParallel.single()
         self.quant = arch.quantization
+        if self.quant is not None and self.tp.size > 1:
+            raise ValueError(f"tensor_parallel_size={self.tp.size} with a quantized checkpoint "
+                             f"({self.quant.method}) is not supported; use tensor_parallel_size=1")
         self.compute_fp8 = self.quant is not None and fp8_compute_supported(torch.device(device), dtype)
         self.fp8_weight_names: set[str] = set()
         """Checkpoint weight names held in float8 by an ``Fp8Linear``."""
 
     def __call__(self, modules: list[str], in_features: int, rows: list[int], bias: bool) -> torch.nn.Module:
-        """The layer computing checkpoint ``modules`` (their names without ``.weight``; several
-        when fused, e.g. q, k and v) of ``rows`` output rows each from ``in_features``."""
+        """The whole layer computing checkpoint ``modules`` (their names without ``.weight``;
+        several when fused, e.g. q, k and v) of ``rows`` output rows each from ``in_features``."""
         from pprun.layers.fp8_linear import Fp8Linear, fits_fp8_compute
 
         if self.compute_fp8:
@@ -235,6 +244,20 @@ class LinearFactory:
                 self.fp8_weight_names.update(f"{m}.weight" for m in modules)
                 return Fp8Linear(in_features, sum(rows), bias, block_scaled=scheme.strategy == "block")
         return torch.nn.Linear(in_features, sum(rows), bias=bias)
+
+    def column(self, modules: list[str], in_features: int, shards: list[Shard], bias: bool) -> torch.nn.Module:
+        """A column-parallel layer: this rank's ``shards`` (rows) of ``modules`` fused; at tp 1
+        (every shard whole) the layer :meth:`__call__` builds."""
+        if self.tp.size == 1:
+            return self(modules, in_features, [s.size for s in shards], bias)
+        return ColumnParallelLinear(modules, in_features, shards, bias)
+
+    def row(self, module: str, in_features: int, out_features: int, bias: bool) -> torch.nn.Module:
+        """A row-parallel layer (its input split, its output all-reduced); at tp 1 the layer
+        :meth:`__call__` builds."""
+        if self.tp.size == 1:
+            return self([module], in_features, [out_features], bias)
+        return RowParallelLinear(module, in_features, out_features, bias, self.tp)
 
 
 def with_online_quantization(arch: ModelArchConfig, requested: str | None, model_dir: Path) -> ModelArchConfig:

@@ -15,6 +15,14 @@ layers' cross-attention K/V once (:meth:`write_cross_kv`), into the cross caches
 (``pprun.attention.cross``).  A decoder step (``forward``) then reads them through
 ``attn_metadata.cross``; it never sees the encoder output.
 
+Tensor parallelism (``tp``): the encoder runs replicated on every tp rank of the first stage
+(it runs once per request, and each rank then needs the whole output for its own heads' cross
+K/V, so replicating it costs no communication); the decoder is split as the Llama family is:
+q/k/v, the cross-attention's q and k/v and fc1 column-parallel, both attentions' out_proj and
+fc2 row-parallel (one all-reduce each), the token embedding and the tied output projection
+vocabulary-parallel (``pprun.layers.parallel_linear``); each rank caches its own heads' self
+and cross K/V.
+
 Checkpoint quirks, handled in ``load_weights``: separate q/k/v land in one ``qkv_proj`` and the
 cross-attention's k/v in one ``kv_proj``; Whisper's k projections have no bias, so the fused
 bias keeps zeros in the k rows.  ``forward`` follows DESIGN contract 1 like the Llama model.
@@ -33,9 +41,19 @@ from pprun.attention.cross import CrossAttentionMetadata, cross_attention, write
 from pprun.attention.metadata import AttentionMetadata
 from pprun.distributed.intermediate import IntermediateTensors
 from pprun.distributed.layout import StageLayout
+from pprun.distributed.tensor_parallel import TensorParallel
 from pprun.layers.embedding import Embedding
+from pprun.layers.parallel_linear import (
+    Shard,
+    linear_shards,
+    lm_head,
+    load_vocab_rows,
+    split,
+    vocab_embedding,
+)
 from pprun.models.base import PprunModel
 from pprun.models.hf_config import AudioEncoderArch, ModelArchConfig
+from pprun.models.quantization import LinearFactory
 
 LAYER_NORM_EPS = 1e-5
 """nn.LayerNorm's default, which every Whisper checkpoint uses."""
@@ -91,13 +109,18 @@ class EncoderLayer(nn.Module):
 class SelfAttention(nn.Module):
     """Causal decoder self-attention over the paged KV cache (no rotary: positions are learned)."""
 
-    def __init__(self, hidden: int, num_heads: int, backend: Callable) -> None:
+    def __init__(self, hidden: int, num_heads: int, backend: Callable, make_linear: LinearFactory,
+                 prefix: str) -> None:
         super().__init__()
-        self.num_heads = num_heads
+        tp = make_linear.tp
+        self.num_heads = tp.shard(num_heads, "num_attention_heads")
+        """This tp rank's heads."""
         self.head_dim = hidden // num_heads
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(hidden, 3 * hidden)
-        self.out_proj = nn.Linear(hidden, hidden)
+        rows = split(hidden, tp)
+        self.qkv_proj = make_linear.column([f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"], hidden,
+                                           [rows, rows, rows], True)
+        self.out_proj = make_linear.row(f"{prefix}.out_proj", hidden, hidden, True)
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None
         """[2, num_blocks, block_size, num_heads, head_dim], bound by the worker."""
@@ -113,14 +136,17 @@ class SelfAttention(nn.Module):
 class CrossAttention(nn.Module):
     """Decoder attention over the request's encoder output, through its cross-cache slot."""
 
-    def __init__(self, hidden: int, num_heads: int) -> None:
+    def __init__(self, hidden: int, num_heads: int, make_linear: LinearFactory, prefix: str) -> None:
         super().__init__()
-        self.num_heads = num_heads
+        tp = make_linear.tp
+        self.num_heads = tp.shard(num_heads, "num_attention_heads")
+        """This tp rank's heads."""
         self.head_dim = hidden // num_heads
         self.scale = self.head_dim**-0.5
-        self.q_proj = nn.Linear(hidden, hidden)
-        self.kv_proj = nn.Linear(hidden, 2 * hidden)
-        self.out_proj = nn.Linear(hidden, hidden)
+        rows = split(hidden, tp)
+        self.q_proj = make_linear.column([f"{prefix}.q_proj"], hidden, [rows], True)
+        self.kv_proj = make_linear.column([f"{prefix}.k_proj", f"{prefix}.v_proj"], hidden, [rows, rows], True)
+        self.out_proj = make_linear.row(f"{prefix}.out_proj", hidden, hidden, True)
         self.cross_cache: torch.Tensor | None = None
         """[2, num_cross_slots, max_source_positions, num_heads, head_dim], bound by the worker."""
 
@@ -143,15 +169,16 @@ class CrossAttention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm decoder block: self-attention, cross-attention, GELU feed-forward."""
 
-    def __init__(self, hidden: int, num_heads: int, ffn_dim: int, backend: Callable) -> None:
+    def __init__(self, hidden: int, num_heads: int, ffn_dim: int, backend: Callable, make_linear: LinearFactory,
+                 prefix: str) -> None:
         super().__init__()
         self.self_attn_layer_norm = nn.LayerNorm(hidden, eps=LAYER_NORM_EPS)
-        self.self_attn = SelfAttention(hidden, num_heads, backend)
+        self.self_attn = SelfAttention(hidden, num_heads, backend, make_linear, f"{prefix}.self_attn")
         self.encoder_attn_layer_norm = nn.LayerNorm(hidden, eps=LAYER_NORM_EPS)
-        self.encoder_attn = CrossAttention(hidden, num_heads)
+        self.encoder_attn = CrossAttention(hidden, num_heads, make_linear, f"{prefix}.encoder_attn")
         self.final_layer_norm = nn.LayerNorm(hidden, eps=LAYER_NORM_EPS)
-        self.fc1 = nn.Linear(hidden, ffn_dim)
-        self.fc2 = nn.Linear(ffn_dim, hidden)
+        self.fc1 = make_linear.column([f"{prefix}.fc1"], hidden, [split(ffn_dim, make_linear.tp)], True)
+        self.fc2 = make_linear.row(f"{prefix}.fc2", ffn_dim, hidden, True)
 
     def forward(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One block over the step's tokens ``h [T, hidden]``."""
@@ -176,6 +203,7 @@ class WhisperForConditionalGeneration(PprunModel):
         dtype: torch.dtype,
         max_positions: int,
         attn_backend: Callable,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         if arch.audio_encoder is None:
@@ -183,10 +211,12 @@ class WhisperForConditionalGeneration(PprunModel):
         self.arch = arch
         self.encoder_arch: AudioEncoderArch = arch.audio_encoder
         self.layout = layout
+        self.tp = tp if tp is not None else TensorParallel.single()
         self.dtype = dtype
         self.device = device
         enc = self.encoder_arch
         hidden, heads = arch.hidden_size, arch.num_attention_heads
+        make_linear = LinearFactory(arch, device, dtype, self.tp)
         with torch.device("meta"):
             if layout.is_first:
                 self.conv1 = nn.Conv1d(enc.num_mel_bins, hidden, kernel_size=3, padding=1)
@@ -197,21 +227,23 @@ class WhisperForConditionalGeneration(PprunModel):
                     for _ in range(enc.num_layers)
                 )
                 self.encoder_layer_norm = nn.LayerNorm(hidden, eps=LAYER_NORM_EPS)
-                self.embed_tokens = Embedding(arch.vocab_size, hidden)
+                self.embed_tokens = vocab_embedding(arch.vocab_size, hidden, self.tp)
                 self.embed_positions = Embedding(arch.max_position_embeddings, hidden)
             self.layers = nn.ModuleList(
-                DecoderLayer(hidden, heads, arch.intermediate_size, attn_backend)
-                for _ in layout.layer_range
+                DecoderLayer(hidden, heads, arch.intermediate_size, attn_backend, make_linear,
+                             f"model.decoder.layers.{i}")
+                for i in layout.layer_range
             )
             if layout.is_last:
                 self.layer_norm = nn.LayerNorm(hidden, eps=LAYER_NORM_EPS)
-                self.proj_out = nn.Linear(hidden, arch.vocab_size, bias=False)
+                self.proj_out = lm_head(arch.vocab_size, hidden, self.tp)
         self.to_empty(device=device)
         self.to(dtype)
         # The k rows of fused biases stay zero: the checkpoint has no k bias to fill them.
+        local = hidden // self.tp.size  # this tp rank's q, k and v rows each
         for layer in self.layers:
-            _qkv_bias_zero_k(layer.self_attn.qkv_proj, hidden, hidden)
-            _qkv_bias_zero_k(layer.encoder_attn.kv_proj, 0, hidden)
+            _qkv_bias_zero_k(layer.self_attn.qkv_proj, local, local)
+            _qkv_bias_zero_k(layer.encoder_attn.kv_proj, 0, local)
         for layer in getattr(self, "encoder_layers", []):
             _qkv_bias_zero_k(layer.self_attn.qkv_proj, hidden, hidden)
 
@@ -254,8 +286,9 @@ class WhisperForConditionalGeneration(PprunModel):
             return
         x = encoder_out.to(self.dtype)
         batch, frames, hidden = x.shape
-        heads = self.arch.num_attention_heads
-        per_layer = batch * frames * 2 * hidden * x.element_size()
+        heads = self.arch.num_attention_heads // self.tp.size  # this tp rank's
+        head_dim = hidden // self.arch.num_attention_heads
+        per_layer = batch * frames * 2 * heads * head_dim * x.element_size()
         group = max(1, self.CROSS_KV_CHUNK_BYTES // max(per_layer, 1))
         for start in range(0, len(self.layers), group):
             layers = self.layers[start : start + group]
@@ -264,7 +297,7 @@ class WhisperForConditionalGeneration(PprunModel):
             bias = None
             if projs[0].bias is not None:
                 bias = projs[0].bias if len(projs) == 1 else torch.cat([p.bias for p in projs])
-            kv = F.linear(x, weight, bias).view(batch, frames, len(layers), 2, heads, hidden // heads)
+            kv = F.linear(x, weight, bias).view(batch, frames, len(layers), 2, heads, head_dim)
             for i, layer in enumerate(layers):  # K and V [B, S, H, D]: the cache's layout
                 write_cross_kv(layer.encoder_attn.cross_cache, slots, kv[:, :, i, 0], kv[:, :, i, 1])
 
@@ -329,7 +362,7 @@ class WhisperForConditionalGeneration(PprunModel):
         """Shape of one decoder layer's cross cache with ``num_cross_slots`` slots (slot 0
         reserved for padding rows)."""
         heads = self.arch.num_attention_heads
-        return (2, num_cross_slots, self.encoder_arch.max_source_positions, heads,
+        return (2, num_cross_slots, self.encoder_arch.max_source_positions, heads // self.tp.size,
                 self.arch.hidden_size // heads)
 
     def bind_cross_caches(self, cross_caches: list[torch.Tensor]) -> None:
@@ -369,18 +402,37 @@ class WhisperForConditionalGeneration(PprunModel):
                     pairs.append((name, f"encoder_layers.{i}.{part}.{param}"))
         return pairs
 
+    def checkpoint_shards(self) -> dict[str, Shard]:
+        """The part of each decoder tensor this tp rank reads (the encoder's are read whole: it
+        runs replicated); empty at tp 1."""
+        if self.tp.size == 1:
+            return {}
+        shards: dict[str, Shard] = {}
+        if self.layout.is_first:
+            shards["model.decoder.embed_tokens.weight"] = self.embed_tokens.shard
+        if self.layout.is_last:
+            head = "model.decoder.embed_tokens.weight" if self.arch.tie_word_embeddings else "proj_out.weight"
+            shards[head] = self.proj_out.shard
+        for layer in self.layers:
+            for proj in (layer.self_attn.qkv_proj, layer.self_attn.out_proj, layer.encoder_attn.q_proj,
+                         layer.encoder_attn.kv_proj, layer.encoder_attn.out_proj, layer.fc1, layer.fc2):
+                shards |= linear_shards(proj)
+        return shards
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors into this stage's parameters; returns the names loaded."""
+        """Copy HF-named tensors (this tp rank's shards of the decoder's: :meth:`checkpoint_shards`)
+        into this stage's parameters; returns the names loaded."""
         loaded: set[str] = set()
         hidden = self.arch.hidden_size
+        local = hidden // self.tp.size  # a decoder q, k or v projection's rows on this tp rank
         encoder_paths = dict(self._encoder_params())
         start = self.layout.start_layer
         for name, tensor in weights:
             if name == "model.decoder.embed_tokens.weight":
                 if self.layout.is_first:
-                    self.embed_tokens.weight.data.copy_(tensor)
+                    load_vocab_rows(self.embed_tokens.weight, tensor)
                 if self.layout.is_last and self.arch.tie_word_embeddings:
-                    self.proj_out.weight.data.copy_(tensor)
+                    load_vocab_rows(self.proj_out.weight, tensor)
                 loaded.add(name)
                 continue
             target: torch.Tensor | None = None
@@ -391,7 +443,9 @@ class WhisperForConditionalGeneration(PprunModel):
             elif name == "model.decoder.layer_norm.bias":
                 target = self.layer_norm.bias
             elif name == "proj_out.weight":
-                target = self.proj_out.weight
+                load_vocab_rows(self.proj_out.weight, tensor)
+                loaded.add(name)
+                continue
             elif name.startswith("model.encoder."):
                 rest = name[len("model.encoder."):]
                 path = encoder_paths.get(rest)
@@ -412,13 +466,13 @@ class WhisperForConditionalGeneration(PprunModel):
                 part, param = rest.rsplit(".", 1)
                 attn, _, proj = part.partition(".")
                 if attn == "self_attn" and proj in ("q_proj", "k_proj", "v_proj"):
-                    row0 = "qkv".index(proj[0]) * hidden
-                    getattr(layer.self_attn.qkv_proj, param).data[row0 : row0 + hidden].copy_(tensor)
+                    row0 = "qkv".index(proj[0]) * local
+                    getattr(layer.self_attn.qkv_proj, param).data[row0 : row0 + local].copy_(tensor)
                     loaded.add(name)
                     continue
                 if attn == "encoder_attn" and proj in ("k_proj", "v_proj"):
-                    row0 = 0 if proj == "k_proj" else hidden
-                    getattr(layer.encoder_attn.kv_proj, param).data[row0 : row0 + hidden].copy_(tensor)
+                    row0 = 0 if proj == "k_proj" else local
+                    getattr(layer.encoder_attn.kv_proj, param).data[row0 : row0 + local].copy_(tensor)
                     loaded.add(name)
                     continue
                 target = layer.get_submodule(part).get_parameter(param)

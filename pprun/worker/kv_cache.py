@@ -31,10 +31,20 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=numel).view(shape)
 
 
-def bytes_per_block(arch: ModelArchConfig, num_layers: int, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block costs on a stage owning ``num_layers`` layers (keys and values)."""
+def kv_heads_per_rank(arch: ModelArchConfig, tp_size: int) -> int:
+    """KV heads one tensor-parallel rank caches: its share of them, or one (replicated) where
+    ``tp_size`` exceeds them (``pprun.layers.parallel_linear.kv_heads_per_rank``)."""
+    from pprun.layers.parallel_linear import kv_heads_per_rank as per_rank
+
+    return per_rank(arch.num_key_value_heads, tp_size)
+
+
+def bytes_per_block(arch: ModelArchConfig, num_layers: int, block_size: int, dtype: torch.dtype,
+                    tp_size: int = 1) -> int:
+    """Bytes one KV block costs on one tp rank of a stage owning ``num_layers`` layers (keys and
+    values of the rank's KV heads)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * arch.num_key_value_heads * arch.head_dim * elem
+    return 2 * num_layers * block_size * kv_heads_per_rank(arch, tp_size) * arch.head_dim * elem
 
 
 def allocate_kv_caches(
@@ -44,13 +54,15 @@ def allocate_kv_caches(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    tp_size: int = 1,
 ) -> list[torch.Tensor]:
-    """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per owned layer.
+    """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per owned layer
+    (``num_kv_heads``: this tp rank's, :func:`kv_heads_per_rank`).
 
     Zero-filled so that the reserved null block 0 (target of padded CUDA-graph rows) holds
     finite values.  With :data:`HEAD_MAJOR` the same logical shape over head-major storage.
     """
-    heads, dim = arch.num_key_value_heads, arch.head_dim
+    heads, dim = kv_heads_per_rank(arch, tp_size), arch.head_dim
     if HEAD_MAJOR:
         shape = (2, num_blocks, heads, block_size, dim)
         return [zeros(shape, dtype, device).transpose(2, 3) for _ in range(num_layers)]

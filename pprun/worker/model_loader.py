@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from pprun.distributed.layout import StageLayout
+from pprun.distributed.tensor_parallel import TensorParallel
 from pprun.models.hf_config import ModelArchConfig
 from pprun.models.llama import LlamaForCausalLM
 from pprun.models.llava import LlavaForConditionalGeneration
@@ -39,8 +40,10 @@ def load_stage_model(
     dtype: torch.dtype,
     max_positions: int,
     attn_backend,
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
-    """Allocate the stage's modules (and nothing else), then copy in exactly its tensors."""
+    """Allocate the stage's modules (and nothing else), then copy in exactly its tensors; with
+    ``tp`` (size > 1), this tensor-parallel rank's shard of them, reading only that shard."""
     from pprun.models.checkpoint import CheckpointIndex, check_stage_tensors, log_conversions
     from pprun.models.quantization import weight_loader
 
@@ -53,19 +56,22 @@ def load_stage_model(
         dtype=dtype,
         max_positions=max_positions,
         attn_backend=attn_backend,
+        tp=tp if tp is not None else TensorParallel.single(),
     )
     names = model.checkpoint_names()
     index = CheckpointIndex.open(model_dir, arch)
     # Exactly or not at all: this stage's unclaimed tensors and float8/integer weights are refused
     # (headers only) before a byte is read; the other stages' tensors are theirs to check.
     where = f", stage {layout.pp_rank}/{layout.pp_size}"
+    if tp is not None and tp.size > 1:
+        where += f", tp rank {tp.rank}/{tp.size}"
     check_stage_tensors(index, arch, names, lists_first_stage_modules=layout.is_first,
                         layer_range=layout.layer_range, where=where)
     log_conversions(index, names, dtype, where)
     # A quantized checkpoint's method reads its weights with their scales (pprun.models.quantization).
     loader = weight_loader(arch)
     if loader is None:
-        tensors = index.iter_tensors(names, device=device, dtype=dtype)
+        tensors = index.iter_tensors(names, device=device, dtype=dtype, shards=model.checkpoint_shards())
     else:
         tensors = loader.iter_tensors(index, names, device=device, dtype=dtype, keep_fp8=model.fp8_weight_names)
     loaded = model.load_weights(tensors)
