@@ -54,7 +54,7 @@ def test_classes_bucket_kind_tokens_and_requests():
 
 def test_a_step_three_times_its_class_median_is_logged_with_sizes_and_firsts(caplog):
     clock = FakeClock()
-    dog = StepWatchdog(graph_sizes=[1, 2, 4, 6, 8], clock=clock, min_samples=4, warn_interval_s=10.0)
+    dog = StepWatchdog(clock=clock, min_samples=4, warn_interval_s=10.0)
     for i in range(4):
         assert run(dog, clock, decode_step(i, 5), 0.010) is None
     assert run(dog, clock, decode_step(4, 5), 0.029) is None  # under 3x the median
@@ -72,12 +72,12 @@ def test_a_step_three_times_its_class_median_is_logged_with_sizes_and_firsts(cap
     assert slow is not None and slow.cls == StepClass("decode", 8, 8)
     assert slow.median_s == pytest.approx(0.010) and slow.num_samples == 5
     assert slow.num_tokens == slow.num_reqs == 7
-    assert slow.firsts == ("CUDA graph of 8 requests",)  # 7 requests pad to the graph of 8
+    assert slow.firsts == ("step: decode 7 requests",)  # the first decode of 7 requests
     assert dog.num_slow == 1 and dog.num_observed == 11
     (record,) = caplog.records
     assert "slow engine step: 50.0 ms, 5.0x the median 10.0 ms" in record.getMessage()
     assert "decode, <=8 tokens, <=8 requests" in record.getMessage()
-    assert "first use: CUDA graph of 8 requests" in record.getMessage()
+    assert "first use: step: decode 7 requests" in record.getMessage()
 
 
 def test_no_judgement_before_the_minimum_of_samples():
@@ -119,25 +119,56 @@ def test_warnings_are_rate_limited_and_count_what_they_left_out(caplog):
     assert len(caplog.records) == 2 and "3 more slow steps" in caplog.records[1].getMessage()
 
 
-def test_first_uses_are_named_once():
+def test_first_uses_are_named_once_in_the_engine_record():
     clock = FakeClock()
-    dog = StepWatchdog(graph_sizes=[1, 2, 4], clock=clock)
+    dog = StepWatchdog(clock=clock)
     reqs = [new_req("a", 4, temperature=0.0), new_req("b", 4, temperature=1.0, top_p=0.9, seed=3, logprobs=2)]
-    so = prefill_step(0, reqs)
-    dog.submitted(so)
-    firsts = dog._pending[0].firsts
-    assert firsts == ("class prefill, <=8 tokens, <=2 requests", "greedy sampling", "random sampling", "top-p",
-                      "per-request seed", "logprobs")  # fmt: skip
+    dog.submitted(prefill_step(0, reqs))
+    assert dog._pending[0].firsts == (
+        "step: prefill 2 requests", "step: prefill 8 tokens", "request: greedy sampling",
+        "request: random sampling", "request: top-p", "request: per-request seed", "request: logprobs",
+    )  # fmt: skip
+    assert set(dog._pending[0].firsts) == dog.first_use.seen  # the watchdog's firsts are the record's keys
     dog.submitted(
-        prefill_step(1, [new_req("c", 3, temperature=0.5, top_p=0.5), new_req("d", 3, temperature=0.0)])
+        prefill_step(1, [new_req("c", 3, temperature=0.5, top_p=0.5), new_req("d", 5, temperature=0.0)])
     )
-    assert dog._pending[1].firsts == ()
+    assert dog._pending[1].firsts == ()  # 8 tokens, 2 requests, known features: nothing new
     dog.submitted(decode_step(2, 3))
-    dog.submitted(decode_step(3, 9))  # beyond the largest graph
-    assert dog._pending[2].firsts == ("class decode, <=4 tokens, <=4 requests", "CUDA graph of 4 requests")
-    assert dog._pending[3].firsts == ("class decode, <=16 tokens, <=16 requests", "eager decode")
+    dog.submitted(decode_step(3, 40))  # above 32: the class is the power-of-two bucket
+    assert dog._pending[2].firsts == ("step: decode 3 requests",)
+    assert dog._pending[3].firsts == ("step: decode <=64 requests",)
+    # A step mixing decodes with a new request's prompt is a class of its own.
+    mixed = SchedulerOutput(4, [new_req("m", 6)], decode_step(4, 2).scheduled_cached_reqs,
+                            {**decode_step(4, 2).num_scheduled_tokens, "m": 6}, 8)  # fmt: skip
+    dog.submitted(mixed)
+    assert dog._pending[4].firsts == ("step: mixed 3 requests", "step: mixed 8 tokens")
     resumed = NewRequestData("r", [1, 2, 3, 4], SamplingParams(temperature=0.0), [1], 2, num_prompt_tokens=3)
     assert request_features(resumed) == ["greedy sampling", "prefix-cache hit", "recompute after preemption"]
+    # A resumption is named in the step's firsts but is no key of the record.
+    dog.submitted(prefill_step(5, [resumed]))
+    assert "recompute after preemption" in dog._pending[5].firsts
+    assert "request: recompute after preemption" not in dog.first_use.seen
+
+
+def test_the_last_stage_keys_join_the_answered_steps_firsts_and_count_after_ready(caplog):
+    """Keys arriving with a step's output are recorded in the engine's record and named in the
+    slow step's warning; after ``mark_ready`` each new one is counted and logged once."""
+    clock = FakeClock()
+    dog = StepWatchdog(clock=clock, min_samples=4, warn_interval_s=0.0)
+    for i in range(4):
+        run(dog, clock, decode_step(i, 1), 0.01)
+    dog.first_use.mark_ready()
+    so = decode_step(4, 1)
+    dog.submitted(so)
+    clock.now += 1.0
+    with caplog.at_level(logging.WARNING):
+        slow = dog.answered(so, ("triton: kernel_x", "sampler: min-p"))
+        dog.answered(decode_step(5, 1), ("triton: kernel_x",))  # known: not counted again
+    assert slow is not None and slow.firsts == ("triton: kernel_x", "sampler: min-p")
+    assert dog.first_use.after_ready == ["triton: kernel_x", "sampler: min-p"]
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("first use after ready: triton: kernel_x" in m for m in messages) == 1
+    assert any("first use: triton: kernel_x, sampler: min-p" in m for m in messages)
 
 
 def test_the_engine_times_every_step_through_its_watchdog(tiny_llama_dir, caplog):

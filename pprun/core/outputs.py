@@ -119,3 +119,6 @@ class ModelRunnerOutput:
     logprobs: list[Logprobs | None] | None = None
     stage_timings: dict[str, float] = field(default_factory=dict)
     """Optional per-stage timing, seconds (for benchmarks)."""
+    first_use: tuple[str, ...] = ()
+    """What the last stage compiled, captured or ran for the first time since its previous output
+    (``pprun.utils.first_use`` keys; empty nearly always)."""

@@ -27,6 +27,7 @@ from pprun.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pprun.engine.step_watchdog import StepWatchdog
 from pprun.executor.base import StageFailedError
 from pprun.sampling.params import SamplingParams
+from pprun.utils.first_use import FirstUse
 from pprun.utils.startup import freeze_startup_objects, in_background
 from pprun.utils.step_trace import EngineStep, EngineTrace, trace_prefix
 
@@ -82,6 +83,7 @@ class LLMEngine:
 
         rc = resolve_config(config)
         cfg = rc.cfg
+        t_start = time.perf_counter()
         self.resolved = rc
         """The run's resolved configuration (handed to the executor and every stage as is)."""
         self.cfg = cfg
@@ -113,6 +115,7 @@ class LLMEngine:
             str(rc.dtype).removeprefix("torch."),
         )
         self.executor = executor_cls(rc, self.runner_name)
+        t_loaded = time.perf_counter()
         try:
             self.inputs.tokenizer = tokenizer()
         except BaseException:
@@ -134,6 +137,7 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()
             raise
+        t_cache = time.perf_counter()
         try:
             self.scheduler = self._make_scheduler()
         except BaseException:
@@ -152,9 +156,63 @@ class LLMEngine:
         self.num_steps = 0
         self.num_preemptions = 0
         """Preemptions (by recompute) of requests finished so far."""
-        self.watchdog = StepWatchdog(graph_sizes=rc.cudagraph_capture_sizes if self.runner_name == "v2" else [])
+        self.first_use = FirstUse("engine")
+        """What steps used for the first time (``pprun.utils.first_use``): step classes and request
+        features from each ``SchedulerOutput``, and what the last stage reported with its outputs
+        (Triton compiles, CUDA-graph captures, sampler branches).  Ready once the warm-up is over."""
+        self.watchdog = StepWatchdog(first_use=self.first_use)
         """Times every step; logs one much slower than its class (``pprun.engine.step_watchdog``)."""
+        self.startup_s: dict[str, float] = {
+            "load": t_loaded - t_start,
+            "kv_cache_and_capture": t_cache - t_loaded,
+        }
+        """Start-up by part, seconds: stages started and weights loaded (``load``), KV cache
+        allocated and CUDA graphs captured with their warm-up runs (``kv_cache_and_capture``), the
+        engine's warm-up (``warmup``, :meth:`warm_up`)."""
+        try:
+            self.warm_up()
+        except BaseException:
+            self.executor.shutdown()
+            raise
         freeze_startup_objects()  # the driver's start-up objects too (tokenizer, Hydra, Ray client)
+
+    def warm_up(self) -> None:
+        """Run the warm-up (``compilation.warmup``, ``pprun.engine.warmup``) and mark the engine
+        and its stages ready: a first use from now on is counted and logged.  Logs start-up by part."""
+        from pprun.engine.warmup import limits_for, plan_warmup, run_warmup
+
+        t0 = time.perf_counter()
+        num_steps = 0
+        if self.resolved.warmup:
+            waves = plan_warmup(limits_for(self))
+            self.watchdog.judging = False
+            reports = run_warmup(self, waves)
+            self.watchdog.judging = True
+            for part, r in reports.items():
+                logger.info(
+                    "warm-up %s: %d waves, %d steps, %.2f s, %d first uses",
+                    part, r.num_waves, r.num_steps, r.seconds, r.num_new_keys,
+                )  # fmt: skip
+            num_steps = sum(r.num_steps for r in reports.values())
+            # The warm-up leaves nothing behind but what it compiled, captured and loaded.
+            self.reset_prefix_cache()
+            self.num_steps = self.num_preemptions = 0
+            self.watchdog.times.clear()
+        self.startup_s["warmup"] = time.perf_counter() - t0
+        self.first_use.mark_ready()
+        self.executor.mark_ready()
+        logger.info(
+            "start-up: load %.2f s, KV cache and graph capture %.2f s, warm-up %.2f s (%d steps, %d first uses)",
+            self.startup_s["load"], self.startup_s["kv_cache_and_capture"], self.startup_s["warmup"], num_steps,
+            len(self.first_use.seen),
+        )  # fmt: skip
+
+    def first_use_stats(self) -> dict:
+        """First uses seen (``FirstUse.snapshot``): the engine's record (step classes, request
+        features, the last stage's reports) and each stage's (``stages``, between steps)."""
+        stats = self.first_use.snapshot()
+        stats["stages"] = self.executor.first_use_snapshots()
+        return stats
 
     @property
     def tokenizer(self) -> Any:
@@ -288,7 +346,7 @@ class LLMEngine:
                 return self._collect_finished([])  # user aborts only
             t_wait = time.perf_counter()
             out = self.executor.get_output()
-            self.watchdog.answered(self.in_flight[0])
+            self.watchdog.answered(self.in_flight[0], out.first_use)
             if self.trace is not None:
                 answered = self.in_flight[0]
                 self.trace.record(

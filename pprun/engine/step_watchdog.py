@@ -18,25 +18,30 @@ once :data:`MIN_SAMPLES` are there, before its own time joins them, and is slow 
 :data:`SLOW_FACTOR` x that median.  At most one warning per :data:`WARN_INTERVAL_S`; the next one
 says how many slow steps went unlogged in between.
 
-*First use*: what a step is the first to use, known from its ``SchedulerOutput`` and the
-configuration alone (no runner round trip): its class; the CUDA graph size a decode step pads
-to (configured capture sizes, V2 runner); per new request, each sampler variant (greedy,
-temperature, top-p, top-k, min-p, seed, logprobs, suppressed tokens, min-tokens), a multimodal
-item (encoder), a prefix-cache hit and a resumption after preemption.  The step whose output
-is awaited is the one judged, with the firsts it was submitted with.
+*First use*: what a step is the first to use, as keys of the engine's first-use record
+(``pprun.utils.first_use``, the one the warm-up fills before the engine reports ready): known
+from its ``SchedulerOutput`` alone (no runner round trip), its kind with the classes of its token
+and request counts (:func:`step_first_use_keys`) and, per new request, each sampler variant
+(greedy, temperature, top-p, top-k, min-p, seed, logprobs, suppressed tokens, min-tokens), a
+multimodal item (encoder) and a prefix-cache hit (:func:`request_features`); and, arriving with
+the step's output, what the last stage compiled, captured or ran for the first time launching
+it (Triton kernels, CUDA graphs, sampler branches).  A resumption after preemption is named in
+the warning as well, though it is no key: it runs as a prefill that starts mid-prompt.  The
+step whose output is awaited is the one judged, with the firsts it was submitted and answered
+with.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from pprun.core.outputs import NewRequestData, SchedulerOutput
+from pprun.utils.first_use import FirstUse, count_class
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +79,35 @@ def step_class(so: SchedulerOutput) -> StepClass:
     return StepClass(kind, _bucket(num_tokens), _bucket(num_reqs))
 
 
+RESUMED = "recompute after preemption"
+"""The :func:`request_features` entry of a request resumed after preemption (named in a slow
+step's warning, not a first-use key)."""
+
+
+def step_kind(so: SchedulerOutput) -> str:
+    """``decode`` (every request computes one token, none is new), ``mixed`` (some requests
+    decode while others compute prompt tokens) or ``prefill`` (every request computes prompt
+    tokens: new ones, chunks, resumptions)."""
+    num_tokens, num_reqs = so.total_num_scheduled_tokens, so.num_reqs
+    if not so.scheduled_new_reqs and num_tokens == num_reqs:
+        return "decode"
+    cached = so.scheduled_cached_reqs
+    n = so.num_scheduled_tokens
+    # A cached request scheduled one token decodes (a one-token prompt chunk counts as one too).
+    if any(n[req_id] == 1 for req_id in cached.req_ids) and (so.scheduled_new_reqs or num_tokens > num_reqs):
+        return "mixed"
+    return "prefill"
+
+
+def step_first_use_keys(kind: str, num_tokens: int, num_reqs: int) -> list[str]:
+    """The first-use keys of a step of ``kind``: the class of its request count and, unless it
+    decodes (one token per request), of its token count (``pprun.utils.first_use.count_class``)."""
+    keys = [f"step: {kind} {count_class(num_reqs)} requests"]
+    if kind != "decode":
+        keys.append(f"step: {kind} {count_class(num_tokens)} tokens")
+    return keys
+
+
 def request_features(new: NewRequestData) -> list[str]:
     """What a new request makes the step use: sampler variants, encoder, cached prefix, recompute."""
     p = new.sampling_params
@@ -98,7 +132,7 @@ def request_features(new: NewRequestData) -> list[str]:
     if new.num_computed_tokens > 0:
         feats.append("prefix-cache hit")
     if new.num_prompt_tokens is not None and new.num_prompt_tokens < len(new.prompt_token_ids):
-        feats.append("recompute after preemption")
+        feats.append(RESUMED)
     return feats
 
 
@@ -146,12 +180,11 @@ class SubmittedStep:
 class StepWatchdog:
     """Times each step from submission to output and warns on one much slower than its class.
 
-    ``graph_sizes``: the CUDA graph sizes decode steps pad to (empty: none; the engine passes the
-    resolved capture sizes where the V2 runner runs with graphs).  ``clock``: seconds, monotonic
-    (tests inject one).
+    ``first_use``: the engine's first-use record, where each step's new keys are recorded (and,
+    after ready, counted and logged by it).  ``clock``: seconds, monotonic (tests inject one).
     """
 
-    graph_sizes: list[int] = field(default_factory=list)
+    first_use: FirstUse = field(default_factory=FirstUse)
     clock: Callable[[], float] = time.perf_counter
     slow_factor: float = SLOW_FACTOR
     window: int = WINDOW
@@ -159,48 +192,50 @@ class StepWatchdog:
     warn_interval_s: float = WARN_INTERVAL_S
     times: dict[StepClass, deque[float]] = field(default_factory=dict)
     """Each class's latest step times (seconds)."""
-    seen: set[str] = field(default_factory=set)
-    """Features used so far (:func:`request_features`, graph sizes, classes)."""
     num_observed: int = 0
     """Steps timed so far."""
     num_slow: int = 0
     """Steps found slow so far (logged or not)."""
+    judging: bool = True
+    """False while the engine warms up: steps are timed into their classes but none is judged
+    (the warm-up's steps are the ones that compile)."""
     _pending: dict[int, SubmittedStep] = field(default_factory=dict, init=False, repr=False)
-    _decode_sizes: set[int] = field(default_factory=set, init=False, repr=False)
-    """Request counts of the decode steps submitted so far."""
+    _known: set[tuple[str, int]] = field(default_factory=set, init=False, repr=False)
+    """``(kind, num_reqs)`` and ``(kind, -num_tokens)`` of the steps submitted so far (their keys
+    are recorded)."""
     _last_warning: float | None = field(default=None, init=False, repr=False)
     _num_unlogged: int = field(default=0, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.graph_sizes = sorted(set(self.graph_sizes))
 
     def submitted(self, so: SchedulerOutput) -> None:
         """Note a step handed to the executor: its class, sizes and what it uses for the first time."""
         cls = step_class(so)
+        record = self.first_use.record
         firsts = []
-        # The strings are made only for what may be new: a known class, a decode size met before.
-        if cls not in self.times and (name := f"class {cls}") not in self.seen:
-            firsts.append(name)
-        if cls.kind == "decode" and self.graph_sizes and so.num_reqs not in self._decode_sizes:
-            self._decode_sizes.add(so.num_reqs)
-            i = bisect_left(self.graph_sizes, so.num_reqs)
-            name = (
-                f"CUDA graph of {self.graph_sizes[i]} requests"
-                if i < len(self.graph_sizes)
-                else "eager decode"
-            )
-            if name not in self.seen:
-                firsts.append(name)
+        # Keys are made only for what may be new: a step of known kind and sizes makes none.
+        num_tokens, num_reqs = so.total_num_scheduled_tokens, so.num_reqs
+        kind = "decode" if cls.kind == "decode" else step_kind(so)
+        if (kind, num_reqs) not in self._known or (kind, -num_tokens) not in self._known:
+            self._known.update(((kind, num_reqs), (kind, -num_tokens)))
+            firsts += [key for key in step_first_use_keys(kind, num_tokens, num_reqs) if record(key)]
         for new in so.scheduled_new_reqs:
-            firsts += [f for f in request_features(new) if f not in self.seen and f not in firsts]
-        self.seen.update(firsts)
+            for feature in request_features(new):
+                if feature == RESUMED:
+                    firsts.append(feature)
+                elif record(key := f"request: {feature}"):
+                    firsts.append(key)
         self._pending[so.step_id] = SubmittedStep(
-            cls, self.clock(), so.total_num_scheduled_tokens, so.num_reqs, len(so.scheduled_new_reqs), tuple(firsts)
-        )  # fmt: skip
+            cls, self.clock(), num_tokens, num_reqs, len(so.scheduled_new_reqs), tuple(dict.fromkeys(firsts))
+        )
 
-    def answered(self, so: SchedulerOutput) -> SlowStep | None:
-        """Time a step whose output came back; log it (rate-limited) when slow; returns it then."""
+    def answered(self, so: SchedulerOutput, stage_keys: tuple[str, ...] = ()) -> SlowStep | None:
+        """Time a step whose output came back; log it (rate-limited) when slow; returns it then.
+        ``stage_keys``: what the last stage met for the first time launching it (its output's
+        ``first_use``), recorded here and named with the step's own firsts."""
         p = self._pending.pop(so.step_id, None)
+        if stage_keys:
+            new = self.first_use.add(stage_keys)
+            if p is not None and new:
+                p = replace(p, firsts=p.firsts + tuple(new))
         if p is None:
             return None
         now = self.clock()
@@ -218,7 +253,7 @@ class StepWatchdog:
             times = self.times[p.cls] = deque(maxlen=self.window)
         slow = None
         # Quick reject first: the median is at least the minimum.
-        if len(times) >= self.min_samples and duration_s > self.slow_factor * min(times):
+        if self.judging and len(times) >= self.min_samples and duration_s > self.slow_factor * min(times):
             median = sorted(times)[len(times) // 2]
             if duration_s > self.slow_factor * median:
                 self.num_slow += 1

@@ -63,6 +63,15 @@ class Executor(ABC):
         """Wait (bounded by the stage timeout) for the oldest outstanding step's output."""
 
     @abstractmethod
+    def mark_ready(self) -> None:
+        """The engine's warm-up is over: every stage's first-use record (``pprun.utils.first_use``)
+        counts and logs what it meets from now on."""
+
+    @abstractmethod
+    def first_use_snapshots(self) -> list[dict]:
+        """Every stage's first-use counts (``FirstUse.snapshot``), first stage first (between steps)."""
+
+    @abstractmethod
     def shutdown(self) -> None:
         """Stop every stage process and release its resources; safe to call twice."""
 

@@ -161,6 +161,14 @@ class ExternalLauncherExecutor(Executor):
 
     # --- lifecycle -----------------------------------------------------------------------------
 
+    def mark_ready(self) -> None:
+        """This rank's worker's first-use record counts from now on (every rank runs the engine)."""
+        self.worker.mark_ready()
+
+    def first_use_snapshots(self) -> list[dict]:
+        """This rank's worker's first-use counts (another rank's are its own engine's)."""
+        return [self.worker.first_use_snapshot()]
+
     def shutdown(self) -> None:
         """Drop the stage; destroy the process group only if this executor created it."""
         self.worker = None

@@ -438,6 +438,14 @@ class RemoteStagesExecutor(Executor):
             conn.send(("call", name, kwargs))
         return [m[1] for m in self._gather("result")]
 
+    def mark_ready(self) -> None:
+        """Every stage's first-use record counts from now on."""
+        self.call_all("mark_ready")
+
+    def first_use_snapshots(self) -> list[dict]:
+        """Every stage's first-use counts."""
+        return self.call_all("first_use_snapshot")
+
     # --- per step ------------------------------------------------------------------------------
 
     def submit(self, so: SchedulerOutput) -> None:

@@ -57,6 +57,14 @@ class UniExecutor(Executor):
         self.outputs.popleft()
         return result
 
+    def mark_ready(self) -> None:
+        """The worker's first-use record counts from now on."""
+        self.worker.mark_ready()
+
+    def first_use_snapshots(self) -> list[dict]:
+        """The worker's first-use counts."""
+        return [self.worker.first_use_snapshot()]
+
     def shutdown(self) -> None:
         """Nothing to stop in process but the worker's step trace (``PPRUN_STEP_TRACE``)."""
         if self.worker is not None:

@@ -20,6 +20,7 @@ import torch
 
 from pprun.sampling.logprobs import Logprobs
 from pprun.sampling.params import SamplingParams
+from pprun.utils.first_use import FirstUse
 
 SAMPLING_EPS = 1e-5
 """Temperatures below this are treated as greedy: dividing by them would overflow float32
@@ -196,7 +197,13 @@ class Sampler:
     ``argmax(probs / q)``, ``q ~ Exp(1)``, which equals a multinomial draw but needs no
     normalisation or CPU sync. A seeded row draws its ``q`` from its own generator, so its
     tokens do not depend on the batch it is in or its row position.
+
+    ``first_use``: where each branch met for the first time is recorded (:func:`sampler_branches`).
     """
+
+    def __init__(self, first_use: FirstUse | None = None) -> None:
+        self.first_use = first_use
+        self._branches_seen: set[tuple[bool, ...]] = set()
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         """Sample one token per row; add logprobs when ``t.max_num_logprobs`` is set."""
@@ -204,6 +211,12 @@ class Sampler:
             raise ValueError(
                 f"logits has shape {tuple(logits.shape)}; expected [num_reqs={t.num_reqs}, vocab]"
             )
+        if self.first_use is not None:
+            flags = _branch_flags(t)
+            if flags not in self._branches_seen:  # names made only for a new combination
+                self._branches_seen.add(flags)
+                for name in sampler_branches(flags):
+                    self.first_use.record(name)
         out = SamplerOutput(sampled_token_ids=self._sample(logits, t))
         if t.max_num_logprobs is not None:
             self._add_logprobs(out, logits, t.max_num_logprobs)
@@ -278,6 +291,40 @@ class Sampler:
         topk = logprobs.topk(min(num_logprobs, logprobs.shape[-1]), dim=-1)
         out.topk_ids = topk.indices
         out.topk_logprobs = topk.values
+
+
+def _branch_flags(t: SamplingTensors) -> tuple[bool, ...]:
+    """Which of :class:`Sampler`'s branches a step takes (see :func:`sampler_branches`)."""
+    random = not t.all_greedy
+    return (
+        t.all_greedy,
+        random and t.all_random,
+        random and not t.all_random,
+        random and not t.no_top_k and t.no_top_p,
+        random and not t.no_top_p,
+        random and not t.no_min_p,
+        random and any(g is not None for g in t.generators),
+        t.max_num_logprobs is not None,
+    )
+
+
+_BRANCH_NAMES = (
+    "sampler: greedy argmax",
+    "sampler: temperature, every row random",
+    "sampler: temperature, greedy rows mixed in",
+    "sampler: top-k alone",
+    "sampler: top-k/top-p sort",
+    "sampler: min-p",
+    "sampler: seeded draws",
+    "sampler: logprobs",
+)
+
+
+def sampler_branches(flags: tuple[bool, ...]) -> list[str]:
+    """The first-use keys of the branches in ``flags`` (from :func:`_branch_flags`): each is a
+    different set of kernels (argmax, division, topk, sort and cumsum, per-row generators,
+    log-softmax), loaded by the device on its first launch."""
+    return [name for name, on in zip(_BRANCH_NAMES, flags) if on]
 
 
 def to_logprobs(

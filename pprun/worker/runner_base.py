@@ -29,6 +29,8 @@ class PendingOutput:
         self._value: ModelRunnerOutput | None = None
         self._event = event
         """Recorded after the step's last device work (its copies to the host), if any."""
+        self.first_use: tuple[str, ...] = ()
+        """First-use keys the stage met launching this step, copied into the built output."""
 
     @classmethod
     def of(cls, value: ModelRunnerOutput) -> PendingOutput:
@@ -51,6 +53,8 @@ class PendingOutput:
         if self._build is not None:
             self._value = self._build()
             self._build = None
+            if self.first_use:
+                self._value.first_use = self.first_use
         return self._value  # type: ignore[return-value]
 
 

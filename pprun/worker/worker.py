@@ -19,6 +19,7 @@ from pprun.distributed.layout import StageLayout
 from pprun.distributed.tensor_parallel import TensorParallel
 from pprun.distributed.transport import PipelineTransport
 from pprun.models.base import PprunModel
+from pprun.utils.first_use import FirstUse, watch_triton
 from pprun.utils.startup import freeze_startup_objects
 from pprun.utils.step_trace import NullStageTrace, StageTrace, trace_prefix
 from pprun.worker.runner_base import ModelRunner, PendingOutput
@@ -118,6 +119,12 @@ class Worker:
         self.kv_cache_bytes = 0
         """Bytes of the KV cache allocated by :meth:`init_cache` (0 before)."""
         self.step_count = 0
+        self.first_use = FirstUse(name=f"stage {self.layout.pp_rank}")
+        """What this stage compiled, captured and ran for the first time (``pprun.utils.first_use``):
+        Triton compiles, CUDA-graph captures, sampler branches; the last stage's new keys travel
+        with each step's output (``ModelRunnerOutput.first_use``), another stage's are logged here."""
+        if self.device.type == "cuda":
+            watch_triton(self.first_use)
         prefix, name = trace_prefix(), f"stage{self.layout.pp_rank}"
         if self.layout.tp_size > 1:
             name += f"_tp{self.layout.tp_rank}"
@@ -223,6 +230,7 @@ class Worker:
                 sample_feedback_slots=self.spec.sample_feedback_slots,
                 feedback_spin_s=self.spec.control_spin_s,
                 encoder_decoder=encoder_decoder,
+                first_use=self.first_use,
             )
         else:
             from pprun.worker.v1.runner import V1ModelRunner
@@ -230,6 +238,7 @@ class Worker:
             self.runner = V1ModelRunner(
                 self.model, self.layout, self.device, rc.cfg.cache.block_size, encoder_decoder=encoder_decoder
             )
+            self.runner.sampler.first_use = self.first_use
         if not self.layout.is_first:
             max_tokens = rc.max_num_batched_tokens
             self.recv_buffers = self.model.make_empty_intermediate_tensors(
@@ -283,7 +292,28 @@ class Worker:
                     to_send = IntermediateTensors({f"{k}_renamed": v for k, v in to_send.items()})
                 self.transport.send(to_send)
         trace.end()
-        return result.output
+        return self._with_first_use(result.output)
+
+    def _with_first_use(self, out: ModelRunnerOutput | PendingOutput | None) -> ModelRunnerOutput | PendingOutput | None:
+        """The last stage's output carrying the keys this stage met since the previous step (a
+        pending output hands them to the output it builds); another stage's keys were logged by
+        its record and go no further."""
+        if not self.first_use.has_new:
+            return out
+        keys = self.first_use.drain()
+        if isinstance(out, PendingOutput) and out.ready:
+            out.result().first_use = keys
+        elif out is not None:
+            out.first_use = keys
+        return out
+
+    def mark_ready(self) -> None:
+        """The engine's warm-up is over: first uses from now on are counted and logged."""
+        self.first_use.mark_ready()
+
+    def first_use_snapshot(self) -> dict[str, object]:
+        """This stage's first-use counts (``FirstUse.snapshot``)."""
+        return self.first_use.snapshot()
 
     def runner_facts(self) -> dict[str, object]:
         """What this stage's runner does (diagnostics and tests): its name, its CUDA-graph mode
@@ -322,7 +352,7 @@ class Worker:
         self.trace.mark()
         self.trace.note(self.runner.host_times)
         self.trace.end()
-        return result.output
+        return self._with_first_use(result.output)
 
     def _begin_step(self) -> None:
         """Count the step; in tests, apply the injected delay or failure."""

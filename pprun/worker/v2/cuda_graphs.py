@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from pprun.attention.metadata import AttentionMetadata
+from pprun.utils.first_use import FirstUse
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +151,10 @@ class CudaGraphManager:
         device: torch.device,
         attention_layers: list[nn.Module],
         full_graph_unsupported_reason: str | None,
+        first_use: FirstUse | None = None,
     ) -> None:
+        """``first_use``: where each capture is recorded (``cuda graph: <mode> <size>``)."""
+        self.first_use = first_use
         if mode not in CUDAGRAPH_MODES:
             raise ValueError(
                 f"compilation.cudagraph_mode={mode!r} is not allowed; choose one of {CUDAGRAPH_MODES}"
@@ -229,6 +233,8 @@ class CudaGraphManager:
             with force_pdl():
                 forward(size, size)
             torch.cuda.synchronize(self.device)
+            if self.first_use is not None:
+                self.first_use.record(f"cuda graph: {self.mode} {size}")
             if self.mode == "full":
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):

@@ -38,6 +38,7 @@ from pprun.layers import fused_ops_for
 from pprun.models.base import PprunModel
 from pprun.sampling.sampler import Sampler, SamplerOutput, SamplingTensors, mask_token_ids, to_logprobs
 from pprun.switches import enabled_unless
+from pprun.utils.first_use import FirstUse
 from pprun.utils.step_trace import HostClock, trace_prefix
 from pprun.worker.encoder_decoder import EncoderDecoderState
 from pprun.worker.model_inputs import build_model_inputs
@@ -138,6 +139,7 @@ class V2ModelRunner(ModelRunner):
         sample_feedback_slots: int = 0,
         feedback_spin_s: float = 0.0,
         encoder_decoder: EncoderDecoderState | None = None,
+        first_use: FirstUse | None = None,
     ) -> None:
         """``transport``: the stage's channel when the pipeline has more than one stage (its
         decode graphs may then carry the hop, see ``pprun.distributed.pipeline``);
@@ -146,8 +148,10 @@ class V2ModelRunner(ModelRunner):
         last stage must agree); 0: off; ``feedback_spin_s``: how long the first stage polls for
         those ids before a blocking read (``SampleFeedback``'s ``spin_s``); ``encoder_decoder``:
         an encoder-decoder stage's ``pprun.worker.encoder_decoder.EncoderDecoderState``, handed to
-        the model's plug-in."""
+        the model's plug-in; ``first_use``: where the stage records what it captures and which
+        sampler and suppression branches it runs for the first time (``pprun.utils.first_use``)."""
         cfg = resolved.cfg
+        self.first_use = first_use
         self.model = model
         self.layout = layout
         self.transport = transport
@@ -177,7 +181,7 @@ class V2ModelRunner(ModelRunner):
         self.model_state: ModelState = make_model_state(
             model, layout, device, self.dtype, self.max_num_reqs, self.max_num_tokens, encoder_decoder
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(first_use)
         self.sampled_ring = torch.zeros((3, self.max_num_reqs), dtype=torch.int64, pin_memory=device.type == "cuda")
         """Pinned landing rows of the sampled ids, one per step in turn (a ring: with async
         scheduling, or a pipeline's last stage launching ahead, two steps' ids are outstanding at
@@ -224,6 +228,7 @@ class V2ModelRunner(ModelRunner):
             device,
             self.model_state.attention_layers(),
             self.model_state.full_graph_unsupported_reason(),
+            first_use,
         )
         self.model_state.graph_mode = self.graphs.mode
         self.capture_model()
@@ -578,6 +583,10 @@ class V2ModelRunner(ModelRunner):
         suppressed = self._suppressed_ids(batch)
         if suppressed is _Suppression.TABLE_MASK and in_graph and self.model_state.masks_suppressed_in_graph:
             suppressed = _Suppression.NONE  # the graph masked its logits before its argmax
+        if suppressed is not _Suppression.NONE and self.first_use is not None:
+            self.first_use.record(
+                "sampler: suppression, table mask" if suppressed is _Suppression.TABLE_MASK else "sampler: suppression, ids"
+            )
         on_host = False  # the graph's argmax wrote the ids to this step's ring row already
         if in_graph and suppressed is _Suppression.NONE and tensors.all_greedy and tensors.max_num_logprobs is None:
             res = SamplerOutput(picked[1])

@@ -1,0 +1,287 @@
+"""Ready means warm: before the engine reports ready, one step of every class a step can take.
+
+The plan (:func:`plan_warmup`) follows from the configuration alone (:class:`WarmupLimits`: the
+request and token limits of a step, the context length, the KV cache, prefix caching, chunked
+prefill, the model's inputs) and is a list of :class:`Wave`: requests queued at once, run
+through the engine's own scheduler, executor and runners until they finish, so that every
+executor and pipeline depth warms the paths its traffic takes.  Its parts:
+
+* ``prefill``: one wave per class of token count (``pprun.utils.first_use.count_class``: every
+  count up to 32, then per power of two a multiple of 16 and another count), its requests as
+  many as the matching class of request counts; each request samples twice, so the wave's
+  decode step of as many requests runs too (every decode size class, hence every CUDA graph
+  size's replay, eager decodes beyond the largest graph included);
+* ``mixed``: the same classes with requests decoding while one more computes its prompt;
+* ``sampler``: each sampler variant alone and all of them in one batch (greedy, temperature,
+  top-k, top-p, both, min-p, seeds, logprobs, suppressed ids, min-tokens);
+* ``prefix cache`` (when on): a prompt run twice, the second time from its cached blocks;
+* ``chunked prefill`` (when a prompt may exceed the token budget): a prompt cut into chunks;
+* ``encoder``: images (Llava: one and two in a request); a speech model's requests each carry a
+  clip, so its every wave runs the encoder.
+
+Preemption is not forced: a resumed request runs as a prefill from the start of its prompt or
+from its cached blocks, both warmed.  What the warm-up met is the engine's and stages'
+first-use record (``pprun.utils.first_use``); once it is over they are marked ready, and any
+key met later is counted and logged.  Each part's steps, seconds and new keys are logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pprun.sampling.params import SamplingParams
+from pprun.utils.first_use import count_class_representatives
+
+if TYPE_CHECKING:
+    from pprun.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WarmupRequest:
+    """One request of a wave: its prompt length, sampling and inputs."""
+
+    num_prompt_tokens: int
+    params: SamplingParams
+    prompt_key: int = 0
+    """Which prompt: two requests of the same key and length have the same tokens (a prefix hit)."""
+    num_images: int = 0
+
+
+@dataclass(frozen=True)
+class Wave:
+    """Requests queued at once (``first``); ``joiners`` are queued once every request of
+    ``first`` has sampled its first token, so their prompts share steps with its decodes."""
+
+    part: str
+    first: tuple[WarmupRequest, ...]
+    joiners: tuple[WarmupRequest, ...] = ()
+
+    @property
+    def requests(self) -> tuple[WarmupRequest, ...]:
+        """Every request of the wave."""
+        return self.first + self.joiners
+
+
+@dataclass(frozen=True)
+class WarmupLimits:
+    """What the plan follows from (the engine's configuration)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    prefix_caching: bool
+    chunked_prefill: bool
+    max_logprobs: int
+    image_tokens: int = 0
+    """Prompt tokens of one image after expansion (0: a text-only model)."""
+    fixed_prompt_len: int | None = None
+    """A speech model's decoder prompt length (every request is that long and carries a clip)."""
+
+
+def _greedy(max_tokens: int, **extra) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **extra)
+
+
+def sampler_variants(max_logprobs: int) -> list[SamplingParams]:
+    """One request's parameters per sampler variant (each samples three tokens)."""
+    lp = {"logprobs": max(1, max_logprobs)} if max_logprobs > 0 else {}
+    return [
+        _greedy(3),
+        SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=5, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=5, top_p=0.9, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.8, min_p=0.1, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=0, max_tokens=3, ignore_eos=True),
+        _greedy(3, **lp),
+        SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True, **lp),
+        _greedy(3, suppress_token_ids=[1]),
+        _greedy(3, begin_suppress_token_ids=[1]),
+        _greedy(3, min_tokens=2),
+    ]
+
+
+def _split(total: int, parts: int) -> list[int]:
+    """``total`` tokens over ``parts`` requests, as even as can be."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def plan_warmup(limits: WarmupLimits) -> list[Wave]:
+    """The waves that meet every step class and variant ``limits`` allow (see the module doc)."""
+    lim = limits
+    max_prompt = lim.max_model_len - 2  # room for two samples
+    waves: list[Wave] = []
+    if lim.fixed_prompt_len is not None:  # a speech model: every request is a clip and its prompt
+        p = lim.fixed_prompt_len
+        for r in count_class_representatives(min(lim.max_num_seqs, lim.max_num_batched_tokens // p)):
+            waves.append(Wave("prefill", tuple(WarmupRequest(p, _greedy(2)) for _ in range(r))))
+        for r in count_class_representatives(min(lim.max_num_seqs, lim.max_num_batched_tokens // p))[1:]:
+            waves.append(Wave("mixed", tuple(WarmupRequest(p, _greedy(4)) for _ in range(r - 1)),
+                              (WarmupRequest(p, _greedy(2)),)))  # fmt: skip
+        variants = sampler_variants(lim.max_logprobs)
+        waves += [Wave("sampler", (WarmupRequest(p, v),)) for v in variants]
+        waves.append(Wave("sampler", tuple(WarmupRequest(p, v) for v in variants[: lim.max_num_seqs])))
+        return [w for w in waves if _fits(w, lim)]
+
+    budget = lim.max_num_batched_tokens
+    tokens = count_class_representatives(budget)
+    reqs = count_class_representatives(min(lim.max_num_seqs, budget))
+    for i, t in enumerate(tokens):
+        r = max(reqs[i] if i < len(reqs) else 1, math.ceil(t / max_prompt))
+        if r > lim.max_num_seqs:
+            continue
+        waves.append(Wave("prefill", tuple(WarmupRequest(n, _greedy(2), prompt_key=i) for n in _split(t, r))))
+    for i, t in enumerate(tokens):
+        r = max(reqs[i] if i < len(reqs) else 2, 2)
+        joiner = t - (r - 1)
+        if joiner < 1 or joiner > max_prompt:
+            continue
+        decoders = tuple(WarmupRequest(1, _greedy(4), prompt_key=1000 + j) for j in range(r - 1))
+        waves.append(Wave("mixed", decoders, (WarmupRequest(joiner, _greedy(2), prompt_key=2000 + i),)))
+    variants = sampler_variants(lim.max_logprobs)
+    waves += [Wave("sampler", (WarmupRequest(4, v, prompt_key=3000 + i),)) for i, v in enumerate(variants)]
+    waves.append(Wave("sampler", tuple(WarmupRequest(4, v, prompt_key=3000 + i)
+                                       for i, v in enumerate(variants[: lim.max_num_seqs]))))  # fmt: skip
+    shared = min(2 * lim.block_size + 1, max_prompt, budget)
+    if lim.prefix_caching and shared > lim.block_size:
+        for _ in range(2):
+            waves.append(Wave("prefix cache", (WarmupRequest(shared, _greedy(2), prompt_key=4000),)))
+    if lim.chunked_prefill and max_prompt > budget:
+        waves.append(
+            Wave("chunked prefill", (WarmupRequest(min(max_prompt, budget + budget // 2 + 1), _greedy(2)),))
+        )
+    if lim.image_tokens:
+        for n in (1, 2):
+            if n * lim.image_tokens + 4 <= min(max_prompt, budget):
+                waves.append(
+                    Wave("encoder", (WarmupRequest(4, _greedy(2), prompt_key=5000 + n, num_images=n),))
+                )
+    return [w for w in waves if _fits(w, lim)]
+
+
+def _fits(wave: Wave, lim: WarmupLimits) -> bool:
+    """Whether the wave's requests fit the KV cache at once (block 0 is reserved)."""
+    blocks = sum(math.ceil((r.num_prompt_tokens + r.num_images * lim.image_tokens + r.params.max_tokens)
+                           / lim.block_size) for r in wave.requests)  # fmt: skip
+    return len(wave.requests) <= lim.max_num_seqs and blocks < lim.num_blocks
+
+
+def limits_for(engine: LLMEngine) -> WarmupLimits:
+    """The engine's :class:`WarmupLimits`."""
+    rc = engine.resolved
+    cfg = rc.cfg
+    speech = engine.inputs.speech
+    image_tokens = 0
+    if rc.arch.multimodal is not None:
+        image_tokens = _image_tokens(engine)
+    return WarmupLimits(
+        max_num_seqs=cfg.scheduler.max_num_seqs,
+        max_num_batched_tokens=rc.max_num_batched_tokens,
+        max_model_len=rc.max_model_len,
+        block_size=cfg.cache.block_size,
+        num_blocks=engine.num_blocks,
+        prefix_caching=engine.prefix_caching,
+        chunked_prefill=cfg.scheduler.enable_chunked_prefill,
+        max_logprobs=cfg.model.max_logprobs,
+        image_tokens=image_tokens,
+        fixed_prompt_len=len(speech.decoder_prompt) if speech is not None else None,
+    )
+
+
+def _image() -> object:
+    from PIL import Image
+
+    return Image.new("RGB", (64, 64), (128, 96, 64))
+
+
+def _image_tokens(engine: LLMEngine) -> int:
+    """Placeholder tokens one warm-up image expands into."""
+    ids, _ = engine.inputs.image_processor.process([5], [_image()], "warm-up")
+    return len(ids) - 1
+
+
+@dataclass
+class PartReport:
+    """What one part of the warm-up did."""
+
+    num_waves: int = 0
+    num_steps: int = 0
+    seconds: float = 0.0
+    num_new_keys: int = 0
+    """First-use keys (the engine's and the last stage's) met in this part."""
+
+
+def _prompt_ids(engine: LLMEngine, req: WarmupRequest) -> tuple[list[int], list]:
+    """Token ids (and multimodal items) of a warm-up request: a pattern by its ``prompt_key``,
+    clear of special and image tokens (checked by the engine's own input processor)."""
+    rc = engine.resolved
+    speech = engine.inputs.speech
+    if speech is not None:
+        import numpy as np
+
+        clip = speech.prepare_clip((np.zeros(16000, dtype=np.float32), 16000), "warm-up")
+        (samples,) = speech.windows(clip)
+        return list(speech.decoder_prompt), [
+            speech.audio_item(samples, "warm-up", len(speech.decoder_prompt))
+        ]
+    high = rc.arch.vocab_size
+    if rc.arch.multimodal is not None:
+        high = min(high, rc.arch.multimodal["image_token_index"])
+    low = min(16, high - 1)
+    span = max(1, high - low)
+    ids = [low + (req.prompt_key * 7919 + j * 104729) % span for j in range(req.num_prompt_tokens)]
+    prompt: dict = {"prompt_token_ids": ids}
+    if req.num_images:
+        prompt["multi_modal_data"] = {"image": [_image() for _ in range(req.num_images)]}
+    processed = engine.inputs.process_prompt(prompt, "warm-up")
+    return processed.token_ids, processed.mm_items
+
+
+def _params(engine: LLMEngine, req: WarmupRequest) -> SamplingParams:
+    speech = engine.inputs.speech
+    return speech.with_suppression(req.params) if speech is not None else req.params
+
+
+def run_warmup(engine: LLMEngine, waves: list[Wave]) -> dict[str, PartReport]:
+    """Run ``waves`` through ``engine`` (nothing else queued), each to its end; the report per part."""
+    record = engine.first_use
+    reports: dict[str, PartReport] = {}
+    n = 0
+    for wave in waves:
+        report = reports.setdefault(wave.part, PartReport())
+        num_keys = len(record.seen)
+        t0 = time.perf_counter()
+        steps = 0
+
+        def add(reqs: tuple[WarmupRequest, ...]) -> list[str]:
+            nonlocal n
+            ids = []
+            for req in reqs:
+                prompt_ids, mm_items = _prompt_ids(engine, req)
+                n += 1
+                ids.append(engine.add_request(prompt_ids, _params(engine, req), request_id=f"warmup-{n}",
+                                              mm_items=mm_items))  # fmt: skip
+            return ids
+
+        first = add(wave.first)
+        if wave.joiners:
+            while any(i in engine.tracked and not engine.tracked[i].req.output_token_ids for i in first):
+                engine.step()
+                steps += 1
+            add(wave.joiners)
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        report.num_waves += 1
+        report.num_steps += steps
+        report.seconds += time.perf_counter() - t0
+        report.num_new_keys += len(record.seen) - num_keys
+    return reports
