@@ -497,9 +497,15 @@ def _resolve_layer_partition(cfg: PprunConfig, num_layers: int) -> list[int]:
     return partition
 
 
-def _check_async_pipeline(pp_size: int, executor: str, runner: str, reasons: list[str]) -> None:
+def _check_async_pipeline(pp_size: int, executor: str, runner: str, reasons: list[str], tp_size: int = 1) -> None:
     """``parallel.async_pipeline=True`` asks for async pipeline steps: an error where they cannot
     run (null turns them on only where they can)."""
+    if tp_size > 1:
+        raise ValueError(
+            f"parallel.async_pipeline=True is not allowed with tensor_parallel_size={tp_size}: the sampled "
+            "ids go from the last stage to the first over one socket per pipeline, and only tp rank 0 "
+            "samples; set it to null or false (the sampled ids then reach every worker in the next step)"
+        )
     if pp_size < 2 or executor not in ("mp", "ray"):
         raise ValueError(
             f"parallel.async_pipeline=True is not allowed with pipeline_parallel_size={pp_size} and "
@@ -512,6 +518,33 @@ def _check_async_pipeline(pp_size: int, executor: str, runner: str, reasons: lis
             + (f"; V2 is not used because: {'; '.join(reasons)}" if reasons else "")
             + "); set it to null or false"
         )
+
+
+def _check_tensor_parallel(cfg: PprunConfig, arch: ModelArchConfig, executor: str, device: str) -> None:
+    """The model splits ``parallel.tensor_parallel_size`` ways (``check_tensor_parallel``, the
+    model's side: heads, KV heads, widths), and on GPUs this host has a device per local worker
+    (``mp`` runs every worker here; Ray places them, and torchrun's ranks are checked by it)."""
+    from pprun.models.parallelism import check_tensor_parallel
+
+    tp_size = cfg.parallel.tensor_parallel_size
+    try:
+        check_tensor_parallel(arch, tp_size)
+    except ValueError as e:
+        message = str(e)
+        if not message.startswith("parallel."):
+            message = f"parallel.{message}"
+        raise ValueError(message) from None
+    if device == "cuda" and executor == "mp":
+        import torch
+
+        num_workers = tp_size * cfg.parallel.pipeline_parallel_size
+        num_gpus = torch.cuda.device_count()
+        if num_workers > num_gpus:
+            raise ValueError(
+                f"parallel.tensor_parallel_size={tp_size} x parallel.pipeline_parallel_size="
+                f"{cfg.parallel.pipeline_parallel_size} = {num_workers} workers need as many GPUs, one each, "
+                f"but this host has {num_gpus}; lower them, or use executor ray across nodes"
+            )
 
 
 def validate_config(
@@ -538,7 +571,9 @@ def validate_config(
     executor = resolve_executor(cfg, env)
     runner, reasons = choose_runner(cfg, executor)
     if cfg.parallel.async_pipeline is True:
-        _check_async_pipeline(cfg.parallel.pipeline_parallel_size, executor, runner, reasons)
+        _check_async_pipeline(
+            cfg.parallel.pipeline_parallel_size, executor, runner, reasons, cfg.parallel.tensor_parallel_size
+        )
 
     if cuda_available is None:
         import torch
@@ -552,6 +587,7 @@ def validate_config(
         from pprun.models.quantization import with_online_quantization
 
         arch = with_online_quantization(arch, cfg.model.quantization, model_dir)
+    _check_tensor_parallel(cfg, arch, executor, device)
     dtype = _resolve_dtype(cfg, arch, device)
     max_model_len = _resolve_max_model_len(cfg, arch)
     max_num_batched_tokens = _resolve_max_num_batched_tokens(cfg, device, max_model_len)
@@ -594,7 +630,7 @@ def validate_config(
         warmup=cfg.compilation.warmup == "full" or (cfg.compilation.warmup == "auto" and device == "cuda"),
     )
     logger.info(
-        "pprun config: model=%s (%s, %d layers) device=%s dtype=%s pp=%d layer_partition=%s executor=%s runner=%s "
+        "pprun config: model=%s (%s, %d layers) device=%s dtype=%s pp=%d tp=%d layer_partition=%s executor=%s runner=%s "
         "max_model_len=%d max_num_batched_tokens=%d",
         model_dir,
         arch.architecture,
@@ -602,6 +638,7 @@ def validate_config(
         device,
         str(dtype).removeprefix("torch."),
         cfg.parallel.pipeline_parallel_size,
+        cfg.parallel.tensor_parallel_size,
         layer_partition,
         executor,
         runner,

@@ -1,14 +1,19 @@
-"""``external_launcher``: torchrun started the processes; this rank is one pipeline stage.
+"""``external_launcher``: torchrun started the processes; this rank is one worker of one stage.
+
+The world is ``tp x pp`` ranks: rank ``r`` is tp rank ``r % tp`` of stage ``r // tp``
+(``pprun.distributed.layout``), so with ``--nproc-per-node tp`` each node holds one stage's tp
+group.
 
 Every rank runs the same engine (SPMD): the same prompts, the same scheduler, the same steps. For
 their schedulers to reach the same decisions, every rank must see the same inputs:
 
 * **KV blocks.** Each stage may fit a different number of blocks in its budget (its own layers,
-  its own free memory). The ranks agree on the minimum with one ``all_reduce(MIN)`` on the CPU
-  group before the cache is allocated, so every scheduler manages the same pool.
-* **Sampled tokens.** Only the last stage samples. With pp > 1 it broadcasts each step's
-  ``ModelRunnerOutput`` (a few ints per request, as JSON, never pickled, on the CPU group) to every rank, so
-  ``get_output()`` returns the same object everywhere and the schedulers stay in lockstep.
+  its own free memory). The ranks agree on the minimum with one ``all_reduce(MIN)`` on a CPU
+  group of the whole world before the cache is allocated, so every scheduler manages the same pool.
+* **Sampled tokens.** Only the last stage's tp rank 0 samples. With more than one rank it
+  broadcasts each step's ``ModelRunnerOutput`` (a few ints per request, as JSON, never pickled,
+  on that CPU group) to every rank, so ``get_output()`` returns the same object everywhere and
+  the schedulers stay in lockstep.
 
 A step runs synchronously inside ``submit`` (receive from the previous rank, compute, send to the
 next, then the broadcast), so ``max_in_flight = 1``: the pipeline holds one batch at a time. That
@@ -28,10 +33,12 @@ import torch.distributed as dist
 
 from pprun.config.validate import ResolvedConfig
 from pprun.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pprun.distributed import groups
 from pprun.distributed.layout import StageLayout
-from pprun.distributed.transport import PipelineTransport
+from pprun.distributed.transport import PipelineTransport, broadcast_plain
 from pprun.executor.base import Executor, StageFailedError
 from pprun.worker.faults import stage_faults
+from pprun.worker.runner_base import resolve
 from pprun.worker.worker import Worker, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -41,7 +48,8 @@ _groups_created = itertools.count()
 
 
 class ExternalLauncherExecutor(Executor):
-    """This torchrun rank's stage (``pp_rank = RANK``); every rank drives an identical engine."""
+    """This torchrun rank's worker (stage ``RANK // tp``, tp rank ``RANK % tp``); every rank drives
+    an identical engine."""
 
     name = "external_launcher"
     max_in_flight = 1
@@ -49,37 +57,43 @@ class ExternalLauncherExecutor(Executor):
     def __init__(self, resolved: ResolvedConfig, runner: str) -> None:
         self.resolved = resolved
         self.pp_size = len(resolved.layer_partition)
+        self.tp_size = resolved.cfg.parallel.tensor_parallel_size
+        self.num_workers = self.pp_size * self.tp_size
         timeout_s = resolved.cfg.parallel.stage_timeout_s
         self.owns_process_group = not dist.is_initialized()
         self.failed = False
         """A step failed: peers may be gone, so shutdown skips the closing barrier."""
         if self.owns_process_group:
             _init_from_torchrun_env(resolved.device, timeout_s)
-        self.pp_rank = dist.get_rank()
+        self.rank = dist.get_rank()
         world_size = dist.get_world_size()
-        if world_size != self.pp_size:
+        if world_size != self.num_workers:
             # validate_config checks WORLD_SIZE, but a user may have initialised a larger group.
             self._destroy_own_group()
             raise ValueError(
-                f"parallel.pipeline_parallel_size={self.pp_size} but the torch.distributed world has "
-                f"{world_size} ranks; with executor=external_launcher every rank is one stage, so they "
-                "must be equal"
+                f"parallel.pipeline_parallel_size={self.pp_size} x parallel.tensor_parallel_size={self.tp_size} "
+                f"= {self.num_workers} workers but the torch.distributed world has {world_size} ranks; with "
+                "executor=external_launcher every rank is one worker, so they must be equal"
             )
-        layout = StageLayout.from_partition(resolved.layer_partition, self.pp_rank)
+        layout = StageLayout.of_global_rank(resolved.layer_partition, self.rank, self.tp_size)
+        self.layout = layout
+        self.pp_rank = layout.pp_rank
         device_index = int(os.environ.get("LOCAL_RANK", 0)) if resolved.device == "cuda" else None
         device = torch.device("cuda", device_index) if device_index is not None else torch.device("cpu")
         try:
-            self.transport = PipelineTransport.from_existing(
-                layout, device, list(range(self.pp_size)), timeout_s
-            )
+            # Every rank makes the same groups in the same order (pprun.distributed.groups).
+            self.transport = PipelineTransport.from_existing(layout, device, timeout_s)
+            tp = groups.tensor_parallel_group(layout, device, timeout_s)
+            self.cpu_group = groups.world_cpu_group(device, timeout_s)
+            """Gloo over every rank: the agreed KV blocks and each step's output."""
             spec = WorkerSpec(
                 resolved,
                 layout,
                 runner,
                 device_index=device_index,
-                faults=stage_faults(self.pp_rank),
+                faults=stage_faults(self.rank),
             )
-            self.worker = Worker(spec, transport=self.transport)
+            self.worker = Worker(spec, transport=self.transport, tp=tp)
             num_params = self.worker.load_model()
             self.stage_params = self._gather_stage_params(num_params)
             self.num_blocks = self._agree_on_min(self.worker.num_available_blocks())
@@ -91,9 +105,10 @@ class ExternalLauncherExecutor(Executor):
             raise
         self.outputs: deque[ModelRunnerOutput] = deque()
         logger.info(
-            "external_launcher: rank %d of %d runs layers %d..%d; %d KV blocks agreed by every rank",
-            self.pp_rank,
-            self.pp_size,
+            "external_launcher: rank %d of %d (%s) runs layers %d..%d; %d KV blocks agreed by every rank",
+            self.rank,
+            self.num_workers,
+            layout.name,
             layout.start_layer,
             layout.end_layer - 1,
             self.num_blocks,
@@ -102,20 +117,21 @@ class ExternalLauncherExecutor(Executor):
     # --- start-up ------------------------------------------------------------------------------
 
     def _gather_stage_params(self, num_params: int) -> list[int]:
-        """Parameter count of every stage, the same list on every rank."""
-        if self.pp_size == 1:
+        """Parameter count of every stage (its tp ranks' together), the same list on every rank."""
+        if self.num_workers == 1:
             return [num_params]
-        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.pp_size)]
-        dist.all_gather(counts, torch.tensor([num_params], dtype=torch.int64), group=self.transport.cpu_group)
-        return [int(c) for c in counts]
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.num_workers)]
+        dist.all_gather(counts, torch.tensor([num_params], dtype=torch.int64), group=self.cpu_group)
+        tp = self.tp_size
+        return [sum(int(c) for c in counts[pp * tp : (pp + 1) * tp]) for pp in range(self.pp_size)]
 
     def _agree_on_min(self, num_available: int) -> int:
         """The smallest count over all ranks (KV blocks, cross-attention slots): every scheduler
         must manage the same pool."""
-        if self.pp_size == 1:
+        if self.num_workers == 1:
             return num_available
         count = torch.tensor([num_available], dtype=torch.int64)
-        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.transport.cpu_group)
+        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(count.item())
 
     def init_cache(self, num_blocks: int) -> None:
@@ -126,7 +142,8 @@ class ExternalLauncherExecutor(Executor):
     # --- steps ---------------------------------------------------------------------------------
 
     def submit(self, so: SchedulerOutput) -> None:
-        """Run this rank's stage of the step now; with pp > 1 the last stage shares its output."""
+        """Run this rank's part of the step now; with more than one rank the last stage's tp rank
+        0 shares its output."""
         if self.worker is None:
             raise StageFailedError("the external_launcher executor is shut down")
         try:
@@ -136,18 +153,21 @@ class ExternalLauncherExecutor(Executor):
             # The other ranks then fail in recv/broadcast (peer closed, or the group's timeout):
             # bounded, never a hang. A rank whose neighbour died reports the transport error.
             raise StageFailedError(
-                f"torchrun rank {self.pp_rank} (stage {self.pp_rank} of {self.pp_size}): step "
+                f"torchrun rank {self.rank} ({self.layout.name} of {self.pp_size}): step "
                 f"{so.step_id} failed: {e!r}"
             ) from e
-        if self.pp_size > 1:
+        if self.num_workers > 1:
+            src = (self.pp_size - 1) * self.tp_size
             try:
-                out = self.transport.broadcast_object(out, src_stage=self.pp_size - 1)
+                out = broadcast_plain(resolve(out) if out is not None else None, src, self.cpu_group)
             except Exception as e:
                 self.failed = True
                 raise StageFailedError(
-                    f"rank {self.pp_rank}: no output of step {so.step_id} from the last stage "
-                    f"(rank {self.pp_size - 1}) within parallel.stage_timeout_s: {e!r}"
+                    f"rank {self.rank}: no output of step {so.step_id} from the last stage's tp rank 0 "
+                    f"(rank {src}) within parallel.stage_timeout_s: {e!r}"
                 ) from e
+        else:
+            out = resolve(out)
         if not isinstance(out, ModelRunnerOutput):
             raise StageFailedError(
                 f"rank {self.pp_rank}: step {so.step_id} produced {type(out).__name__}, "
@@ -190,7 +210,7 @@ class ExternalLauncherExecutor(Executor):
 
     def describe(self) -> str:
         """Executor and this process's place in the job."""
-        return f"external_launcher (torchrun, rank {self.pp_rank} of {self.pp_size})"
+        return f"external_launcher (torchrun, rank {self.rank} of {self.num_workers})"
 
 
 def _init_from_torchrun_env(device: str, timeout_s: float) -> None:
@@ -200,7 +220,7 @@ def _init_from_torchrun_env(device: str, timeout_s: float) -> None:
         raise ValueError(
             f"parallel.executor='external_launcher' needs a process started by torchrun (or an "
             f"initialised torch.distributed group), but {', '.join(missing)} is not set; run under "
-            "`torchrun --nproc-per-node <pp> ...` or choose executor mp or ray"
+            "`torchrun --nproc-per-node <tp x pp> ...` or choose executor mp or ray"
         )
     if device == "cuda":
         # Before NCCL initialises, so its communicator binds to this rank's GPU.

@@ -1,4 +1,4 @@
-"""``ray``: one Ray actor per stage, placed by a placement group.
+"""``ray``: one Ray actor per worker (per tp rank of each stage), placed by a placement group.
 
 Ray places and starts the stage processes and reports their deaths; the per-step control path
 is the same socket path as ``mp`` (see ``pprun.executor.remote``), so a step costs no Ray task
@@ -9,7 +9,12 @@ listens on loopback only and asks for a per-cluster token (:func:`start_local_ra
 
 Placement (``docs/cluster.md``): one bundle per stage, spread over nodes by
 ``parallel.placement_strategy`` and pinned by ``parallel.stage_resources``; a placement the
-cluster can never hold fails at once.  Stages on other nodes than the driver's meet at stage 0's
+cluster can never hold fails at once.  With tensor parallelism a stage's bundle holds its tp
+workers' resources together (``tp`` GPUs, ``tp x ray_num_cpus_per_stage`` CPUs) and its tp
+actors share it, one GPU each: a bundle lives on one node, so a stage's tp group is always
+packed within a node (its all-reduces stay on NVLink), while the strategy spreads the stages as
+it does without tp.  (Bundles of one GPU each would let ``SPREAD`` split a stage's group over
+nodes: Ray applies one strategy to a whole placement group.)  Stages on other nodes than the driver's meet at stage 0's
 node address as Ray reports it, never at a hard-coded loopback, in an authenticated rendezvous
 store stage 0 serves there (``pprun.distributed.rendezvous``).
 """
@@ -328,10 +333,12 @@ class RayExecutor(RemoteStagesExecutor):
         cpus = par.ray_num_cpus_per_stage
         # A local cluster started here stays up for the process (a later LLM reuses it).
         t0 = time.perf_counter()
-        started = ensure_ray(par.ray_address, cpus * self.pp_size)
+        tp = self.tp_size
+        started = ensure_ray(par.ray_address, cpus * self.num_workers)
         t1 = time.perf_counter()
         extra = [dict(r) for r in par.stage_resources] if par.stage_resources else [{}] * self.pp_size
-        base = {"GPU": 1, "CPU": cpus} if on_gpu else {"CPU": cpus}
+        # One bundle per stage, holding its tp workers (see the module docstring).
+        base = {"GPU": tp, "CPU": cpus * tp} if on_gpu else {"CPU": cpus * tp}
         bundles = [{**base, **extra[rank]} for rank in range(self.pp_size)]
         strategy = par.placement_strategy
         self.placement_strategy = strategy
@@ -355,27 +362,29 @@ class RayExecutor(RemoteStagesExecutor):
                 return self.rendezvous.init_method
 
             def run(self, spec: WorkerSpec, address: tuple[str, int], authkey: bytes) -> None:
-                worker_main(address, authkey, spec.layout.pp_rank, spec)
+                worker_main(address, authkey, spec.layout.global_rank, spec)
 
-        # Created at once: each starts (its imports) as soon as its bundle is placed.
+        # Created at once: each starts (its imports) as soon as its bundle is placed.  Actor i is
+        # the worker of global rank i (stage i // tp); a stage's custom resources are shared by
+        # its tp actors.
         self.actors = [
             StageActor.options(
                 num_cpus=cpus,
                 num_gpus=1 if on_gpu else 0,
-                resources=extra[rank],
+                resources={name: amount / tp for name, amount in extra[rank // tp].items()},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=rank
+                    placement_group=self.pg, placement_group_bundle_index=rank // tp
                 ),
                 name=None,
             ).remote()
-            for rank in range(self.pp_size)
+            for rank in range(self.num_workers)
         ]
         try:
             ray.get(self.pg.ready(), timeout=par.stage_timeout_s + 60)
         except ray.exceptions.GetTimeoutError:
             self.shutdown(graceful=False)
             raise ValueError(
-                f"Ray could not place {self.pp_size} stages (bundles {bundles}, "
+                f"Ray could not place {self.pp_size} stages of {tp} worker{'s' if tp > 1 else ''} (bundles {bundles}, "
                 f"parallel.placement_strategy={strategy}) within {par.stage_timeout_s + 60:.0f}s: the "
                 f"cluster lacks the resources (ray.cluster_resources()={ray.cluster_resources()})"
             ) from None
@@ -399,7 +408,7 @@ class RayExecutor(RemoteStagesExecutor):
             for rank, actor in enumerate(self.actors):
                 spec = WorkerSpec(
                     resolved,
-                    StageLayout.from_partition(resolved.layer_partition, rank),
+                    StageLayout.of_global_rank(resolved.layer_partition, rank, tp),
                     runner,
                     init_method=init_method,
                     device_index=0 if on_gpu else None,  # Ray sets CUDA_VISIBLE_DEVICES per actor
@@ -429,7 +438,8 @@ class RayExecutor(RemoteStagesExecutor):
     def describe(self) -> str:
         """Executor and placement."""
         nodes = len(set(self.stage_node_ids))
-        return f"ray ({self.pp_size} actors, {self.placement_strategy} on {nodes} node{'s' if nodes != 1 else ''})"
+        actors = f"{self.pp_size} actors" if self.tp_size == 1 else f"{self.num_workers} actors: {self.pp_size} stages x tp {self.tp_size}"
+        return f"ray ({actors}, {self.placement_strategy} on {nodes} node{'s' if nodes != 1 else ''})"
 
     def _stage_exits(self, crashed_only: bool = False) -> list[tuple[int, str]]:
         import ray
@@ -449,7 +459,7 @@ class RayExecutor(RemoteStagesExecutor):
             except Exception as e:  # the actor died: RayActorError and friends
                 first = str(e).splitlines()[0] if str(e) else ""
                 why = f"died ({type(e).__name__}: {first})"
-            exits.append((rank, f"stage {rank} actor {why}"))
+            exits.append((rank, f"{self.worker_name(rank)} actor {why}"))
         return exits
 
     def _stop_processes(self, grace_s: float) -> None:

@@ -144,6 +144,7 @@ class Worker:
             dtype=rc.dtype,
             max_positions=max(rc.max_model_len, 1),
             attn_backend=get_backend(rc.attention_backend, self.device),
+            tp=self.tp,
         )
         return sum(p.numel() for p in self.model.parameters())
 
@@ -153,7 +154,7 @@ class Worker:
 
         rc = self.rc
         cache = rc.cfg.cache
-        per_block = bytes_per_block(rc.arch, self.layout.num_layers, cache.block_size, rc.dtype)
+        per_block = bytes_per_block(rc.arch, self.layout.num_layers, cache.block_size, rc.dtype, self.tp.size)
         if cache.kv_cache_memory_bytes is not None:
             budget = cache.kv_cache_memory_bytes
         elif self.device.type == "cuda":
@@ -203,7 +204,8 @@ class Worker:
 
         rc = self.rc
         caches = allocate_kv_caches(
-            rc.arch, self.layout.num_layers, num_blocks, rc.cfg.cache.block_size, rc.dtype, self.device
+            rc.arch, self.layout.num_layers, num_blocks, rc.cfg.cache.block_size, rc.dtype, self.device,
+            self.tp.size,
         )
         self.model.bind_kv_caches(caches)
         self.kv_cache_bytes = sum(t.numel() * t.element_size() for t in caches)
@@ -365,7 +367,7 @@ class Worker:
 
             time.sleep(fi["delay_s"])
         if fi.get("raise_at_step") == self.step_count:
-            raise RuntimeError(f"injected failure in stage {self.layout.pp_rank} at step {self.step_count}")
+            raise RuntimeError(f"injected failure in {self.layout.name} at step {self.step_count}")
         for name, sig in (("kill_at_step", "SIGKILL"), ("stop_at_step", "SIGSTOP")):
             if fi.get(name) == self.step_count:
                 import signal
