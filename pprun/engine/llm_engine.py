@@ -542,6 +542,7 @@ class LLMEngine:
             "runner_fallback_reasons": self.v2_fallback_reasons,
             "executor": self.executor.describe() if self.executor else rc.executor,
             "pipeline_parallel_size": len(rc.layer_partition),
+            "tensor_parallel_size": rc.cfg.parallel.tensor_parallel_size,
             "layer_partition": list(rc.layer_partition),
             "device": rc.device,
             "dtype": str(rc.dtype).removeprefix("torch."),
