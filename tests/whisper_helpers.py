@@ -27,14 +27,16 @@ def clip(seconds: float, seed: int) -> tuple[np.ndarray, int]:
 CLIPS = [clip(2.5, 0), clip(1.0, 1), clip(1.7, 2), clip(0.4, 3), clip(2.9, 4)]
 
 
-def make_audio_dependent_whisper(path: Path | str, weight_std: float = 0.6) -> Path:
+def make_audio_dependent_whisper(path: Path | str, weight_std: float = 0.6, **sizes) -> Path:
     """``make_tiny_whisper`` with its matrices redrawn (seeded) at ``weight_std``: at the default
     initialisation (std 0.02) every clip decodes to one repeated token, so a request reading
     another request's encoder output, or none, would go unnoticed; at 0.6 each clip decodes to
-    its own sequence (seed and scale picked so; tests/test_whisper_engine.py checks it)."""
+    its own sequence (seed and scale picked so; tests/test_whisper_engine.py checks it).
+    ``sizes``: ``make_tiny_whisper``'s ``d_model`` and ``heads`` (tensor parallelism needs heads
+    the tp size divides)."""
     from transformers import WhisperForConditionalGeneration
 
-    path = make_tiny_whisper(path)
+    path = make_tiny_whisper(path, **sizes)
     model = WhisperForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
