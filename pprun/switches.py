@@ -21,6 +21,7 @@ SWITCHES: dict[str, str] = {
     "PPRUN_DISABLE_FUSED_DECODE": "pprun.layers.FUSED_DECODE_ENABLED",
     "PPRUN_DISABLE_SKINNY_GEMM": "pprun.layers.SKINNY_ENABLED",
     "PPRUN_DISABLE_NORM_FOLD": "pprun.layers.NORM_FOLD_ENABLED",
+    "PPRUN_DISABLE_FP8_SKINNY": "pprun.layers.FP8_SKINNY_ENABLED",
     "PPRUN_DISABLE_DEFER_MERGE": "pprun.layers.DEFER_MERGE_ENABLED",
     "PPRUN_DISABLE_PDL": "pprun.kernels.triton_utils.PDL_ENABLED",
     "PPRUN_DISABLE_GRAPH_LOGITS": "pprun.worker.v2.runner.GRAPH_LOGITS_ENABLED",

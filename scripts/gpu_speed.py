@@ -3,7 +3,10 @@
     python scripts/gpu_speed.py MODEL_DIR [--out result.json]
 
 - matmul_tflops: bf16 8192^3 matmul rate on this GPU (the prefill yardstick);
-- decode_b{1,32}: ms per engine step, ms per bare graph replay, tokens/s, at context ~512;
+- decode_b{1,32}: ms per engine step, ms per bare graph replay, tokens/s, at context ~512; for an
+  FP8 checkpoint also its ``Fp8Linear`` count and which kernels multiply them at that batch
+  (``--ab-only FP8_SKINNY_ENABLED``: the split-K kernels reading float8 against cuBLAS's scaled
+  FP8 matmul);
 - prefill: 8 prompts of 2048 tokens (``--prefill-shape LEN,NUM[,BUDGET]``), achieved TFLOP/s (2 * params * tokens + attention; a
   mixture-of-experts model's params counted as a token uses them: top_k of its experts) and its share
   of the matmul rate (median of three runs);
@@ -27,7 +30,10 @@ from pathlib import Path
 
 import torch
 
+import pprun.layers
+import pprun.layers.skinny
 from pprun import LLM, SamplingParams
+from pprun.layers.fp8_linear import Fp8Linear
 
 
 def matmul_tflops() -> float:
@@ -135,6 +141,13 @@ def decode(model: str, batch: int, ctx: int, steps: int, memory_steps: int = 0,
     step_ms = (time.perf_counter() - t0) * 1e3 / steps
     out = {"batch": batch, "ctx": ctx, "engine_step_ms": round(step_ms, 4),
            "tokens_per_s": round(batch / step_ms * 1e3, 1)}
+    fp8 = sum(isinstance(m, Fp8Linear) for m in runner.model.modules())
+    if fp8:
+        # Which kernels multiply the float8 weights at this batch (pprun.layers.linear's dispatch).
+        skinny_rows = pprun.layers.SKINNY_ENABLED and pprun.layers.FP8_SKINNY_ENABLED
+        out["fp8_linears"] = fp8
+        out["fp8_matmul"] = ("split-K float8 (W8A16)" if skinny_rows and batch <= pprun.layers.skinny.DISPATCH_MAX_M
+                             else "cuBLAS scaled_mm")
     graphs = runner.graphs
     if graphs.full:
         size = min(s for s in graphs.full if s >= batch)
@@ -255,6 +268,7 @@ def switches() -> list[tuple]:
     import pprun.worker.v2.runner
 
     return [(pprun.layers, "SKINNY_ENABLED", False, True),
+            (pprun.layers, "FP8_SKINNY_ENABLED", False, True),  # FP8 checkpoints only
             (pprun.layers, "FUSED_DECODE_ENABLED", False, True),
             (pprun.kernels.triton_utils, "PDL_ENABLED", False, True),
             (pprun.layers, "NORM_FOLD_ENABLED", False, True),
@@ -340,7 +354,8 @@ def main() -> None:
                     help="also trace the kernels inside the batch-1 and batch-32 decode graphs (every A/B run too)")
     ap.add_argument("--ab", action="store_true",
                     help="also run decode with each switch flipped in turn: split-K matmuls "
-                         "(PPRUN_DISABLE_SKINNY_GEMM), the fused decode attention "
+                         "(PPRUN_DISABLE_SKINNY_GEMM), an FP8 checkpoint's 1-32-row matmuls through cuBLAS's scaled "
+                         "FP8 matmul instead of the split-K kernels reading float8 (FP8_SKINNY_ENABLED), the fused decode attention "
                          "(PPRUN_DISABLE_FUSED_DECODE), programmatic dependent launch (PPRUN_DISABLE_PDL), "
                          "add + RMSNorm folded into the matmuls (PPRUN_DISABLE_NORM_FOLD), LM head and "
                          "greedy argmax inside the decode graphs (PPRUN_DISABLE_GRAPH_LOGITS), the split-K "
@@ -412,6 +427,9 @@ def main() -> None:
         if not args.ab_only and not is_moe(args.model):
             # The expert kernels' switches change nothing in a dense model: not run.
             chosen = [g for g in chosen if g[0][0].__name__ != "pprun.layers.moe_triton"]
+        if not args.ab_only and "quantization_config" not in model_config(args.model):
+            # Only FP8 checkpoints hold Fp8Linear layers.
+            chosen = [g for g in chosen if g[0][1] != "FP8_SKINNY_ENABLED"]
         if not args.ab_only and not model_config(args.model).get("model_type", "").startswith("qwen3"):
             # Only Qwen3's attention has q/k head norms.
             chosen = [g for g in chosen if g[0][0].__name__ != "pprun.layers.head_norm"]

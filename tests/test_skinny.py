@@ -333,9 +333,9 @@ def test_skinny_swapped_compiles_for_sm90(swiglu, hold_last):
     const = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1 if swiglu else 2, HAS_BIAS=False, SWIGLU=swiglu,
                  USE_DOT=True, SWAP_AB=True, DOT_F32=False, PRECISE_EXP=True, PRELOAD_W=False, HOLD_LAST=hold_last,
                  USE_PDL=True, NORM=False, HAS_RESIDUAL=False, BLOCK_ROW=1, EXACT_MUL=True,
-                 DEFER_MERGE=not swiglu)
+                 DEFER_MERGE=not swiglu, W_SCALE=0, SCALE_BLOCK=128)
     ptx = compile_sm90("pprun.layers.skinny", "_skinny_kernel", const,
-                       pointers={"part_ptr": "*fp32", "counter_ptr": "*i32"}, default_pointer="*bf16",
+                       pointers={"part_ptr": "*fp32", "counter_ptr": "*i32", "ws_ptr": "*fp32"}, default_pointer="*bf16",
                        float_args=("inv_hidden", "eps"), divisible=("K", "N_OUT", "K_PER"),
                        options={"num_warps": 4, "num_stages": skinny.SWAPPED_NUM_STAGES - hold_last, "enable_fp_fusion": False})
     before_wait = ptx[:ptx.index("griddepcontrol.wait")]

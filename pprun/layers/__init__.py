@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from pprun.kernels.partials import DEFER_MERGERS, SplitPartials, check_defer_merge, merged  # noqa: F401  (re-exported)
+from pprun.layers.fp8_linear import BLOCK as FP8_BLOCK
+from pprun.layers.fp8_linear import FP8_DTYPE, Fp8Linear
 from pprun.switches import enabled_unless
 
 FUSED_ENABLED: bool = enabled_unless("PPRUN_DISABLE_FUSED")
@@ -26,6 +28,11 @@ cache and attend in separate kernels (the A/B switch of ``scripts/gpu_speed.py``
 
 SKINNY_ENABLED: bool = enabled_unless("PPRUN_DISABLE_SKINNY_GEMM")
 """False when ``PPRUN_DISABLE_SKINNY_GEMM`` is set: decode-sized matmuls then go to cuBLAS."""
+
+FP8_SKINNY_ENABLED: bool = enabled_unless("PPRUN_DISABLE_FP8_SKINNY")
+"""False when ``PPRUN_DISABLE_FP8_SKINNY`` is set: an ``Fp8Linear``'s decode-sized matmuls then
+quantize their activations and go to cuBLAS's scaled FP8 matmul (``Fp8Linear.forward``) instead
+of the split-K kernels reading the float8 weights (the A/B switch of ``scripts/gpu_speed.py``)."""
 
 NORM_FOLD_ENABLED: bool = enabled_unless("PPRUN_DISABLE_NORM_FOLD")
 """False when ``PPRUN_DISABLE_NORM_FOLD`` is set: the residual add + RMSNorm before a one-row
@@ -96,10 +103,36 @@ def _kernel_weight(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     return weight
 
 
-def _skinny_for(layer: nn.Linear, x: torch.Tensor):
-    """``pprun.layers.skinny`` when ``layer(x)`` can take it: a plain ``nn.Linear`` (no subclass,
-    no hooks, no autograd) on a decode-sized bf16/fp16 CUDA batch whose weight, bias and input
-    the kernel reads as they are.  Anything else gets None and runs ``layer(x)``."""
+def _fp8_weight(layer: Fp8Linear, x: torch.Tensor) -> torch.Tensor | None:
+    """``layer.weight`` when the kernels may read an ``Fp8Linear``'s float8 weight and its scales
+    as they are for the input ``x``: no hooks, no autograd, both on ``x``'s device, the weight
+    float8 e4m3 and contiguous, the scales float32 of the layer's layout; else None."""
+    if not FP8_SKINNY_ENABLED or layer._forward_hooks or layer._forward_pre_hooks:
+        return None
+    weight, scale = layer.weight, layer.weight_scale
+    if torch.is_grad_enabled() and (weight.requires_grad or scale.requires_grad):
+        return None
+    if weight.dtype != FP8_DTYPE or weight.device != x.device or not weight.is_contiguous():
+        return None
+    if scale.dtype != torch.float32 or scale.device != x.device or scale.dim() != 2 or scale.stride(1) != 1:
+        return None
+    return weight
+
+
+def _weight_scales(layer: nn.Module) -> dict:
+    """The keyword arguments that give ``skinny`` a layer's weight scales: an ``Fp8Linear``'s
+    (per row, or per 128x128 block), none for an ``nn.Linear``."""
+    if type(layer) is Fp8Linear:
+        return {"weight_scale": layer.weight_scale, "scale_block": FP8_BLOCK if layer.block_scaled else None}
+    return {}
+
+
+def _skinny_for(layer: nn.Module, x: torch.Tensor):
+    """``pprun.layers.skinny`` when ``layer(x)`` can take it: a plain ``nn.Linear``, or an
+    ``Fp8Linear`` (its float8 weight read with its scales), with no subclass, no hooks and no
+    autograd, on a decode-sized bf16/fp16 CUDA batch whose weight, bias and input the kernel reads
+    as they are.  Anything else gets None and runs ``layer(x)`` (an ``Fp8Linear``: cuBLAS's scaled
+    FP8 matmul)."""
     if not SKINNY_ENABLED or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
         return None
     if fused_ops_for(x) is None:  # also: Triton imports, so skinny does too
@@ -107,12 +140,24 @@ def _skinny_for(layer: nn.Linear, x: torch.Tensor):
     skinny = _load_skinny()
     if x.shape[0] > skinny.DISPATCH_MAX_M or x.stride(1) != 1:
         return None
-    if type(layer) is not nn.Linear or _kernel_weight(layer, x) is None:
+    if type(layer) is nn.Linear:
+        if _kernel_weight(layer, x) is None:
+            return None
+    elif type(layer) is not Fp8Linear or _fp8_weight(layer, x) is None:
         return None
     bias = layer.bias
     if bias is not None and (bias.dtype != x.dtype or bias.device != x.device or bias.stride(0) != 1):
         return None
     return skinny
+
+
+def _halves_fit(layer: nn.Module) -> bool:
+    """Whether ``layer``'s rows split into SwiGLU's gate and up halves as the kernel reads them:
+    an even count, and with 128x128 block scales whole blocks each."""
+    rows = layer.weight.shape[0]
+    if type(layer) is Fp8Linear and layer.block_scaled:
+        return rows % (2 * FP8_BLOCK) == 0
+    return rows % 2 == 0
 
 
 LIGHT_PRODUCERS = ("norm", "attention")
@@ -121,9 +166,10 @@ attention reading little K/V): a one-row decode matmul after one loads its weigh
 
 
 def linear(
-    layer: nn.Linear, x: torch.Tensor, *, after: str | None = None, then: str | None = None
+    layer: nn.Linear | Fp8Linear, x: torch.Tensor, *, after: str | None = None, then: str | None = None
 ) -> torch.Tensor | SplitPartials:
-    """``layer(x)``; decode-sized CUDA batches take the split-K kernels of ``skinny``.
+    """``layer(x)``; decode-sized CUDA batches take the split-K kernels of ``skinny`` (an
+    ``Fp8Linear``'s float8 weight and scales too).
 
     The caller (a block's ``forward_fused`` in ``pprun.models.llama``) says where the matmul sits in its model, and this
     dispatch decides the kernel's launch from it:
@@ -146,20 +192,20 @@ def linear(
         return layer(x)
     defer = then if DEFER_MERGE_ENABLED and x.shape[0] > 1 else None
     return skinny.skinny_linear(x, layer.weight, layer.bias, weights_ahead=after in LIGHT_PRODUCERS,
-                                defer_merge=defer, hold_last=then != "attention")
+                                defer_merge=defer, hold_last=then != "attention", **_weight_scales(layer))
 
 
-def linear_swiglu(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
+def linear_swiglu(layer: nn.Linear | Fp8Linear, x: torch.Tensor) -> torch.Tensor | None:
     """``silu(gate) * up`` of ``layer(x)`` (rows ``[gate; up]``) in one launch for decode-sized
     CUDA batches, or None: the caller then runs the matmul and activation itself."""
     skinny = _skinny_for(layer, x)
-    if skinny is None or layer.weight.shape[0] % 2:
+    if skinny is None or not _halves_fit(layer):
         return None
-    return skinny.skinny_linear(x, layer.weight, layer.bias, swiglu=True)
+    return skinny.skinny_linear(x, layer.weight, layer.bias, swiglu=True, **_weight_scales(layer))
 
 
 def norm_linear(
-    norm: nn.Module, layer: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None, swiglu: bool = False
+    norm: nn.Module, layer: nn.Linear | Fp8Linear, x: torch.Tensor, residual: torch.Tensor | None, swiglu: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``layer`` applied to ``norm(x, residual)``'s output (with ``swiglu``, as
     :func:`linear_swiglu` applies it), in one launch, for a one-row CUDA batch: the add + RMSNorm
@@ -174,7 +220,7 @@ def norm_linear(
     if not NORM_FOLD_ENABLED or not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != 1:
         return None
     skinny = _skinny_for(layer, x)
-    if skinny is None or (swiglu and layer.weight.shape[0] % 2):
+    if skinny is None or (swiglu and not _halves_fit(layer)):
         return None
     weight = _kernel_weight(norm, x)
     if weight is None or weight.shape != (x.shape[1],):
@@ -186,4 +232,5 @@ def norm_linear(
         or residual.stride(1) != 1
     ):
         return None
-    return skinny.skinny_norm_linear(x, residual, weight, norm.eps, layer.weight, layer.bias, swiglu=swiglu)
+    return skinny.skinny_norm_linear(x, residual, weight, norm.eps, layer.weight, layer.bias, swiglu=swiglu,
+                                     **_weight_scales(layer))

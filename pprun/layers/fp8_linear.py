@@ -6,7 +6,10 @@ kept per row, so q/k/v fused into one layer keep their three scales).  Each call
 activations (one Triton launch: per token for row scales, per token and 128 columns for block
 scales, as vLLM and DeepSeek do) and runs cuBLAS's scaled matmul (``torch._scaled_mm``): rowwise
 scaling, or 1x128 activation blocks against 128x128 weight blocks.  The weights take half the
-memory of bf16 and each step reads half the bytes.
+memory of bf16 and each step reads half the bytes.  Decode-sized batches (up to
+``pprun.layers.skinny.DISPATCH_MAX_M`` rows) skip the activation quantization:
+``pprun.layers.linear`` sends them to the split-K kernels of ``pprun.layers.skinny``, which read
+the float8 weight with its scales and keep the activations in bf16/fp16 (W8A16).
 
 A model builds one where :func:`fp8_compute_supported` holds (a CUDA GPU of compute capability
 8.9 or more, 16-bit activations) and the layer's shape fits the scheme
@@ -95,7 +98,13 @@ class Fp8Linear(nn.Module):
             self.weight_scale.data[row0: row0 + rows].copy_(scale.reshape(-1, 1).expand(rows, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., in]`` in bf16/fp16 -> ``[..., out]`` in the same dtype."""
+        """``x [..., in]`` in bf16/fp16 -> ``[..., out]`` in the same dtype, through cuBLAS's scaled
+        FP8 matmul (decode-sized batches go to the split-K kernels instead, through
+        ``pprun.layers.linear``)."""
+        # Imported here, not at the top: fp8_quant imports Triton (the optional ``gpu`` extra),
+        # while CPU runs import this module to build FP8 checkpoints' layers (LinearFactory's
+        # fits_fp8_compute) with Triton absent, or before tests set TRITON_INTERPRET.  After the
+        # first call this is a sys.modules lookup, and CUDA graphs replay without it.
         from pprun.layers import fp8_quant
 
         shape = x.shape

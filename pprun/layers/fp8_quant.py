@@ -67,11 +67,12 @@ def quantize_groups(x: torch.Tensor, group: int, row_multiple: int = 1) -> tuple
     num_rows, k = x.shape
     if k % group:
         raise ValueError(f"quantize_groups: {k} columns are not whole groups of {group}")
-    padded = max(1, -(-num_rows // row_multiple)) * row_multiple
-    q = torch.empty((padded, k), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((k // group, padded), dtype=torch.float32, device=x.device)
-    _quantize_groups_kernel[(padded, k // group)](x, q, s, x.stride(0), q.stride(0), num_rows, padded,
-                                                  GROUP=group, FP8_MAX_C=FP8_MAX, EPS=SCALE_EPS, num_warps=1)
+    num_rows_padded = max(1, -(-num_rows // row_multiple)) * row_multiple
+    q = torch.empty((num_rows_padded, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((k // group, num_rows_padded), dtype=torch.float32, device=x.device)
+    _quantize_groups_kernel[(num_rows_padded, k // group)](x, q, s, x.stride(0), q.stride(0), num_rows,
+                                                           num_rows_padded, GROUP=group, FP8_MAX_C=FP8_MAX,
+                                                           EPS=SCALE_EPS, num_warps=1)
     return q, s.t()
 
 

@@ -38,6 +38,8 @@ from pprun.kernels.grid import arrival_counters
 from pprun.kernels.partials import SplitPartials, check_defer_merge
 from pprun.kernels.triton_utils import INTERPRETED as _INTERPRETED
 from pprun.kernels.triton_utils import pdl_options, pdl_sync
+from pprun.layers.fp8_linear import BLOCK as SCALE_BLOCK
+from pprun.layers.fp8_linear import FP8_DTYPE as FP8_WEIGHT_DTYPE
 from pprun.layers.fused import silu_mul
 
 MAX_M = 64
@@ -101,7 +103,7 @@ def _tile_product(x, w, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
         if DOT_F32:
             p = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
-            p = tl.dot(x, tl.trans(w))
+            p = tl.dot(x, tl.trans(w.to(x.dtype)))
     else:
         # One row: a multiply and a row sum beat a padded 16-row dot.
         p = tl.sum(x.to(tl.float32) * w.to(tl.float32), 1)[None, :]
@@ -115,7 +117,26 @@ def _swapped_product(x, w, DOT_F32: tl.constexpr):
     if DOT_F32:
         p = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
     else:
-        p = tl.dot(w, tl.trans(x))
+        p = tl.dot(w.to(x.dtype), tl.trans(x))  # float8 weights upcast in registers (exact)
+    return p
+
+
+@triton.jit
+def _product(x, w, ws_row, offs_k, k_mask, k0, USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
+             DOT_F32: tl.constexpr, W_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    """One K tile's product (transposed with ``SWAP_AB``) in fp32.  With block scales
+    (``W_SCALE == 2``) the tile's rows lie in one row block, whose scales start at ``ws_row``: at
+    one row the activations are multiplied by each column's block scale before the row sum (any
+    ``BLOCK_K``); a dot's tile lies in one block (``BLOCK_K`` divides ``SCALE_BLOCK``) and its
+    product is multiplied by that block's scale."""
+    if W_SCALE == 2 and not USE_DOT:
+        x = x.to(tl.float32) * tl.load(ws_row + offs_k // SCALE_BLOCK, mask=k_mask, other=0.0)[None, :]
+    if SWAP_AB:
+        p = _swapped_product(x, w, DOT_F32)
+    else:
+        p = _tile_product(x, w, USE_DOT, DOT_F32)
+    if W_SCALE == 2 and USE_DOT:
+        p = p * tl.load(ws_row + k0 // SCALE_BLOCK)
     return p
 
 
@@ -197,6 +218,7 @@ def _skinny_kernel(
     out_ptr,
     part_ptr,
     counter_ptr,
+    ws_ptr,
     res_ptr,
     norm_w_ptr,
     res_out_ptr,
@@ -206,6 +228,7 @@ def _skinny_kernel(
     stride_xm,
     stride_wn,
     stride_om,
+    stride_ws,
     K_PER,
     inv_hidden,
     eps,
@@ -227,11 +250,20 @@ def _skinny_kernel(
     BLOCK_ROW: tl.constexpr,
     EXACT_MUL: tl.constexpr,
     DEFER_MERGE: tl.constexpr,
+    W_SCALE: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
 ):
     """``x @ w.T`` (see the module docstring).  With ``NORM`` (one row, ``BLOCK_M == 1``) the
     matmul's input is ``norm_w * norm(x + residual)`` instead of ``x``: every program reads the
     whole row once for its ``rstd`` (``BLOCK_ROW >= K``), then normalises each K tile as it
-    loads it; program (0, 0) alone writes the residual sum to ``res_out``."""
+    loads it; program (0, 0) alone writes the residual sum to ``res_out``.
+
+    ``W_SCALE``: 0 for weights in the activations' dtype; float8 weights (upcast in registers)
+    with 1, one fp32 scale per weight row (``ws_ptr + row * stride_ws``), applied to the sums
+    before they are stored (it commutes with the split-K merge), or with 2, one per
+    ``SCALE_BLOCK`` x ``SCALE_BLOCK`` block (``ws_ptr + row_block * stride_ws + k_block``),
+    applied per K tile (:func:`_product`); the column tile lies in one row block (``BLOCK_N``
+    divides ``SCALE_BLOCK``, and ``N_OUT`` is whole blocks with SwiGLU)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -243,6 +275,9 @@ def _skinny_kernel(
     up_rows = w_ptr + (offs_n + N_OUT).to(tl.int64)[:, None] * stride_wn
     k_begin = pid_k * K_PER
     k_end = tl.minimum(k_begin + K_PER, K)
+    # Block scales: the row block of this column tile (and of its up rows).
+    ws_row = ws_ptr + ((pid_n * BLOCK_N) // SCALE_BLOCK).to(tl.int64) * stride_ws
+    ws_up_row = ws_ptr + ((N_OUT + pid_n * BLOCK_N) // SCALE_BLOCK).to(tl.int64) * stride_ws
     # x comes from the kernel before (PDL: wait for it). Loading the first weight tile before
     # the wait, or asking L2 for its lines there, measured slower (docs/performance.md); only
     # PRELOAD_W (one K tile per split: the program's whole slice) loads weights first, for a
@@ -278,9 +313,11 @@ def _skinny_kernel(
     if PRELOAD_W:
         x = tl.load(x_rows + offs_k_all[None, :], mask=m_mask[:, None] & k_mask_all[None, :], other=0.0)
         if SWAP_AB:
-            acc_t += _swapped_product(x, w_all, DOT_F32)
+            acc_t += _product(x, w_all, ws_row, offs_k_all, k_mask_all, k_begin, USE_DOT, SWAP_AB, DOT_F32,
+                              W_SCALE, SCALE_BLOCK)
         else:
-            acc += _tile_product(x, w_all, USE_DOT, DOT_F32)
+            acc += _product(x, w_all, ws_row, offs_k_all, k_mask_all, k_begin, USE_DOT, SWAP_AB, DOT_F32,
+                            W_SCALE, SCALE_BLOCK)
     else:
         for k0 in range(k_begin, loop_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -293,22 +330,33 @@ def _skinny_kernel(
             wk_mask = n_mask[:, None] & k_mask[None, :]
             w = tl.load(w_rows + offs_k[None, :], mask=wk_mask, other=0.0)
             if SWAP_AB:
-                acc_t += _swapped_product(x, w, DOT_F32)
+                acc_t += _product(x, w, ws_row, offs_k, k_mask, k0, USE_DOT, SWAP_AB, DOT_F32, W_SCALE,
+                                  SCALE_BLOCK)
             else:
-                acc += _tile_product(x, w, USE_DOT, DOT_F32)
+                acc += _product(x, w, ws_row, offs_k, k_mask, k0, USE_DOT, SWAP_AB, DOT_F32, W_SCALE, SCALE_BLOCK)
             if SWIGLU:
                 wu = tl.load(up_rows + offs_k[None, :], mask=wk_mask, other=0.0)
                 if SWAP_AB:
-                    acc_up_t += _swapped_product(x, wu, DOT_F32)
+                    acc_up_t += _product(x, wu, ws_up_row, offs_k, k_mask, k0, USE_DOT, SWAP_AB, DOT_F32, W_SCALE,
+                                         SCALE_BLOCK)
                 else:
-                    acc_up += _tile_product(x, wu, USE_DOT, DOT_F32)
+                    acc_up += _product(x, wu, ws_up_row, offs_k, k_mask, k0, USE_DOT, SWAP_AB, DOT_F32, W_SCALE,
+                                       SCALE_BLOCK)
     if HOLD_LAST:
-        acc_t += _swapped_product(x_last, w_last, DOT_F32)
+        acc_t += _product(x_last, w_last, ws_row, offs_k_last, k_mask_last, loop_end, USE_DOT, SWAP_AB, DOT_F32,
+                          W_SCALE, SCALE_BLOCK)
         if SWIGLU:
-            acc_up_t += _swapped_product(x_last, wu_last, DOT_F32)
+            acc_up_t += _product(x_last, wu_last, ws_up_row, offs_k_last, k_mask_last, loop_end, USE_DOT, SWAP_AB,
+                                 DOT_F32, W_SCALE, SCALE_BLOCK)
     if SWAP_AB:
         acc = tl.trans(acc_t)
         acc_up = tl.trans(acc_up_t)
+    if W_SCALE == 1:
+        # Row scales: once, after the K reduction (each split's partial scaled alike).
+        acc = acc * tl.load(ws_ptr + offs_n.to(tl.int64) * stride_ws, mask=n_mask, other=0.0)[None, :]
+        if SWIGLU:
+            acc_up = acc_up * tl.load(ws_ptr + (offs_n + N_OUT).to(tl.int64) * stride_ws, mask=n_mask,
+                                      other=0.0)[None, :]
 
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -365,7 +413,7 @@ class SkinnyConfig:
 
 def default_config(
     m: int, n_out: int, k: int, swiglu: bool, device: torch.device, weights_ahead: bool = False,
-    defer_merge: str | None = None, hold_last: bool = True,
+    defer_merge: str | None = None, hold_last: bool = True, scale_block: int | None = None,
 ) -> SkinnyConfig:
     """Launch settings for these shapes: the best of the launch-settings sweep over the 1.1B
     model's matmuls (docs/performance.md, "Launch settings and the comparisons behind them").
@@ -383,12 +431,15 @@ def default_config(
     column tiles over one K tile holding the whole row, loaded before the PDL wait; from two rows
     up to :data:`WEIGHTS_AHEAD_MAX_ROWS`, the swapped form with K split into 256-wide slices, each
     program's slice loaded before the wait.  ``defer_merge="norm"`` (above one row, no SwiGLU):
-    K is split toward :data:`DEFERRED_TARGET_PROGRAMS` programs instead."""
+    K is split toward :data:`DEFERRED_TARGET_PROGRAMS` programs instead.
+
+    ``scale_block`` (float8 weights with block scales): the swapped form's K tiles are at most
+    one scale block wide (a dot's tile takes one block's scale)."""
     if weights_ahead and WEIGHTS_AHEAD_ENABLED and not swiglu:
         if m == 1 and k <= WEIGHTS_AHEAD_MAX_K:
             return SkinnyConfig(8, triton.next_power_of_2(k), 1, num_warps=8, num_stages=1, preload=True)
         if 1 < m <= WEIGHTS_AHEAD_MAX_ROWS:
-            block_k = min(256, triton.next_power_of_2(k))
+            block_k = min(256 if scale_block is None else scale_block, triton.next_power_of_2(k))
             return SkinnyConfig(64, block_k, triton.cdiv(k, block_k), num_warps=4, num_stages=1, swap_ab=True,
                                 preload=True)
     if m > 1:
@@ -405,23 +456,48 @@ def default_config(
     return SkinnyConfig(block_n, block_k, split)
 
 
-def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool) -> None:
-    """The checks every matmul here makes on its input row(s), weight and bias."""
+def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool,
+                  weight_scale: torch.Tensor | None = None, scale_block: int | None = None) -> None:
+    """The checks every matmul here makes on its input row(s), weight, bias and weight scales."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x must be [M, K] and weight [N, K], got x={tuple(x.shape)} weight={tuple(weight.shape)}")
     m = x.shape[0]
-    n = weight.shape[0]
+    n, k = weight.shape
     if m > MAX_M:
         raise ValueError(f"x has {m} rows; skinny_linear serves at most MAX_M={MAX_M}")
     if x.stride(1) != 1:
         raise ValueError(f"x must be contiguous in its last dim, got strides {x.stride()}")
     if not weight.is_contiguous():
         raise ValueError(f"weight must be contiguous, got strides {weight.stride()}")
-    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise ValueError(
-            f"weight and bias must have x's dtype {x.dtype}, got weight {weight.dtype}"
-            + (f", bias {bias.dtype}" if bias is not None else "")
-        )
+    if weight_scale is None and scale_block is not None:
+        raise ValueError(f"scale_block={scale_block} needs a weight_scale")
+    if weight_scale is None and weight.dtype != x.dtype:
+        raise ValueError(f"weight must have x's dtype {x.dtype} (or be {FP8_WEIGHT_DTYPE} with a weight_scale), "
+                         f"got {weight.dtype}")
+    if weight_scale is not None:
+        if weight.dtype != FP8_WEIGHT_DTYPE:
+            raise ValueError(f"a weight_scale goes with a {FP8_WEIGHT_DTYPE} weight, got weight {weight.dtype}")
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"x must be bfloat16, float16 or float32 with a float8 weight, got {x.dtype}")
+        if scale_block is None:
+            want = (n, 1)
+        elif scale_block == SCALE_BLOCK:
+            want = (triton.cdiv(n, scale_block), triton.cdiv(k, scale_block))
+        else:
+            raise ValueError(f"scale_block must be None (a scale per weight row) or {SCALE_BLOCK}, got {scale_block}")
+        if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != want or weight_scale.stride(1) != 1:
+            raise ValueError(
+                f"weight_scale must be a float32 {want} tensor contiguous in its last dim "
+                f"({'one per weight row' if scale_block is None else f'one per {scale_block}x{scale_block} block'}), "
+                f"got {weight_scale.dtype} {tuple(weight_scale.shape)} with strides {weight_scale.stride()}"
+            )
+        if weight_scale.device != weight.device:
+            raise ValueError(f"weight_scale must be on the weight's device {weight.device}, got {weight_scale.device}")
+        if scale_block is not None and swiglu and (n // 2) % scale_block:
+            raise ValueError(f"swiglu with block scales needs gate and up of whole {scale_block}-row blocks, "
+                             f"got {n} weight rows")
+    if bias is not None and bias.dtype != x.dtype:
+        raise ValueError(f"bias must have x's dtype {x.dtype}, got {bias.dtype}")
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous ({n},) tensor, got shape {tuple(bias.shape)}, strides {bias.stride()}")
     if swiglu and n % 2:
@@ -429,9 +505,13 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def _plan(m: int, n_out: int, k: int, swiglu: bool, device: torch.device, config: SkinnyConfig | None,
-          weights_ahead: bool, defer_merge: str | None = None, hold_last: bool = True) -> tuple[SkinnyConfig, int, int]:
+          weights_ahead: bool, defer_merge: str | None = None, hold_last: bool = True,
+          scale_block: int | None = None) -> tuple[SkinnyConfig, int, int]:
     """The launch settings, K per split and the number of splits for these shapes."""
-    cfg = config or default_config(m, n_out, k, swiglu, device, weights_ahead, defer_merge, hold_last)
+    cfg = config or default_config(m, n_out, k, swiglu, device, weights_ahead, defer_merge, hold_last, scale_block)
+    if scale_block is not None and (scale_block % cfg.block_n or (m > 1 and scale_block % cfg.block_k)):
+        raise ValueError(f"block-scaled float8 weights need block_n dividing {scale_block} (a column tile in one "
+                         f"row block) and, above one row, block_k dividing it (a K tile in one block); got {cfg}")
     k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     return cfg, k_per, triton.cdiv(k, k_per)
 
@@ -446,12 +526,15 @@ def _launch(
     plan: tuple[SkinnyConfig, int, int],
     norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None = None,
     deferred: bool = False,
+    weight_scale: torch.Tensor | None = None,
+    scale_block: int | None = None,
 ) -> torch.Tensor | None:
     """One launch of :func:`_skinny_kernel` with the settings, K per split and splits of
     :func:`_plan`, writing ``out``; ``norm`` is ``(residual, norm_weight, residual_out, eps)`` for
     the norm prologue (one row), None for a plain matmul.  ``deferred`` (K split, no norm, no
     SwiGLU): nothing is written to ``out`` (None then) and the fp32 partials ``[splits, M,
-    n_out]`` are returned; otherwise None."""
+    n_out]`` are returned; otherwise None.  ``weight_scale`` / ``scale_block``: a float8
+    weight's scales, as :func:`skinny_linear` takes them."""
     m, k = x.shape
     cfg, k_per, split = plan
     if cfg.hold_last and (cfg.preload or norm is not None or not cfg.swap_ab or m == 1):
@@ -485,6 +568,7 @@ def _launch(
         out,
         part,
         counters,
+        weight_scale if weight_scale is not None else weight,  # unread without W_SCALE
         *norm_args,
         m,
         k,
@@ -492,6 +576,7 @@ def _launch(
         x.stride(0),
         weight.stride(0),
         n_out if deferred else out.stride(0),
+        weight_scale.stride(0) if weight_scale is not None else 0,
         k_per,
         inv_hidden,
         eps,
@@ -512,6 +597,8 @@ def _launch(
         BLOCK_ROW=block_row,
         EXACT_MUL=not _INTERPRETED,
         DEFER_MERGE=deferred,
+        W_SCALE=0 if weight_scale is None else (1 if scale_block is None else 2),
+        SCALE_BLOCK=scale_block or SCALE_BLOCK,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_options(x.device),
@@ -529,14 +616,21 @@ def skinny_linear(
     weights_ahead: bool = False,
     defer_merge: str | None = None,
     hold_last: bool = True,
+    weight_scale: torch.Tensor | None = None,
+    scale_block: int | None = None,
 ) -> torch.Tensor | SplitPartials:
     """``x @ weight.T (+ bias)``, or with ``swiglu`` ``silu(gate) * up`` of that product.
 
     Args:
         x: ``[M, K]`` with ``M <= MAX_M``, contiguous in its last dim.
-        weight: ``[N, K]`` contiguous (an ``nn.Linear`` weight); with ``swiglu``, ``[gate; up]``
-            with ``N`` even.
+        weight: ``[N, K]`` contiguous (an ``nn.Linear`` weight, or a float8 e4m3 one with
+            ``weight_scale``); with ``swiglu``, ``[gate; up]`` with ``N`` even.
         bias: ``[N]`` or None.
+        weight_scale: for a float8 e4m3 ``weight`` (an ``Fp8Linear``'s), its float32 scales: the
+            real weight is ``weight.float() * scale`` per row (``scale_block`` None: ``[N, 1]``)
+            or per ``scale_block`` x ``scale_block`` block (``[ceil(N / b), ceil(K / b)]``,
+            ``b = 128``).  The kernel reads the float8 bytes (half of bf16's), upcasts them in
+            registers and accumulates in fp32 (W8A16); the activations stay as they are.
         config: launch settings (default: :func:`default_config`, given ``weights_ahead``).
         weights_ahead: the kernel launched just before this one leaves the memory bandwidth
             idle, so the weights may be read before waiting for it (:func:`default_config`
@@ -554,18 +648,20 @@ def skinny_linear(
     Returns a new ``[M, N]`` (``[M, N // 2]`` with ``swiglu``) tensor in ``x``'s dtype, or the
     partials (see ``defer_merge``).
     """
-    _check_linear(x, weight, bias, swiglu)
+    _check_linear(x, weight, bias, swiglu, weight_scale, scale_block)
     m, n = x.shape[0], weight.shape[0]
     n_out = n // 2 if swiglu else n
     check_defer_merge(defer_merge)
     defer_merge = defer_merge if not swiglu else None
-    plan = _plan(m, n_out, x.shape[1], swiglu, x.device, config, weights_ahead, defer_merge, hold_last)
+    plan = _plan(m, n_out, x.shape[1], swiglu, x.device, config, weights_ahead, defer_merge, hold_last, scale_block)
     _, _, split = plan
+    scales = dict(weight_scale=weight_scale, scale_block=scale_block)
     if m > 0 and defer_merge is not None and split > 1:  # K split: the partials are the output
-        return SplitPartials(_launch(x, weight, bias, None, n_out, swiglu, plan, deferred=True), bias, x.dtype)
+        return SplitPartials(_launch(x, weight, bias, None, n_out, swiglu, plan, deferred=True, **scales), bias,
+                             x.dtype)
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m > 0:
-        _launch(x, weight, bias, out, n_out, swiglu, plan)
+        _launch(x, weight, bias, out, n_out, swiglu, plan, **scales)
     return out
 
 
@@ -579,6 +675,8 @@ def skinny_norm_linear(
     *,
     swiglu: bool = False,
     config: SkinnyConfig | None = None,
+    weight_scale: torch.Tensor | None = None,
+    scale_block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``fused.fused_add_rms_norm`` followed by :func:`skinny_linear`, in one launch, for one row.
 
@@ -592,14 +690,14 @@ def skinny_norm_linear(
             itself is the residual, as in ``fused_add_rms_norm``).
         norm_weight: ``[K]`` contiguous, of ``x``'s dtype (so that the normed row has it too).
         eps: added to the mean square.
-        weight, bias, swiglu, config: as for :func:`skinny_linear`.
+        weight, bias, swiglu, config, weight_scale, scale_block: as for :func:`skinny_linear`.
 
     Returns ``(out, new_residual)``: ``out`` as :func:`skinny_linear` returns it for the normed
     row, ``new_residual`` a new ``[1, K]`` tensor (``x`` itself when ``residual`` is None).
     """
     if x.dim() == 2 and x.shape[0] != 1:
         raise ValueError(f"x has {x.shape[0]} rows; skinny_norm_linear serves exactly one (M == 1)")
-    _check_linear(x, weight, bias, swiglu)
+    _check_linear(x, weight, bias, swiglu, weight_scale, scale_block)
     k = x.shape[1]
     if norm_weight.shape != (k,) or not norm_weight.is_contiguous():
         raise ValueError(
@@ -619,6 +717,7 @@ def skinny_norm_linear(
         new_residual = x
     n = weight.shape[0]
     out = torch.empty((1, n // 2 if swiglu else n), dtype=x.dtype, device=x.device)
-    plan = _plan(1, out.shape[1], k, swiglu, x.device, config, weights_ahead=False)
-    _launch(x, weight, bias, out, out.shape[1], swiglu, plan, norm=(residual, norm_weight, new_residual, eps))
+    plan = _plan(1, out.shape[1], k, swiglu, x.device, config, weights_ahead=False, scale_block=scale_block)
+    _launch(x, weight, bias, out, out.shape[1], swiglu, plan, norm=(residual, norm_weight, new_residual, eps),
+            weight_scale=weight_scale, scale_block=scale_block)
     return out, new_residual
