@@ -268,16 +268,18 @@ def make_tiny_mixtral(
     return _save(MixtralForCausalLM, config, Path(path), seed, _spread_routers)
 
 
-def make_tiny_whisper(path: Path | str, *, decoder_layers: int = 3, seed: int = 0) -> Path:
+def make_tiny_whisper(path: Path | str, *, decoder_layers: int = 3, seed: int = 0, d_model: int = 36,
+                      heads: int = 3) -> Path:
     """A tiny random Whisper of odd sizes (36 wide, 3 heads of 12, 7 mel bins, 15 encoder
-    positions, 101 tokens), with a generation config like tiny.en's."""
+    positions, 101 tokens), with a generation config like tiny.en's; ``d_model`` and ``heads``
+    (encoder and decoder alike) may be set, e.g. for tensor parallelism."""
     import json
 
     from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
     config = WhisperConfig(
-        vocab_size=101, num_mel_bins=7, d_model=36, encoder_layers=2, decoder_layers=decoder_layers,
-        encoder_attention_heads=3, decoder_attention_heads=3, encoder_ffn_dim=44, decoder_ffn_dim=52,
+        vocab_size=101, num_mel_bins=7, d_model=d_model, encoder_layers=2, decoder_layers=decoder_layers,
+        encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=44, decoder_ffn_dim=52,
         max_source_positions=15, max_target_positions=40, bos_token_id=98, eos_token_id=97,
         pad_token_id=97, decoder_start_token_id=98, begin_suppress_tokens=None, suppress_tokens=None,
     )
@@ -345,6 +347,7 @@ def make_tiny_llava(
     vision_feature_select_strategy: str | None = None,
     tied: bool = False,
     seed: int = 0,
+    text_heads: int = 3,
 ) -> Path:
     """A random ``LlavaForConditionalGeneration`` of odd sizes with its processor (tokenizer with
     ``<image>`` = id 4 and a chat template, image processor config) in ``path``.
@@ -354,7 +357,8 @@ def make_tiny_llava(
     ``tower="siglip"``: a SigLIP tower 36 wide (3 heads of 12), 3 blocks, 28-pixel images in
     4-pixel patches (49 rows, ``full`` strategy), the projector reading the last and the first
     block's outputs concatenated (``vision_feature_layer=[-1, -3]``).  The language model is a Llama 48 wide (3 heads
-    of 16, 1 KV head) with ``num_layers`` layers and a 53-token vocabulary.
+    of 16, 1 KV head; ``text_heads`` heads of ``48 / text_heads``) with ``num_layers`` layers and a
+    53-token vocabulary.
     """
     from transformers import (
         CLIPImageProcessorPil,
@@ -372,7 +376,7 @@ def make_tiny_llava(
     tokenizer = make_tiny_tokenizer(path)
     image_token = tokenizer.convert_tokens_to_ids("<image>")
     text = LlamaConfig(
-        hidden_size=48, intermediate_size=72, num_hidden_layers=num_layers, num_attention_heads=3,
+        hidden_size=48, intermediate_size=72, num_hidden_layers=num_layers, num_attention_heads=text_heads,
         num_key_value_heads=1, vocab_size=53, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
         pad_token_id=3, tie_word_embeddings=tied,
     )
