@@ -17,6 +17,7 @@ from torch import nn
 from pprun.kernels.partials import DEFER_MERGERS, SplitPartials, check_defer_merge, merged  # noqa: F401  (re-exported)
 from pprun.layers.fp8_linear import BLOCK as FP8_BLOCK
 from pprun.layers.fp8_linear import FP8_DTYPE, Fp8Linear
+from pprun.layers.parallel_linear import ColumnParallelLinear
 from pprun.switches import enabled_unless
 
 FUSED_ENABLED: bool = enabled_unless("PPRUN_DISABLE_FUSED")
@@ -128,7 +129,8 @@ def _weight_scales(layer: nn.Module) -> dict:
 
 
 def _skinny_for(layer: nn.Module, x: torch.Tensor):
-    """``pprun.layers.skinny`` when ``layer(x)`` can take it: a plain ``nn.Linear``, or an
+    """``pprun.layers.skinny`` when ``layer(x)`` can take it: a plain ``nn.Linear`` (or a tensor-parallel
+    ``ColumnParallelLinear``), or an
     ``Fp8Linear`` (its float8 weight read with its scales), with no subclass, no hooks and no
     autograd, on a decode-sized bf16/fp16 CUDA batch whose weight, bias and input the kernel reads
     as they are.  Anything else gets None and runs ``layer(x)`` (an ``Fp8Linear``: cuBLAS's scaled
@@ -140,7 +142,9 @@ def _skinny_for(layer: nn.Module, x: torch.Tensor):
     skinny = _load_skinny()
     if x.shape[0] > skinny.DISPATCH_MAX_M or x.stride(1) != 1:
         return None
-    if type(layer) is nn.Linear:
+    # A tensor-parallel rank's column shard is a plain matmul over its rows; a row-parallel shard
+    # all-reduces in its forward, which a kernel here would skip, so it runs ``layer(x)``.
+    if type(layer) in (nn.Linear, ColumnParallelLinear):
         if _kernel_weight(layer, x) is None:
             return None
     elif type(layer) is not Fp8Linear or _fp8_weight(layer, x) is None:
