@@ -71,7 +71,7 @@ def step_class_key(kind: str, num_tokens: int, num_reqs: int) -> str:
     return f"step: {kind} {count_class(num_tokens)} tokens {count_class(num_reqs)} requests"
 
 
-@dataclass
+@dataclass(eq=False)  # hashable by identity: the Triton hook keeps its listeners in a WeakSet
 class FirstUse:
     """The keys one owner has met, in order, and which came after :meth:`mark_ready`."""
 
