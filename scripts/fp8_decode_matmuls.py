@@ -80,21 +80,14 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def sweep_configs(m: int, k: int, swiglu: bool) -> list[skinny.SkinnyConfig]:
     """Launch settings to try beside the default at ``m`` rows."""
+    if m == 1 and k > 4096:  # long K: split
+        return [skinny.SkinnyConfig(block_n, block_k, split) for block_n in (16, 32) for block_k in (256, 512, 1024)
+                for split in (k // 2048, k // 1024)]
     if m == 1:
-        out = []
-        for block_n in (8, 16, 32):
-            for block_k in (256, 512, 1024):
-                if swiglu and block_n == 32:
-                    continue
-                split = max(1, k // 2048) if k > 4096 else 1
-                out += [skinny.SkinnyConfig(block_n, block_k, split, num_warps=w) for w in (4, 8)]
-        return out
-    out = []
-    for block_n in (64, 128):
-        for split in (1, 2, 4, 8):
-            if split * 128 <= k:
-                out.append(skinny.SkinnyConfig(block_n, 128, split, num_warps=4, num_stages=4, swap_ab=True))
-    return out
+        return [skinny.SkinnyConfig(block_n, block_k, 1, num_warps=w) for block_n in (8, 16) for block_k in (512, 1024)
+                for w in (4, 8)]
+    return [skinny.SkinnyConfig(64, 128, split, num_warps=4, num_stages=4, swap_ab=True)
+            for split in (1, 2, 4, 8) if split * 128 <= k]
 
 
 def swiglu_of(y: torch.Tensor) -> torch.Tensor:
@@ -142,12 +135,15 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     ap.add_argument("--rows", default="1,2,8,32")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--layers", default="", help="comma-separated layer names (default: all)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     torch.manual_seed(0)
     res: dict = {"device": torch.cuda.get_device_name(), "shape": args.shape, "layers": []}
     for name, n, k, swiglu in SHAPES[args.shape]:
+        if args.layers and name not in args.layers.split(","):
+            continue
         copies = max(2, -(-3 * L2_BYTES // (n * k)))  # fp8 bytes: > 3x L2 over the copies (bf16: 6x)
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
         layers = {}

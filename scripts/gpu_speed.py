@@ -146,8 +146,9 @@ def decode(model: str, batch: int, ctx: int, steps: int, memory_steps: int = 0,
         # Which kernels multiply the float8 weights at this batch (pprun.layers.linear's dispatch).
         skinny_rows = pprun.layers.SKINNY_ENABLED and pprun.layers.FP8_SKINNY_ENABLED
         out["fp8_linears"] = fp8
-        out["fp8_matmul"] = ("split-K float8 (W8A16)" if skinny_rows and batch <= pprun.layers.skinny.DISPATCH_MAX_M
-                             else "cuBLAS scaled_mm")
+        block = any(isinstance(m, Fp8Linear) and m.block_scaled for m in runner.model.modules())
+        max_rows = pprun.layers.skinny.FP8_BLOCK_DISPATCH_MAX_M if block else pprun.layers.skinny.DISPATCH_MAX_M
+        out["fp8_matmul"] = "split-K float8 (W8A16)" if skinny_rows and batch <= max_rows else "cuBLAS scaled_mm"
     graphs = runner.graphs
     if graphs.full:
         size = min(s for s in graphs.full if s >= batch)
@@ -269,6 +270,7 @@ def switches() -> list[tuple]:
 
     return [(pprun.layers, "SKINNY_ENABLED", False, True),
             (pprun.layers, "FP8_SKINNY_ENABLED", False, True),  # FP8 checkpoints only
+            (pprun.layers.skinny, "FP8_BLOCK_DISPATCH_MAX_M", 32, False),  # block-scaled FP8 checkpoints only
             (pprun.layers, "FUSED_DECODE_ENABLED", False, True),
             (pprun.kernels.triton_utils, "PDL_ENABLED", False, True),
             (pprun.layers, "NORM_FOLD_ENABLED", False, True),
@@ -355,7 +357,9 @@ def main() -> None:
     ap.add_argument("--ab", action="store_true",
                     help="also run decode with each switch flipped in turn: split-K matmuls "
                          "(PPRUN_DISABLE_SKINNY_GEMM), an FP8 checkpoint's 1-32-row matmuls through cuBLAS's scaled "
-                         "FP8 matmul instead of the split-K kernels reading float8 (FP8_SKINNY_ENABLED), the fused decode attention "
+                         "FP8 matmul instead of the split-K kernels reading float8 (FP8_SKINNY_ENABLED), block-scaled FP8 "
+                         "weights through the split-K kernels up to 32 rows instead of at one row "
+                         "(FP8_BLOCK_DISPATCH_MAX_M), the fused decode attention "
                          "(PPRUN_DISABLE_FUSED_DECODE), programmatic dependent launch (PPRUN_DISABLE_PDL), "
                          "add + RMSNorm folded into the matmuls (PPRUN_DISABLE_NORM_FOLD), LM head and "
                          "greedy argmax inside the decode graphs (PPRUN_DISABLE_GRAPH_LOGITS), the split-K "
@@ -429,7 +433,7 @@ def main() -> None:
             chosen = [g for g in chosen if g[0][0].__name__ != "pprun.layers.moe_triton"]
         if not args.ab_only and "quantization_config" not in model_config(args.model):
             # Only FP8 checkpoints hold Fp8Linear layers.
-            chosen = [g for g in chosen if g[0][1] != "FP8_SKINNY_ENABLED"]
+            chosen = [g for g in chosen if g[0][1] not in ("FP8_SKINNY_ENABLED", "FP8_BLOCK_DISPATCH_MAX_M")]
         if not args.ab_only and not model_config(args.model).get("model_type", "").startswith("qwen3"):
             # Only Qwen3's attention has q/k head norms.
             chosen = [g for g in chosen if g[0][0].__name__ != "pprun.layers.head_norm"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_env import DEVICE, HAS_CUDA, USE_INTERPRETER, triton_only  # noqa: E402  (sets TRITON_INTERPRET)
+from triton_env import DEVICE, HAS_CUDA, triton_only  # noqa: E402  (sets TRITON_INTERPRET)
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32
@@ -253,7 +253,8 @@ def _fp8_linear(n: int, k: int, layout: str, dtype: torch.dtype, seed: int = 9):
 def test_dispatch_sends_fp8_linear_decode_rows_to_the_split_k_kernels(layout, monkeypatch, switch):
     """``pprun.layers.linear`` / ``linear_swiglu`` / ``norm_linear`` treat an ``Fp8Linear`` as an
     ``nn.Linear`` with scales: decode rows go to ``skinny`` with the layer's scales; more rows than
-    ``DISPATCH_MAX_M``, the switch off, or hooks keep ``layer(x)`` (cuBLAS's scaled FP8 matmul)."""
+    ``DISPATCH_MAX_M`` (block scales: ``FP8_BLOCK_DISPATCH_MAX_M``), the switch off, or hooks keep
+    ``layer(x)`` (cuBLAS's scaled FP8 matmul)."""
     from pprun import layers
     from pprun.layers import fused, skinny
     from pprun.layers.norm import RMSNorm
@@ -277,11 +278,13 @@ def test_dispatch_sends_fp8_linear_decode_rows_to_the_split_k_kernels(layout, mo
     got, _ = layers.norm_linear(norm, layer, x, None)
     want = _reference(norm(x, None)[0], deq, layer.bias, False)
     _assert_close(got, want, dtype)
-    if HAS_CUDA or not USE_INTERPRETER:  # the swapped form's bf16 dot: faithful on CUDA only
+    # Rows up to DISPATCH_MAX_M (per-row scales) or FP8_BLOCK_DISPATCH_MAX_M (block scales).
+    max_rows = skinny.FP8_BLOCK_DISPATCH_MAX_M if layout == "blocks" else skinny.DISPATCH_MAX_M
+    if HAS_CUDA and max_rows >= 4:  # the swapped form's bf16 dot: faithful on CUDA only
         x4 = _x(4, 256, dtype)
         _assert_close(layers.merged(layers.linear(layer, x4)), _reference(x4, deq, layer.bias, False), dtype)
-    assert layers._skinny_for(layer, _x(skinny.DISPATCH_MAX_M, 256, dtype)) is skinny
-    assert layers._skinny_for(layer, _x(skinny.DISPATCH_MAX_M + 1, 256, dtype)) is None
+    assert layers._skinny_for(layer, _x(max_rows, 256, dtype)) is skinny
+    assert layers._skinny_for(layer, _x(max_rows + 1, 256, dtype)) is None
     switch("PPRUN_DISABLE_FP8_SKINNY", False)
     assert layers._skinny_for(layer, x) is None
     switch("PPRUN_DISABLE_FP8_SKINNY", True)

@@ -133,8 +133,8 @@ def _skinny_for(layer: nn.Module, x: torch.Tensor):
     ``ColumnParallelLinear``), or an
     ``Fp8Linear`` (its float8 weight read with its scales), with no subclass, no hooks and no
     autograd, on a decode-sized bf16/fp16 CUDA batch whose weight, bias and input the kernel reads
-    as they are.  Anything else gets None and runs ``layer(x)`` (an ``Fp8Linear``: cuBLAS's scaled
-    FP8 matmul)."""
+    as they are (a block-scaled ``Fp8Linear``: up to ``skinny.FP8_BLOCK_DISPATCH_MAX_M`` rows).
+    Anything else gets None and runs ``layer(x)`` (an ``Fp8Linear``: cuBLAS's scaled FP8 matmul)."""
     if not SKINNY_ENABLED or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
         return None
     if fused_ops_for(x) is None:  # also: Triton imports, so skinny does too
@@ -149,6 +149,8 @@ def _skinny_for(layer: nn.Module, x: torch.Tensor):
             return None
     elif type(layer) is not Fp8Linear or _fp8_weight(layer, x) is None:
         return None
+    elif layer.block_scaled and x.shape[0] > skinny.FP8_BLOCK_DISPATCH_MAX_M:
+        return None  # cuBLAS's block-scaled FP8 matmul is faster there
     bias = layer.bias
     if bias is not None and (bias.dtype != x.dtype or bias.device != x.device or bias.stride(0) != 1):
         return None

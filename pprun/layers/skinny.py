@@ -52,6 +52,15 @@ and o_proj and within a few percent on the rest, so it takes them (docs/performa
 settings")."""
 
 
+FP8_BLOCK_DISPATCH_MAX_M = 1
+"""Largest row count ``pprun.layers.linear`` sends here for an ``Fp8Linear`` with 128x128 block
+scales; more rows take cuBLAS's block-scaled FP8 matmul.  At one row these kernels take 0.51-0.70
+of the bf16 kernels' time on Qwen3-8B's layers and beat cuBLAS's FP8 matmul by 1.2-1.8x; from two
+rows the swapped form on float8 weights (upcast from shared memory before the MMA) is no faster
+than on bf16, and cuBLAS's block-scaled FP8 matmul is faster (docs/quantization.md).  Per-row
+scales keep :data:`DISPATCH_MAX_M`: there the swapped form beats cuBLAS's rowwise FP8 matmul at
+2-8 rows and equals it at 32."""
+
 WEIGHTS_AHEAD_ENABLED = True
 """Whether a matmul whose caller asks for it (``weights_ahead``: the kernel before it leaves the
 memory bandwidth idle, as decode attention does before ``o_proj``) loads its whole weight slice
@@ -414,6 +423,7 @@ class SkinnyConfig:
 def default_config(
     m: int, n_out: int, k: int, swiglu: bool, device: torch.device, weights_ahead: bool = False,
     defer_merge: str | None = None, hold_last: bool = True, scale_block: int | None = None,
+    fp8_weight: bool = False,
 ) -> SkinnyConfig:
     """Launch settings for these shapes: the best of the launch-settings sweep over the 1.1B
     model's matmuls (docs/performance.md, "Launch settings and the comparisons behind them").
@@ -434,7 +444,9 @@ def default_config(
     K is split toward :data:`DEFERRED_TARGET_PROGRAMS` programs instead.
 
     ``scale_block`` (float8 weights with block scales): the swapped form's K tiles are at most
-    one scale block wide (a dot's tile takes one block's scale)."""
+    one scale block wide (a dot's tile takes one block's scale).  ``fp8_weight`` (one row):
+    K tiles twice as wide, so that a tile holds as many bytes as a bf16 one (16-byte loads of
+    16 values; qkv and o_proj of Qwen3-8B 20-23% faster than with the bf16 tiles)."""
     if weights_ahead and WEIGHTS_AHEAD_ENABLED and not swiglu:
         if m == 1 and k <= WEIGHTS_AHEAD_MAX_K:
             return SkinnyConfig(8, triton.next_power_of_2(k), 1, num_warps=8, num_stages=1, preload=True)
@@ -452,6 +464,8 @@ def default_config(
     long_k = k > 4096
     block_n = 16 if (swiglu or long_k) else 8
     block_k = min(256 if long_k else 512, triton.next_power_of_2(k))
+    if fp8_weight and not swiglu:  # SwiGLU's 16 + 16 rows over 512 columns measured fastest as they are
+        block_k = min(2 * block_k, triton.next_power_of_2(k))
     split = max(1, k // 1024) if long_k else 1
     return SkinnyConfig(block_n, block_k, split)
 
@@ -506,9 +520,10 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def _plan(m: int, n_out: int, k: int, swiglu: bool, device: torch.device, config: SkinnyConfig | None,
           weights_ahead: bool, defer_merge: str | None = None, hold_last: bool = True,
-          scale_block: int | None = None) -> tuple[SkinnyConfig, int, int]:
+          scale_block: int | None = None, fp8_weight: bool = False) -> tuple[SkinnyConfig, int, int]:
     """The launch settings, K per split and the number of splits for these shapes."""
-    cfg = config or default_config(m, n_out, k, swiglu, device, weights_ahead, defer_merge, hold_last, scale_block)
+    cfg = config or default_config(m, n_out, k, swiglu, device, weights_ahead, defer_merge, hold_last, scale_block,
+                                   fp8_weight)
     if scale_block is not None and (scale_block % cfg.block_n or (m > 1 and scale_block % cfg.block_k)):
         raise ValueError(f"block-scaled float8 weights need block_n dividing {scale_block} (a column tile in one "
                          f"row block) and, above one row, block_k dividing it (a K tile in one block); got {cfg}")
@@ -653,7 +668,8 @@ def skinny_linear(
     n_out = n // 2 if swiglu else n
     check_defer_merge(defer_merge)
     defer_merge = defer_merge if not swiglu else None
-    plan = _plan(m, n_out, x.shape[1], swiglu, x.device, config, weights_ahead, defer_merge, hold_last, scale_block)
+    plan = _plan(m, n_out, x.shape[1], swiglu, x.device, config, weights_ahead, defer_merge, hold_last, scale_block,
+                 weight_scale is not None)
     _, _, split = plan
     scales = dict(weight_scale=weight_scale, scale_block=scale_block)
     if m > 0 and defer_merge is not None and split > 1:  # K split: the partials are the output
@@ -717,7 +733,8 @@ def skinny_norm_linear(
         new_residual = x
     n = weight.shape[0]
     out = torch.empty((1, n // 2 if swiglu else n), dtype=x.dtype, device=x.device)
-    plan = _plan(1, out.shape[1], k, swiglu, x.device, config, weights_ahead=False, scale_block=scale_block)
+    plan = _plan(1, out.shape[1], k, swiglu, x.device, config, weights_ahead=False, scale_block=scale_block,
+                 fp8_weight=weight_scale is not None)
     _launch(x, weight, bias, out, out.shape[1], swiglu, plan, norm=(residual, norm_weight, new_residual, eps),
             weight_scale=weight_scale, scale_block=scale_block)
     return out, new_residual
