@@ -20,6 +20,15 @@ norm).  The next stage's first layer takes it as the first stage's first layer t
 embeddings, so a hop carries half the bytes of the (output, residual) pair in one message, and
 the tokens do not change: the add rounds as the next norm's fused add would have.
 
+Tensor parallelism (``tp``, a ``TensorParallel``): each tp rank of a stage builds its shard of
+every layer from ``pprun.layers.parallel_linear`` through the ``LinearFactory``: q/k/v (its query
+heads, its KV heads or the one it shares where tp exceeds them) and gate/up column-parallel,
+o_proj and down row-parallel, whose forward all-reduces, so every block's output, and the
+residual stream a stage sends on, is whole on every rank; the embedding and LM head
+vocabulary-parallel; a sparse layer's experts split along their width (``pprun.models.moe``).
+:meth:`LlamaForCausalLM.checkpoint_shards` says which part of each tensor the rank reads.  At
+tp 1 the layers are plain ``nn.Linear`` and ``nn.Embedding``.
+
 Where the fused ops run (``pprun.layers.fused_ops_for``: CUDA with Triton, unless
 ``PPRUN_DISABLE_FUSED=1``), ``LlamaForCausalLM.forward`` calls each layer's
 ``DecoderLayer.forward_fused``: the same modules, in the same order, with the kernels picked by
@@ -37,6 +46,11 @@ the blocks themselves (``Attention.forward_fused``, ``MLP.forward_fused``,
 - gate_up and its SwiGLU are one launch where the split-K kernels take the rows;
 - a sparse layer's block (``pprun.models.moe``) runs the router and the grouped expert kernels,
   each token's expert outputs left to the next norm to sum.
+
+Under tensor parallelism the same calls run on the rank's shards: a column shard takes the split-K
+kernels and the norm fold as a whole layer does, while a row shard runs its own forward (the
+matmul, then the all-reduce), so its output reaches the next norm whole, never as split partials,
+and a sparse block sums its experts' partials before its all-reduce.
 
 The tests that keep the two paths together: ``tests/test_norm_linear.py`` (a layer folded and
 not), ``tests/test_launch_plan.py`` (the kernels a decode step launches),
