@@ -18,8 +18,14 @@ model of that family (``llava`` or ``whisper`` in the name, else a Llama), with 
 The repository's ``scripts/``, ``launchers/`` and ``tests/`` are linked into the working
 folder, as the docs' commands run from the repository's root.  Input files a snippet names by a
 relative path (``talk.wav``, ``notes.flac``, ``cat.png``, ``requests.jsonl``, ...) are made there
-first: a few seconds of audio, a small picture, a few prompts.  ``pprun serve`` runs until it listens, then stops; its port (and the port of the
-snippets beside it) becomes a free one.
+first: a few seconds of audio, a small picture, a few prompts.  ``pprun serve`` runs until it
+listens; its port (and the port of the snippets beside it) becomes a free one.  Each server
+command starts once per module, as a user starts it, and serves every snippet that shows it or
+runs beside it; it stops after the last of them (:class:`Servers`).  A block's first ``pprun``
+command runs through bash as written; its later ``pprun`` commands without redirections or pipes
+are forked from a process that has imported pprun, torch and transformers already
+(``tests/warm_cli.py``), which runs ``pprun.cli.main`` as ``python -m pprun`` does: seconds of
+imports saved per command, the fresh start checked once per block.
 
 **Output.**  Where the doc shows what a snippet prints, the harness compares: in a ``console``
 block, the lines after a ``$`` command are that command's output; after any runnable block, a
@@ -69,6 +75,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from warm_cli import WarmCli
 
 ROOT = Path(__file__).resolve().parent.parent
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
@@ -724,11 +731,19 @@ def needs_bundled_whisper(text: str) -> bool:
     return "whisper-tiny.en" in text or ("transcribe" in text and "model" not in text.split("transcribe", 1)[1])
 
 
-def run_shell(snippet: Snippet, workdir: Workdir, server_ports: list[tuple[int, int]]) -> int:
+def run_shell(snippet: Snippet, workdir: Workdir, server_ports: list[tuple[int, int]],
+              servers: Servers | None = None, warm: WarmCli | None = None) -> int:
     """Run (or check) every command of a shell snippet, each through bash as written; compare
-    what they printed with the output the doc shows; returns how many were only checked."""
+    what they printed with the output the doc shows; returns how many were only checked.
+
+    A ``pprun serve`` command is started by ``servers`` when given (shared with the snippets that
+    use the same server), else here, until it listens.  With ``warm``, the snippet's ``pprun``
+    commands after the first one it runs, when they use no redirection or pipe, are forked from
+    the warm template (``tests/warm_cli.py``) instead of a fresh interpreter: the first runs
+    through bash as a user runs it."""
     checked = 0
     printed = []
+    ran_fresh = False
     for cmd in commands(snippet):
         where = f"{snippet.id} `{cmd.text}`"
         reason = why_not_run(cmd) if snippet.mode != "check-only" else "the marker"
@@ -740,6 +755,9 @@ def run_shell(snippet: Snippet, workdir: Workdir, server_ports: list[tuple[int, 
             checked += 1
             continue
         assert snippet.mode in ("run", "partly", "beside")
+        if is_server(cmd) and servers is not None:
+            servers.ports(cmd, where)  # started (once) until it listens, and still running
+            continue
         if cmd.text in RAN and snippet.shown_output is None:
             continue  # the same command ran for another snippet
         workdir.prepare(cmd.text)
@@ -750,6 +768,14 @@ def run_shell(snippet: Snippet, workdir: Workdir, server_ports: list[tuple[int, 
             env = run_env({k: workdir.substitute(v) for k, v in cmd.env.items()})
             with Server(argv, env, workdir.path, where):
                 pass
+        elif warm is not None and ran_fresh and pprun_args(cmd.argv) is not None and plain(cmd):
+            args = [workdir.substitute(a) for a in pprun_args(cmd.argv)]
+            for named, actual in server_ports:
+                args = [a.replace(str(named), str(actual)) for a in args]
+            env = run_env({k: workdir.substitute(v) for k, v in cmd.env.items()})
+            proc = warm.run(args, workdir.path, env, RUN_TIMEOUT_S)
+            check_run(proc, where, f"{cmd.text} (forked from the warm pprun)")
+            printed.append(proc.stdout)
         else:
             line = workdir.substitute(cmd.text)
             for named, actual in server_ports:
@@ -759,9 +785,15 @@ def run_shell(snippet: Snippet, workdir: Workdir, server_ports: list[tuple[int, 
                                   timeout=RUN_TIMEOUT_S)  # fmt: skip
             check_run(proc, where, cmd.text)
             printed.append(proc.stdout)
+            ran_fresh = ran_fresh or pprun_args(cmd.argv) is not None
         RAN.add(cmd.text)
     check_output(snippet, "".join(printed))
     return checked
+
+
+def plain(cmd: Command) -> bool:
+    """The command passes nothing to the shell (no redirection, no pipe): its argv is all."""
+    return not any(SHELL_OPERATORS.match(word) for word in cmd.argv)
 
 
 def run_python(snippet: Snippet, workdir: Workdir, server_ports: list[tuple[int, int]]) -> None:
@@ -815,33 +847,80 @@ def test_snippets_are_found():
     assert "README.md" in ids and any(s.lang == "python" for s in SNIPPETS), sorted(ids)
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """The servers of ``runs beside`` markers, one per server command, each started once (in a
-    working folder of its own) and shared by the client snippets beside the same command: a
-    client's check is what it gets from the server, not the server's start, which the snippet
-    that shows the server command checks itself.  Stopped at the end of the module."""
-    running: dict[str, tuple[Server, list[tuple[int, int]]]] = {}
+def server_commands(snippet: Snippet) -> list[Command]:
+    """The ``pprun serve`` commands a snippet starts or runs beside (its marker's)."""
+    found = []
+    if snippet.mode == "beside":
+        found.append(commands(Snippet(snippet.doc, snippet.line, "bash", snippet.server_command + "\n"))[0])
+    if snippet.lang in SHELL_LANGS and snippet.mode != "check-only":
+        found += [c for c in commands(snippet) if is_server(c) and why_not_run(c) is None]
+    return found
 
-    def get(snippet: Snippet) -> list[tuple[int, int]]:
-        """The (named, actual) ports of the running server of ``snippet``'s marker."""
-        command = snippet.server_command
-        if command not in running:
-            server_cmd = commands(Snippet(snippet.doc, snippet.line, "bash", command + "\n"))[0]
-            assert is_server(server_cmd), f"{snippet.id}: the marker's command is not a `pprun serve`"
-            workdir = Workdir(tmp_path_factory.mktemp("server"))
-            workdir.prepare(server_cmd.text)
-            argv = [workdir.substitute(a) for a in argv_for_run(server_cmd)]
-            server = Server(argv, run_env(server_cmd.env), workdir.path, f"{snippet.id} (server `{command}`)")
+
+class Servers:
+    """The ``pprun serve`` processes of the docs' snippets, one per server command (its text,
+    environment included): each started once as a user starts it (a fresh interpreter, in a
+    working folder of its own), until it listens, and shared by the snippets that use it: the one
+    that shows the command (its check is that the server starts and listens; every later one
+    checks it still runs) and the client snippets of ``runs beside`` markers naming it (their
+    check is what they get from it).  A server stops after the last snippet, in the docs' order,
+    that uses it (``last_use``), or when the module ends."""
+
+    def __init__(self, tmp_path_factory, last_use: dict[str, str]) -> None:
+        self.tmp_path_factory = tmp_path_factory
+        self.last_use = last_use
+        self.running: dict[str, tuple[Server, list[tuple[int, int]]]] = {}
+
+    def ports(self, cmd: Command, where: str) -> list[tuple[int, int]]:
+        """The (named, actual) ports of the server of ``cmd``, started if it is not running."""
+        assert is_server(cmd), f"{where}: `{cmd.text}` is not a `pprun serve`"
+        key = cmd.text
+        if key not in self.running:
+            workdir = Workdir(self.tmp_path_factory.mktemp("server"))
+            workdir.prepare(cmd.text)
+            argv = [workdir.substitute(a) for a in argv_for_run(cmd)]
+            env = run_env({k: workdir.substitute(v) for k, v in cmd.env.items()})
+            server = Server(argv, env, workdir.path, f"{where} (server `{key}`)")
             server.__enter__()
-            running[command] = (server, list(zip(named_ports(argv), server.ports)))
-        server, ports = running[command]
-        assert server.proc is not None and server.proc.poll() is None, f"{snippet.id}: the server `{command}` exited"
+            self.running[key] = (server, list(zip(named_ports(argv), server.ports)))
+        server, ports = self.running[key]
+        assert server.proc is not None and server.proc.poll() is None, f"{where}: the server `{key}` exited"
         return ports
 
-    yield get
-    for server, _ in running.values():
-        server.__exit__(None, None, None)
+    def done(self, snippet: Snippet) -> None:
+        """Stop the servers no later snippet uses."""
+        for key in [k for k in self.running if self.last_use.get(k, snippet.id) == snippet.id]:
+            server, _ = self.running.pop(key)
+            server.__exit__(None, None, None)
+
+    def close(self) -> None:
+        """Stop every server still running."""
+        for server, _ in self.running.values():
+            server.__exit__(None, None, None)
+        self.running.clear()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """The module's :class:`Servers`."""
+    last_use: dict[str, str] = {}
+    for snippet in SNIPPETS:
+        try:
+            for cmd in server_commands(snippet):
+                last_use[cmd.text] = snippet.id
+        except ValueError:
+            continue  # a snippet whose marker or commands do not parse: its own test says so
+    pool = Servers(tmp_path_factory, last_use)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def warm_cli():
+    """One warm ``pprun`` template for the module's snippets (``tests/warm_cli.py``)."""
+    warm = WarmCli(run_env())
+    yield warm
+    warm.close()
 
 
 @pytest.mark.parametrize(
@@ -849,22 +928,25 @@ def servers(tmp_path_factory):
     # A snippet that runs takes seconds to a minute or more: slow (`-m "not slow"` keeps the checks).
     [pytest.param(s, id=s.id, marks=[] if s.mode == "check-only" else [pytest.mark.slow]) for s in SNIPPETS],
 )
-def test_snippet(snippet: Snippet, tmp_path: Path, demo_model_dir, servers):
+def test_snippet(snippet: Snippet, tmp_path: Path, demo_model_dir, servers, warm_cli):
     """Run the snippet (or check it, where its marker says why it cannot run here)."""
     mode = snippet.mode
     if snippet.lang == "python" and mode == "check-only":
         assert re.search(r"\(\s*\S.*\)", snippet.marker or ""), f"{snippet.id}: the marker gives no (reason)"
     workdir = Workdir(tmp_path)
-    server_ports = servers(snippet) if mode == "beside" else []
-    if snippet.lang == "python":
-        if mode == "check-only":
-            check_python(snippet)
-        else:
-            assert mode in ("run", "beside"), f"{snippet.id}: a Python snippet runs whole or is check-only"
-            run_python(snippet, workdir, server_ports)
-        return
-    check_marker(snippet)
-    run_shell(snippet, workdir, server_ports)
+    try:
+        server_ports = servers.ports(server_commands(snippet)[0], snippet.id) if mode == "beside" else []
+        if snippet.lang == "python":
+            if mode == "check-only":
+                check_python(snippet)
+            else:
+                assert mode in ("run", "beside"), f"{snippet.id}: a Python snippet runs whole or is check-only"
+                run_python(snippet, workdir, server_ports)
+            return
+        check_marker(snippet)
+        run_shell(snippet, workdir, server_ports, servers, warm_cli)
+    finally:
+        servers.done(snippet)
 
 
 @pytest.mark.parametrize(
@@ -973,6 +1055,17 @@ def test_a_failing_command_and_an_http_error_fail_the_snippet(tmp_path: Path):
         server.shutdown()
     with pytest.raises(AssertionError, match="exited with 1"):
         run_shell(Snippet("x.md", 1, "bash", "python -c 'raise SystemExit(1)' | cat\n"), Workdir(tmp_path / "b"), [])
+
+
+def test_warm_commands_exit_and_print_as_pprun_does(warm_cli, tmp_path: Path):
+    """A ``pprun`` command forked from the warm template (``tests/warm_cli.py``) gives back the
+    exit status and the output that ``python -m pprun`` gives, on success and on an error."""
+    for args in (["--version"], ["generat"]):
+        fresh = subprocess.run([sys.executable, "-m", "pprun", *args], cwd=tmp_path, env=run_env(),
+                               capture_output=True, text=True, timeout=120)  # fmt: skip
+        warm = warm_cli.run(args, tmp_path, run_env(), 120)
+        assert (warm.returncode, warm.stdout, warm.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr), args
+    assert warm.returncode == 2 and "did you mean 'generate'" in warm.stderr
 
 
 def test_only_declared_placeholders_are_placeholders():
