@@ -99,6 +99,11 @@ def tensor_parallel_group(layout: StageLayout, device: torch.device, timeout_s: 
         group = dist.new_group(ranks, backend=backend_for(device), timeout=timeout)
         if pp_rank == layout.pp_rank:
             mine = group
+    if device.type == "cuda":
+        # NCCL connects a group at its first collective, which must not be inside a CUDA-graph
+        # capture (the model's all-reduces are captured): connect it now.
+        dist.all_reduce(torch.zeros(1, device=device), group=mine)
+        torch.cuda.synchronize(device)
     return TensorParallel(layout.tp_rank, layout.tp_size, mine)
 
 
