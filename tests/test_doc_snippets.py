@@ -396,11 +396,43 @@ def why_not_run(cmd: Command) -> str | None:
 
 @functools.cache
 def help_text(*argv: str) -> str:
-    """What ``argv --help`` prints (cached: each program once)."""
+    """What ``argv --help`` prints (cached: each program once).  ``torchrun``'s parser and the
+    repository's Python scripts are asked in this process (the parser torchrun's entry point
+    parses with; the script run as ``__main__``, as ``python script --help`` runs it), which spares
+    a fresh interpreter its imports of torch; any other program runs."""
+    if argv == ("torchrun",):
+        from torch.distributed.run import get_args_parser
+
+        return get_args_parser().format_help()
+    if len(argv) == 2 and argv[0] == sys.executable and argv[1].endswith(".py"):
+        return script_help(argv[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([*argv, "--help"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert proc.returncode == 0, f"{' '.join(argv)} --help failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
     return proc.stdout + proc.stderr
+
+
+def script_help(script: str) -> str:
+    """What ``python SCRIPT --help`` prints, the script run as ``__main__`` in this process (its
+    ``sys.argv`` and ``sys.path`` restored after)."""
+    import contextlib
+    import io
+    import runpy
+
+    out = io.StringIO()
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [script, "--help"]
+    sys.path.insert(0, str((ROOT / script).parent))
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            runpy.run_path(str(ROOT / script), run_name="__main__")
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    assert status in (0, None), f"python {script} --help failed ({status}):\n{out.getvalue()[-2000:]}"
+    return out.getvalue()
 
 
 def check_flags(program: list[str], args: list[str], where: str) -> None:
