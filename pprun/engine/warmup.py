@@ -11,7 +11,9 @@ executor and pipeline depth warms the paths its traffic takes.  Its parts:
   many as the matching class of request counts; each request samples twice, so the wave's
   decode step of as many requests runs too (every decode size class, hence every CUDA graph
   size's replay, eager decodes beyond the largest graph included);
-* ``mixed``: the same classes with requests decoding while one more computes its prompt;
+* ``mixed``: the same classes with requests decoding while one more computes its prompt (one
+  request decoding while prompts of every token class join it in turn; then every request
+  class);
 * ``sampler``: each sampler variant alone and all of them in one batch (greedy, temperature,
   top-k, top-p, both, min-p, seeds, logprobs, suppressed ids, min-tokens);
 * ``prefix cache`` (when on): a prompt run twice, the second time from its cached blocks;
@@ -55,17 +57,21 @@ class WarmupRequest:
 
 @dataclass(frozen=True)
 class Wave:
-    """Requests queued at once (``first``); ``joiners`` are queued once every request of
-    ``first`` has sampled its first token, so their prompts share steps with its decodes."""
+    """Requests queued at once (``first``); ``joiners``, groups of requests, are queued one group
+    at a time once every request of ``first`` has sampled its first token, each after the
+    previous one finished, so that each group's prompts share a step with the decodes of
+    ``first`` alone; ``first`` is
+    aborted after the last joiner (it samples enough to decode until then)."""
 
     part: str
     first: tuple[WarmupRequest, ...]
-    joiners: tuple[WarmupRequest, ...] = ()
+    joiners: tuple[tuple[WarmupRequest, ...], ...] = ()
+    """Groups of requests, each group queued at once."""
 
     @property
     def requests(self) -> tuple[WarmupRequest, ...]:
         """Every request of the wave."""
-        return self.first + self.joiners
+        return self.first + tuple(r for group in self.joiners for r in group)
 
 
 @dataclass(frozen=True)
@@ -124,8 +130,8 @@ def plan_warmup(limits: WarmupLimits) -> list[Wave]:
         for r in count_class_representatives(min(lim.max_num_seqs, lim.max_num_batched_tokens // p)):
             waves.append(Wave("prefill", tuple(WarmupRequest(p, _greedy(2)) for _ in range(r))))
         for r in count_class_representatives(min(lim.max_num_seqs, lim.max_num_batched_tokens // p))[1:]:
-            waves.append(Wave("mixed", tuple(WarmupRequest(p, _greedy(4)) for _ in range(r - 1)),
-                              (WarmupRequest(p, _greedy(2)),)))  # fmt: skip
+            waves.append(Wave("mixed", tuple(WarmupRequest(p, _greedy(lim.max_model_len - p - 1)) for _ in range(r - 1)),
+                              ((WarmupRequest(p, _greedy(1)),),)))  # fmt: skip
         variants = sampler_variants(lim.max_logprobs)
         waves += [Wave("sampler", (WarmupRequest(p, v),)) for v in variants]
         waves.append(Wave("sampler", tuple(WarmupRequest(p, v) for v in variants[: lim.max_num_seqs])))
@@ -139,13 +145,27 @@ def plan_warmup(limits: WarmupLimits) -> list[Wave]:
         if r > lim.max_num_seqs:
             continue
         waves.append(Wave("prefill", tuple(WarmupRequest(n, _greedy(2), prompt_key=i) for n in _split(t, r))))
-    for i, t in enumerate(tokens):
-        r = max(reqs[i] if i < len(reqs) else 2, 2)
-        joiner = t - (r - 1)
-        if joiner < 1 or joiner > max_prompt:
-            continue
-        decoders = tuple(WarmupRequest(1, _greedy(4), prompt_key=1000 + j) for j in range(r - 1))
-        waves.append(Wave("mixed", decoders, (WarmupRequest(joiner, _greedy(2), prompt_key=2000 + i),)))
+    # Mixed: one request decodes while a prompt of each token class joins in turn (groups short
+    # enough for its context), then each request class with a one-token joiner.
+    decode_room = lim.max_model_len - 2
+    group = max(1, (decode_room - 4) // 3)
+    joiners = [
+        tuple(
+            WarmupRequest(n, _greedy(1), prompt_key=2000 + t)
+            for n in _split(t - 1, math.ceil((t - 1) / max_prompt))
+        )
+        for t in tokens
+        if t >= 2 and math.ceil((t - 1) / max_prompt) < lim.max_num_seqs
+    ]
+    for g in range(0, len(joiners), group):
+        part = tuple(joiners[g : g + group])
+        decoder = WarmupRequest(1, _greedy(min(decode_room, 3 * len(part) + 4)), prompt_key=1000 + g)
+        waves.append(Wave("mixed", (decoder,), part))
+    for r in reqs[2:]:
+        decoders = tuple(
+            WarmupRequest(1, _greedy(min(decode_room, 8)), prompt_key=1000 + j) for j in range(r - 1)
+        )
+        waves.append(Wave("mixed", decoders, ((WarmupRequest(1, _greedy(1), prompt_key=2999),),)))
     variants = sampler_variants(lim.max_logprobs)
     waves += [Wave("sampler", (WarmupRequest(4, v, prompt_key=3000 + i),)) for i, v in enumerate(variants)]
     waves.append(Wave("sampler", tuple(WarmupRequest(4, v, prompt_key=3000 + i)
@@ -168,10 +188,19 @@ def plan_warmup(limits: WarmupLimits) -> list[Wave]:
 
 
 def _fits(wave: Wave, lim: WarmupLimits) -> bool:
-    """Whether the wave's requests fit the KV cache at once (block 0 is reserved)."""
-    blocks = sum(math.ceil((r.num_prompt_tokens + r.num_images * lim.image_tokens + r.params.max_tokens)
-                           / lim.block_size) for r in wave.requests)  # fmt: skip
-    return len(wave.requests) <= lim.max_num_seqs and blocks < lim.num_blocks
+    """Whether the requests of the wave that run at once (``first`` and one group of joiners)
+    fit ``max_num_seqs`` and the KV cache (block 0 is reserved)."""
+
+    def blocks(reqs: tuple[WarmupRequest, ...]) -> int:
+        return sum(math.ceil((r.num_prompt_tokens + r.num_images * lim.image_tokens + r.params.max_tokens)
+                             / lim.block_size) for r in reqs)  # fmt: skip
+
+    group_reqs = max((len(g) for g in wave.joiners), default=0)
+    group_blocks = max((blocks(g) for g in wave.joiners), default=0)
+    return (
+        len(wave.first) + group_reqs <= lim.max_num_seqs
+        and blocks(wave.first) + group_blocks < lim.num_blocks
+    )
 
 
 def limits_for(engine: LLMEngine) -> WarmupLimits:
@@ -204,8 +233,9 @@ def _image() -> object:
 
 def _image_tokens(engine: LLMEngine) -> int:
     """Placeholder tokens one warm-up image expands into."""
-    ids, _ = engine.inputs.image_processor.process([5], [_image()], "warm-up")
-    return len(ids) - 1
+    image_token = engine.resolved.arch.multimodal["image_token_index"]
+    ids, _ = engine.inputs.image_processor.process([image_token], [_image()], "warm-up")
+    return len(ids)
 
 
 @dataclass
@@ -232,12 +262,17 @@ def _prompt_ids(engine: LLMEngine, req: WarmupRequest) -> tuple[list[int], list]
         return list(speech.decoder_prompt), [
             speech.audio_item(samples, "warm-up", len(speech.decoder_prompt))
         ]
-    high = rc.arch.vocab_size
-    if rc.arch.multimodal is not None:
-        high = min(high, rc.arch.multimodal["image_token_index"])
-    low = min(16, high - 1)
-    span = max(1, high - low)
-    ids = [low + (req.prompt_key * 7919 + j * 104729) % span for j in range(req.num_prompt_tokens)]
+    # Ids from the upper three quarters of the vocabulary (special tokens sit at either end of
+    # most; the image token is skipped).
+    vocab = rc.arch.vocab_size
+    low = vocab // 4
+    skip = rc.arch.multimodal["image_token_index"] if rc.arch.multimodal is not None else -1
+    ids = [
+        low + (req.prompt_key * 7919 + j * 104729) % (vocab - low - 1) for j in range(req.num_prompt_tokens)
+    ]
+    ids = [t + 1 if t == skip else t for t in ids]
+    if req.num_images:  # each image's token after a few prompt tokens
+        ids += [rc.arch.multimodal["image_token_index"]] * req.num_images
     prompt: dict = {"prompt_token_ids": ids}
     if req.num_images:
         prompt["multi_modal_data"] = {"image": [_image() for _ in range(req.num_images)]}
@@ -276,10 +311,19 @@ def run_warmup(engine: LLMEngine, waves: list[Wave]) -> dict[str, PartReport]:
             while any(i in engine.tracked and not engine.tracked[i].req.output_token_ids for i in first):
                 engine.step()
                 steps += 1
-            add(wave.joiners)
+            for group in wave.joiners:
+                joined = add(group)
+                while any(i in engine.tracked for i in joined):
+                    engine.step()
+                    steps += 1
+            for req_id in first:  # decoding only to keep the joiners company
+                if req_id in engine.tracked:
+                    engine.abort_request(req_id)
         while engine.has_unfinished_requests():
             engine.step()
             steps += 1
+        if engine.tracked:  # the aborted ones' outputs
+            engine.step()
         report.num_waves += 1
         report.num_steps += steps
         report.seconds += time.perf_counter() - t0

@@ -1,0 +1,163 @@
+"""Ready means warm, counted (issue 49): after ``LLM(...)`` returns, a mixed workload on the demo
+model meets nothing for the first time -- no step class, sampler branch, request feature, and on
+a GPU no Triton compile or CUDA-graph capture -- as the first-use records count it
+(``pprun.utils.first_use``); an engine without its warm-up, on the same workload, counts first
+uses (the counter counts).  Counted, not timed.  The plan's own rules are unit tests."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from pprun.engine.warmup import WarmupLimits, plan_warmup
+from pprun.sampling.params import SamplingParams
+from pprun.utils.first_use import FirstUse, count_class, count_class_representatives
+
+# Small limits keep the warm-up to a few hundred steps of the demo model on CPU; the workload
+# below stays within them (the classes it meets are the ones these limits allow).
+LIMITS = {"max_num_seqs": 3, "max_num_batched_tokens": 16, "max_model_len": 128}
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def mixed_workload(llm, seed: int) -> None:
+    """Prompt lengths (1 token to chunked), batch sizes (1 to more than max_num_seqs), every
+    sampling setting and logprobs, in a few generate calls."""
+    rng = random.Random(seed)
+    settings = [
+        {"temperature": 0.0},
+        {"temperature": 0.7},
+        {"temperature": 0.7, "top_k": 7},
+        {"temperature": 0.7, "top_p": 0.85},
+        {"temperature": 0.9, "top_k": 3, "top_p": 0.5},
+        {"temperature": 0.7, "min_p": 0.2},
+        {"temperature": 0.7, "seed": 11},
+        {"temperature": 0.0, "logprobs": 2},
+        {"temperature": 0.7, "logprobs": 5},
+        {"temperature": 0.0, "suppress_token_ids": [2, 3]},
+        {"temperature": 0.0, "min_tokens": 3},
+    ]
+    for batch_size in (1, 3, 6):
+        prompts, params = [], []
+        for _ in range(batch_size):
+            n = rng.choice([1, 2, 5, 17, 33, 47, 90])
+            prompts.append({"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(n)]})
+            params.append(
+                SamplingParams(max_tokens=rng.choice([1, 4, 9]), ignore_eos=True, **rng.choice(settings))
+            )
+        llm.generate(prompts, params)
+
+
+def first_uses_after_ready(llm) -> list[str]:
+    stats = llm.engine.first_use_stats()
+    return stats["after_ready"] + [key for stage in stats["stages"] for key in stage["after_ready"]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_after_ready_a_mixed_workload_meets_nothing_for_the_first_time(demo_model_dir, device):
+    from pprun import LLM
+
+    with LLM(str(demo_model_dir), device=device, warmup="full", **LIMITS) as llm:
+        stats = llm.engine.first_use_stats()
+        assert stats["ready"] and stats["num_after_ready"] == 0
+        assert llm.engine.startup_s["warmup"] > 0
+        if device == "cuda":  # the stage's record saw Triton compiles and graph captures
+            (stage,) = stats["stages"]
+            assert stage["num_keys"] > 0
+        mixed_workload(llm, seed=0)
+        mixed_workload(llm, seed=1)
+        assert first_uses_after_ready(llm) == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_without_warm_up_the_same_workload_counts_first_uses(demo_model_dir, device):
+    """The negative control: the records do count, so the test above can fail."""
+    from pprun import LLM
+
+    with LLM(str(demo_model_dir), device=device, warmup="none", **LIMITS) as llm:
+        assert llm.engine.first_use_stats()["ready"]
+        mixed_workload(llm, seed=0)
+        after = first_uses_after_ready(llm)
+    kinds = {key.split(":")[0] for key in after}
+    assert {"step", "request", "sampler"} <= kinds, after
+    assert any(key.startswith("step: mixed") for key in after), after
+
+
+def test_count_classes_and_their_representatives():
+    assert [count_class(n) for n in (1, 32, 33, 48, 63, 64, 65, 1000, 1024)] == [
+        "1", "32", "<=64", "<=64/16", "<=64", "<=64/16", "<=128", "<=1024", "<=1024/16",
+    ]  # fmt: skip
+    reps = count_class_representatives(200)
+    # Every count up to the limit has its class among the representatives' classes, once each.
+    assert {count_class(n) for n in range(1, 201)} == {count_class(n) for n in reps}
+    assert len(reps) == len({count_class(n) for n in reps}) and max(reps) <= 200
+
+
+def test_the_plan_meets_every_class_within_the_limits():
+    lim = WarmupLimits(max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64, block_size=16,
+                       num_blocks=1000, prefix_caching=True, chunked_prefill=True, max_logprobs=20)  # fmt: skip
+    waves = plan_warmup(lim)
+    parts = {w.part for w in waves}
+    assert parts == {"prefill", "mixed", "sampler", "prefix cache"}  # no prompt exceeds the budget
+    (chunked,) = [w for w in plan_warmup(replace(lim, max_model_len=512)) if w.part == "chunked prefill"]
+    assert chunked.first[0].num_prompt_tokens > 100
+    prefill_tokens = {sum(r.num_prompt_tokens for r in w.first) for w in waves if w.part == "prefill"}
+    # Prompts fit the context (two samples each), so a 100-token step needs two requests.
+    assert {count_class(t) for t in prefill_tokens} == {count_class(n) for n in range(1, 101)}
+    assert all(r.num_prompt_tokens <= 62 for w in waves for r in w.requests)
+    prefill_reqs = {len(w.first) for w in waves if w.part == "prefill"}
+    assert prefill_reqs >= set(range(1, 9))
+    # Mixed steps: the decoders of ``first`` with one group of joiners at a time.
+    mixed = [(len(w.first), group) for w in waves if w.part == "mixed" for group in w.joiners]
+    assert {d + len(g) for d, g in mixed} == set(range(2, 9))
+    mixed_tokens = {d + sum(r.num_prompt_tokens for r in g) for d, g in mixed}
+    assert max(mixed_tokens) <= 100
+    assert {count_class(t) for t in mixed_tokens} == {count_class(n) for n in range(2, 101)}
+    # Each sampler variant alone, then all together; the sampling parameters are valid.
+    for w in waves:
+        for r in w.requests:
+            r.params.validate()
+    # A KV cache too small for a wave drops it rather than stalling the warm-up.
+    small = plan_warmup(replace(lim, num_blocks=4))
+    assert small and all(len(w.first) + max(map(len, w.joiners), default=0) <= 3 for w in small)
+
+
+def test_a_key_met_after_ready_is_counted_and_logged_once(caplog):
+    record = FirstUse("stage 0")
+    assert record.record("triton: a") and not record.record("triton: a")
+    assert record.drain() == ("triton: a",) and record.drain() == ()
+    record.mark_ready()
+    with caplog.at_level("WARNING", logger="pprun.utils.first_use"):
+        assert record.record("cuda graph: full 8")
+        assert not record.record("cuda graph: full 8")
+    assert record.after_ready == ["cuda graph: full 8"]
+    assert record.snapshot()["num_after_ready"] == 1
+    assert [r.getMessage() for r in caplog.records] == ["stage 0: first use after ready: cuda graph: full 8"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_compiles_reach_the_record():
+    """Triton's JIT hook sends a new specialisation of a kernel to every watching record."""
+    import triton
+    import triton.language as tl
+
+    from pprun.utils.first_use import watch_triton
+
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+    record = FirstUse("test")
+    assert watch_triton(record)
+    x = torch.zeros(64, device="cuda")
+    add_one[(1,)](x, 64, BLOCK=64)
+    add_one[(1,)](x, 64, BLOCK=64)
+    keys = [k for k in record.seen if k.startswith("triton: add_one")]
+    assert len(keys) == 1
+    add_one[(1,)](x, 7, BLOCK=64)  # 7 is no multiple of 16: another specialisation
+    assert len([k for k in record.seen if k.startswith("triton: add_one")]) == 2
