@@ -527,6 +527,11 @@ class ServeConfig:
     engine_process: bool = True
     """Step the engine in a process of its own (the server process keeps gRPC, tokenizing and
     detokenizing: no shared interpreter lock); false: on a thread of the server process."""
+    api_servers: int = 1
+    """Front-end processes (vLLM's ``--api-server-count``): each serves gRPC and HTTP on the same
+    ports (SO_REUSEPORT) and does its requests' parsing, tokenizing, detokenizing and encoding,
+    over one engine process that exchanges one message per step with each; 1: the server process
+    is the one front end.  More than 1 needs ``engine_process``."""
 
     max_choices: int = 128
     """Most choices one OpenAI request may ask for: its prompts times ``n`` (OpenAI's cap on
@@ -578,6 +583,12 @@ class ServeConfig:
                              "null (32 times model.max_model_len)")
         if not isinstance(self.engine_process, bool):
             raise ValueError(f"serve.engine_process={self.engine_process!r} is invalid: must be true or false")
+        if not isinstance(self.api_servers, int) or isinstance(self.api_servers, bool) or self.api_servers < 1:
+            raise ValueError(f"serve.api_servers={self.api_servers!r} is invalid: must be an integer >= 1 "
+                             "(front-end processes over one engine)")
+        if self.api_servers > 1 and not self.engine_process:
+            raise ValueError(f"serve.api_servers={self.api_servers} needs serve.engine_process=true: front-end "
+                             "processes share an engine that steps in a process of its own")
         if self.auth_token is not None and self.auth_token_file is not None:
             raise ValueError("serve.auth_token and serve.auth_token_file are both set: give one")
         if self.auth_token is not None and (not isinstance(self.auth_token, str) or not self.auth_token.strip()):

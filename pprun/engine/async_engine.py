@@ -303,6 +303,7 @@ class EngineClient(abc.ABC):
                     f"(scheduler.max_num_seqs + serve.max_queued_requests = {self.max_unfinished}); retry later"
                 )
             self._active[req_id] = active
+            self.latency.unfinished.set(len(self._active))
         self._send(AddCommand(req_id, ids, params, arrival_time))
         return active.stream
 
@@ -440,6 +441,7 @@ class EngineClient(abc.ABC):
             with self._lock:
                 for req_id in ended:
                     self._active.pop(req_id, None)
+                self.latency.unfinished.set(len(self._active))
                 self._lock.notify_all()
 
     def _fail(self, why: str, finished: list[FinishedUpdate]) -> None:

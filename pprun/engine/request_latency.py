@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client.registry import Collector
 
 from pprun.engine.outputs import RequestMetrics
@@ -66,8 +66,8 @@ def _observe_many(hist: Histogram, value: float, count: int) -> None:
 
 
 class LatencyHistograms(Collector):
-    """The four histograms (see the module docstring); a ``prometheus_client`` collector, so a
-    registry serves them (:attr:`registry` has only them)."""
+    """The four histograms (see the module docstring) and the unfinished-request gauge; a
+    ``prometheus_client`` collector, so a registry serves them (:attr:`registry` has only them)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -80,6 +80,10 @@ class LatencyHistograms(Collector):
                              buckets=TOKEN_BUCKETS, registry=r)  # fmt: skip
         self.queue = Histogram("pprun:request_queue_time_seconds", "Arrival to the first step that took the "
                                "request", buckets=QUEUE_BUCKETS, registry=r)  # fmt: skip
+        self.unfinished = Gauge("pprun_requests_unfinished", "requests accepted whose last answer is not "
+                                "delivered yet", registry=r, multiprocess_mode="livesum")  # fmt: skip
+        """Set by the serving client as requests come and go; beside the histograms so that
+        front-end processes' counts add up the same way (``prometheus_client`` multi-process mode)."""
 
     def collect(self) -> Iterator:
         """The histograms' metric families (to serve them from another registry)."""

@@ -361,6 +361,27 @@ class _EventStream(StreamingResponse):
             self._end()
 
 
+class _HeaderMiddleware:
+    """ASGI middleware that adds one header to every HTTP answer (which front end served it)."""
+
+    def __init__(self, app: Any, header: tuple[bytes, bytes]) -> None:
+        self.app = app
+        self.header = header
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        """Pass the request on; add the header to the answer's start."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
 class _EmbeddedUvicorn(uvicorn.Server):
     """uvicorn on the event loop ``pprun serve`` runs, leaving SIGTERM/SIGINT to it (it drains
     both servers in order; uvicorn would otherwise take the signals for itself)."""
@@ -370,17 +391,21 @@ class _EmbeddedUvicorn(uvicorn.Server):
         yield
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
+def listening_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """A TCP socket bound to ``host:port`` (an IPv6 literal with or without brackets), listening.
 
     Its protocol is IPPROTO_TCP, not 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
     sockets whose protocol says TCP, and accepted sockets inherit the listener's.  With Nagle on,
     a stream's first event waits for the client's delayed ACK of the headers (about 40 ms).
+    ``reuse_port``: SO_REUSEPORT, for front-end processes that share the port (the kernel spreads
+    connections over their listeners).
     """
     host = host.strip("[]")
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         sock.listen(2048)
     except OSError:
@@ -393,21 +418,26 @@ class HttpServer:
     """The OpenAI HTTP server's life: bind, serve on the running event loop, stop."""
 
     def __init__(self, engine: EngineClient, model_name: str, sc: ServeConfig, token: str | None,
-                 limits: RequestLimits) -> None:
+                 limits: RequestLimits, front_end: Any = None) -> None:
         self.sc = sc
+        self.front_end = front_end
+        """``pprun.serve.server.FrontEnd`` when one of several front-end processes serves this."""
         self.openai = OpenAIServer(engine, model_name, limits)
         self.app = self.openai.app(token, sc.max_message_bytes)
+        if front_end is not None:
+            self.app = _HeaderMiddleware(self.app, (b"pprun-api-server", str(front_end.index).encode()))
         self._server: _EmbeddedUvicorn | None = None
         self._task: asyncio.Task | None = None
         self.port: int | None = None
 
     async def start(self) -> int:
         """Bind ``serve.host``:``serve.http_port`` and start serving; returns the port."""
-        sc = self.sc
+        sc, fe = self.sc, self.front_end
+        port = sc.http_port if fe is None else fe.http_port
         try:
-            sock = listening_socket(sc.host, sc.http_port)
+            sock = listening_socket(sc.host, port, reuse_port=fe is not None)
         except OSError as e:
-            raise ValueError(f"serve.host={sc.host!r} serve.http_port={sc.http_port}: cannot bind: {e}") from None
+            raise ValueError(f"serve.host={sc.host!r} serve.http_port={port}: cannot bind: {e}") from None
         config = uvicorn.Config(
             self.app, lifespan="off", log_config=None, access_log=False, server_header=False,
             ssl_certfile=sc.tls_cert_file, ssl_keyfile=sc.tls_key_file, timeout_graceful_shutdown=2,

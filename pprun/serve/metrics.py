@@ -9,16 +9,20 @@ Two sources, one registry (:class:`ServerMetrics`):
   the engine process anything, so a scrape never waits for a step;
 * the request latency histograms the client observes as reports come (time to first token, per
   output token, between tokens, in the queue: ``pprun:`` names, vLLM's with its prefix,
-  ``pprun.engine.request_latency``).
+  ``pprun.engine.request_latency``) and its unfinished requests; with ``serve.api_servers`` > 1
+  summed over the front-end processes (``prometheus_client``'s multi-process mode), while the
+  engine's state is the same in each (every front end gets the engine's counters every step).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from pprun.engine.async_engine import EngineClient
@@ -46,8 +50,6 @@ def server_metrics(engine: EngineClient) -> list[Metric]:
     return [
         Metric("pprun_healthy", "gauge", "1 while the engine takes requests (no stage failure, not draining)",
                float(engine.healthy)),
-        Metric("pprun_requests_unfinished", "gauge", "requests accepted whose last answer is not delivered yet",
-               engine.num_unfinished),
         Metric("pprun_kv_blocks_total", "gauge", "KV-cache blocks per stage", facts["kv_blocks_per_stage"]),
         Metric("pprun_kv_blocks_free", "gauge", "KV-cache blocks free at the engine's last report",
                engine.num_free_blocks()),
@@ -82,12 +84,18 @@ class _EngineState(Collector):
 
 
 class ServerMetrics:
-    """The registry ``/metrics`` serves: the engine's state and its latency histograms."""
+    """The registry ``/metrics`` serves: the engine's state and the client's latency histograms
+    (and unfinished requests), or, in a front-end process of several (``PROMETHEUS_MULTIPROC_DIR``
+    set, ``pprun.serve.api_servers``), every front end's histograms summed by
+    ``prometheus_client``'s multi-process collector."""
 
     def __init__(self, engine: EngineClient) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineState(engine))
-        self.registry.register(engine.latency)
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            MultiProcessCollector(self.registry)
+        else:
+            self.registry.register(engine.latency)
 
     def text(self) -> bytes:
         """Every metric in Prometheus' text format (:data:`CONTENT_TYPE`)."""

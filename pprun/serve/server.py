@@ -22,6 +22,8 @@ import json
 import logging
 import signal
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -97,7 +99,9 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
     ends with INVALID_ARGUMENT naming the method.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, trailing_metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        self._trailing = trailing_metadata
+        """Set on every call's trailers (the front end's index, with ``serve.api_servers`` > 1)."""
         self._wrapped: dict[str, tuple[object, object]] = {}
         """Method -> (its handler, the wrapped one): built once per method, not once per call
         (a burst of calls is taken one after another on the event loop)."""
@@ -130,14 +134,17 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             return f"the request to {method} is not a valid message: {request.error}"
 
         serializer = handler.response_serializer
+        trailing = self._trailing
         if handler.request_streaming:
-            return self._wrap_request_stream(handler, deserialize, refusal)
+            return self._wrap_request_stream(handler, deserialize, refusal, trailing)
         if handler.response_streaming:
             behavior = handler.unary_stream
             if not inspect.isasyncgenfunction(behavior):
                 return handler
 
             async def stream(request, context):
+                if trailing:
+                    context.set_trailing_metadata(trailing)
                 if isinstance(request, MalformedRequest):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal(request))
                 async for item in behavior(request, context):
@@ -147,6 +154,8 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         behavior = handler.unary_unary
 
         async def unary(request, context):
+            if trailing:
+                context.set_trailing_metadata(trailing)
             if isinstance(request, MalformedRequest):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal(request))
             return await behavior(request, context)
@@ -154,7 +163,7 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(unary, deserialize, serializer)
 
     @staticmethod
-    def _wrap_request_stream(handler, deserialize, refusal):
+    def _wrap_request_stream(handler, deserialize, refusal, trailing):
         """A request-streaming handler whose request iterator stops at the first malformed
         message; the call then ends INVALID_ARGUMENT once the handler has finished."""
         streaming_out = handler.response_streaming
@@ -174,6 +183,8 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
 
         if streaming_out:
             async def bidi(request_iterator, context):
+                if trailing:
+                    context.set_trailing_metadata(trailing)
                 bad: list[MalformedRequest] = []
                 async for item in behavior(until_malformed(request_iterator, bad), context):
                     yield item
@@ -183,6 +194,8 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             return grpc.stream_stream_rpc_method_handler(bidi, deserialize, handler.response_serializer)
 
         async def client_stream(request_iterator, context):
+            if trailing:
+                context.set_trailing_metadata(trailing)
             bad: list[MalformedRequest] = []
             response = await behavior(until_malformed(request_iterator, bad), context)
             if bad:
@@ -192,6 +205,23 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         return grpc.stream_unary_rpc_method_handler(client_stream, deserialize, handler.response_serializer)
 
 
+@dataclass(frozen=True)
+class FrontEnd:
+    """Where one of ``serve.api_servers`` > 1 front-end processes serves (``pprun.serve.api_servers``):
+    the ports its parent chose (shared with the other front ends through SO_REUSEPORT), its index
+    (on every gRPC call's trailers and HTTP answer's headers as ``pprun-api-server``), and where its
+    "serving" line goes instead of stdout."""
+
+    index: int
+    port: int
+    http_port: int | None
+    report_serving: Callable[[dict], None]
+
+
+API_SERVER_KEY = "pprun-api-server"
+"""The gRPC trailer and HTTP header naming the front end that served a call."""
+
+
 def bind_address(host: str, port: int) -> str:
     """``host:port`` as gRPC takes it (an IPv6 literal in brackets)."""
     if ":" in host and not host.startswith("["):
@@ -199,17 +229,22 @@ def bind_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-async def serve_engine(engine: EngineClient, settings: ServeSettings, stop: asyncio.Event | None = None) -> None:
-    """Serve ``engine`` until SIGTERM/SIGINT (or ``stop`` is set), then drain and return."""
+async def serve_engine(engine: EngineClient, settings: ServeSettings, stop: asyncio.Event | None = None,
+                       front_end: FrontEnd | None = None) -> None:
+    """Serve ``engine`` until SIGTERM/SIGINT (or ``stop`` is set), then drain and return;
+    ``front_end``: as one of several front-end processes (None: the one server process)."""
     sc, token, name, limits = settings.serve, settings.token, settings.model_name, settings.limits
     loop = asyncio.get_running_loop()
     options = [
         ("grpc.max_receive_message_length", sc.max_message_bytes),
         ("grpc.max_send_message_length", sc.max_message_bytes),
-        ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
+        # One server: a second one on the same port must fail, not share it.  Front ends share
+        # the port their parent holds (pprun.serve.api_servers).
+        ("grpc.so_reuseport", int(front_end is not None)),
     ]
+    tag = ((API_SERVER_KEY, str(front_end.index)),) if front_end is not None else ()
     interceptors = [BearerTokenInterceptor(token)] if token else []
-    interceptors.append(MalformedRequestInterceptor())
+    interceptors.append(MalformedRequestInterceptor(tag))
     server = grpc.aio.server(interceptors=interceptors, options=options)
     pprun_pb2_grpc.add_PprunServicer_to_server(PprunService(engine, name, limits), server)
     grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeService(engine, name, limits), server)
@@ -233,7 +268,7 @@ async def serve_engine(engine: EngineClient, settings: ServeSettings, stop: asyn
     # what is left is the warning to log.
     if settings.exposure_warning:
         logger.warning("pprun serve: %s", settings.exposure_warning)
-    address = bind_address(sc.host, sc.port)
+    address = bind_address(sc.host, sc.port if front_end is None else front_end.port)
     if sc.tls_cert_file is not None:
         creds = grpc.ssl_server_credentials(
             [(Path(sc.tls_key_file).expanduser().read_bytes(), Path(sc.tls_cert_file).expanduser().read_bytes())]
@@ -253,7 +288,7 @@ async def serve_engine(engine: EngineClient, settings: ServeSettings, stop: asyn
         # Imported here: a gRPC-only server needs neither Starlette nor uvicorn loaded.
         from pprun.serve.http import HttpServer
 
-        http_server = HttpServer(engine, name, sc, token, limits)
+        http_server = HttpServer(engine, name, sc, token, limits, front_end)
         try:
             http_bound = bind_address(sc.host, await http_server.start())
         except BaseException:
@@ -262,8 +297,11 @@ async def serve_engine(engine: EngineClient, settings: ServeSettings, stop: asyn
         serving["http_address"] = http_bound
         logger.info("pprun serve: OpenAI-compatible HTTP API on %s://%s/v1", "https" if sc.tls_cert_file else "http",
                     http_bound)
-    # One machine-readable line on stdout: scripts and tests wait for it (port 0 picks the port).
-    print(json.dumps(serving), flush=True)
+    if front_end is None:
+        # One machine-readable line on stdout: scripts and tests wait for it (port 0 picks the port).
+        print(json.dumps(serving), flush=True)
+    else:
+        front_end.report_serving(serving)
 
     stop = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -293,6 +331,11 @@ def serve(settings: ServeSettings | ServeAppConfig, resolved: ResolvedConfig | N
     if not isinstance(settings, ServeSettings):
         settings = resolve_serve_settings(settings, resolved)
     sc = settings.serve
+    if sc.api_servers > 1:
+        from pprun.serve.api_servers import serve_api_servers
+
+        serve_api_servers(settings)
+        return
     if sc.engine_process:
         from pprun.engine.engine_process import EngineProcess
 
