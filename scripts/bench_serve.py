@@ -214,7 +214,10 @@ async def stream_all(address: str, prompts: list[list[int]], max_tokens: int, cl
     from pprun.serve._proto.pprun.v1 import pprun_pb2 as pb
     from pprun.serve._proto.pprun.v1 import pprun_pb2_grpc as pb_grpc
 
-    channels = [grpc.aio.insecure_channel(address) for _ in range(max(1, min(clients, 8)))]
+    # A local subchannel pool: each channel its own connection (a process's channels to one address
+    # otherwise share one), which the kernel spreads over serve.api_servers front ends.
+    channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(max(1, min(clients, 8)))]
     stubs = [pb_grpc.PprunStub(c) for c in channels]
     # One slot per client, taken in turn (FIFO, as a semaphore's): a slot remembers when its last
     # request ended, in the engine and at the client, for the turnaround to its next one.
@@ -399,7 +402,7 @@ def run_served(args, prompts: list[list[int]], protocols: list[str]) -> dict[str
     with tempfile.TemporaryDirectory() as tmp:
         names_path = Path(tmp) / "threads.json"
         child = {"engine": kwargs, "switch_interval_ms": args.switch_interval_ms, "thread_names": str(names_path),
-                 "engine_process": args.engine_process, "http": "http" in protocols}
+                 "engine_process": args.engine_process, "http": "http" in protocols, "api_servers": args.api_servers}
         command = [sys.executable, str(Path(__file__).resolve()), "--serve-child", json.dumps(child)]
         server = ServerProcess(Path(tmp), [], startup_timeout_s=1800, command=command)
         try:
@@ -494,7 +497,8 @@ def serve_child(child_json: str) -> None:
     engine = PprunConfig.from_kwargs(**child["engine"])
     cfg = ServeAppConfig(**{f.name: getattr(engine, f.name) for f in dataclasses.fields(PprunConfig)},
                          serve=ServeConfig(port=0, model_name="bench", engine_process=child["engine_process"],
-                                           http_port=0 if child.get("http") else None))
+                                           http_port=0 if child.get("http") else None,
+                                           api_servers=child["api_servers"]))
     serve(cfg)
 
 
@@ -522,6 +526,9 @@ def main() -> int:
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="the server steps its engine in a process of its own (serve.engine_process; "
                              "default) or on a thread of the server process (--no-engine-process)")
+    parser.add_argument("--api-servers", type=int, default=1,
+                        help="front-end processes over the engine process (serve.api_servers); with more than 1 "
+                             "the per-thread CPU figures are the parent's, which serves nothing")
     parser.add_argument("--protocol", choices=("grpc", "http", "both"), default="grpc",
                         help="how the clients call the server: pprun.v1 Generate over gRPC, the OpenAI "
                              "/v1/completions over HTTP (server-sent events), or both in turn on one server")
@@ -547,7 +554,8 @@ def main() -> int:
         "workload": {"model": args.model, "pp": args.pp, "executor": offline["engine"]["executor"],
                      "clients": args.clients, "client_procs": min(args.client_procs, args.clients),
                      "num_prompts": len(prompts), "input_len": args.input_len, "output_len": args.output_len,
-                     "engine_process": args.engine_process, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                     "engine_process": args.engine_process, "api_servers": args.api_servers,
+                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                      "server_switch_interval_ms": args.switch_interval_ms, "protocols": protocols},
         "offline": offline,
     }  # fmt: skip

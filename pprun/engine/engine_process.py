@@ -1,26 +1,33 @@
-"""The engine in a process of its own: :class:`EngineProcess` (the server's side) and the engine
-process's main loop (``python -m pprun.engine.engine_process FD``).
+"""The engine in a process of its own: the engine process's main loop (``python -m
+pprun.engine.engine_process FD [FD ...]``) and the front ends' side of it (:class:`EngineChannel`;
+:class:`EngineProcess` when the server process that starts it is its one front end).
 
 A server that steps the model in its own process is bound by one interpreter lock: the engine
 loop's Python per step and the gRPC event loop's per response take turns.  Here the engine process
-only adds requests (token ids and ``SamplingParams``, validated by the server), aborts them, steps
+only adds requests (token ids and ``SamplingParams``, validated by a front end), aborts them, steps
 the :class:`~pprun.engine.llm_engine.LLMEngine` and sends, per step, one
-:class:`~pprun.engine.engine_loop.StepReport`: every updated request's new token ids (logprobs
-when asked; finish reason, stop reason and timings when it ends) and the engine's counters.  The
-server process keeps everything else: gRPC, validation, tokenizing, chat templates, incremental
-detokenizing, stop-string hold-back, the streams (:class:`~pprun.engine.async_engine.EngineClient`).
+:class:`~pprun.engine.engine_loop.StepReport` to each front end: the updates of that front end's
+requests (new token ids, logprobs when asked; finish reason, stop reason and timings when one
+ends) and the engine's counters.  The front ends keep everything else: gRPC, HTTP, validation,
+tokenizing, chat templates, incremental detokenizing, stop-string hold-back, the streams
+(:class:`~pprun.engine.async_engine.EngineClient`).
 
-Transport: a socket pair made by the server; the child inherits its end (``pass_fds``) and nothing
-listens, so no other process can connect, and what is unpickled on either side comes from the one
-peer that was started with it.  Messages are ``multiprocessing.connection`` frames of pickled
-commands and reports.  The server reads reports on a thread that waits in ``recv`` outside the
-interpreter lock and turns each step's report into deltas, handed to the event loop with one
-``call_soon_threadsafe``.
+Transport: socket pairs made by the process that starts the engine; the child inherits its ends
+(``pass_fds``) and nothing listens, so no other process can connect, and what is unpickled on
+either side comes from the one peer that was started with it.  The first is the control channel
+(the resolved configuration down, ``ready`` or the start-up error up, STOP); each further one is a
+front end's (``serve.api_servers`` > 1, ``pprun.serve.api_servers``); with none, the control
+channel is the one front end's.  Messages are ``multiprocessing.connection`` frames of pickled
+command lists (a front end's commands of one event-loop turn in one frame) and reports; the engine
+reads every pending frame of every channel before a step.  A front end reads reports on a thread
+that waits in ``recv`` outside the interpreter lock and turns each step's report into deltas,
+handed to the event loop with one ``call_soon_threadsafe``.
 
 The engine process ignores SIGINT and SIGTERM (the server drains it: a Ctrl-C or a SIGTERM sent to
-the process group must not end it under running streams) and exits when its socket reaches EOF, so
-it never outlives the server, however the server ends; the stages it started go with it.  When it
-dies, the server sees EOF: every stream ends with an error and health turns NOT_SERVING.
+the process group must not end it under running streams) and exits when its control socket
+reaches EOF, so it never outlives the process that started it, however that ends; the stages it
+started go with it.  When it dies, each front end sees EOF: every stream ends with an error and
+health turns NOT_SERVING.  A front end's EOF (of several) aborts that front end's requests.
 """
 
 from __future__ import annotations
