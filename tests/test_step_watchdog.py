@@ -152,7 +152,7 @@ def test_first_uses_are_named_once_in_the_engine_record():
 
 def test_the_last_stage_keys_join_the_answered_steps_firsts_and_count_after_ready(caplog):
     """Keys arriving with a step's output are recorded in the engine's record and named in the
-    slow step's warning; after ``mark_ready`` each new one is counted and logged once."""
+    slow step's warning; after ``mark_ready`` each new one is counted (the stage logged it)."""
     clock = FakeClock()
     dog = StepWatchdog(clock=clock, min_samples=4, warn_interval_s=0.0)
     for i in range(4):
@@ -167,7 +167,8 @@ def test_the_last_stage_keys_join_the_answered_steps_firsts_and_count_after_read
     assert slow is not None and slow.firsts == ("triton: kernel_x", "sampler: min-p")
     assert dog.first_use.after_ready == ["triton: kernel_x", "sampler: min-p"]
     messages = [r.getMessage() for r in caplog.records]
-    assert sum("first use after ready: triton: kernel_x" in m for m in messages) == 1
+    # The stage logged its own keys after ready; the engine's record counts them without a second line.
+    assert not any("first use after ready" in m for m in messages)
     assert any("first use: triton: kernel_x, sampler: min-p" in m for m in messages)
 
 

@@ -46,7 +46,7 @@ def mixed_workload(llm, seed: int) -> None:
             n = rng.choice([1, 2, 5, 17, 33, 47, 90])
             prompts.append({"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(n)]})
             params.append(
-                SamplingParams(max_tokens=rng.choice([1, 4, 9]), ignore_eos=True, **rng.choice(settings))
+                SamplingParams(max_tokens=rng.choice([1, 3, 6]), ignore_eos=True, **rng.choice(settings))
             )
         llm.generate(prompts, params)
 
@@ -68,7 +68,6 @@ def test_after_ready_a_mixed_workload_meets_nothing_for_the_first_time(demo_mode
             (stage,) = stats["stages"]
             assert stage["num_keys"] > 0
         mixed_workload(llm, seed=0)
-        mixed_workload(llm, seed=1)
         assert first_uses_after_ready(llm) == []
 
 

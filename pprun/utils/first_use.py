@@ -87,8 +87,9 @@ class FirstUse:
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     """Triton may compile on another thread (its hook then records from there)."""
 
-    def record(self, key: str) -> bool:
-        """Note ``key``; True when it is new."""
+    def record(self, key: str, log: bool = True) -> bool:
+        """Note ``key``; True when it is new (after ready also logged, unless ``log`` is False:
+        its owner logged it already)."""
         if key in self.seen:
             return False
         with self._lock:
@@ -98,7 +99,7 @@ class FirstUse:
             self._undrained.append(key)
             if self.ready:
                 self.after_ready.append(key)
-        if self.ready:
+        if self.ready and log:
             logger.warning("%s: first use after ready: %s", self.name, key)
         return True
 
@@ -108,8 +109,9 @@ class FirstUse:
         return bool(self._undrained)
 
     def add(self, keys: tuple[str, ...] | list[str]) -> list[str]:
-        """Record keys another record drained (a stage's, arriving with its output); the new ones."""
-        return [k for k in keys if self.record(k)]
+        """Record keys another record drained and logged (a stage's, arriving with its output);
+        the new ones."""
+        return [k for k in keys if self.record(k, log=False)]
 
     def drain(self) -> tuple[str, ...]:
         """The keys recorded since the previous call, oldest first."""
