@@ -56,6 +56,27 @@ def hf_demo(demo_model_dir):
 
 
 @pytest.fixture(scope="session")
+def stage_zygote():
+    """One warm template for the session that ``mp`` stages may fork from instead of starting as
+    fresh interpreters (``tests/stage_zygote.py``: each fresh one spends about 4.5 s of CPU
+    importing torch).  A test opts in with :func:`fork_mp_stages` where what it checks is what the
+    stages compute, not how they start; each module keeps an ``mp`` case that starts them fresh."""
+    from stage_zygote import Zygote
+
+    z = Zygote(dict(os.environ, OMP_NUM_THREADS="1"))
+    yield z
+    z.close()
+
+
+def fork_mp_stages(request) -> None:
+    """For the rest of the test, the ``mp`` executor forks its stages from the session's warm
+    template (:func:`stage_zygote`)."""
+    from stage_zygote import use_zygote
+
+    use_zygote(request.getfixturevalue("monkeypatch"), request.getfixturevalue("stage_zygote"))
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     """One light local Ray cluster for the whole session (2 cores: fractional CPUs), started as
     pprun starts one: no dashboard, no usage stats, an 80 MiB object store, a short private temp

@@ -12,6 +12,7 @@ import io
 import numpy as np
 import pytest
 import torch
+from conftest import fork_mp_stages
 from PIL import Image
 from tiny_models import make_tiny_llava
 
@@ -103,6 +104,9 @@ CLIP_CASES = [
     (2, "ray", "v1", None), (2, "ray", "v2", None), (3, "ray", "v1", 16), (3, "ray", "v2", None),
 ]
 SIGLIP_CASES = [(1, "uni", "v2", None), (3, "mp", "v1", 16), (2, "ray", "v2", 16)]
+FRESH_MP_CASE = (2, "mp", "v1", 16)
+"""The one ``mp`` case whose stages start as fresh interpreters; the others fork theirs from the
+warm template (``conftest.fork_mp_stages``): what they check is the stages' tokens."""
 
 
 def _case_id(case) -> str:
@@ -114,6 +118,8 @@ def _run_case(model_dir, case, request) -> list[list[int]]:
     pp, executor, runner, budget = case
     if executor == "ray":
         request.getfixturevalue("ray_cluster")
+    if executor == "mp" and case != FRESH_MP_CASE:
+        fork_mp_stages(request)
     kwargs = {"max_num_batched_tokens": budget} if budget else {}
     return generate(model_dir, pipeline_parallel_size=pp, executor=executor, runner=runner, **kwargs)
 
