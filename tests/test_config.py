@@ -258,6 +258,7 @@ def test_resolve_executor() -> None:
         ({"device": "tpu"}, r"device='tpu'.*auto, cpu, cuda"),
         ({"dtype": "float8"}, r"model\.dtype='float8'.*float32, bfloat16, float16"),
         ({"cudagraph_mode": "partial"}, r"compilation\.cudagraph_mode='partial'.*none, piecewise, full"),
+        ({"warmup": "yes"}, r"compilation\.warmup='yes'.*auto, full, none"),
         ({"device": "cuda"}, r"device='cuda'.*CUDA is not available"),
         ({"dtype": "float16"}, r"model\.dtype='float16'.*device=cpu.*float32 or bfloat16"),
         ({"max_model_len": 4096}, r"model\.max_model_len=4096.*1\.\.2048"),
