@@ -6,11 +6,22 @@ every step costs O(n) per token.  The method here (the one vLLM uses) decodes a 
 twice: the tokens already shown plus the new ones, and the tokens already shown alone, both from
 the same start ``prefix_offset``; the difference is the new text.  Text ending in U+FFFD (an
 incomplete UTF-8 sequence) waits for the next token.
+
+A Hugging Face fast tokenizer does the same in Rust: ``tokenizers.decoders.DecodeStream`` keeps
+the window and returns each token's text (None while a character is incomplete), one call per
+token instead of two decodes of the window (about 1 us a token instead of 15-50 us, on the
+thread that turns a step's report into deltas for every running request of a server).  Where a
+tokenizer has no Rust backend (or an older ``tokenizers``), the two decodes are done here.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21
+    DecodeStream = None
 
 
 class IncrementalDetokenizer:
@@ -28,6 +39,11 @@ class IncrementalDetokenizer:
         """Text decoded so far (all deltas joined)."""
         self.prefix_offset = 0
         self.read_offset = 0
+        self._stream = None
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        """The Rust tokenizer of a fast tokenizer (None: decode in Python)."""
+        if self._backend is not None and DecodeStream is not None:
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -37,6 +53,12 @@ class IncrementalDetokenizer:
         if self.tokenizer is None:
             return ""
         self.token_ids.extend(new_token_ids)
+        if self._stream is not None:
+            step, backend = self._stream.step, self._backend
+            chunks = [c for c in (step(backend, i) for i in new_token_ids) if c is not None]
+            delta = chunks[0] if len(chunks) == 1 else "".join(chunks)
+            self.text += delta
+            return delta
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self.token_ids[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
