@@ -100,11 +100,14 @@ def zygote():
     z.close()
 
 
-def run(model_dir: Path, prompts, params=GREEDY, **kwargs) -> tuple[list, dict]:
+def run(model_dir: Path, prompts, params=GREEDY, inspect=None, **kwargs) -> tuple[list, dict]:
+    """Generate with a fresh ``LLM``; ``inspect(llm)`` runs while it is up."""
     kwargs.setdefault("kv_cache_memory_bytes", KV_BYTES)
     kwargs.setdefault("max_model_len", 256)
     with LLM(str(model_dir), dtype="float32", device="cpu", stage_timeout_s=STAGE_TIMEOUT_S, **kwargs) as llm:
         outs = llm.generate(prompts, params)
+        if inspect is not None:
+            inspect(llm)
         return outs, llm.describe()
 
 
@@ -128,13 +131,20 @@ TEXT_CASES = [
 def test_text_models_match_transformers(model_dirs, references, name, executor, tp, pp, runner, request,
                                         monkeypatch):  # fmt: skip
     """Greedy tokens of the split run equal transformers' for each cell of the matrix."""
-    extra = {}
+    extra, inspect = {}, None
     if executor == "ray":
-        request.getfixturevalue("ray_cluster")
+        ray = request.getfixturevalue("ray_cluster")
         extra["ray_num_cpus_per_stage"] = 0.25  # 4 actors on the session cluster's 2 CPUs
+
+        def inspect(llm):
+            # One bundle per stage holding its tp workers' CPUs, shared by its tp actors.
+            ex = llm.engine.executor
+            bundles = ray.util.placement_group_table(ex.pg)["bundles"]
+            assert [b["CPU"] for b in bundles.values()] == [0.25 * tp] * pp
+            assert len(ex.actors) == tp * pp and len(ex.stage_node_ids) == pp
     else:
         use_zygote(monkeypatch, request.getfixturevalue("zygote"))
-    outs, d = run(model_dirs[name], token_prompts(), executor=executor, tensor_parallel_size=tp,
+    outs, d = run(model_dirs[name], token_prompts(), inspect=inspect, executor=executor, tensor_parallel_size=tp,
                   pipeline_parallel_size=pp, runner=runner, **extra)
     assert [o.outputs[0].token_ids for o in outs] == references[name]
     assert (d["tensor_parallel_size"], d["pipeline_parallel_size"], d["runner"]) == (tp, pp, runner)
@@ -182,6 +192,21 @@ def test_killed_tp_worker_fails_the_run(model_dirs, zygote, monkeypatch, inject_
         llm.generate(token_prompts(), GREEDY)
     llm.shutdown()
     assert all(p.poll() is not None for p in procs)
+
+
+def test_layout_ranks():
+    """Worker (pp_rank, tp_rank) has global rank pp_rank * tp + tp_rank; its pipeline is tp rank
+    tp_rank of every stage, its tp group its stage's consecutive ranks; only the last stage's
+    tp rank 0 samples."""
+    from pprun.distributed.layout import StageLayout
+
+    layouts = [StageLayout.of_global_rank([3, 1], rank, 2) for rank in range(4)]
+    assert [(w.pp_rank, w.tp_rank, w.global_rank) for w in layouts] == [(0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]
+    assert [w.layer_range for w in layouts] == [range(0, 3), range(0, 3), range(3, 4), range(3, 4)]
+    assert layouts[1].pipeline_ranks == [1, 3] and layouts[2].pipeline_ranks == [0, 2]
+    assert layouts[3].tp_group_ranks == [2, 3] and layouts[0].world_size == 4
+    assert [w.samples for w in layouts] == [False, False, True, False]
+    assert layouts[3].name == "stage 1 tp rank 1" and StageLayout.single(4).name == "stage 0"
 
 
 @pytest.mark.parametrize(
