@@ -103,6 +103,9 @@ def test_the_plan_meets_every_class_within_the_limits():
     assert parts == {"prefill", "mixed", "sampler", "prefix cache"}  # no prompt exceeds the budget
     (chunked,) = [w for w in plan_warmup(replace(lim, max_model_len=512)) if w.part == "chunked prefill"]
     assert chunked.first[0].num_prompt_tokens > 100
+    # A prefix hit needs a whole cached block: with a budget of one block, the prompt is chunked.
+    hits = [w for w in plan_warmup(replace(lim, max_num_batched_tokens=16)) if w.part == "prefix cache"]
+    assert len(hits) == 2 and hits[0].first == hits[1].first and hits[0].first[0].num_prompt_tokens > 16
     prefill_tokens = {sum(r.num_prompt_tokens for r in w.first) for w in waves if w.part == "prefill"}
     # Prompts fit the context (two samples each), so a 100-token step needs two requests.
     assert {count_class(t) for t in prefill_tokens} == {count_class(n) for n in range(1, 101)}

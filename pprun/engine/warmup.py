@@ -170,7 +170,8 @@ def plan_warmup(limits: WarmupLimits) -> list[Wave]:
     waves += [Wave("sampler", (WarmupRequest(4, v, prompt_key=3000 + i),)) for i, v in enumerate(variants)]
     waves.append(Wave("sampler", tuple(WarmupRequest(4, v, prompt_key=3000 + i)
                                        for i, v in enumerate(variants[: lim.max_num_seqs]))))  # fmt: skip
-    shared = min(2 * lim.block_size + 1, max_prompt, budget)
+    # Two whole blocks and one token more (chunked where the budget is smaller).
+    shared = min(2 * lim.block_size + 1, max_prompt, budget if not lim.chunked_prefill else max_prompt)
     if lim.prefix_caching and shared > lim.block_size:
         for _ in range(2):
             waves.append(Wave("prefix cache", (WarmupRequest(shared, _greedy(2), prompt_key=4000),)))
