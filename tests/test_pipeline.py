@@ -164,13 +164,15 @@ def test_async_pipeline_steps_give_the_outputs_of_one_process(demo_model_dir):
 
 def test_async_pipeline_steps_default_on_gpu_only():
     """``parallel.async_pipeline`` unset: async pipeline steps on CUDA stages with the V2 runner,
-    off on CPU (the stages compute on their hosts) and with V1; True asks for them on CPU."""
+    off on CPU (the stages compute on their hosts), with V1 and with tensor parallelism; True asks
+    for them on CPU."""
     from types import SimpleNamespace
 
     from pprun.executor.remote import RemoteStagesExecutor
 
-    def executor(device: str, wanted, runner: str = "v2") -> RemoteStagesExecutor:
-        parallel = SimpleNamespace(microbatches=None, async_pipeline=wanted, control_spin_us=None)
+    def executor(device: str, wanted, runner: str = "v2", tp: int = 1) -> RemoteStagesExecutor:
+        parallel = SimpleNamespace(microbatches=None, async_pipeline=wanted, control_spin_us=None,
+                                   tensor_parallel_size=tp)
         resolved = SimpleNamespace(layer_partition=[2, 2], device=device, cfg=SimpleNamespace(parallel=parallel))
         return RemoteStagesExecutor(resolved, timeout_s=5.0, runner=runner)
 
@@ -179,6 +181,7 @@ def test_async_pipeline_steps_default_on_gpu_only():
     assert (cuda.async_steps, cuda.max_in_flight) == (True, 4)
     assert executor("cpu", True).async_steps and not executor("cuda", False).async_steps
     assert not executor("cuda", None, runner="v1").async_steps
+    assert not executor("cuda", None, tp=2).async_steps
 
 
 @pytest.mark.parametrize("executor", ["mp", "ray"])
