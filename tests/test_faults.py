@@ -409,7 +409,7 @@ def test_write_to_a_stage_that_raised_reports_its_error():
     from pprun.core.outputs import CachedRequestData, SchedulerOutput
     from pprun.executor.remote import RemoteStagesExecutor
 
-    parallel = SimpleNamespace(microbatches=None, async_pipeline=None, control_spin_us=None)
+    parallel = SimpleNamespace(microbatches=None, async_pipeline=None, control_spin_us=None, tensor_parallel_size=1)
     ex = RemoteStagesExecutor(SimpleNamespace(layer_partition=[2, 2], device="cpu", cfg=SimpleNamespace(
         parallel=parallel)), timeout_s=5.0)  # fmt: skip
     (driver0, stage0), (driver1, stage1) = Pipe(), Pipe()
