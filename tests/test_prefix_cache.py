@@ -10,6 +10,7 @@ import logging
 import random
 
 import pytest
+from conftest import fork_mp_stages
 from test_llava import PROMPTS, hf_tokens, pprun_prompts
 from tiny_models import make_tiny_llava
 from whisper_helpers import make_audio_dependent_whisper, ours, prompts, transformers_tokens
@@ -79,11 +80,18 @@ def _case_id(case) -> str:
     return f"pp{pp}-{executor}-{runner}" + (f"-chunk{budget}" if budget else "")
 
 
+FRESH_MP_CASE = (2, "mp", "v1", 16)
+"""The module's one ``mp`` engine whose stages start as fresh interpreters; the others fork theirs
+from the warm template (``conftest.fork_mp_stages``): what they check is what the stages cache."""
+
+
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_caching_on_gives_the_tokens_of_caching_off(tiny_llama_dir, reference, case, request):
     pp, executor, runner, budget = case
     if executor == "ray":
         request.getfixturevalue("ray_cluster")
+    if executor == "mp" and case != FRESH_MP_CASE:
+        fork_mp_stages(request)
     kwargs = {"max_num_batched_tokens": budget} if budget else {}
     with LLM(str(tiny_llama_dir), dtype="float32", runner=runner, executor=executor, pipeline_parallel_size=pp,
              block_size=BS, **kwargs) as llm:  # fmt: skip
@@ -176,10 +184,13 @@ def evict_reference(tiny_llama_dir) -> list[list[int]]:
     ("pp", "executor", "runner", "max_num_seqs"),
     [(1, "uni", "v1", 1), (1, "uni", "v2", 1), (2, "mp", "v2", 1), (1, "uni", "v2", 2)],
 )
-def test_an_evicted_block_is_recomputed_mid_run(tiny_llama_dir, evict_reference, pp, executor, runner, max_num_seqs):
+def test_an_evicted_block_is_recomputed_mid_run(tiny_llama_dir, evict_reference, pp, executor, runner, max_num_seqs,
+                                                request):  # fmt: skip
     """A cache of 11 usable blocks for requests of up to 7.  One request at a time: the two long
     prompts between the copies of BASE evict its blocks, so the second copy computes them
     again.  Two at a time: requests are also preempted, and evicted blocks recomputed."""
+    if executor == "mp":
+        fork_mp_stages(request)
     with LLM(str(tiny_llama_dir), dtype="float32", runner=runner, executor=executor, pipeline_parallel_size=pp,
              block_size=BS, max_model_len=64, max_num_seqs=max_num_seqs, kv_cache_memory_bytes=12 * PER_BLOCK // pp) as llm:  # fmt: skip
         assert llm.engine.num_blocks == 12
@@ -210,7 +221,9 @@ differs, so only the items' hashes tell their blocks apart."""
 
 @pytest.mark.parametrize(("pp", "executor", "runner", "budget"),
                          [(1, "uni", "v1", None), (1, "uni", "v2", 16), (2, "mp", "v2", None)])  # fmt: skip
-def test_llava_blocks_are_named_by_their_images(clip_dir, pp, executor, runner, budget):
+def test_llava_blocks_are_named_by_their_images(clip_dir, pp, executor, runner, budget, request):
+    if executor == "mp":
+        fork_mp_stages(request)
     kwargs = {"max_num_batched_tokens": budget} if budget else {}
     with LLM(str(clip_dir), dtype="float32", max_model_len=256, runner=runner, executor=executor,
              pipeline_parallel_size=pp, block_size=BS, kv_cache_memory_bytes=1 << 22, **kwargs) as llm:  # fmt: skip

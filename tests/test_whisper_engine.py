@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import fork_mp_stages
 from tiny_models import make_tiny_llama
 from whisper_helpers import (
     CLIPS,
@@ -61,6 +62,8 @@ def test_greedy_matches_transformers_over_stages(whisper_dir, hf_tokens, pp, exe
     receives it once."""
     if executor == "ray":
         request.getfixturevalue("ray_cluster")
+    if executor == "mp" and pp > 1:  # the pp=1 mp stage starts fresh; the others fork (conftest.fork_mp_stages)
+        fork_mp_stages(request)
     with LLM(str(whisper_dir), dtype="float32", max_num_seqs=8, pipeline_parallel_size=pp,
              executor=executor, runner=runner) as llm:
         assert llm.describe()["runner"] == runner
@@ -113,12 +116,14 @@ def test_transcribe_windows_and_preemption(whisper_dir, hf_tokens, runner, monke
 
 
 @pytest.mark.parametrize(("pp", "executor", "runner"), [(1, "uni", "v1"), (1, "uni", "v2"), (2, "mp", "v2")])
-def test_cross_slots_sized_from_the_budget(whisper_dir, hf_tokens, pp, executor, runner):
+def test_cross_slots_sized_from_the_budget(whisper_dir, hf_tokens, pp, executor, runner, request):
     """A cache budget that holds two requests' cross-attention and self-attention (plus the
     reserved slot and null block) on the heaviest stage, with max_num_seqs=8 and five clips:
     the stages take the slots the budget holds (the scheduler the smallest count of any stage),
     the other requests wait for a slot to free, and every clip decodes to transformers' tokens.
     A stage that ran more requests than it has slots would raise."""
+    if executor == "mp":
+        fork_mp_stages(request)
     budget = SLOT_BYTES + BLOCK_BYTES + 2 * (SLOT_BYTES + REQUEST_KV_BYTES) + 1000
     with LLM(str(whisper_dir), dtype="float32", max_num_seqs=8, block_size=8, runner=runner, executor=executor,
              pipeline_parallel_size=pp, kv_cache_memory_bytes=budget) as llm:
