@@ -18,6 +18,7 @@ import random
 import re
 
 import pytest
+from conftest import fork_mp_stages
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -226,6 +227,8 @@ def test_valid_fuzzed_llm_keyword_arguments_build_engines_that_serve(fuzz_model_
     from pprun.config.config import PprunConfig
     from pprun.config.validate import validate_config
 
+    # Their mp stages fork from the warm template (the module's `llm` starts its stages fresh).
+    fork_mp_stages(request)
     rng = random.Random(0)
     outcomes = {"invalid": 0, "served": 0, "refused at start-up": 0}
     built: list[dict] = []
