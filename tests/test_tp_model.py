@@ -247,6 +247,10 @@ def _rank(rank: int, world_size: int, init_method: str, cases: list[tuple[str, s
     try:
         tp = TensorParallel(rank, world_size, dist.new_group(list(range(world_size)), backend=backend))
         try:
+            summed = tp.all_reduce(torch.full((2,), float(rank + 1), device=device))
+            gathered = tp.all_gather(torch.tensor([[rank, 10 + rank]], device=device), dim=-1)
+            sent = tp.broadcast(torch.tensor([rank], device=device), src=world_size - 1)
+            collectives = (summed.tolist(), gathered.tolist(), sent.tolist())
             # numpy arrays: pickled whole (torch would pass a tensor's storage by a file descriptor,
             # which dies with this process).
             result = {(name, pp): [t.numpy() for t in model_logits(name, Path(path), pp, tp, device, dtype)]
@@ -254,6 +258,7 @@ def _rank(rank: int, world_size: int, init_method: str, cases: list[tuple[str, s
             if device_type == "cuda" and rank == 0:
                 result |= {(name, pp, "tp1"): [t.numpy() for t in model_logits(
                     name, Path(path), pp, TensorParallel.single(), device, dtype)] for name, path, pp in cases}
+            result["collectives"] = collectives
         except Exception:
             import traceback
 
@@ -315,15 +320,19 @@ def test_tp2_every_model_matches_transformers(model_dirs, references):
     cases = [(name, str(path), pp) for name, path in model_dirs.items() for pp in ((1, 2) if name in PP2 else (1,))]
     results = run_ranks(_rank, 2, cases, "cpu", "float32")
     for rank in (0, 1):
-        assert_matches(results[rank], references)
+        assert_matches({k: v for k, v in results[rank].items() if k != "collectives"}, references)
 
 
-def test_tp4_replicated_kv_heads_match_transformers(model_dirs, references):
+@pytest.fixture(scope="module")
+def tp4_results(model_dirs) -> dict[int, dict]:
+    """Each of 4 tp ranks' results: :data:`TP4` at pp 1, and its collectives' (``"collectives"``)."""
+    return run_ranks(_rank, 4, [(name, str(model_dirs[name]), 1) for name in TP4], "cpu", "float32")
+
+
+def test_tp4_replicated_kv_heads_match_transformers(tp4_results, references):
     """tp 4 over 2 and over 1 KV heads (each KV head replicated on 2 and on 4 ranks)."""
-    cases = [(name, str(model_dirs[name]), 1) for name in TP4]
-    results = run_ranks(_rank, 4, cases, "cpu", "float32")
     for rank in range(4):
-        assert_matches(results[rank], references)
+        assert_matches({k: v for k, v in tp4_results[rank].items() if k != "collectives"}, references)
 
 
 @pytest.mark.gpu
@@ -337,12 +346,28 @@ def test_two_gpus_fused_split_forward_matches_one_gpu(model_dirs, references):
     results = run_ranks(_rank, 2, [(name, str(model_dirs[name]), pp) for name in text for pp in (1, 2)],
                         "cuda", "bfloat16")
     for rank in (0, 1):
-        for (name, pp), rows in ((k, v) for k, v in results[rank].items() if len(k) == 2):
+        for (name, pp), rows in ((k, v) for k, v in results[rank].items() if isinstance(k, tuple) and len(k) == 2):
             for got, want in zip(rows, results[0][(name, pp, "tp1")], strict=True):
                 torch.testing.assert_close(torch.from_numpy(got), torch.from_numpy(want), atol=3e-2, rtol=3e-2)
     fp32 = run_ranks(_rank, 2, [(name, str(model_dirs[name]), 1) for name in text], "cuda", "float32")
     # fp32 on the GPU: Triton attention and fused norms round apart from the CPU's torch.
-    assert_matches({k: v for k, v in fp32[1].items() if len(k) == 2}, references, tol=1e-3)
+    assert_matches({k: v for k, v in fp32[1].items() if k != "collectives"}, references, tol=1e-3)
+
+
+def test_tensor_parallel_collectives(tp4_results):
+    """``TensorParallel`` over 4 gloo ranks (the tp 4 ranks' first work): the all-reduce sums, the
+    all-gather concatenates in rank order along the given dim, the broadcast copies the source
+    rank's tensor; a size 1 group touches nothing, and a place outside the group or a group
+    missing is refused."""
+    for rank in range(4):
+        assert tp4_results[rank]["collectives"] == ([10.0, 10.0], [[0, 10, 1, 11, 2, 12, 3, 13]], [3])
+    single = TensorParallel.single()
+    x = torch.ones(2)
+    assert single.all_reduce(x) is x and single.all_gather(x) is x and single.broadcast(x) is x
+    with pytest.raises(ValueError, match="tp rank 2 outside 0..1"):
+        TensorParallel(2, 2, group=object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs a process group"):
+        TensorParallel(0, 2, None)
 
 
 # --- without processes ---------------------------------------------------------------------------
