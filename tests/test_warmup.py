@@ -1,8 +1,11 @@
-"""Ready means warm, counted (issue 49): after ``LLM(...)`` returns, a mixed workload on the demo
-model meets nothing for the first time -- no step class, sampler branch, request feature, and on
-a GPU no Triton compile or CUDA-graph capture -- as the first-use records count it
-(``pprun.utils.first_use``); an engine without its warm-up, on the same workload, counts first
-uses (the counter counts).  Counted, not timed.  The plan's own rules are unit tests."""
+"""Ready means warm, counted (issue 49): after ``LLM(...)`` returns, a mixed workload meets nothing
+for the first time -- no step class, sampler branch, request feature, and on a GPU no Triton
+compile or CUDA-graph capture -- as the first-use records count it (``pprun.utils.first_use``);
+an engine without its warm-up, on the same workload, counts first uses (the counter counts).
+Counted, not timed.  On CPU the model is the tiny random Llama (the classes, sampler branches and
+request features are the engine's, whatever the model; a CPU step of the demo model costs about
+a tenth of a second and the two engines run a few hundred), on a GPU the demo model.  The plan's
+own rules are unit tests."""
 
 from __future__ import annotations
 
@@ -16,11 +19,12 @@ from pprun.engine.warmup import WarmupLimits, plan_warmup
 from pprun.sampling.params import SamplingParams
 from pprun.utils.first_use import FirstUse, count_class, count_class_representatives
 
-# Small limits keep the warm-up to a few hundred steps of the demo model on CPU; the workload
-# below stays within them (the classes it meets are the ones these limits allow).
+# Small limits keep the warm-up to about a hundred steps; the workload below stays within them
+# (the classes it meets are the ones these limits allow).
 LIMITS = {"max_num_seqs": 3, "max_num_batched_tokens": 16, "max_model_len": 128}
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+MODELS = [("cpu", "tiny_llama_dir"), pytest.param("cuda", "demo_model_dir", marks=pytest.mark.gpu)]
+DTYPES = {"cpu": "float32", "cuda": "bfloat16"}  # the GPU's serving dtype: its kernels' variants
 
 
 def mixed_workload(llm, seed: int) -> None:
@@ -44,7 +48,8 @@ def mixed_workload(llm, seed: int) -> None:
         prompts, params = [], []
         for _ in range(batch_size):
             n = rng.choice([1, 2, 5, 17, 33, 47, 90])
-            prompts.append({"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(n)]})
+            vocab = llm.engine.vocab_size
+            prompts.append({"prompt_token_ids": [rng.randrange(vocab // 4, vocab) for _ in range(n)]})
             params.append(
                 SamplingParams(max_tokens=rng.choice([1, 3, 6]), ignore_eos=True, **rng.choice(settings))
             )
@@ -56,11 +61,12 @@ def first_uses_after_ready(llm) -> list[str]:
     return stats["after_ready"] + [key for stage in stats["stages"] for key in stage["after_ready"]]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_after_ready_a_mixed_workload_meets_nothing_for_the_first_time(demo_model_dir, device):
+@pytest.mark.parametrize(("device", "model"), MODELS)
+def test_after_ready_a_mixed_workload_meets_nothing_for_the_first_time(request, device, model):
     from pprun import LLM
 
-    with LLM(str(demo_model_dir), device=device, warmup="full", **LIMITS) as llm:
+    model_dir = request.getfixturevalue(model)
+    with LLM(str(model_dir), device=device, dtype=DTYPES[device], warmup="full", **LIMITS) as llm:
         stats = llm.engine.first_use_stats()
         assert stats["ready"] and stats["num_after_ready"] == 0
         assert llm.engine.startup_s["warmup"] > 0
@@ -71,12 +77,13 @@ def test_after_ready_a_mixed_workload_meets_nothing_for_the_first_time(demo_mode
         assert first_uses_after_ready(llm) == []
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_without_warm_up_the_same_workload_counts_first_uses(demo_model_dir, device):
+@pytest.mark.parametrize(("device", "model"), MODELS)
+def test_without_warm_up_the_same_workload_counts_first_uses(request, device, model):
     """The negative control: the records do count, so the test above can fail."""
     from pprun import LLM
 
-    with LLM(str(demo_model_dir), device=device, warmup="none", **LIMITS) as llm:
+    model_dir = request.getfixturevalue(model)
+    with LLM(str(model_dir), device=device, dtype=DTYPES[device], warmup="none", **LIMITS) as llm:
         assert llm.engine.first_use_stats()["ready"]
         mixed_workload(llm, seed=0)
         after = first_uses_after_ready(llm)
