@@ -26,7 +26,7 @@ def server(tmp_path_factory):
     )
     proc = ServerProcess(tmp_path_factory.mktemp("metrics_server"), [
         f"model.model={model_dir}", "model.dtype=float32", "parallel=single", "scheduler.max_num_seqs=4",
-        "serve.http_port=0",
+        "serve.http_port=0", "compilation.warmup=none",
     ])  # fmt: skip
     yield proc
     proc.kill()
@@ -74,3 +74,5 @@ def test_latency_histograms_count_the_requests_and_tokens_served(server):
     # The engine's state is still there, under its names.
     assert m["pprun_healthy"]["pprun_healthy"] == 1
     assert m["pprun_engine_steps"]["pprun_engine_steps_total"] >= max(MAX_TOKENS)
+    # Without a warm-up (set above) the first steps after ready meet their classes for the first time.
+    assert m["pprun_first_uses_after_ready"]["pprun_first_uses_after_ready_total"] > 0

@@ -99,6 +99,7 @@ class ReportFedClient(EngineClient):
         pass
 
     num_steps = 0
+    num_first_uses_after_ready = 0
 
     def num_free_blocks(self) -> int:
         return 0

@@ -211,6 +211,13 @@ class EngineClient(abc.ABC):
         """KV blocks free in the scheduler's block manager."""
         raise NotImplementedError
 
+    @property
+    @abc.abstractmethod
+    def num_first_uses_after_ready(self) -> int:
+        """What the engine compiled, captured or ran for the first time after it reported ready
+        (keys of its first-use record, ``pprun.utils.first_use``; 0 when the warm-up covered all)."""
+        raise NotImplementedError
+
     @abc.abstractmethod
     def describe(self) -> dict:
         """The engine's facts (model, runner, executor, stage layout) plus ``max_model_len`` and
@@ -488,6 +495,11 @@ class AsyncEngine(EngineClient):
     def num_steps(self) -> int:
         """Steps the engine has submitted so far (``LLMEngine.num_steps``)."""
         return self.engine.num_steps
+
+    @property
+    def num_first_uses_after_ready(self) -> int:
+        """Keys the engine's first-use record met after ready."""
+        return len(self.engine.first_use.after_ready)
 
     def num_free_blocks(self) -> int:
         """KV blocks free in the scheduler's block manager (a consistent snapshot of one int)."""

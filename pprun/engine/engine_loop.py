@@ -99,6 +99,9 @@ class StepReport:
     """``LLMEngine.num_steps`` after this report's step."""
     num_free_blocks: int = 0
     """KV blocks free after this report's step."""
+    num_first_uses_after_ready: int = 0
+    """Keys the engine's first-use record met after ready (``LLMEngine.first_use``; the last
+    stage's arrive with its outputs), after this report's step."""
     cache_stats: dict | None = None
     """``LLMEngine.cache_stats()`` when a request was admitted or a block evicted since the last
     report that carried them (None otherwise: nothing to resend on every step)."""
@@ -186,6 +189,7 @@ class EngineLoop:
     def _report(self, report: StepReport) -> None:
         report.num_steps = self.engine.num_steps
         report.num_free_blocks = self.engine.scheduler.block_manager.num_free_blocks
+        report.num_first_uses_after_ready = len(self.engine.first_use.after_ready)
         counters = (report.num_steps, report.num_free_blocks)
         if not (report.updates or report.finished or report.failure) and counters == self._last_counters:
             return  # a round that scheduled nothing (waiting for blocks): nothing to wake the caller for

@@ -175,6 +175,7 @@ class EngineChannel(EngineClient):
         self._facts, self._num_free_blocks = ready
         self._cache_stats = PrefixCacheStats(enabled=bool(self._facts.get("prefix_caching"))).as_dict()
         self._num_steps = 0
+        self._num_first_uses_after_ready = 0
         super().__init__(inputs, max_unfinished)
         self._reader = threading.Thread(target=self._read, name="pprun-engine-reader", daemon=True)
         self._reader.start()
@@ -185,6 +186,11 @@ class EngineChannel(EngineClient):
     def num_steps(self) -> int:
         """Steps the engine had submitted at its last report."""
         return self._num_steps
+
+    @property
+    def num_first_uses_after_ready(self) -> int:
+        """The engine's first uses after ready, as of its last report."""
+        return self._num_first_uses_after_ready
 
     def num_free_blocks(self) -> int:
         """KV blocks free at the engine's last report."""
@@ -230,6 +236,7 @@ class EngineChannel(EngineClient):
 
     def _on_report(self, report: StepReport) -> None:
         self._num_steps, self._num_free_blocks = report.num_steps, report.num_free_blocks
+        self._num_first_uses_after_ready = report.num_first_uses_after_ready
         if report.cache_stats is not None:
             self._cache_stats = report.cache_stats
         super()._on_report(report)
@@ -428,7 +435,8 @@ class _FrontEnds:
         for i in range(num):
             if self.front_ends[i] is not None:
                 self._send(i, StepReport(updates[i], finished[i], report.failure, report.num_steps,
-                                         report.num_free_blocks, report.cache_stats, report.time))
+                                         report.num_free_blocks, report.num_first_uses_after_ready,
+                                         report.cache_stats, report.time))
 
     def _send(self, i: int, report: StepReport) -> None:
         try:

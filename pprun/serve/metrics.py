@@ -54,6 +54,10 @@ def server_metrics(engine: EngineClient) -> list[Metric]:
         Metric("pprun_kv_blocks_free", "gauge", "KV-cache blocks free at the engine's last report",
                engine.num_free_blocks()),
         Metric("pprun_engine_steps_total", "counter", "engine steps submitted so far", engine.num_steps),
+        Metric("pprun_first_uses_after_ready_total", "counter",
+               "kernels compiled, graphs captured, step classes and sampler variants met for the first time "
+               "after ready (each logged once; 0 when the warm-up covered the traffic)",
+               engine.num_first_uses_after_ready),
         Metric("pprun_prefix_cache_enabled", "gauge", "1 where full KV blocks are reused across requests",
                float(bool(cache.get("enabled", False)))),
         Metric("pprun_prefix_cache_hit_rate", "gauge",
