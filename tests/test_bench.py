@@ -312,6 +312,8 @@ def test_vllm_settings_follow_pprun_run():
     for executor in ("mp", "ray"):
         args = engine_args(_job(cfg, reqs, executor=executor, pp_size=2))
         assert (args["pipeline_parallel_size"], args["distributed_executor_backend"]) == (2, executor)
+    assert "tensor_parallel_size" not in engine_args(_job(cfg, reqs))
+    assert engine_args(_job(cfg, reqs, executor="mp", tp_size=2))["tensor_parallel_size"] == 2
     cfg.compilation.cudagraph_mode = "none"
     cfg.vllm_args = {"gpu_memory_utilization": 0.8, "seed": 3}
     args = engine_args(_job(cfg, reqs))

@@ -79,6 +79,7 @@ def time_pprun(cfg: BenchAppConfig, llm: Any, entries: list[tuple[str, dict, int
         "eos_token_ids": set(engine.eos_token_ids),
         "executor": str(resolved.executor),
         "pp_size": len(resolved.layer_partition),
+        "tp_size": resolved.cfg.parallel.tensor_parallel_size,
         "max_num_batched_tokens": resolved.max_num_batched_tokens,
         "prefix_caching": bool(facts["prefix_caching"]),
     }

@@ -50,6 +50,8 @@ class PeerJob:
     """pprun's executor ("uni", "mp", "ray", "external_launcher"), resolved."""
     pp_size: int
     """pprun's number of pipeline stages."""
+    tp_size: int = 1
+    """pprun's ``tensor_parallel_size`` (workers per stage)."""
     prefix_caching: bool
     """Whether pprun's engine cached prompt prefixes (``cache.enable_prefix_caching``, off for
     encoder-decoder models whatever the setting)."""

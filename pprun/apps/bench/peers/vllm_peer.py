@@ -5,7 +5,7 @@ vLLM runs at its own defaults but for what the comparison needs shared: the chec
 (``peer_dtype`` may set another), the token-id prompts (with the same images or audio),
 ``max_tokens`` with EOS ignored or not as pprun, greedy, the same ``max_num_seqs``, a
 ``max_model_len`` of the workload's longest request (prompt plus output, which bounds pprun's
-requests too), CUDA graphs on unless pprun ran without them, the same pipeline size
+requests too), CUDA graphs on unless pprun ran without them, the same pipeline and tensor-parallel sizes
 (``distributed_executor_backend`` "mp" against pprun's ``mp``, "ray" against ``ray``), one
 warm-up pass on the same warm-up requests.  Its token budget per step and prefix caching stay
 vLLM's defaults; ``vllm_args`` adds or overrides any ``vllm.LLM`` argument.  The worker runs with
@@ -88,12 +88,13 @@ def unsupported(job: PeerJob) -> str | None:
         return "pprun ran under torchrun (executor=external_launcher); vLLM's peer runs as one process of its own"
     if pp > 1 and executor not in EXECUTOR_BACKENDS:
         return f"pipeline_parallel_size={pp} with executor={executor!r}: vLLM's pipeline backends are mp and ray"
-    if pp > 1:
+    if pp * job.tp_size > 1:
         import torch
 
         num_gpus = torch.cuda.device_count()
-        if num_gpus < pp:
-            return f"vLLM's pipeline puts each of its {pp} stages on its own GPU; {num_gpus} visible"
+        if num_gpus < pp * job.tp_size:
+            return (f"vLLM puts each of its pipeline_parallel_size={pp} x tensor_parallel_size={job.tp_size} "
+                    f"workers on its own GPU; {num_gpus} visible")
     return None
 
 
@@ -150,6 +151,8 @@ def engine_args(job: PeerJob) -> dict[str, Any]:
     if job.pp_size > 1:
         args["pipeline_parallel_size"] = job.pp_size
         args["distributed_executor_backend"] = EXECUTOR_BACKENDS[job.executor]
+    if job.tp_size > 1:  # the same layout: tp workers per stage
+        args["tensor_parallel_size"] = job.tp_size
     if cfg.workload == "image":
         args["limit_mm_per_prompt"] = {"image": cfg.num_images}
     if cfg.workload == "audio":
