@@ -50,14 +50,14 @@ class PeerJob:
     """pprun's executor ("uni", "mp", "ray", "external_launcher"), resolved."""
     pp_size: int
     """pprun's number of pipeline stages."""
-    tp_size: int = 1
-    """pprun's ``tensor_parallel_size`` (workers per stage)."""
     prefix_caching: bool
     """Whether pprun's engine cached prompt prefixes (``cache.enable_prefix_caching``, off for
     encoder-decoder models whatever the setting)."""
     max_num_batched_tokens: int
     """pprun's token budget per step, resolved (``scheduler.max_num_batched_tokens`` or the
     device's default)."""
+    tp_size: int = 1
+    """pprun's ``tensor_parallel_size`` (workers per stage)."""
     repeats: int = 1
     """Timed passes after the warm-up (``pprun bench``'s ``repeats``, resolved), summarised as
     pprun's are (``pprun.apps.bench.metrics.summarize_runs``)."""
