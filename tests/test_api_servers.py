@@ -195,7 +195,8 @@ def test_metrics_sum_over_front_ends(server):
 
 def test_disconnect_frees_the_request(server):
     """A streamed request whose client leaves is aborted in the engine, on either front end:
-    nothing stays unfinished and every KV block is back."""
+    nothing stays unfinished and every KV block is back (the abort is logged: it did not run to
+    its end)."""
     free_at_start = metrics(server)["pprun_kv_blocks_free"]
     aborted = "aborted: its HTTP client went away"
     front_ends = set()

@@ -28,6 +28,7 @@ reads each front end's commands in batches.
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
@@ -98,8 +99,6 @@ def serve_api_servers(settings: ServeSettings) -> None:
 
 
 def _run(settings: ServeSettings, child, grpc_port: int, http_port: int | None, metrics_dir: str) -> None:
-    import json
-
     sc = settings.serve
     ctx = multiprocessing.get_context("spawn")
     procs: list = []
