@@ -487,7 +487,7 @@ def serve_child(child_json: str) -> None:
     import logging
 
     from pprun.config.config import PprunConfig, ServeAppConfig, ServeConfig
-    from pprun.serve.server import serve
+    from pprun.serve.launch import serve
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] %(message)s")
     child = json.loads(child_json)

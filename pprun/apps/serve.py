@@ -17,7 +17,7 @@ def run(cfg: ServeAppConfig) -> None:
     from pprun.serve.settings import resolve_serve_settings
 
     settings = resolve_serve_settings(cfg)
-    from pprun.serve.server import serve
+    from pprun.serve.launch import serve
 
     serve(settings)
 

@@ -33,13 +33,37 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pprun.sampling.params import SamplingParams
-from pprun.utils.first_use import count_class_representatives
+from pprun.utils.first_use import FirstUse, count_class_representatives
 
 if TYPE_CHECKING:
-    from pprun.engine.llm_engine import LLMEngine
+    from pprun.config.validate import ResolvedConfig
+    from pprun.engine.inputs import InputProcessor
+
+
+class LLMEngine(Protocol):
+    """What the warm-up reads of the engine and drives it by: ``pprun.engine.llm_engine.LLMEngine``
+    (named here, not imported: the engine imports this module)."""
+
+    resolved: ResolvedConfig
+    inputs: InputProcessor
+    num_blocks: int
+    first_use: FirstUse
+    tracked: dict[str, Any]
+
+    @property
+    def prefix_caching(self) -> bool: ...
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                    request_id: str | None = None, mm_items: list | None = None) -> str: ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[Any]: ...
 
 logger = logging.getLogger(__name__)
 

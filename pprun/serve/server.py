@@ -327,20 +327,14 @@ def serve(settings: ServeSettings | ServeAppConfig, resolved: ResolvedConfig | N
     set); returns after draining, so the process exits 0.  ``settings``: checked already
     (``pprun serve`` does it once, :func:`~pprun.serve.settings.resolve_serve_settings`), or an
     app configuration checked here (with ``resolved``, its engine's configuration resolved
-    already).  With ``serve.api_servers`` > 1 this process is the front ends' parent
-    (``pprun.serve.api_servers``)."""
+    already).  One front end: this process (``serve.api_servers`` > 1 goes through
+    :func:`pprun.serve.launch.serve`, which makes this process the front ends' parent)."""
     if not isinstance(settings, ServeSettings):
         settings = resolve_serve_settings(settings, resolved)
     sc = settings.serve
     if sc.api_servers > 1:
-        from pprun.serve.api_servers import serve_api_servers
-
-        if stop is not None:
-            raise ValueError(f"serve.api_servers={sc.api_servers}: the front-end processes stop on SIGTERM to this "
-                             "process, not on a `stop` event (give serve.api_servers=1 to drive one in-process)")
-
-        serve_api_servers(settings)
-        return
+        raise ValueError(f"serve.api_servers={sc.api_servers}: several front-end processes are started by "
+                         "pprun.serve.launch.serve (what `pprun serve` runs), not by this one-process server")
     if sc.engine_process:
         from pprun.engine.engine_process import EngineProcess
 
