@@ -179,8 +179,14 @@ def num_decode_splits(
     :data:`DECODE_MIN_TOKENS_PER_SPLIT` tokens of the longest possible context (at most
     ``_MAX_SPLITS`` splits, so the in-kernel merge stays cheap).
     """
+    return decode_splits_for(num_reqs_padded, num_kv_heads, max_context_len, num_sms(device))
+
+
+def decode_splits_for(num_reqs_padded: int, num_kv_heads: int, max_context_len: int, sms: int) -> int:
+    """:func:`num_decode_splits` on a device of ``sms`` SMs (pure arithmetic: the engine's
+    warm-up plans from it which split counts an eager decode launch can take)."""
     num_programs = num_reqs_padded * num_kv_heads
-    target = DECODE_PROGRAMS_PER_SM * num_sms(device)
+    target = DECODE_PROGRAMS_PER_SM * sms
     if num_programs >= target:
         return 1
     by_occupancy = -(-target // num_programs)

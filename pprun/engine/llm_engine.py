@@ -183,6 +183,7 @@ class LLMEngine:
 
         t0 = time.perf_counter()
         num_steps = 0
+        eager = ""
         if self.resolved.warmup:
             waves = plan_warmup(limits_for(self))
             self.watchdog.judging = False
@@ -194,6 +195,9 @@ class LLMEngine:
                     part, r.num_waves, r.num_steps, r.seconds, r.num_new_keys,
                 )  # fmt: skip
             num_steps = sum(r.num_steps for r in reports.values())
+            if "eager decode" in reports:
+                r = reports["eager decode"]
+                eager = f"; eager decode variants {r.seconds:.2f} s, {r.num_steps} steps"
             # The warm-up leaves nothing behind but what it compiled, captured and loaded.
             self.reset_prefix_cache()
             self.num_steps = self.num_preemptions = 0
@@ -202,9 +206,9 @@ class LLMEngine:
         self.first_use.mark_ready()
         self.executor.mark_ready()
         logger.info(
-            "start-up: load %.2f s, KV cache and graph capture %.2f s, warm-up %.2f s (%d steps, %d first uses)",
+            "start-up: load %.2f s, KV cache and graph capture %.2f s, warm-up %.2f s (%d steps, %d first uses%s)",
             self.startup_s["load"], self.startup_s["kv_cache_and_capture"], self.startup_s["warmup"], num_steps,
-            len(self.first_use.seen),
+            len(self.first_use.seen), eager,
         )  # fmt: skip
 
     def first_use_stats(self) -> dict:

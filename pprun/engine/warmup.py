@@ -13,7 +13,13 @@ executor and pipeline depth warms the paths its traffic takes.  Its parts:
   size's replay, eager decodes beyond the largest graph included);
 * ``mixed``: the same classes with requests decoding while one more computes its prompt (one
   request decoding while prompts of every token class join it in turn; then every request
-  class);
+  class).  Every request has a prompt of its own (:func:`prompt_pattern`): requests of one step
+  that shared a prefix would hit each other's cached blocks and compute fewer tokens than their
+  class (so the budget's own classes, split over several requests, were missed);
+* ``eager decode`` (where the Triton decode kernel runs): per variant of the eager decode launch
+  (:func:`eager_decode_rows`: its split count and second-tile preload, from the row count, the
+  KV heads per rank, the block table's width and the SM count), a mixed step with that many
+  decode rows and a decode step of that many requests;
 * ``sampler``: each sampler variant alone and all of them in one batch (greedy, temperature,
   top-k, top-p, both, min-p, seeds, logprobs, suppressed ids, min-tokens);
 * ``prefix cache`` (when on): a prompt run twice, the second time from its cached blocks;
@@ -29,6 +35,7 @@ key met later is counted and logged.  Each part's steps, seconds and new keys ar
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -51,6 +58,7 @@ class LLMEngine(Protocol):
     inputs: InputProcessor
     num_blocks: int
     first_use: FirstUse
+    executor: Any
     tracked: dict[str, Any]
 
     @property
@@ -114,6 +122,31 @@ class WarmupLimits:
     """Prompt tokens of one image after expansion (0: a text-only model)."""
     fixed_prompt_len: int | None = None
     """A speech model's decoder prompt length (every request is that long and carries a clip)."""
+    decode_rows: tuple[int, ...] = ()
+    """Decode-row counts, one per variant the eager decode launch can take (:func:`eager_decode_rows`;
+    empty where no Triton decode kernel runs)."""
+
+
+def eager_decode_rows(
+    max_rows: int, num_kv_heads: int, max_context_len: int, stage_sms: tuple[int, ...]
+) -> tuple[int, ...]:
+    """The fewest decode rows that give each ``(num_splits, preload_second)`` the Triton decode
+    kernel specialises on (``pprun.attention.triton_ops``), over ``1..max_rows`` rows, on devices
+    of each of ``stage_sms`` SMs, ascending.
+
+    An eager launch (a mixed step's decode rows; a decode step beyond the largest full graph, or
+    any decode step without full graphs) runs one program per (row, KV head) and splits the
+    context by the row count and the block table's width, ``max_context_len`` tokens: the same
+    every step (V2's persistent table, V1's padded to it), so the variants are a function of the
+    row count alone and few (at most 16 split counts; 10 on 132 SMs with 8 KV heads)."""
+    from pprun.attention.triton_ops import decode_splits_for, preload_second
+
+    first: dict[tuple[int, int, bool], int] = {}
+    for sms in stage_sms:
+        for n in range(1, max_rows + 1):
+            splits = decode_splits_for(n, num_kv_heads, max_context_len, sms)
+            first.setdefault((sms, splits, preload_second(splits)), n)
+    return tuple(sorted(set(first.values())))
 
 
 def _greedy(max_tokens: int, **extra) -> SamplingParams:
@@ -161,6 +194,9 @@ def plan_warmup(limits: WarmupLimits) -> list[Wave]:
         waves.append(Wave("sampler", tuple(WarmupRequest(p, v) for v in variants[: lim.max_num_seqs])))
         return [w for w in waves if _fits(w, lim)]
 
+    # Every request its own prompt (the prefix-cache wave's two aside): requests of one step that
+    # shared a prefix would hit each other's blocks and compute fewer tokens than their class.
+    keys = itertools.count(1)
     budget = lim.max_num_batched_tokens
     tokens = count_class_representatives(budget)
     reqs = count_class_representatives(min(lim.max_num_seqs, budget))
@@ -168,14 +204,14 @@ def plan_warmup(limits: WarmupLimits) -> list[Wave]:
         r = max(reqs[i] if i < len(reqs) else 1, math.ceil(t / max_prompt))
         if r > lim.max_num_seqs:
             continue
-        waves.append(Wave("prefill", tuple(WarmupRequest(n, _greedy(2), prompt_key=i) for n in _split(t, r))))
+        waves.append(Wave("prefill", tuple(WarmupRequest(n, _greedy(2), prompt_key=next(keys)) for n in _split(t, r))))
     # Mixed: one request decodes while a prompt of each token class joins in turn (groups short
     # enough for its context), then each request class with a one-token joiner.
     decode_room = lim.max_model_len - 2
     group = max(1, (decode_room - 4) // 3)
     joiners = [
         tuple(
-            WarmupRequest(n, _greedy(1), prompt_key=2000 + t)
+            WarmupRequest(n, _greedy(1), prompt_key=next(keys))
             for n in _split(t - 1, math.ceil((t - 1) / max_prompt))
         )
         for t in tokens
@@ -183,31 +219,43 @@ def plan_warmup(limits: WarmupLimits) -> list[Wave]:
     ]
     for g in range(0, len(joiners), group):
         part = tuple(joiners[g : g + group])
-        decoder = WarmupRequest(1, _greedy(min(decode_room, 3 * len(part) + 4)), prompt_key=1000 + g)
+        decoder = WarmupRequest(1, _greedy(min(decode_room, 3 * len(part) + 4)), prompt_key=next(keys))
         waves.append(Wave("mixed", (decoder,), part))
     for r in reqs[2:]:
         decoders = tuple(
-            WarmupRequest(1, _greedy(min(decode_room, 8)), prompt_key=1000 + j) for j in range(r - 1)
+            WarmupRequest(1, _greedy(min(decode_room, 8)), prompt_key=next(keys)) for _ in range(r - 1)
         )
-        waves.append(Wave("mixed", decoders, ((WarmupRequest(1, _greedy(1), prompt_key=2999),),)))
+        waves.append(Wave("mixed", decoders, ((WarmupRequest(1, _greedy(1), prompt_key=next(keys)),),)))
+    # Eager decode launches: a mixed step of n decode rows (a two-token prompt joins n requests
+    # decoding) and a decode step of n requests, for each variant's row count n.
+    prefill_rows = {len(w.first) for w in waves if w.part == "prefill"}
+    for n in lim.decode_rows:
+        if n < lim.max_num_seqs:
+            decoders = tuple(WarmupRequest(1, _greedy(min(decode_room, 6)), prompt_key=next(keys)) for _ in range(n))
+            waves.append(Wave("eager decode", decoders, ((WarmupRequest(2, _greedy(1), prompt_key=next(keys)),),)))
+        if n not in prefill_rows and n <= lim.max_num_seqs:
+            waves.append(Wave("eager decode", tuple(WarmupRequest(1, _greedy(2), prompt_key=next(keys))
+                                                    for _ in range(n))))  # fmt: skip
     variants = sampler_variants(lim.max_logprobs)
-    waves += [Wave("sampler", (WarmupRequest(4, v, prompt_key=3000 + i),)) for i, v in enumerate(variants)]
-    waves.append(Wave("sampler", tuple(WarmupRequest(4, v, prompt_key=3000 + i)
-                                       for i, v in enumerate(variants[: lim.max_num_seqs]))))  # fmt: skip
+    waves += [Wave("sampler", (WarmupRequest(4, v, prompt_key=next(keys)),)) for v in variants]
+    waves.append(Wave("sampler", tuple(WarmupRequest(4, v, prompt_key=next(keys))
+                                       for v in variants[: lim.max_num_seqs])))  # fmt: skip
     # Two whole blocks and one token more (chunked where the budget is smaller).
     shared = min(2 * lim.block_size + 1, max_prompt, budget if not lim.chunked_prefill else max_prompt)
     if lim.prefix_caching and shared > lim.block_size:
+        key = next(keys)
         for _ in range(2):
-            waves.append(Wave("prefix cache", (WarmupRequest(shared, _greedy(2), prompt_key=4000),)))
+            waves.append(Wave("prefix cache", (WarmupRequest(shared, _greedy(2), prompt_key=key),)))
     if lim.chunked_prefill and max_prompt > budget:
         waves.append(
-            Wave("chunked prefill", (WarmupRequest(min(max_prompt, budget + budget // 2 + 1), _greedy(2)),))
+            Wave("chunked prefill", (WarmupRequest(min(max_prompt, budget + budget // 2 + 1), _greedy(2),
+                                                     prompt_key=next(keys)),))
         )
     if lim.image_tokens:
         for n in (1, 2):
             if n * lim.image_tokens + 4 <= min(max_prompt, budget):
                 waves.append(
-                    Wave("encoder", (WarmupRequest(4, _greedy(2), prompt_key=5000 + n, num_images=n),))
+                    Wave("encoder", (WarmupRequest(4, _greedy(2), prompt_key=next(keys), num_images=n),))
                 )
     return [w for w in waves if _fits(w, lim)]
 
@@ -236,6 +284,18 @@ def limits_for(engine: LLMEngine) -> WarmupLimits:
     image_tokens = 0
     if rc.arch.multimodal is not None:
         image_tokens = _image_tokens(engine)
+    decode_rows: tuple[int, ...] = ()
+    stage_sms = getattr(engine.executor, "stage_sms", ())
+    if stage_sms and rc.attention_backend != "reference" and speech is None:
+        from pprun.worker.kv_cache import kv_heads_per_rank
+
+        bs = cfg.cache.block_size
+        decode_rows = eager_decode_rows(
+            cfg.scheduler.max_num_seqs,
+            kv_heads_per_rank(rc.arch, cfg.parallel.tensor_parallel_size),
+            -(-rc.max_model_len // bs) * bs,  # the block table's width (V2's persistent one; V1's padded)
+            stage_sms,
+        )
     return WarmupLimits(
         max_num_seqs=cfg.scheduler.max_num_seqs,
         max_num_batched_tokens=rc.max_num_batched_tokens,
@@ -247,6 +307,7 @@ def limits_for(engine: LLMEngine) -> WarmupLimits:
         max_logprobs=cfg.model.max_logprobs,
         image_tokens=image_tokens,
         fixed_prompt_len=len(speech.decoder_prompt) if speech is not None else None,
+        decode_rows=decode_rows,
     )
 
 
@@ -287,15 +348,8 @@ def _prompt_ids(engine: LLMEngine, req: WarmupRequest) -> tuple[list[int], list]
         return list(speech.decoder_prompt), [
             speech.audio_item(samples, "warm-up", len(speech.decoder_prompt))
         ]
-    # Ids from the upper three quarters of the vocabulary (special tokens sit at either end of
-    # most; the image token is skipped).
-    vocab = rc.arch.vocab_size
-    low = vocab // 4
     skip = rc.arch.multimodal["image_token_index"] if rc.arch.multimodal is not None else -1
-    ids = [
-        low + (req.prompt_key * 7919 + j * 104729) % (vocab - low - 1) for j in range(req.num_prompt_tokens)
-    ]
-    ids = [t + 1 if t == skip else t for t in ids]
+    ids = prompt_pattern(req.prompt_key, req.num_prompt_tokens, rc.arch.vocab_size, skip)
     if req.num_images:  # each image's token after a few prompt tokens
         ids += [rc.arch.multimodal["image_token_index"]] * req.num_images
     prompt: dict = {"prompt_token_ids": ids}
@@ -303,6 +357,18 @@ def _prompt_ids(engine: LLMEngine, req: WarmupRequest) -> tuple[list[int], list]
         prompt["multi_modal_data"] = {"image": [_image() for _ in range(req.num_images)]}
     processed = engine.inputs.process_prompt(prompt, "warm-up")
     return processed.token_ids, processed.mm_items
+
+
+def prompt_pattern(key: int, num_tokens: int, vocab_size: int, skip: int = -1) -> list[int]:
+    """A warm-up prompt's token ids: from the upper three quarters of the vocabulary (special
+    tokens sit at either end of most; ``skip``, the image token, is stepped over), the first three
+    the digits of ``key`` (distinct keys below ``span ** 3`` start differently, so that no prompt
+    hits another's cached blocks), then a pattern."""
+    low = vocab_size // 4
+    span = vocab_size - low - 1
+    head = [low + (key // span**d) % span for d in range(3)]
+    ids = (head + [low + (key * 7919 + j * 104729) % span for j in range(max(0, num_tokens - 3))])[:num_tokens]
+    return [t + 1 if t == skip else t for t in ids]
 
 
 def _params(engine: LLMEngine, req: WarmupRequest) -> SamplingParams:

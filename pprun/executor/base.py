@@ -40,6 +40,9 @@ class Executor(ABC):
     num_cross_slots: int | None = None
     """An encoder-decoder model's cross-attention slots: requests that may run at once (the
     minimum over stages, each sized from its cache budget); None for a decoder-only model."""
+    stage_sms: tuple[int, ...] = ()
+    """SM counts of the stages' devices, distinct and ascending (empty off CUDA): the warm-up plans
+    the decode launch's split counts from them (``pprun.engine.warmup.eager_decode_rows``)."""
     stage_params: list[int]
     """Parameter count of each stage's model."""
 

@@ -99,6 +99,9 @@ class ExternalLauncherExecutor(Executor):
             self.num_blocks = self._agree_on_min(self.worker.num_available_blocks())
             if self.worker.num_cross_slots is not None:
                 self.num_cross_slots = self._agree_on_min(self.worker.num_cross_slots)
+            # Every rank plans the same warm-up: the smallest and largest SM count of all ranks.
+            sms = self.worker.num_sms
+            self.stage_sms = tuple(sorted({self._agree_on_min(sms), -self._agree_on_min(-sms)} - {0}))
         except BaseException:
             self.worker = None
             self._destroy_own_group()

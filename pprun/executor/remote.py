@@ -183,7 +183,8 @@ def worker_main(address: tuple[str, int], authkey: bytes, rank: int, spec: Worke
     try:
         worker = Worker(spec)
         n_params = worker.load_model()
-        conn.send(("loaded", n_params, worker.num_available_blocks(), worker.num_cross_slots))
+        conn.send(("loaded", n_params, worker.num_available_blocks(), worker.num_cross_slots,
+                   worker.num_sms))  # fmt: skip
         serve_steps(conn, worker, spec.control_spin_s)
     except (EOFError, OSError):
         driver_gone = True  # nothing to report to
@@ -421,6 +422,7 @@ class RemoteStagesExecutor(Executor):
         # tensors it keeps whole).
         self.stage_params = [sum(m[1] for m in loaded[pp * self.tp_size : (pp + 1) * self.tp_size]) for pp in range(self.pp_size)]
         self.num_blocks = min(m[2] for m in loaded)
+        self.stage_sms = tuple(sorted({m[4] for m in loaded if m[4]}))
         if loaded[0][3] is not None:
             self.num_cross_slots = min(m[3] for m in loaded)
 

@@ -28,6 +28,7 @@ class UniExecutor(Executor):
         self.stage_params = [self.worker.load_model()]
         self.num_blocks = self.worker.num_available_blocks()
         self.num_cross_slots = self.worker.num_cross_slots
+        self.stage_sms = (self.worker.num_sms,) if self.worker.num_sms else ()
         self.outputs: deque[ModelRunnerOutput] = deque()
 
     def init_cache(self, num_blocks: int) -> None:

@@ -148,6 +148,14 @@ class Worker:
         )
         return sum(p.numel() for p in self.model.parameters())
 
+    @property
+    def num_sms(self) -> int:
+        """Streaming multiprocessors of this stage's device (0 off CUDA): the engine's warm-up
+        plans the eager decode launch's split counts from it (``pprun.engine.warmup``)."""
+        from pprun.kernels.grid import num_sms
+
+        return num_sms(self.device) if self.device.type == "cuda" else 0
+
     def num_available_blocks(self) -> int:
         """KV blocks this stage can hold within its cache budget (own layers only)."""
         from pprun.worker.kv_cache import bytes_per_block
@@ -238,7 +246,8 @@ class Worker:
             from pprun.worker.v1.runner import V1ModelRunner
 
             self.runner = V1ModelRunner(
-                self.model, self.layout, self.device, rc.cfg.cache.block_size, encoder_decoder=encoder_decoder
+                self.model, self.layout, self.device, rc.cfg.cache.block_size, encoder_decoder=encoder_decoder,
+                max_model_len=rc.max_model_len,
             )
             self.runner.sampler.first_use = self.first_use
         if not self.layout.is_first:

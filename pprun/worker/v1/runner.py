@@ -53,7 +53,13 @@ class V1ModelRunner(ModelRunner):
         device: torch.device,
         block_size: int,
         encoder_decoder: EncoderDecoderState | None = None,
+        max_model_len: int | None = None,
     ) -> None:
+        """``max_model_len``: every step's block table is ``ceil(max_model_len / block_size)``
+        wide, as V2's is, so that the decode kernel's split count (from the table's width) depends
+        on the step's row count only and the engine's warm-up can meet every one
+        (``pprun.engine.warmup.eager_decode_rows``); None: as wide as the step's longest request."""
+        self.table_width = -(-max_model_len // block_size) if max_model_len is not None else 0
         self.model = model
         self.encoder_decoder = encoder_decoder
         """``pprun.worker.encoder_decoder.EncoderDecoderState`` of an encoder-decoder model."""
@@ -123,7 +129,7 @@ class V1ModelRunner(ModelRunner):
             query_start_loc.append(query_start_loc[-1] + n)
             tables.append(st.block_ids)
             last_rows.append(query_start_loc[-1] - 1)
-        max_blocks = max(len(t) for t in tables)
+        max_blocks = max(self.table_width, max(len(t) for t in tables))
         table = torch.zeros((len(tables), max_blocks), dtype=torch.int32)
         for i, t in enumerate(tables):
             table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
