@@ -9,7 +9,8 @@ The workload, in ``--rounds`` rounds of the same mix (seeded): prompts of 1 to 2
 batches of 1 to 64 concurrent requests, greedy, temperature, top-k, top-p, min-p, seeds and
 logprobs.  ``first_round_ttft_ms`` and ``later_rounds_ttft_ms`` are medians and maxima; warm
 means ``first_uses_after_ready`` is empty and the first round's tail is no worse than the later
-ones'.  The server's log is kept in ``--log``.
+ones'.  The exit status is 1 when the server logged any first use after ready (a pass/fail check;
+the tail is for reading).  The server's log is kept in ``--log``.
 """
 
 from __future__ import annotations
@@ -131,7 +132,9 @@ def main() -> None:
         "first_round_ttft_ms": summary(rounds[0]),
         "later_rounds_ttft_ms": summary(later) if later else None,
     }, indent=2))  # fmt: skip
-    sys.exit(0)
+    if firsts:
+        print(f"FAIL: {len(firsts)} first uses after ready (see {args.log})", file=sys.stderr)
+    sys.exit(1 if firsts else 0)
 
 
 if __name__ == "__main__":

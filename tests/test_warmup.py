@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pprun.engine.warmup import WarmupLimits, plan_warmup
+from pprun.engine.warmup import WarmupLimits, eager_decode_rows, plan_warmup, prompt_pattern
 from pprun.sampling.params import SamplingParams
 from pprun.utils.first_use import FirstUse, count_class, count_class_representatives
 
@@ -132,6 +132,71 @@ def test_the_plan_meets_every_class_within_the_limits():
     # A KV cache too small for a wave drops it rather than stalling the warm-up.
     small = plan_warmup(replace(lim, num_blocks=4))
     assert small and all(len(w.first) + max(map(len, w.joiners), default=0) <= 3 for w in small)
+
+
+def test_the_budgets_own_classes_are_met_with_prefix_caching_on(tiny_llama_dir):
+    """The budget's classes need several prompts in one step (longer than the context allows one):
+    with prefix caching on, prompts sharing a prefix would hit each other's blocks and the step
+    would compute fewer tokens than its class (how the top class was missed)."""
+    from pprun import LLM
+
+    limits = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 24, "block_size": 8}
+    with LLM(str(tiny_llama_dir), device="cpu", dtype="float32", warmup="full", enable_prefix_caching=True,
+             **limits) as llm:  # fmt: skip
+        seen = llm.engine.first_use.seen
+    for kind in ("prefill", "mixed"):
+        for cls in ("<=64", "<=64/16"):
+            assert f"step: {kind} {cls} tokens" in seen, sorted(k for k in seen if k.startswith("step"))
+
+
+def test_warm_up_prompts_share_no_prefix():
+    """Each request its own prompt (the prefix-cache wave's pair aside), and distinct keys start
+    differently even with a small vocabulary (no block of one is a cached block of another)."""
+    lim = WarmupLimits(max_num_seqs=8, max_num_batched_tokens=100, max_model_len=40, block_size=16,
+                       num_blocks=1000, prefix_caching=True, chunked_prefill=True, max_logprobs=20,
+                       decode_rows=(1, 3, 5))  # fmt: skip
+    keys = [r.prompt_key for w in plan_warmup(lim) if w.part != "prefix cache" for r in w.requests]
+    assert len(keys) == len(set(keys))
+    for vocab in (64, 32000):
+        heads = {tuple(prompt_pattern(k, 8, vocab)[:3]) for k in keys}
+        assert len(heads) == len(keys)
+        assert all(vocab // 4 <= t < vocab for k in keys for t in prompt_pattern(k, 40, vocab))
+
+
+def _eager_decode_launches(waves) -> tuple[set[int], set[int]]:
+    """Row counts of the eager decode launches the plan's waves make: a mixed step's decode rows
+    (``first`` decoding while a prompt of two or more tokens joins), a decode step's requests
+    (``first`` alone, each sampling twice or more)."""
+    mixed = {len(w.first) for w in waves for g in w.joiners if max(r.num_prompt_tokens for r in g) > 1}
+    decode = {len(w.first) for w in waves if not w.joiners and min(r.params.max_tokens for r in w.first) > 1}
+    return mixed, decode
+
+
+@pytest.mark.parametrize(
+    ("max_num_seqs", "kv_heads", "max_model_len", "block_size", "sms"),
+    [(128, 8, 2048, 16, 132), (256, 1, 131072, 16, 132), (64, 4, 4096, 32, 78), (32, 8, 256, 16, 132)],
+)
+def test_the_plan_meets_every_eager_decode_variant(monkeypatch, max_num_seqs, kv_heads, max_model_len,
+                                                    block_size, sms):  # fmt: skip
+    """Every (NUM_SPLITS, PRELOAD_SECOND) the eager decode launch can pick -- a mixed step's decode
+    rows (1 to max_num_seqs - 1) and a decode step's requests (1 to max_num_seqs) -- is met by a
+    wave of the plan, with the launch's own split count (num_decode_splits, on a stand-in SM count)."""
+    import pprun.attention.triton_ops as ops
+
+    monkeypatch.setattr(ops, "num_sms", lambda device: sms)
+    width = -(-max_model_len // block_size) * block_size  # the block table's, every step
+
+    def variant(rows: int) -> tuple[int, bool]:
+        splits = ops.num_decode_splits(rows, kv_heads, width, torch.device("cpu"))
+        return splits, ops.preload_second(splits)
+
+    lim = WarmupLimits(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, max_model_len=max_model_len,
+                       block_size=block_size, num_blocks=10**6, prefix_caching=True, chunked_prefill=True,
+                       max_logprobs=20, decode_rows=eager_decode_rows(max_num_seqs, kv_heads, width, (sms,)))  # fmt: skip
+    mixed, decode = _eager_decode_launches(plan_warmup(lim))
+    assert {variant(n) for n in mixed} == {variant(n) for n in range(1, max_num_seqs)}
+    assert {variant(n) for n in decode} == {variant(n) for n in range(1, max_num_seqs + 1)}
+    assert len(lim.decode_rows) <= 16  # a wave or two per split count: the part stays small
 
 
 def test_a_key_met_after_ready_is_counted_and_logged_once(caplog):
