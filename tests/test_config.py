@@ -257,7 +257,10 @@ def test_resolve_executor() -> None:
         ({"runner": "v3"}, r"runner='v3'.*auto, v1, v2"),
         ({"device": "tpu"}, r"device='tpu'.*auto, cpu, cuda"),
         ({"dtype": "float8"}, r"model\.dtype='float8'.*float32, bfloat16, float16"),
-        ({"cudagraph_mode": "partial"}, r"compilation\.cudagraph_mode='partial'.*none, piecewise, full"),
+        ({"cudagraph_mode": "partial"},
+         r"compilation\.cudagraph_mode='partial'.*none, piecewise, full, full_and_piecewise"),
+        ({"piecewise_capture_sizes": [8, 0]}, r"compilation\.piecewise_capture_sizes=\[8, 0\].*integers >= 1"),
+        ({"piecewise_capture_sizes": []}, r"compilation\.piecewise_capture_sizes=\[\].*non-empty list"),
         ({"warmup": "yes"}, r"compilation\.warmup='yes'.*auto, full, none"),
         ({"device": "cuda"}, r"device='cuda'.*CUDA is not available"),
         ({"dtype": "float16"}, r"model\.dtype='float16'.*device=cpu.*float32 or bfloat16"),
@@ -501,3 +504,15 @@ def test_validate_reads_a_converted_alias(llama_dir: Path, tmp_path: Path, monke
 def test_unknown_model_names_the_aliases() -> None:
     with pytest.raises(ValueError, match=r"model\.model='no-such-model'.*known aliases:.*smollm2-135m-instruct"):
         validate_config(PprunConfig.from_kwargs(model="no-such-model"), cuda_available=False, env={})
+
+
+def test_piecewise_sizes_default_to_token_counts_up_to_the_budget():
+    """Piecewise graphs are sized in tokens: by default every default size up to the step's token
+    budget (a 512-token prompt is one replay), the decode sizes where only those are given, or
+    their own list."""
+    comp = CompilationConfig()
+    assert comp.cudagraph_mode == "full_and_piecewise"
+    assert comp.resolved_piecewise_sizes(8192)[-3:] == [256, 384, 512]
+    assert comp.resolved_piecewise_sizes(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96]
+    assert CompilationConfig(cudagraph_capture_sizes=[4, 1]).resolved_piecewise_sizes(8192) == [1, 4]
+    assert CompilationConfig(piecewise_capture_sizes=[64, 8, 8]).resolved_piecewise_sizes(8192) == [8, 64]

@@ -631,18 +631,26 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("mode", ["full", "piecewise"])
+@pytest.mark.parametrize("mode", ["full", "piecewise", "full_and_piecewise"])
 def test_graphs_match_eager_and_v1_gpu(model_dir, mode):
-    prompts = prompts_of([6, 11, 4])  # 3 requests: decode steps pad to the captured size 4
+    """3 requests: the prefill step (21 tokens) replays the piecewise graph of 32 tokens in the
+    piecewise modes (captured over the runner's 8 request rows: more tokens than rows) and runs
+    eagerly under ``full``; decode steps pad to the captured size 4, full or piecewise."""
+    prompts = prompts_of([6, 11, 4])
     eager_rc = resolved_for(model_dir, "cuda", "bfloat16", cudagraph_mode="none")
+    piecewise = mode != "full"
     graph_rc = resolved_for(
-        model_dir, "cuda", "bfloat16", cudagraph_mode=mode, cudagraph_capture_sizes=[1, 2, 4, 8]
+        model_dir, "cuda", "bfloat16", cudagraph_mode=mode, cudagraph_capture_sizes=[1, 2, 4, 8],
+        piecewise_capture_sizes=[4, 8, 32],
     )
     assert graph_rc.cudagraph_capture_sizes == [1, 2, 4, 8]
+    assert graph_rc.piecewise_capture_sizes == ([4, 8, 32] if piecewise else [])
     v1, _ = build_runner("v1", eager_rc, backend="triton")
     eager, eager_caches = build_runner("v2", eager_rc, backend="triton")
     graphed, graph_caches = build_runner("v2", graph_rc, backend="triton")
     assert graphed.graphs.mode == mode
+    assert sorted(graphed.graphs.piecewise) == ([4, 8, 32] if piecewise else [])
+    assert sorted(graphed.graphs.full) == ([] if mode == "piecewise" else [1, 2, 4, 8])
     plans = []
     original = graphed.graphs.plan
 
@@ -655,8 +663,13 @@ def test_graphs_match_eager_and_v1_gpu(model_dir, mode):
     want_v1, _ = drive(v1, prompts, 6)
     want, used_blocks = drive(eager, prompts, 6)
     got, _ = drive(graphed, prompts, 6)
-    decode_plans = plans[1:]
-    assert all(p.mode == mode and p.num_tokens_padded == 4 for p in decode_plans), plans
+    prefill_plan, decode_plans = plans[0], plans[1:]
+    if piecewise:
+        assert (prefill_plan.mode, prefill_plan.num_tokens_padded) == ("piecewise", 32), plans
+    else:
+        assert prefill_plan.mode == "eager", plans
+    decode_mode = "piecewise" if mode == "piecewise" else "full"
+    assert all(p.mode == decode_mode and p.num_tokens_padded == 4 for p in decode_plans), plans
     assert got == want == want_v1
     for a, b in zip(eager_caches, graph_caches):
         torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
@@ -800,6 +813,9 @@ def test_engine_full_graphs_match_v1_gpu(model_dir):
     v1, _ = run_engine(model_dir, "v1", requests, stagger=True, **kw)
     v2, _ = run_engine(model_dir, "v2", requests, stagger=True, cudagraph_mode="full", **kw)
     assert v2 == v1
+    # The default: staggered prefill chunks and mixed steps replay piecewise graphs as well.
+    both, _ = run_engine(model_dir, "v2", requests, stagger=True, cudagraph_mode="full_and_piecewise", **kw)
+    assert both == v1
 
 
 @pytest.mark.gpu
@@ -848,6 +864,9 @@ def test_suppression_with_full_graphs_matches_v1_gpu(model_dir, unsuppressed):
     v1, _ = run_engine(model_dir, "v1", requests, stagger=True, **kw)
     v2, _ = run_engine(model_dir, "v2", requests, stagger=True, cudagraph_mode="full", **kw)
     assert v2 == v1
+    # The default: staggered prefill chunks and mixed steps replay piecewise graphs as well.
+    both, _ = run_engine(model_dir, "v2", requests, stagger=True, cudagraph_mode="full_and_piecewise", **kw)
+    assert both == v1
     for rid, _, sp in requests:
         assert v2[rid][0][0] not in sp.begin_suppress_token_ids
         assert not set(v2[rid][0]) & set(sp.suppress_token_ids)

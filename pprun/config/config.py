@@ -160,12 +160,21 @@ class CacheConfig:
 class CompilationConfig:
     """CUDA-graph capture (ignored on CPU)."""
 
-    cudagraph_mode: str = "full"
-    """none|piecewise|full: run eagerly, capture around attention, or capture whole decode steps."""
+    cudagraph_mode: str = "full_and_piecewise"
+    """none|piecewise|full|full_and_piecewise (vLLM's names): run eagerly; capture piecewise graphs
+    (cut at every attention call) for steps of up to the largest piecewise size; capture whole
+    decode steps as full graphs (prefill and mixed steps eager); or both: full graphs for decode
+    steps and piecewise graphs for prefill and mixed steps (``pprun.worker.v2.cuda_graphs``)."""
     cudagraph_capture_sizes: list[int] | None = None
-    """Padded batch sizes to capture; None: 1,2,4,8,16,24,32,48,64,96,128,192,256,384,512 capped at
-    max_num_seqs (plus max_num_seqs itself up to 512, so every decode batch up to 512 has a graph;
-    a larger one runs eagerly)."""
+    """Padded batch sizes of the full decode graphs; None: 1,2,4,8,16,24,32,48,64,96,128,192,256,384,512
+    capped at max_num_seqs (plus max_num_seqs itself up to 512, so every decode batch up to 512 has a
+    graph; a larger one runs eagerly)."""
+    piecewise_capture_sizes: list[int] | None = None
+    """Padded token counts of the piecewise graphs (modes piecewise and full_and_piecewise); None: the
+    ``cudagraph_capture_sizes`` where those are given, else 1,2,4,...,384,512 capped at the step's
+    token budget (``scheduler.max_num_batched_tokens``), so a prompt of up to 512 tokens is one replay;
+    a step of more tokens runs eagerly (its kernels are large enough that launches do not matter).
+    Sizes above the token budget are dropped: no step would replay them."""
     warmup: str = "auto"
     """auto|full|none: before the engine reports ready, run one step of every class a step can take
     (token and request counts, mixed steps, sampler variants, prefix hits, chunked prefill,
@@ -180,6 +189,14 @@ class CompilationConfig:
         if max_num_seqs < DEFAULT_CUDAGRAPH_CAPTURE_SIZES[-1] and max_num_seqs not in sizes:
             sizes.append(max_num_seqs)
         return sizes
+
+    def resolved_piecewise_sizes(self, max_num_batched_tokens: int) -> list[int]:
+        """The sorted token counts of the piecewise graphs for a step budget of ``max_num_batched_tokens``."""
+        if self.piecewise_capture_sizes is not None:
+            return sorted({int(s) for s in self.piecewise_capture_sizes})
+        if self.cudagraph_capture_sizes is not None:
+            return sorted({int(s) for s in self.cudagraph_capture_sizes})
+        return [s for s in DEFAULT_CUDAGRAPH_CAPTURE_SIZES if s <= max_num_batched_tokens]
 
 
 @dataclass

@@ -17,7 +17,7 @@ import copy
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,7 +37,7 @@ DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 """Allowed values of ``device``."""
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 """Allowed values of ``model.dtype``."""
-CUDAGRAPH_MODES: tuple[str, ...] = ("none", "piecewise", "full")
+CUDAGRAPH_MODES: tuple[str, ...] = ("none", "piecewise", "full", "full_and_piecewise")
 """Allowed values of ``compilation.cudagraph_mode``."""
 WARMUP_MODES: tuple[str, ...] = ("auto", "full", "none")
 """Allowed values of ``compilation.warmup``."""
@@ -97,12 +97,15 @@ class ResolvedConfig:
     runner: str
     """``v1`` or ``v2``."""
     cudagraph_capture_sizes: list[int]
-    """Padded batch sizes captured as CUDA graphs (empty on CPU or with cudagraph_mode=none)."""
+    """Padded batch sizes captured as full decode graphs (empty on CPU or with cudagraph_mode=none)."""
     max_num_batched_tokens: int
     """The token budget of one step: ``scheduler.max_num_batched_tokens`` where given, else
     ``DEFAULT_MAX_NUM_BATCHED_TOKENS`` of the device (raised to ``max_model_len`` with chunked
     prefill off, so a whole prompt fits a step).  Every reader (scheduler, receive buffers,
     runner inputs) reads this field."""
+    piecewise_capture_sizes: list[int] = field(default_factory=list)
+    """Padded token counts captured as piecewise graphs (empty on CPU, and unless cudagraph_mode is
+    piecewise or full_and_piecewise)."""
     v2_fallback_reasons: tuple[str, ...] = ()
     """Why the V2 runner does not run this configuration (``unsupported_v2_features``); empty
     where it does."""
@@ -325,15 +328,18 @@ def _check_values(cfg: PprunConfig, env: Mapping[str, str]) -> None:
     if not is_number(utilization) or not 0 < utilization <= 1:
         raise ValueError(f"cache.gpu_memory_utilization={utilization!r} is not allowed; it must be in (0, 1]")
 
-    sizes = cfg.compilation.cudagraph_capture_sizes
-    if sizes is not None:
-        if isinstance(sizes, str) or not isinstance(sizes, Sequence) or not sizes or not all(
-            is_int(s) and s >= 1 for s in sizes
+    for key in ("cudagraph_capture_sizes", "piecewise_capture_sizes"):
+        sizes = getattr(cfg.compilation, key)
+        if sizes is not None and (
+            isinstance(sizes, str) or not isinstance(sizes, Sequence) or not sizes
+            or not all(is_int(s) and s >= 1 for s in sizes)
         ):
             raise ValueError(
-                f"compilation.cudagraph_capture_sizes={sizes!r} is not allowed; it must be a non-empty list of "
+                f"compilation.{key}={sizes!r} is not allowed; it must be a non-empty list of "
                 "integers >= 1, or None for the defaults"
             )
+    sizes = cfg.compilation.cudagraph_capture_sizes
+    if sizes is not None:
         max_num_seqs = cfg.scheduler.max_num_seqs
         too_big = sorted({s for s in sizes if s > max_num_seqs})
         if too_big:
@@ -607,10 +613,14 @@ def validate_config(
     if attention_backend == "triton" and device != "cuda":
         name = ATTN_BACKEND_ENV if env.get(ATTN_BACKEND_ENV) else "attention_backend"
         raise ValueError(f"{name}='triton' needs a CUDA device, but device={device!r}; use auto or reference")
+    capture_sizes: list[int] = []
+    piecewise_sizes: list[int] = []
     if device == "cuda" and cfg.compilation.cudagraph_mode != "none":
         capture_sizes = cfg.compilation.resolved_capture_sizes(cfg.scheduler.max_num_seqs)
-    else:
-        capture_sizes = []
+        if cfg.compilation.cudagraph_mode in ("piecewise", "full_and_piecewise"):
+            # A step never holds more tokens than the budget: a larger graph would never replay.
+            piecewise_sizes = [s for s in cfg.compilation.resolved_piecewise_sizes(max_num_batched_tokens)
+                               if s <= max_num_batched_tokens]
 
     resolved = ResolvedConfig(
         cfg=cfg,
@@ -624,6 +634,7 @@ def validate_config(
         executor=executor,
         runner=runner,
         cudagraph_capture_sizes=capture_sizes,
+        piecewise_capture_sizes=piecewise_sizes,
         max_num_batched_tokens=max_num_batched_tokens,
         v2_fallback_reasons=tuple(reasons),
         attention_backend=attention_backend,

@@ -53,7 +53,7 @@ def agree_on_graph_hops(
         return False
     mine = (graph_mode, tuple(graph_sizes), GRAPH_HOP_ENABLED)
     agreed = transport.agree(mine)
-    if not (agreed and graph_mode == "full" and GRAPH_HOP_ENABLED):
+    if not (agreed and graph_mode in ("full", "full_and_piecewise") and GRAPH_HOP_ENABLED):
         return False
     sample = None if layout.is_last else make_sample()
     transport.warm_up(sample, buffers)

@@ -165,8 +165,9 @@ class V2ModelRunner(ModelRunner):
         self.max_model_len = resolved.max_model_len
         self.max_num_blocks_per_req = math.ceil(self.max_model_len / self.block_size)
         capture_sizes = [s for s in resolved.cudagraph_capture_sizes if s <= self.max_num_reqs]
+        piecewise_sizes = list(resolved.piecewise_capture_sizes)
         # A full decode graph of N requests holds N tokens, which may exceed the token budget.
-        self.max_num_tokens = max([resolved.max_num_batched_tokens, *capture_sizes])
+        self.max_num_tokens = max([resolved.max_num_batched_tokens, *capture_sizes, *piecewise_sizes])
 
         self.table = RequestTable(
             self.max_num_reqs,
@@ -229,8 +230,8 @@ class V2ModelRunner(ModelRunner):
             self.model_state.attention_layers(),
             self.model_state.full_graph_unsupported_reason(),
             first_use,
+            piecewise_sizes,
         )
-        self.model_state.graph_mode = self.graphs.mode
         self.capture_model()
 
     # --- state -------------------------------------------------------------------------------
@@ -260,7 +261,7 @@ class V2ModelRunner(ModelRunner):
         """Warm up and capture the configured graphs (no-op on CPU or with cudagraph_mode=none)."""
         self._capture_extra: tuple[torch.Tensor | None, dict[str, Any]] = (None, {})
         self.hop_in_graph = agree_on_graph_hops(
-            self.transport, self.layout, self.device, self.graphs.mode, self.graphs.sizes,
+            self.transport, self.layout, self.device, self.graphs.mode, self.graphs.full_sizes,
             lambda: self.model.make_empty_intermediate_tensors(1, self.dtype, self.device),
             self.graph_intermediate,
         )
@@ -271,7 +272,12 @@ class V2ModelRunner(ModelRunner):
     def _prepare_dummy(self, num_reqs_padded: int, num_tokens_padded: int) -> None:
         """Make every row of the buffers inert for one capture size: nothing is read from or
         written to the KV cache, and no request row is touched.  Runs outside capture (host
-        writes, copies and event waits are not capturable, and must not replay)."""
+        writes, copies and event waits are not capturable, and must not replay).  A piecewise
+        size past the request rows is prepared with all of them (its replays pad tokens only)."""
+        num_reqs_padded = min(num_reqs_padded, self.max_num_reqs)
+        # What the model-state plug-in prepares its capture inputs for (Whisper's cross-attention
+        # reads one query per row in a full decode graph only).
+        self.model_state.graph_mode = self.graphs.capturing or "none"
         self.bufs.wait_for_previous_reads()
         self.bufs.make_inert(0, 0, num_reqs_padded, num_tokens_padded)
         self.bufs.to_device(num_reqs_padded, num_tokens_padded, 0)
@@ -283,17 +289,19 @@ class V2ModelRunner(ModelRunner):
 
     def _dummy_forward(self, num_reqs_padded: int, num_tokens_padded: int) -> Any:
         """The stage forward over the buffers :meth:`_prepare_dummy` made inert (captured)."""
+        num_reqs_padded = min(num_reqs_padded, self.max_num_reqs)
+        full = self.graphs.capturing == "full"
         meta = self.bufs.attn_metadata(0, num_reqs_padded, 0, num_tokens_padded, max_query_len=1)
         inputs_embeds, extra = self._capture_extra
         # Warm-ups run eagerly without the hop; the capture records it (``agree_on_graph_hops``).
-        hop = self.hop_in_graph and torch.cuda.is_current_stream_capturing()
+        hop = self.hop_in_graph and full and torch.cuda.is_current_stream_capturing()
         received = self._graph_intermediate(num_tokens_padded)
         if hop and received is not None:
             self.transport.recv_in_graph(received)
         out = self._forward(meta, num_tokens_padded, received, inputs_embeds, extra)
         if hop and not self.layout.is_last:
             self.transport.send_in_graph(out)
-        if self.layout.is_last and self.graphs.mode == "full" and GRAPH_LOGITS_ENABLED:
+        if self.layout.is_last and full and GRAPH_LOGITS_ENABLED:
             self._logits_in_graph(out, num_tokens_padded)
         return out
 
