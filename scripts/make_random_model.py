@@ -2,7 +2,8 @@
 Llava-shaped one (``--llava``).
 
 Default shape: the 1.1B Llama of the GPU benchmarks (hidden 2048, 16 layers, 32 heads / 8 KV
-heads, intermediate 8192, vocab 32000), bf16: config.json + safetensors weights, no tokenizer.
+heads, intermediate 8192, vocab 32000), bf16: config.json + safetensors weights and a word
+tokenizer (below; ``--no-tokenizer`` leaves it out).
 ``--preset`` picks a published model's shape instead (any option given explicitly overrides it):
 
 - ``qwen3-30b-a3b``: ``Qwen3MoeForCausalLM``, hidden 2048, 48 layers, 32 heads / 4 KV heads of
@@ -18,6 +19,18 @@ Weights ~ N(0, 0.02), norms 1 (LayerNorm biases 0): speed does not depend on the
 the output stays finite.  Decoders are written shard by shard (``--shard-gb``, with a
 ``model.safetensors.index.json`` past one shard), each shard's tensors drawn on ``--device`` and
 freed once written, so host memory stays near one shard whatever the model's size.
+
+The word tokenizer (``tokenizer.json`` + ``tokenizer_config.json``, a fast tokenizer that
+``tokenizers``, transformers' ``AutoTokenizer``, pprun and vLLM load without network) has exactly
+the model's vocabulary, so every id the model can produce decodes and text prompts work: ids 0-2
+are ``<unk>``, ``<s>``, ``</s>`` (the config's ``bos_token_id`` 1 and ``eos_token_id`` 2), every
+other id is one distinct made-up word (consonant-vowel syllables: ``ba``, ``be``, ...,
+``zu``, then ``baba``, ...).  Text is split at whitespace and each word looked up (a word outside
+the vocabulary is ``<unk>``); decoding joins the words with single spaces; encoding adds ``<s>``
+in front.  So any ids without the special ones decode to text that encodes back to the same ids:
+vLLM's random benchmark dataset (``vllm bench serve --dataset-name random``), which decodes
+runs of ids and re-encodes them, gets prompts of exactly ``--random-input-len`` tokens (its
+text, ``--random-input-len`` minus the one ``<s>`` the tokenizer adds, plus that ``<s>``).
 
 ``--fp8 block`` writes the decoder layers' linear weights in the fine-grained FP8 layout of
 Qwen3-FP8 and DeepSeek-V3 (float8 e4m3, a ``weight_scale_inv`` per 128x128 block), ``--fp8
@@ -55,6 +68,7 @@ config and a tokenizer that has an ``<image>`` token:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 from collections.abc import Sequence
@@ -64,6 +78,10 @@ import torch
 
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 """Ids 0, 1, 2 of the Llava tokenizer (``unk``, ``bos``, ``eos``), as in Llama's."""
+
+WORD_CONSONANTS = "bdfghjklmnprstvz"
+WORD_VOWELS = "aeiou"
+"""The word tokenizer's syllables are a consonant and a vowel (80 of them)."""
 
 IMAGE_TOKEN = "<image>"
 PAD_TOKEN = "<pad>"
@@ -127,6 +145,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shard-gb", type=float, default=4.0, help="most GB of tensors per safetensors file")
+    ap.add_argument("--no-tokenizer", dest="tokenizer", action="store_false",
+                    help="write no tokenizer (token-id prompts only); default: the word tokenizer over the vocabulary")
     ap.add_argument("--fp8", choices=sorted(FP8_CONFIGS),
                     help="write the decoder linears in a published FP8 layout: block (quant_method fp8, "
                          "128x128 weight_scale_inv, as Qwen3-FP8) or channel (compressed-tensors FP8-dynamic)")
@@ -159,7 +179,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             ap.error(f"--{key.replace('_', '-')}={getattr(args, key)} must be at least 1")
     if args.heads % args.kv_heads:
         ap.error(f"--heads={args.heads} must be a multiple of --kv-heads={args.kv_heads}")
+    if args.tokenizer and not args.llava and args.vocab < len(SPECIAL_TOKENS) + 1:
+        ap.error(f"--vocab={args.vocab}: the word tokenizer needs at least {len(SPECIAL_TOKENS) + 1} ids "
+                 f"({len(SPECIAL_TOKENS)} special tokens and a word); or pass --no-tokenizer")
     if args.llava:
+        if not args.tokenizer:
+            ap.error("--no-tokenizer: a Llava checkpoint's processor needs its tokenizer")
         if args.arch != "llama":
             ap.error(f"--llava wraps a Llama language model, not --arch={args.arch}")
         if args.vocab < len(SPECIAL_TOKENS) + 256:
@@ -278,9 +303,61 @@ def write_decoder(args: argparse.Namespace) -> dict:
         total = sum(math.prod(shape) * dtype.itemsize for shape in shapes.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (args.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if args.tokenizer:
+        write_word_tokenizer(args.out, args.vocab, args.max_pos)
     return {"path": str(args.out), "architecture": arch.architecture,
             "parameters": sum(math.prod(shape) for shape in shapes.values()), "dtype": args.dtype,
-            "files": len(files)}
+            "files": len(files), "tokenizer": "words" if args.tokenizer else None}
+
+
+def vocabulary_words(num_words: int) -> list[str]:
+    """The word tokenizer's first ``num_words`` words: every one-syllable word, then every
+    two-syllable one, and so on (80, 6,400, 512,000, ...), each distinct and free of whitespace."""
+    if num_words < 1:
+        raise ValueError(f"num_words={num_words} must be at least 1")
+    syllables = [c + v for c in WORD_CONSONANTS for v in WORD_VOWELS]
+    words: list[str] = []
+    for length in itertools.count(1):
+        for parts in itertools.product(syllables, repeat=length):
+            words.append("".join(parts))
+            if len(words) == num_words:
+                return words
+    raise AssertionError("unreachable")
+
+
+def word_tokenizer(vocab_size: int):
+    """The word tokenizer (module docstring) as a ``tokenizers.Tokenizer`` of ``vocab_size`` ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    for word in vocabulary_words(vocab_size - len(SPECIAL_TOKENS)):
+        vocab[word] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # WordPiece's decoder joins tokens with single spaces; cleanup off, since it would rewrite
+    # word pairs (" do not" -> " don't") and break the round trip.
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"word tokenizer has {tok.get_vocab_size()} ids, expected {vocab_size}")
+    return tok
+
+
+def write_word_tokenizer(out: Path, vocab_size: int, model_max_length: int) -> None:
+    """``tokenizer.json`` and ``tokenizer_config.json`` of the word tokenizer in ``out``."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=word_tokenizer(vocab_size), bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", model_max_length=model_max_length)
+    fast.save_pretrained(out)
+    # transformers 5 names its own backend class here, which transformers 4 (another engine's
+    # environment) cannot import; PreTrainedTokenizerFast both load.
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("backend", None)
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def byte_pair_tokenizer(base_vocab: int, total_vocab: int):
