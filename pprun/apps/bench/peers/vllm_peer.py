@@ -144,7 +144,7 @@ def engine_args(job: PeerJob) -> dict[str, Any]:
         "max_model_len": workload_len(job),
         "enforce_eager": cfg.compilation.cudagraph_mode == "none",
         "seed": 0,
-        # Token-id prompts need no tokenizer (nor does a random checkpoint have one); images
+        # Token-id prompts need no tokenizer (so vLLM's detokenizing is left out, as pprun's is); images
         # and audio go through vLLM's processors, which do.
         "skip_tokenizer_init": cfg.workload not in ("image", "audio"),
     }
