@@ -23,7 +23,7 @@ both, so no run reuses another's prompts from a prefix cache): first the ``--col
 once, the first request after ready (the "cold" run), then every row of ``--rows`` once, and again
 for each of ``--repeats`` (the "steady" runs).  A row ``cN`` is ``--max-concurrency N`` (closed
 loop) with ``4N`` prompts, at least ``--min-prompts``, at most ``--max-prompts``; ``rR`` is
-``--request-rate R`` (Poisson arrivals) with ``R x --rate-window-s`` prompts within the same
+``--request-rate R`` (Poisson arrivals) with ``R x --rate-window-s`` (6) prompts within the same
 bounds; ``rinf`` sends ``2 x --max-num-seqs`` prompts at once.  Every run is ``--backend openai
 --endpoint /v1/completions --dataset-name random --random-input-len 512 --random-output-len 128
 --ignore-eos --percentile-metrics ttft,tpot,itl --metric-percentiles 50,99 --save-result``; the
@@ -51,8 +51,10 @@ failed requests, fell short of its prompts or of 128 tokens each is listed under
 ``--create-missing`` writes a checkpoint that is not there with ``scripts/make_random_model.py
 --device cuda`` (``llama1b``, ``qwen3-8b``, ``qwen3-30b-a3b-24l``, ``qwen3-30b-a3b``: the
 ``MODELS`` below); a checkpoint without a tokenizer gets the word tokenizer written beside it
-either way.  ``--deadline-s`` starts no run past that many seconds after the script started, and
-kills what still runs 60 s later, so one invocation fits a time limit; what ran is kept.
+either way; ``--remove-created`` deletes what it wrote once that model's servers are done (the
+three checkpoints take about 50 GB).  ``--deadline-s`` starts no run (nor checkpoint, nor server)
+past that many seconds after the script started and kills what still runs 45 s later (its server
+then gets 10 s to stop), so one invocation fits a time limit; what ran is kept.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -95,6 +98,9 @@ METRICS: dict[str, tuple[str, ...]] = {
 }
 """Reported metric -> the keys of vLLM's saved result that hold it (first present wins)."""
 
+DEADLINE_GRACE_S = 45
+"""How long past ``--deadline-s`` a run may still go before it is killed (the server then gets
+10 s to stop)."""
 THROUGHPUT_TARGET = 1.2
 COLD_TARGET = 0.85
 RUN_FILE = re.compile(r"^(?P<row>c\d+|r(?:\d+(?:\.\d+)?|inf))-(?P<kind>cold|r\d+)\.json$")
@@ -248,7 +254,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=2, help="steady runs per row (default 2)")
     ap.add_argument("--min-prompts", type=int, default=32)
     ap.add_argument("--max-prompts", type=int, default=1024)
-    ap.add_argument("--rate-window-s", type=float, default=8.0, help="a rate row's prompts: rate x this")
+    ap.add_argument("--rate-window-s", type=float, default=6.0, help="a rate row's prompts: rate x this")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -267,6 +273,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=Path("/tmp/serve_vs_vllm"))
     ap.add_argument("--create-missing", action="store_true",
                     help="write a missing checkpoint with scripts/make_random_model.py --device cuda")
+    ap.add_argument("--remove-created", action="store_true",
+                    help="delete a checkpoint --create-missing wrote once its servers are done (disk space)")
     ap.add_argument("--ready-timeout-s", type=float, default=600.0)
     ap.add_argument("--stop-timeout-s", type=float, default=60.0)
     ap.add_argument("--run-timeout-s", type=float, default=600.0, help="longest one bench run may take")
@@ -443,6 +451,7 @@ def run_job(job: ServerJob, args: argparse.Namespace, deadline: float | None) ->
                   "command": job.command, "problems": []}
     log(f"{job.model}/{job.server}: " + shlex.join(job.command))
     t0 = time.time()
+    stop_timeout_s = args.stop_timeout_s
     with open(job.folder / "server.log", "w") as server_log, open(job.folder / "client.log", "w") as client_log:
         server = subprocess.Popen(job.command, stdout=server_log, stderr=subprocess.STDOUT,
                                   env=server_env(job.server), start_new_session=True, cwd=REPO_ROOT)
@@ -454,8 +463,9 @@ def run_job(job: ServerJob, args: argparse.Namespace, deadline: float | None) ->
                 if server.poll() is not None:
                     info["problems"].append(f"the server exited with {server.returncode} (server.log)")
                     break
-                if deadline is not None and time.time() > deadline + 60:
-                    info["problems"].append("killed 60 s past --deadline-s")
+                if deadline is not None and time.time() > deadline + DEADLINE_GRACE_S:
+                    info["problems"].append(f"killed {DEADLINE_GRACE_S} s past --deadline-s")
+                    stop_timeout_s = min(stop_timeout_s, 10.0)
                     break
                 # The driver writes an event when ready and after each run: a silence longer than
                 # the ready timeout (before) or --run-timeout-s (after) is a hang.
@@ -469,7 +479,7 @@ def run_job(job: ServerJob, args: argparse.Namespace, deadline: float | None) ->
         finally:
             if client.poll() is None:
                 stop_group(client, 5.0)
-            info["server_exit"] = stop_group(server, args.stop_timeout_s)
+            info["server_exit"] = stop_group(server, stop_timeout_s)
     events = [json.loads(line) for line in status_path.read_text().splitlines()] if status_path.exists() else []
     ready = next((e for e in events if e["event"] == "ready"), None)
     info["ready_s"] = round(ready["time"] - t0, 1) if ready else None
@@ -778,15 +788,23 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start = time.time()
     deadline = None if args.deadline_s is None else start + args.deadline_s
-    prepared = {name: ensure_checkpoint(name, folder, args.create_missing) for name, folder in args.models}
-    for job in jobs:
+    for name, folder in args.models:
+        model_jobs = [job for job in jobs if job.model == name]
         if deadline is not None and time.time() > deadline:
-            log(f"{job.model}/{job.server}: not started, past --deadline-s")
+            log(f"{name}: not started, past --deadline-s")
             continue
-        info = run_job(job, args, deadline)
-        if prepared.get(job.model):
-            info["checkpoint"] = prepared[job.model]
-            (job.folder / "server.json").write_text(json.dumps(info, indent=2))
+        prepared = ensure_checkpoint(name, folder, args.create_missing)
+        for job in model_jobs:
+            if deadline is not None and time.time() > deadline:
+                log(f"{job.model}/{job.server}: not started, past --deadline-s")
+                continue
+            info = run_job(job, args, deadline)
+            if prepared:
+                info["checkpoint"] = prepared
+                (job.folder / "server.json").write_text(json.dumps(info, indent=2))
+        if args.remove_created and any(p.startswith("created") for p in prepared):
+            log(f"{name}: removing {folder} (--remove-created)")
+            shutil.rmtree(folder)
     report([args.out], args.out, args.output_len)
     return 0
 

@@ -79,6 +79,10 @@ def test_prompts_per_row():
     bounds = dict(min_prompts=32, max_prompts=1024, rate_window_s=8.0, max_num_seqs=256)
     got = {name: svv.num_prompts(svv.parse_row(name), **bounds) for name in svv.DEFAULT_ROWS.split(",")}
     assert got == {"c1": 32, "c16": 64, "c64": 256, "c256": 1024, "r8": 64, "r32": 256, "rinf": 512}
+    args = svv.parse_args(["--model", "m=/x"])
+    defaults = dict(min_prompts=args.min_prompts, max_prompts=args.max_prompts, rate_window_s=args.rate_window_s,
+                    max_num_seqs=args.max_num_seqs)
+    assert [svv.num_prompts(svv.parse_row(r), **defaults) for r in ("r8", "r32", "rinf")] == [48, 192, 512]
     assert svv.num_prompts(svv.parse_row("c512"), **bounds) == 1024
 
 
