@@ -7,6 +7,7 @@ with a markdown table to ``--out``).
         --vllm-python /tmp/vpy --out /tmp/svv --deadline-s 480
     python scripts/serve_vs_vllm.py --report /tmp/svv [more result folders]      # tables from saved results
     python scripts/serve_vs_vllm.py --model llama1b --dry-run                         # the commands, nothing run
+    python scripts/serve_vs_vllm.py --model llama1b --vllm-python /tmp/vpy --preflight  # vLLM's flags, the tokenizer
 
 For each ``--model NAME[=DIR]`` and each of ``--servers`` (pprun, then vLLM): start the server
 (pprun: ``python -m pprun serve model=local model.model=DIR model.dtype=bfloat16 device=cuda
@@ -281,6 +282,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="start no run this many seconds after the start; kill what runs 60 s later")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and commands; start nothing")
+    ap.add_argument("--preflight", action="store_true",
+                    help="check in --vllm-python, without servers, that vLLM takes every flag of the plan and "
+                         "that each existing checkpoint's tokenizer gives --input-len token prompts")
     ap.add_argument("--report", nargs="+", type=Path, metavar="DIR",
                     help="only summarize saved results (folders written by --out)")
     args = ap.parse_args(argv)
@@ -762,6 +766,95 @@ def report(folders: list[Path], write_to: Path | None, output_len: int | None = 
     return summary
 
 
+# --- preflight ---------------------------------------------------------------------------------
+
+
+def preflight(jobs: list[ServerJob], args: argparse.Namespace) -> int:
+    """Check, in ``--vllm-python`` and without a server or a GPU, what the runs will need of
+    vLLM: every flag the plan passes to ``vllm bench serve`` and ``vllm serve`` is in their help,
+    and each checkpoint's tokenizer gives vLLM's random dataset prompts that encode to
+    ``--input-len`` tokens.  Prints a JSON object; exit status 1 if anything is missing."""
+    bench = sorted({a for job in jobs for argv in job.bench.values() for a in argv if a.startswith("--")})
+    serve = sorted({a.split("=")[0] for job in jobs if job.server == "vllm" for a in job.command if a.startswith("--")})
+    folders = sorted({folder for _, folder in args.models if (Path(folder) / "config.json").is_file()})
+    request = {"bench_flags": bench, "serve_flags": serve, "tokenizers": folders, "input_len": args.input_len,
+               "output_len": args.output_len}
+    proc = subprocess.run([args.vllm_python, str(Path(__file__).resolve()), "--preflight-driver", json.dumps(request)],
+                          env=server_env("client"), capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        print(proc.stdout[-4000:] + proc.stderr[-4000:], file=sys.stderr)
+        raise SystemExit(f"--preflight: {args.vllm_python} failed (exit {proc.returncode})")
+    result = json.loads(lines[-1])
+    result["models_not_found"] = [folder for _, folder in args.models if folder not in folders]
+    print(json.dumps(result, indent=2))
+    return 1 if result["problems"] else 0
+
+
+def preflight_driver(request_json: str) -> int:
+    """The vLLM side of :func:`preflight` (run by ``--vllm-python``)."""
+    import contextlib
+    import io
+
+    request = json.loads(request_json)
+    result: dict = {"problems": []}
+    from vllm.entrypoints.cli.main import main as entry
+
+    def help_text(argv: list[str]) -> str:
+        sys.argv = ["vllm", *argv]
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                entry()
+            except SystemExit:
+                pass
+        return out.getvalue()
+
+    def missing(flags: list[str], text: str) -> list[str]:
+        return [f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", text)]
+
+    try:
+        import vllm
+
+        result["vllm_version"] = getattr(vllm, "__version__", None)
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        result["problems"].append(f"import vllm: {type(e).__name__}: {e}")
+    gone = missing(request["bench_flags"], help_text(["bench", "serve", "--help"]))
+    if gone:
+        result["problems"].append(f"vllm bench serve --help lists none of {gone}")
+    if request["serve_flags"]:
+        # Recent vLLMs list their engine flags under --help=all, older ones under --help; a flag
+        # found in neither is a warning only, since the help may group it away.
+        text = help_text(["serve", "--help=all"]) + help_text(["serve", "--help"])
+        gone = missing(request["serve_flags"], text)
+        if gone:
+            result["warnings"] = [f"vllm serve --help and --help=all list none of {gone}"]
+    result["tokenizers"] = {}
+    for folder in request["tokenizers"]:
+        try:
+            try:
+                from vllm.tokenizers import get_tokenizer
+            except ImportError:
+                from vllm.transformers_utils.tokenizer import get_tokenizer
+            from vllm.benchmarks.datasets import RandomDataset
+
+            tok = get_tokenizer(folder)
+            samples = RandomDataset(random_seed=0).sample(tokenizer=tok, num_requests=8,
+                                                          input_len=request["input_len"],
+                                                          output_len=request["output_len"])
+            served = [len(tok.encode(r.prompt)) for r in samples]
+            result["tokenizers"][folder] = {"vocab_size": tok.vocab_size, "ids": len(tok),
+                                            "client_prompt_lens": [r.prompt_len for r in samples],
+                                            "served_prompt_lens": served}
+            if set(served) != {request["input_len"]}:
+                result["problems"].append(f"{folder}: prompts of vLLM's random dataset encode to {served} "
+                                          f"tokens, not {request['input_len']}")
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            result["problems"].append(f"{folder}: {type(e).__name__}: {e}")
+    print(json.dumps(result))
+    return 0
+
+
 def dry_run(jobs: list[ServerJob], args: argparse.Namespace) -> None:
     """Print each server command and each run's ``vllm bench serve`` command; start nothing."""
     vllm = shlex.join([args.vllm_python, "-m", "vllm.entrypoints.cli.main", "bench", "serve"])
@@ -778,6 +871,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--driver"]:
         return drive(argv[1])
+    if argv[:1] == ["--preflight-driver"]:
+        return preflight_driver(argv[1])
     args = parse_args(argv)
     if args.report:
         report(args.report, None, args.output_len)
@@ -786,6 +881,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         dry_run(jobs, args)
         return 0
+    if args.preflight:
+        return preflight(jobs, args)
     start = time.time()
     deadline = None if args.deadline_s is None else start + args.deadline_s
     for name, folder in args.models:

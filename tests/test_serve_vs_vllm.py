@@ -305,6 +305,13 @@ FAKE_CLI = '''
 import argparse, json, os, sys
 
 def main():
+    if any(a.startswith("--help") for a in sys.argv):
+        shown = FLAGS if sys.argv[1] == "bench" else SERVE_FLAGS
+        print("usage: ...")
+        for f in shown:
+            if f != os.environ.get("FAKE_DROP_FLAG"):
+                print(f"  {f} VALUE")
+        raise SystemExit(0)
     assert sys.argv[1:3] == ["bench", "serve"], sys.argv
     ap = argparse.ArgumentParser()
     for flag, nargs in FLAGS.items():
@@ -327,6 +334,41 @@ if __name__ == "__main__":
 '''
 
 
+FAKE_TOKENIZERS = """
+def get_tokenizer(name, **kwargs):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(name, local_files_only=True)
+"""
+
+FAKE_DATASETS = """
+from dataclasses import dataclass
+
+
+@dataclass
+class SampleRequest:
+    prompt: str
+    prompt_len: int
+    expected_output_len: int
+
+
+class RandomDataset:
+    # vLLM 0.26's RandomDataset, its offsets fixed: ids (offset + i + k) % allowed, decoded, re-encoded.
+    def __init__(self, random_seed=0):
+        self.seed = random_seed
+
+    def sample(self, tokenizer, num_requests, input_len, output_len, **kwargs):
+        special = set(tokenizer.all_special_ids)
+        allowed = [i for i in range(tokenizer.vocab_size) if i not in special]
+        real_len = input_len - tokenizer.num_special_tokens_to_add()
+        out = []
+        for i in range(num_requests):
+            ids = [allowed[(7 * i + i + k) % len(allowed)] for k in range(real_len)]
+            ids = tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False)[:real_len]
+            out.append(SampleRequest(tokenizer.decode(ids), len(ids), output_len))
+        return out
+"""
+
+
 @pytest.fixture
 def stand_ins(tmp_path):
     """A ``--vllm-python`` wrapper whose ``vllm`` is a stand-in, and a folder to serve as the API."""
@@ -334,7 +376,13 @@ def stand_ins(tmp_path):
     pkg.mkdir(parents=True)
     for folder in (pkg.parent.parent, pkg.parent, pkg):
         (folder / "__init__.py").write_text("")
-    (pkg / "main.py").write_text(f"FLAGS = {BENCH_FLAGS!r}\n" + FAKE_CLI)
+    (pkg / "main.py").write_text(f"FLAGS = {BENCH_FLAGS!r}\nSERVE_FLAGS = {sorted(SERVE_FLAGS)!r}\n" + FAKE_CLI)
+    vllm = pkg.parent.parent
+    (vllm / "__init__.py").write_text('__version__ = "0.26.0+stand-in"\n')
+    (vllm / "tokenizers.py").write_text(FAKE_TOKENIZERS)
+    (vllm / "benchmarks").mkdir()
+    (vllm / "benchmarks" / "__init__.py").write_text("")
+    (vllm / "benchmarks" / "datasets.py").write_text(FAKE_DATASETS)
     vpy = tmp_path / "vpy"
     vpy.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path / "fake"} exec {sys.executable} "$@"\n')
     vpy.chmod(0o755)
@@ -426,3 +474,29 @@ def _read(path: Path) -> bytes:
         return path.read_bytes()
     except OSError:
         return b""
+
+
+def test_preflight_checks_flags_and_tokenizers(tmp_path, stand_ins, monkeypatch, capsys):
+    vpy, _ = stand_ins
+    spec = importlib.util.spec_from_file_location("make_random_model", REPO_ROOT / "scripts" / "make_random_model.py")
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    maker.main([str(tmp_path / "tiny"), "--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+                "--intermediate", "32", "--vocab", "200", "--dtype", "float32"])
+    capsys.readouterr()
+    argv = ["--model", f"tiny={tmp_path / 'tiny'}", "--model", f"gone={tmp_path / 'gone'}", "--vllm-python", str(vpy),
+            "--preflight"]
+    assert svv.main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["problems"] == [] and result["vllm_version"] == "0.26.0+stand-in"
+    lens = result["tokenizers"][str(tmp_path / "tiny")]
+    assert lens["served_prompt_lens"] == [512] * 8 and lens["client_prompt_lens"] == [511] * 8
+    assert result["models_not_found"] == [str(tmp_path / "gone")]
+
+    monkeypatch.setenv("FAKE_DROP_FLAG", "--metric-percentiles")
+    assert svv.main(argv) == 1
+    assert json.loads(capsys.readouterr().out)["problems"] == [
+        "vllm bench serve --help lists none of ['--metric-percentiles']"]
+    monkeypatch.setenv("FAKE_DROP_FLAG", "--max-num-seqs")
+    assert svv.main(argv) == 0
+    assert "--max-num-seqs" in json.loads(capsys.readouterr().out)["warnings"][0]
