@@ -41,8 +41,10 @@ per run instead (and is what in-process falls back to when the entry point does 
 
 Results: ``--out/NAME/SERVER/ROW-cold.json`` and ``ROW-rK.json`` (vLLM's own result files, kept
 as written), ``server.log``, ``client.log`` (vLLM's printed results), ``client.jsonl`` (each run's
-exit and wall time), ``server.json`` (command, seconds to ready, problems); ``summary.json`` and
-``summary.md`` over everything in ``--out``.  Per row and server: the cold run, and the steady
+exit and wall time), ``server.json`` (command, seconds to ready, problems, and what pprun logged
+as a first use after ready: what made its cold run slower, if anything did); ``summary.json`` and
+``summary.md`` over everything in ``--out``, written also when a SIGTERM ends the script (which
+stops the server first).  Per row and server: the cold run, and the steady
 runs' median with min-max of output tok/s, TTFT p50/p99, TPOT p50/p99 and ITL p99; pprun/vLLM
 ratios of the steady medians; pprun's cold over its steady output rate; and the ``targets``
 (steady output tok/s pprun/vLLM >= 1.2 and TTFT p99 pprun <= vLLM's, on the rows whose output rate
@@ -104,6 +106,9 @@ DEADLINE_GRACE_S = 45
 10 s to stop)."""
 THROUGHPUT_TARGET = 1.2
 COLD_TARGET = 0.85
+FIRST_USE = re.compile(r"first use after ready: (.*)$")
+"""What pprun logs when something compiles, captures or loads for the first time after ready
+(``pprun.utils.first_use``): the cold run's suspects."""
 RUN_FILE = re.compile(r"^(?P<row>c\d+|r(?:\d+(?:\.\d+)?|inf))-(?P<kind>cold|r\d+)\.json$")
 
 
@@ -462,6 +467,7 @@ def run_job(job: ServerJob, args: argparse.Namespace, deadline: float | None) ->
         client = subprocess.Popen([args.vllm_python, str(Path(__file__).resolve()), "--driver", str(plan_path)],
                                   stdout=client_log, stderr=subprocess.STDOUT, env=server_env("client"),
                                   start_new_session=True)
+        interrupted: BaseException | None = None
         try:
             while client.poll() is None:
                 if server.poll() is not None:
@@ -480,6 +486,9 @@ def run_job(job: ServerJob, args: argparse.Namespace, deadline: float | None) ->
                                             "killed: not ready within --ready-timeout-s")
                     break
                 time.sleep(0.5)
+        except (KeyboardInterrupt, SystemExit) as e:  # SIGINT, or SIGTERM through main's handler
+            info["problems"].append(f"interrupted ({type(e).__name__})")
+            interrupted = e
         finally:
             if client.poll() is None:
                 stop_group(client, 5.0)
@@ -490,9 +499,13 @@ def run_job(job: ServerJob, args: argparse.Namespace, deadline: float | None) ->
     info["runs"] = [e for e in events if e["event"] in ("run", "skipped")]
     info["problems"] += [e["error"] for e in events if e.get("error")]
     info["wall_s"] = round(time.time() - t0, 1)
+    log_text = (job.folder / "server.log").read_text(errors="replace")
+    info["first_uses_after_ready"] = [m.group(1) for line in log_text.splitlines() if (m := FIRST_USE.search(line))]
     (job.folder / "server.json").write_text(json.dumps(info, indent=2))
     log(f"{job.model}/{job.server}: ready in {info['ready_s']} s, {sum(e['event'] == 'run' for e in events)} runs, "
         f"{info['wall_s']} s in all" + (f"; problems: {info['problems']}" if info["problems"] else ""))
+    if interrupted is not None:
+        raise interrupted
     return info
 
 
@@ -512,10 +525,11 @@ def drive(plan_path: str) -> int:
         except Exception as e:  # noqa: BLE001 - any import failure: fall back to one process per run
             emit(event="note", text=f"in-process client unavailable ({type(e).__name__}: {e}); one process per run")
     url = plan["base_url"] + "/v1/models"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never a proxy
     t0 = time.monotonic()
     while True:
         try:
-            with urllib.request.urlopen(url, timeout=5) as response:
+            with opener.open(url, timeout=5) as response:
                 if response.status == 200:
                     break
         except OSError:
@@ -631,7 +645,8 @@ def summarize(found: dict, output_len: int | None = 128) -> dict:
                     slot["cold"] = {k: result[k] for k in METRICS}
                 else:
                     slot["steady"].append(result)
-        model_out: dict = {"servers": {s: {k: (e["server"] or {}).get(k) for k in ("ready_s", "wall_s", "command")}
+        model_out: dict = {"servers": {s: {k: (e["server"] or {}).get(k) for k in
+                                           ("ready_s", "wall_s", "command", "first_uses_after_ready")}
                                        for s, e in servers.items()}, "rows": {}}
         for row_name in sorted(rows, key=row_order):
             row = rows[row_name]
@@ -885,24 +900,29 @@ def main(argv: list[str] | None = None) -> int:
         return preflight(jobs, args)
     start = time.time()
     deadline = None if args.deadline_s is None else start + args.deadline_s
-    for name, folder in args.models:
-        model_jobs = [job for job in jobs if job.model == name]
-        if deadline is not None and time.time() > deadline:
-            log(f"{name}: not started, past --deadline-s")
-            continue
-        prepared = ensure_checkpoint(name, folder, args.create_missing)
-        for job in model_jobs:
+    # SIGTERM (a time limit's) ends the script through its finally blocks, which stop the servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        for name, folder in args.models:
+            model_jobs = [job for job in jobs if job.model == name]
             if deadline is not None and time.time() > deadline:
-                log(f"{job.model}/{job.server}: not started, past --deadline-s")
+                log(f"{name}: not started, past --deadline-s")
                 continue
-            info = run_job(job, args, deadline)
-            if prepared:
-                info["checkpoint"] = prepared
-                (job.folder / "server.json").write_text(json.dumps(info, indent=2))
-        if args.remove_created and any(p.startswith("created") for p in prepared):
-            log(f"{name}: removing {folder} (--remove-created)")
-            shutil.rmtree(folder)
-    report([args.out], args.out, args.output_len)
+            prepared = ensure_checkpoint(name, folder, args.create_missing)
+            for job in model_jobs:
+                if deadline is not None and time.time() > deadline:
+                    log(f"{job.model}/{job.server}: not started, past --deadline-s")
+                    continue
+                info = run_job(job, args, deadline)
+                if prepared:
+                    info["checkpoint"] = prepared
+                    (job.folder / "server.json").write_text(json.dumps(info, indent=2))
+            if args.remove_created and any(p.startswith("created") for p in prepared):
+                log(f"{name}: removing {folder} (--remove-created)")
+                shutil.rmtree(folder)
+    finally:  # what ran is summarized, interrupted or not
+        if args.out.is_dir():
+            report([args.out], args.out, args.output_len)
     return 0
 
 

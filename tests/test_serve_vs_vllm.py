@@ -13,6 +13,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import re
 import socket
 import sys
@@ -305,6 +306,11 @@ FAKE_CLI = '''
 import argparse, json, os, sys
 
 def main():
+    if sys.argv[1] == "serve" and "--help" not in sys.argv[2] and os.environ.get("FAKE_SERVE_PID"):
+        with open(os.environ["FAKE_SERVE_PID"], "w") as f:
+            f.write(str(os.getpid()))
+        import time
+        time.sleep(600)
     if any(a.startswith("--help") for a in sys.argv):
         shown = FLAGS if sys.argv[1] == "bench" else SERVE_FLAGS
         print("usage: ...")
@@ -458,10 +464,12 @@ def test_checkpoint_gets_a_tokenizer_and_a_missing_one_is_named(tmp_path):
 def test_server_that_exits_is_a_problem(tmp_path, stand_ins):
     vpy, api = stand_ins
     job, args = job_for(tmp_path, vpy, api)
-    job.command = [sys.executable, "-c", "import sys; print('no GPU here'); sys.exit(3)"]
+    job.command = [sys.executable, "-c", "import sys; print('no GPU here'); "
+                   "print('WARNING engine: first use after ready: prefill 7 tokens'); sys.exit(3)"]
     start = time.monotonic()
     info = svv.run_job(job, args, deadline=None)
     assert info["problems"] == ["the server exited with 3 (server.log)"] and info["ready_s"] is None
+    assert info["first_uses_after_ready"] == ["prefill 7 tokens"]
     assert time.monotonic() - start < 30
     assert "no GPU here" in (job.folder / "server.log").read_text()
     plan = str(job.folder / "plan.json").encode()
@@ -500,3 +508,36 @@ def test_preflight_checks_flags_and_tokenizers(tmp_path, stand_ins, monkeypatch,
     monkeypatch.setenv("FAKE_DROP_FLAG", "--max-num-seqs")
     assert svv.main(argv) == 0
     assert "--max-num-seqs" in json.loads(capsys.readouterr().out)["warnings"][0]
+
+
+def test_sigterm_stops_the_server(tmp_path, stand_ins):
+    """A time limit's SIGTERM to the script stops the server it started (its process group)."""
+    import signal
+    import subprocess
+
+    vpy, _ = stand_ins
+    spec = importlib.util.spec_from_file_location("make_random_model", REPO_ROOT / "scripts" / "make_random_model.py")
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    maker.main([str(tmp_path / "tiny"), "--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+                "--intermediate", "32", "--vocab", "100", "--dtype", "float32"])
+    pid_file = tmp_path / "serve.pid"
+    script = subprocess.Popen(
+        [sys.executable, str(REPO_ROOT / "scripts" / "serve_vs_vllm.py"), "--model", f"m={tmp_path / 'tiny'}",
+         "--servers", "vllm", "--vllm-python", str(vpy), "--out", str(tmp_path / "out")],
+        env={**os.environ, "FAKE_SERVE_PID": str(pid_file)}, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        server_pid = int(pid_file.read_text())
+        script.send_signal(signal.SIGTERM)
+        assert script.wait(timeout=60) == 143
+    finally:
+        script.kill()
+    with pytest.raises(ProcessLookupError):
+        os.kill(server_pid, 0)
+    info = json.loads((tmp_path / "out" / "m" / "vllm" / "server.json").read_text())
+    assert info["ready_s"] is None and info["problems"] == ["interrupted (SystemExit)"]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["problems"] == ["m/vllm: interrupted (SystemExit)"]
