@@ -33,6 +33,7 @@ SWITCHES: dict[str, str] = {
     "PPRUN_DISABLE_FEEDBACK_SPIN": "pprun.distributed.feedback.SPIN_ENABLED",
     "PPRUN_DISABLE_EARLY_ANSWER": "pprun.executor.remote.EARLY_ANSWER",
     "PPRUN_DISABLE_FP8_BLOCK_GEMM": "pprun.layers.fp8_linear.BLOCK_GEMM_ENABLED",
+    "PPRUN_DISABLE_FP8_MOE": "pprun.layers.moe.FP8_EXPERTS_ENABLED",
 }
 """Every switch: environment variable -> ``module.BOOL`` it sets (True unless the variable is set)."""
 

@@ -31,6 +31,18 @@ reduction in a fixed order, so the output does not depend on the order rows were
 or, where a fused add + RMSNorm reads the output, none: the rows are left to that kernel as
 split partials, which it sums in slot order as it reads them.
 
+Float8 experts (an FP8 checkpoint's, kept as stored: ``pprun.models.moe``): both GEMMs read
+float8 e4m3 weights with float32 scales, one per weight row (compressed-tensors ``channel``; a
+per-tensor scale repeated over the rows) or one per 128x128 block (``fp8`` with
+``weight_block_size``).  The activations stay in bf16/fp16 (W8A16): each weight tile is upcast
+in registers (exact: every e4m3 value is a bf16 value) and multiplied on the same tensor cores
+as bf16 experts; per-row scales multiply the fp32 sums once after the K loop, block scales each
+K tile's product (K tiles of at most one block: :func:`experts_config`).  A decode step reads
+the experts' weights once per expert used and little else, so it is bound by their bytes, which
+float8 halves; prefill steps are bound by the MMAs, here bf16 MMAs as for bf16 experts (FP8
+MMAs on activations quantized per token and 128 columns would double their peak rate, at the
+cost of rounding the activations to FP8: not done here).
+
 The sort runs in one Triton program (:func:`_align_kernel`) up to :data:`ALIGN_KERNEL_MAX_ENTRIES`
 entries (decode steps, what full CUDA graphs hold); longer prefill steps sort in two launches over
 chunks of entries (:func:`_chunk_counts_kernel`, :func:`_chunk_place_kernel`), or with torch ops
@@ -54,6 +66,7 @@ import triton.language as tl
 from pprun.kernels.partials import SplitPartials, check_defer_merge
 from pprun.kernels.triton_utils import INTERPRETED, NO_FMA
 from pprun.layers.fused import silu_mul
+from pprun.layers.moe import expert_scale_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -383,11 +396,37 @@ def _block_tile(block_expert_ptr, sorted_ptr, pid_m, num_entries, width, BLOCK_M
     return expert, entries, entries < num_entries, cols, cols < width
 
 
+@triton.jit
+def _scaled_tile(acc, a, w, s_ptrs, col_ok, k0, DOT_F32: tl.constexpr, W_SCALE: tl.constexpr,
+                 SCALE_BLOCK: tl.constexpr):
+    """``acc + a @ w`` for one K tile, ``w`` upcast to ``a``'s dtype in registers (exact for float8
+    e4m3); with block scales (``W_SCALE == 2``) the tile's product times each column's scale of
+    the K block the tile lies in (``BLOCK_K`` divides ``SCALE_BLOCK``; ``s_ptrs``: each column's
+    row of block scales)."""
+    p = _dot(a, w.to(a.dtype), DOT_F32)
+    if W_SCALE == 2:
+        p = p * tl.load(s_ptrs + k0 // SCALE_BLOCK, mask=col_ok, other=0.0)[None, :]
+    return acc + p
+
+
+@triton.jit
+def _scale_pointers(s_ptr, expert, cols, row0, stride_se, stride_sn, W_SCALE: tl.constexpr,
+                    SCALE_BLOCK: tl.constexpr):
+    """Each output column's scale (``W_SCALE == 1``: one per weight row) or row of block scales
+    (``W_SCALE == 2``: ``SCALE_BLOCK`` weight rows share one), ``row0`` scale rows into the
+    expert's."""
+    if W_SCALE == 2:
+        rows = row0 + cols // SCALE_BLOCK
+    else:
+        rows = row0 + cols
+    return s_ptr + expert * stride_se + rows.to(tl.int64) * stride_sn
+
+
 @triton.jit(do_not_specialize=["num_entries"])
 def _gate_up_kernel(
-    x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
-    num_entries, hidden, inter,
-    stride_x, stride_we, stride_wn, stride_act,
+    x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, s_ptr,
+    num_entries, hidden, inter, up_scale_row,
+    stride_x, stride_we, stride_wn, stride_act, stride_se, stride_sn,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -395,9 +434,17 @@ def _gate_up_kernel(
     DOT_F32: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
     DIRECT: tl.constexpr,
+    W_SCALE: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
 ):
     """One block of one expert's rows times ``BLOCK_N`` columns of its gate and of its up
-    projection; SwiGLU in the epilogue, stored at each row's entry."""
+    projection; SwiGLU in the epilogue, stored at each row's entry.
+
+    ``W_SCALE``: 0 for weights in the activations' dtype; float8 weights upcast in registers
+    with 1, one fp32 scale per weight row (``s_ptr + expert * stride_se + row * stride_sn``),
+    applied to the sums after the K loop, or with 2, one per ``SCALE_BLOCK`` x ``SCALE_BLOCK``
+    block (``... + row_block * stride_sn + k_block``), applied per K tile; the up rows' scales
+    start ``up_scale_row`` scale rows in (the gate's own blocks end there)."""
     pid_m = tl.program_id(0)
     if not DIRECT:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -408,6 +455,8 @@ def _gate_up_kernel(
     tokens = (entries // TOP_K).to(tl.int64)
     w_gate = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
     w_up = w_gate + inter * stride_wn
+    s_gate = _scale_pointers(s_ptr, expert, cols, 0, stride_se, stride_sn, W_SCALE, SCALE_BLOCK)
+    s_up = _scale_pointers(s_ptr, expert, cols, up_scale_row, stride_se, stride_sn, W_SCALE, SCALE_BLOCK)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -417,8 +466,11 @@ def _gate_up_kernel(
         w_mask = col_ok[None, :] & k_ok[:, None]
         g = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)
         u = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
-        acc_gate += _dot(a, g, DOT_F32)
-        acc_up += _dot(a, u, DOT_F32)
+        acc_gate = _scaled_tile(acc_gate, a, g, s_gate, col_ok, k0, DOT_F32, W_SCALE, SCALE_BLOCK)
+        acc_up = _scaled_tile(acc_up, a, u, s_up, col_ok, k0, DOT_F32, W_SCALE, SCALE_BLOCK)
+    if W_SCALE == 1:
+        acc_gate = acc_gate * tl.load(s_gate, mask=col_ok, other=0.0)[None, :]
+        acc_up = acc_up * tl.load(s_up, mask=col_ok, other=0.0)[None, :]
     dtype = act_ptr.dtype.element_ty
     act = silu_mul(acc_gate.to(dtype), acc_up.to(dtype), PRECISE_EXP)
     out = act_ptr + entries[:, None].to(tl.int64) * stride_act + cols[None, :]
@@ -427,9 +479,9 @@ def _gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_entries", "num_tokens"])
 def _down_kernel(
-    act_ptr, w_ptr, weights_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
+    act_ptr, w_ptr, weights_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, s_ptr,
     num_entries, num_tokens, hidden, inter,
-    stride_act, stride_we, stride_wn, stride_y,
+    stride_act, stride_we, stride_wn, stride_y, stride_se, stride_sn,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -437,10 +489,13 @@ def _down_kernel(
     DOT_F32: tl.constexpr,
     PARTIALS: tl.constexpr,
     DIRECT: tl.constexpr,
+    W_SCALE: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
 ):
     """One block of one expert's rows times ``BLOCK_N`` columns of its down projection, scaled
     by each row's routing weight in the epilogue, stored at the row's entry (``PARTIALS``: in
-    fp32 at row ``slot * num_tokens + token``, a ``[TOP_K, T, hidden]`` partial sum per slot)."""
+    fp32 at row ``slot * num_tokens + token``, a ``[TOP_K, T, hidden]`` partial sum per slot).
+    ``W_SCALE``, ``SCALE_BLOCK``: float8 weights' scales, as :func:`_gate_up_kernel` takes them."""
     pid_m = tl.program_id(0)
     if not DIRECT:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -450,13 +505,16 @@ def _down_kernel(
     )
     rows = entries.to(tl.int64)
     w_cols = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
+    s_cols = _scale_pointers(s_ptr, expert, cols, 0, stride_se, stride_sn, W_SCALE, SCALE_BLOCK)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < inter
         a = tl.load(act_ptr + rows[:, None] * stride_act + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_cols + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        acc += _dot(a, w, DOT_F32)
+        acc = _scaled_tile(acc, a, w, s_cols, col_ok, k0, DOT_F32, W_SCALE, SCALE_BLOCK)
+    if W_SCALE == 1:
+        acc = acc * tl.load(s_cols, mask=col_ok, other=0.0)[None, :]
     weight = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
     # Rounded as the reference rounds: the expert's output in the activation dtype, then scaled.
     y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
@@ -632,17 +690,25 @@ def default_config(num_entries: int, num_experts: int, dtype: torch.dtype) -> Ge
     return GemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4)
 
 
-def experts_config(num_tokens: int, w13: torch.Tensor, top_k: int, dtype: torch.dtype) -> ExpertsConfig:
+def experts_config(num_tokens: int, w13: torch.Tensor, top_k: int, dtype: torch.dtype,
+                   scale_block: int | None = None) -> ExpertsConfig:
     """The settings for ``num_tokens`` tokens through experts ``w13 [E, 2 * inter, hidden]``: the
-    tuned entry of the nearest token count for this GPU and shape (:func:`tuned_table`), else
-    :func:`default_config` for both GEMMs."""
+    tuned entry of the nearest token count for this GPU and shape (:func:`tuned_table`, keyed by
+    the activations' ``dtype``: float8 experts take the tiles tuned for bf16 ones), else
+    :func:`default_config` for both GEMMs.  ``scale_block`` (float8 experts with block scales):
+    K tiles of at most one scale block (each tile's product takes one block's scales)."""
     num_experts, two_inter, hidden = w13.shape
+    config = None
     if w13.is_cuda and not INTERPRETED:
         table = tuned_table(_device_name(w13.device.index), shape_key(num_experts, two_inter // 2, hidden, top_k, dtype))
         if table:
-            return nearest(table, num_tokens)
-    both = default_config(num_tokens * top_k, num_experts, dtype)
-    return ExpertsConfig(both, both)
+            config = nearest(table, num_tokens)
+    if config is None:
+        both = default_config(num_tokens * top_k, num_experts, dtype)
+        config = ExpertsConfig(both, both)
+    if scale_block is not None:
+        config = ExpertsConfig(*(c._replace(block_k=min(c.block_k, scale_block)) for c in config))
+    return config
 
 
 def _launch(cfg: GemmConfig) -> dict:
@@ -656,37 +722,88 @@ def _dot_f32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or INTERPRETED
 
 
-def gate_up(x: torch.Tensor, w13: torch.Tensor, align: ExpertAlignment, top_k: int, cfg: GemmConfig) -> torch.Tensor:
-    """The gate_up launch of :func:`fused_experts`: ``act [T * top_k, inter]`` by entry."""
+def _w_scale(scale: torch.Tensor | None, scale_block: int | None, cfg: GemmConfig) -> int:
+    """The kernels' ``W_SCALE`` for weights with ``scale`` (None: in the activations' dtype)."""
+    if scale is None:
+        return 0
+    if scale_block is None:
+        return 1
+    if cfg.block_k > scale_block or scale_block % cfg.block_k:
+        raise ValueError(f"block_k={cfg.block_k} with {scale_block}x{scale_block} block-scaled float8 experts: "
+                         f"a K tile must lie in one scale block (block_k dividing {scale_block})")
+    return 2
+
+
+def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
+    """A scale tensor's expert and row strides (0, 0 where there is none: unread)."""
+    return (0, 0) if scale is None else (scale.stride(0), scale.stride(1))
+
+
+def gate_up(x: torch.Tensor, w13: torch.Tensor, align: ExpertAlignment, top_k: int, cfg: GemmConfig,
+            w13_scale: torch.Tensor | None = None, scale_block: int | None = None) -> torch.Tensor:
+    """The gate_up launch of :func:`fused_experts`: ``act [T * top_k, inter]`` by entry
+    (``w13_scale``, ``scale_block``: float8 weights' scales, :func:`fused_experts`)."""
     num_entries, (_, two_inter, hidden) = x.shape[0] * top_k, w13.shape
     inter = two_inter // 2
     act = torch.empty(num_entries, inter, dtype=x.dtype, device=x.device)
+    w_scale = _w_scale(w13_scale, scale_block, cfg)
+    up_scale_row = inter if scale_block is None else triton.cdiv(inter, scale_block)
     _gate_up_kernel[(align.block_expert.shape[0], triton.cdiv(inter, cfg.block_n))](
         x, w13, act, align.sorted_entries, align.block_expert, align.num_rows,
-        num_entries, hidden, inter,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        w13 if w13_scale is None else w13_scale,  # unread without a scale
+        num_entries, hidden, inter, up_scale_row,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), *_scale_strides(w13_scale),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_F32=_dot_f32(x.dtype), PRECISE_EXP=not INTERPRETED, DIRECT=align.direct, **_launch(cfg), **NO_FMA,
+        DOT_F32=_dot_f32(x.dtype), PRECISE_EXP=not INTERPRETED, DIRECT=align.direct,
+        W_SCALE=w_scale, SCALE_BLOCK=scale_block or 1, **_launch(cfg), **NO_FMA,
     )
     return act
 
 
 def down(act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, align: ExpertAlignment, top_k: int,
-         cfg: GemmConfig, partials: bool = False) -> torch.Tensor:
+         cfg: GemmConfig, partials: bool = False, w2_scale: torch.Tensor | None = None,
+         scale_block: int | None = None) -> torch.Tensor:
     """The down launch of :func:`fused_experts`: ``y [T * top_k, hidden]`` by entry, weighted
-    (``partials``: by slot then token, in fp32 unless :data:`PARTIALS_IN_DTYPE`)."""
+    (``partials``: by slot then token, in fp32 unless :data:`PARTIALS_IN_DTYPE`; ``w2_scale``,
+    ``scale_block``: float8 weights' scales, :func:`fused_experts`)."""
     num_entries, inter = act.shape
     hidden = w2.shape[1]
     fp32 = partials and not PARTIALS_IN_DTYPE
     y = torch.empty(num_entries, hidden, dtype=torch.float32 if fp32 else act.dtype, device=act.device)
+    w_scale = _w_scale(w2_scale, scale_block, cfg)
     _down_kernel[(align.block_expert.shape[0], triton.cdiv(hidden, cfg.block_n))](
         act, w2, weights.reshape(-1).contiguous(), y, align.sorted_entries, align.block_expert, align.num_rows,
+        w2 if w2_scale is None else w2_scale,  # unread without a scale
         num_entries, num_entries // top_k, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *_scale_strides(w2_scale),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_F32=_dot_f32(act.dtype), PARTIALS=partials, DIRECT=align.direct, **_launch(cfg), **NO_FMA,
+        DOT_F32=_dot_f32(act.dtype), PARTIALS=partials, DIRECT=align.direct,
+        W_SCALE=w_scale, SCALE_BLOCK=scale_block or 1, **_launch(cfg), **NO_FMA,
     )
     return y
+
+
+FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
+
+
+def _check_scales(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
+                  w2_scale: torch.Tensor | None, scale_block: int | None) -> None:
+    """Float8 experts come with float32 scales of :func:`expert_scale_shapes`; others without."""
+    fp8 = w13.dtype == FP8_WEIGHT_DTYPE
+    if (w2.dtype == FP8_WEIGHT_DTYPE) != fp8 or (w13_scale is not None) != fp8 or (w2_scale is not None) != fp8:
+        raise ValueError(f"expert weights w13 {w13.dtype} and w2 {w2.dtype} with scales "
+                         f"{'given' if w13_scale is not None else 'none'} / {'given' if w2_scale is not None else 'none'}: "
+                         f"float8 e4m3 weights take w13_scale and w2_scale, others neither")
+    if not fp8:
+        return
+    if scale_block is not None and (scale_block < 16 or scale_block & (scale_block - 1)):
+        raise ValueError(f"scale_block={scale_block} must be None (per-row scales) or a power of two >= 16")
+    num_experts, hidden, inter = w2.shape
+    want = expert_scale_shapes(num_experts, inter, hidden, scale_block)
+    for name, scale, shape in (("w13_scale", w13_scale, want[0]), ("w2_scale", w2_scale, want[1])):
+        if tuple(scale.shape) != shape or scale.dtype != torch.float32:
+            raise ValueError(f"{name} {tuple(scale.shape)} {scale.dtype}: float8 experts w13 {tuple(w13.shape)}, "
+                             f"w2 {tuple(w2.shape)} with scale_block={scale_block} take float32 {shape}")
 
 
 def fused_experts(
@@ -697,10 +814,18 @@ def fused_experts(
     ids: torch.Tensor,
     config: ExpertsConfig | GemmConfig | None = None,
     then: str | None = None,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    scale_block: int | None = None,
 ) -> torch.Tensor | SplitPartials:
     """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for ``x [T, hidden]`` (module
     docstring): ``w13 [E, 2 * inter, hidden]``, ``w2 [E, hidden, inter]``, ``weights`` and
-    ``ids [T, top_k]``.  Returns ``[T, hidden]`` in ``x``'s dtype; with ``then="norm"`` (a
+    ``ids [T, top_k]``.  Float8 e4m3 experts come with their float32 scales ``w13_scale`` and
+    ``w2_scale`` (:func:`expert_scale_shapes`: per weight row, or per ``scale_block`` x
+    ``scale_block`` block): the kernels read the float8 bytes, upcast them to ``x``'s dtype in
+    registers and apply the scales to the fp32 sums (module docstring, "Float8 experts").
+    Returns ``[T, hidden]`` in ``x``'s dtype; with ``then="norm"`` (a
     fused add + RMSNorm reads the output) the ``top_k`` weighted expert outputs unsummed, as
     :class:`~pprun.kernels.partials.SplitPartials` ``[top_k, T, hidden]`` (in ``x``'s dtype, or
     fp32 without :data:`PARTIALS_IN_DTYPE`) that the
@@ -718,22 +843,27 @@ def fused_experts(
     if weights.shape != ids.shape or ids.shape[0] != num_tokens:
         raise ValueError(f"routing weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must both be "
                          f"[{num_tokens}, top_k]")
+    _check_scales(w13, w2, w13_scale, w2_scale, scale_block)
     num_entries = num_tokens * top_k
     if num_entries == 0:
         return torch.zeros_like(x)
     x, ids = x.contiguous(), ids.contiguous()  # the sort and the direct layout read ids flat
     w13, w2 = w13.contiguous(), w2.contiguous()
+    if w13_scale is not None:
+        w13_scale, w2_scale = w13_scale.contiguous(), w2_scale.contiguous()
+    else:
+        scale_block = None
     if config is None:
-        config = experts_config(num_tokens, w13, top_k, x.dtype)
+        config = experts_config(num_tokens, w13, top_k, x.dtype, scale_block)
     elif isinstance(config, GemmConfig):
         config = ExpertsConfig(config, config)
     up_cfg, down_cfg = config
     if up_cfg.block_m != down_cfg.block_m:
         raise ValueError(f"the two GEMMs share one sort: block_m {up_cfg.block_m} (gate_up) != {down_cfg.block_m} (down)")
     align = layout(ids, num_experts, up_cfg.block_m)
-    act = gate_up(x, w13, align, top_k, up_cfg)
+    act = gate_up(x, w13, align, top_k, up_cfg, w13_scale, scale_block)
     partials = then == "norm" and (PARTIALS_MAX_TOKENS is None or num_tokens <= PARTIALS_MAX_TOKENS)
-    y = down(act, w2, weights, align, top_k, down_cfg, partials)
+    y = down(act, w2, weights, align, top_k, down_cfg, partials, w2_scale, scale_block)
     if partials:
         return SplitPartials(y.view(top_k, num_tokens, hidden), None, x.dtype)
     return torch.sum(y.view(num_tokens, top_k, hidden), dim=1)

@@ -273,7 +273,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # A mixture-of-experts model's sparse layers (``layer``: the global index) hold experts.
         if arch.moe is not None and arch.moe.is_sparse(layer):
-            self.mlp: nn.Module = SparseMoeBlock(arch.moe, arch.hidden_size, make_linear.tp)
+            experts = f"{prefix}.{arch.moe.checkpoint_prefix}"
+            self.mlp: nn.Module = SparseMoeBlock(arch.moe, arch.hidden_size, make_linear.tp,
+                                                 fp8=make_linear.fp8_experts(experts, arch.moe))
         else:
             self.mlp = MLP(arch, make_linear, f"{prefix}.mlp")
 
@@ -497,7 +499,7 @@ class LlamaForCausalLM(PprunModel):
                     sub = part[len(a.moe.checkpoint_prefix) + 1 :]
                     if sub.startswith("experts.") and sub.count(".") == 2:
                         _, expert, proj = sub.split(".")
-                        layer.mlp.load_expert(int(expert), proj, tensor)
+                        layer.mlp.load_expert(int(expert), proj, tensor, param)
                         loaded.add(name)
                         continue
                     if sub != "gate":

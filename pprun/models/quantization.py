@@ -24,7 +24,7 @@ import torch
 
 from pprun.distributed.tensor_parallel import TensorParallel
 from pprun.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, Shard
-from pprun.models.hf_config import ModelArchConfig
+from pprun.models.hf_config import ModelArchConfig, MoeArch
 from pprun.models.quantization_config import (
     ONLINE_FP8_METHOD,
     QUANTIZABLE_ARCHITECTURES,
@@ -244,6 +244,26 @@ class LinearFactory:
                 self.fp8_weight_names.update(f"{m}.weight" for m in modules)
                 return Fp8Linear(in_features, sum(rows), bias, block_scaled=scheme.strategy == "block")
         return torch.nn.Linear(in_features, sum(rows), bias=bias)
+
+    def fp8_experts(self, prefix: str, moe: MoeArch) -> WeightScheme | None:
+        """The scheme of the sparse block ``prefix``'s experts (its checkpoint name:
+        ``model.layers.3.mlp``) where they stay float8 with their scales
+        (``pprun.models.moe.SparseMoeBlock``), their weights then in :attr:`fp8_weight_names`;
+        None where the loader dequantizes them: no FP8 compute on this run
+        (:func:`~pprun.layers.fp8_linear.fp8_compute_supported`), ``PPRUN_DISABLE_FP8_MOE``, experts
+        left in floating point or under different schemes, blocks other than 128x128."""
+        from pprun.layers import moe as moe_ops
+        from pprun.models.moe import SCALE_BLOCK
+
+        if not (self.compute_fp8 and moe_ops.FP8_EXPERTS_ENABLED):
+            return None
+        modules = [f"{prefix}.experts.{e}.{proj}" for e in range(moe.num_experts) for proj in moe.expert_names]
+        schemes = {self.quant.scheme_for(m) for m in modules}
+        scheme = schemes.pop() if len(schemes) == 1 else None
+        if scheme is None or (scheme.strategy == "block" and scheme.block != (SCALE_BLOCK, SCALE_BLOCK)):
+            return None
+        self.fp8_weight_names.update(f"{m}.weight" for m in modules)
+        return scheme
 
     def column(self, modules: list[str], in_features: int, shards: list[Shard], bias: bool) -> torch.nn.Module:
         """A column-parallel layer: this rank's ``shards`` (rows) of ``modules`` fused; at tp 1
