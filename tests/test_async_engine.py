@@ -19,6 +19,7 @@ from leftovers import Snapshot
 from pprun import LLM
 from pprun.config.config import PprunConfig
 from pprun.engine.async_engine import AsyncEngine, EngineClosedError, QueueFullError
+from pprun.engine.engine_loop import StepReport
 from pprun.engine.engine_process import EngineProcess
 from pprun.sampling.params import SamplingParams
 
@@ -339,7 +340,7 @@ def test_engine_process_report_not_delivered_ends_every_stream(tiny_llama_dir, m
     original = engine._on_report
 
     def broken(report):
-        if report.updates:
+        if report.update_ids:
             raise RuntimeError("a bug in delivery")
         original(report)
 
@@ -355,6 +356,7 @@ def test_engine_process_report_not_delivered_ends_every_stream(tiny_llama_dir, m
 _SERVER_THAT_DIES = """
 import sys
 from pprun.config.config import PprunConfig
+from pprun.engine.engine_loop import StepReport
 from pprun.engine.engine_process import EngineProcess
 from pprun.sampling.params import SamplingParams
 engine = EngineProcess(PprunConfig.from_kwargs(model=sys.argv[1], dtype="float32", max_num_seqs=4))
@@ -387,3 +389,60 @@ def test_engine_process_exits_with_its_server(tiny_llama_dir):
     else:
         psutil.Process(engine_pid).kill()
         pytest.fail(f"engine process {engine_pid} outlived its server by 30 s")
+
+
+def test_step_report_columns_from_the_loop_to_each_front_end():
+    """A step's report as the engine process builds it (``EngineLoop._token_updates``: ids and
+    their new tokens as columns, counts only where a request got more than one token, logprobs
+    only for those that asked) yields each request's tokens and logprobs, survives pickling, and
+    split over two front ends gives each its own requests under their own ids, with the
+    counters."""
+    import pickle
+    import types
+    from multiprocessing.connection import Connection
+
+    from pprun.core.outputs import Logprobs
+    from pprun.core.request import Request, RequestStatus
+    from pprun.engine.engine_loop import EngineLoop, FinishedUpdate
+    from pprun.engine.engine_process import _FrontEnds, _socket_pair
+
+    plain = SamplingParams(temperature=0.0, max_tokens=20)
+    with_lp = SamplingParams(temperature=0.0, max_tokens=20, logprobs=1)
+    reqs = [Request(f"{i % 2}/r{i}", [1, 2], with_lp if i == 2 else plain) for i in range(4)]
+    lp = [Logprobs(-0.5, [11], [-0.5]), Logprobs(-0.25, [12], [-0.25]), Logprobs(-0.125, [13], [-0.125])]
+    engine = types.SimpleNamespace(tracked={"0/r2": types.SimpleNamespace(logprobs=lp)})
+    loop = EngineLoop(engine, lambda wait_s: [], lambda report: None)
+    for req, (sent, out) in zip(reqs, [(0, [5]), (1, [6, 7, 8]), (1, [9, 10]), (0, [4])]):
+        req.status, req.output_token_ids = RequestStatus.RUNNING, out
+        loop._num_reported[req.req_id] = sent
+    reqs[3].status = RequestStatus.FINISHED_LENGTH  # its tokens go with its FinishedUpdate
+    report = loop._token_updates(reqs)
+    expected = [("0/r0", [5], None), ("1/r1", [7, 8], None), ("0/r2", [10], lp[1:2])]
+    assert list(report.updates()) == expected
+    assert report.update_counts == [1, 2, 1] and list(report.update_logprobs) == [2]
+    assert list(pickle.loads(pickle.dumps(report)).updates()) == expected
+    assert loop._num_reported == {"0/r0": 1, "1/r1": 3, "0/r2": 2, "1/r3": 0}
+    decode = loop._token_updates(reqs[:2])  # nothing new: no update
+    assert decode.update_ids == [] and decode.update_counts is None and decode.update_logprobs is None
+
+    pairs = [_socket_pair() for _ in range(3)]
+    ours = [Connection(pair[0].detach()) for pair in pairs]
+    theirs = [Connection(pair[1].detach()) for pair in pairs]
+    try:
+        channels = _FrontEnds(theirs[0], theirs[1:])
+        channels.owner.update({req.req_id: (i % 2, f"r{i}") for i, req in enumerate(reqs)})
+        report.finished = [FinishedUpdate("1/r3", [4], None, "length", num_output_tokens=1)]
+        report.num_steps, report.num_free_blocks, report.time = 7, 99, 123.0
+        channels.report(report)
+        got = [ours[1].recv(), ours[2].recv()]
+        assert [list(r.updates()) for r in got] == [[("r0", [5], None), ("r2", [10], lp[1:2])],
+                                                    [("r1", [7, 8], None)]]
+        assert got[0].finished == [] and [f.request_id for f in got[1].finished] == ["r3"]
+        assert [(r.num_steps, r.num_free_blocks, r.time) for r in got] == [(7, 99, 123.0)] * 2
+        # A decode step (one token each, no logprobs) takes the split's fast path.
+        channels.report(StepReport(["0/r0", "1/r1", "0/r2"], [21, 22, 23]))
+        got = [ours[1].recv(), ours[2].recv()]
+        assert [list(r.updates()) for r in got] == [[("r0", [21], None), ("r2", [23], None)], [("r1", [22], None)]]
+    finally:
+        for conn in ours + theirs:
+            conn.close()

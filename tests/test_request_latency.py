@@ -117,8 +117,8 @@ def test_the_client_observes_each_report_at_its_time():
     stream = client.add_request({"prompt_token_ids": [1, 2]}, params, "a")
     (add,) = client.sent
     arrival = add.arrival_time
-    client._on_report(StepReport(updates=[("a", [7], None)], time=arrival + 0.5))
-    client._on_report(StepReport(updates=[("a", [8], None)], time=arrival + 0.52))
+    client._on_report(StepReport(["a"], [7], time=arrival + 0.5))
+    client._on_report(StepReport(["a"], [8], time=arrival + 0.52))
     metrics = RequestMetrics(arrival, first_scheduled_time=arrival + 0.1)
     client._on_report(StepReport(finished=[FinishedUpdate("a", [9], None, "length", num_output_tokens=3,
                                                           metrics=metrics)], time=arrival + 0.54))  # fmt: skip

@@ -381,7 +381,7 @@ class EngineClient(abc.ABC):
         timed: list[tuple[RequestTimes, int]] = []
         actives = self._active
         detokenize = self.inputs.tokenizer is not None
-        for req_id, new_ids, logprobs in report.updates:
+        for req_id, new_ids, logprobs in report.updates():
             active = actives.get(req_id)
             if active is None:
                 continue

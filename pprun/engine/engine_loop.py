@@ -11,15 +11,17 @@ comes back) and does everything that touches it.  It runs on the async engine's 
   logprobs when asked), each finished request's :class:`FinishedUpdate` and the engine's counters.
   No text (but for an output a stop string cut, which the engine decoded to find it): detokenizing
   is the caller's (``async_engine.EngineClient``), so that in the engine process the loop steps
-  and does little else.
+  and does little else.  The updates are columns (the ids, their tokens in one flat list), not an
+  object per request: the engine process builds and pickles a report every step, and a decode
+  step's is 64 ids and 64 ints, not 64 tuples of an id and a one-token list.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields
 
 from pprun.core.outputs import Logprobs
 from pprun.engine.llm_engine import LLMEngine
@@ -62,8 +64,7 @@ Command = AddCommand | AbortCommand | None
 
 TokenUpdate = tuple[str, list[int], "list[Logprobs | None] | None"]
 """``(request_id, new token ids, their logprobs or None)``: what one step added to a running
-request.  A plain tuple: a step reports one per running request, and the engine process sends them
-to the server process every step."""
+request, as :meth:`StepReport.updates` yields it."""
 
 
 @dataclass
@@ -88,9 +89,24 @@ class FinishedUpdate:
 
 @dataclass
 class StepReport:
-    """What the loop says after a step (or after commands that ended requests without one)."""
+    """What the loop says after a step (or after commands that ended requests without one).
 
-    updates: list[TokenUpdate] = field(default_factory=list)
+    The running requests' new tokens are columns (:meth:`updates` yields them per request):
+    ``update_ids`` in step order, ``update_tokens`` their new token ids concatenated, and only
+    where needed ``update_counts`` and ``update_logprobs``.  The engine process pickles a report
+    every step on the thread that steps the engine; a tuple and a list per request would be most
+    of that work.  Pickled as a tuple of its fields (no field names).
+    """
+
+    update_ids: list[str] = field(default_factory=list)
+    """Running requests the step gave tokens, in step order (the finished ones are in ``finished``)."""
+    update_tokens: list[int] = field(default_factory=list)
+    """Their new token ids, in the order of ``update_ids``."""
+    update_counts: list[int] | None = None
+    """New tokens per id of ``update_ids``; None: one each (every step but those after a burst of
+    aborts or a failure gives each running request exactly one)."""
+    update_logprobs: dict[int, list[Logprobs | None]] | None = None
+    """Index in ``update_ids`` -> the logprobs of its new tokens, for the requests that asked."""
     finished: list[FinishedUpdate] = field(default_factory=list)
     failure: str | None = None
     """Set when the engine failed: ``finished`` are the requests it ended, every other request of
@@ -108,6 +124,36 @@ class StepReport:
     time: float = 0.0
     """When the report was made (``time.time``): when its tokens were known, which the serving
     client's latency histograms count to (``pprun.engine.request_latency``)."""
+
+    def updates(self) -> Iterator[TokenUpdate]:
+        """Each updated running request's ``(request_id, new token ids, logprobs or None)``."""
+        tokens, counts, lps = self.update_tokens, self.update_counts, self.update_logprobs
+        pos = 0
+        for k, req_id in enumerate(self.update_ids):
+            if counts is None:
+                new_ids = [tokens[k]]
+            else:
+                n = counts[k]
+                new_ids = tokens[pos : pos + n]
+                pos += n
+            yield req_id, new_ids, (lps.get(k) if lps else None)
+
+    def add_update(self, req_id: str, new_ids: list[int], logprobs: list[Logprobs | None] | None) -> None:
+        """Append one running request's new tokens (and logprobs) to the columns."""
+        n = len(new_ids)
+        if self.update_counts is None and n != 1:
+            self.update_counts = [1] * len(self.update_ids)
+        if logprobs is not None:
+            if self.update_logprobs is None:
+                self.update_logprobs = {}
+            self.update_logprobs[len(self.update_ids)] = logprobs
+        self.update_ids.append(req_id)
+        self.update_tokens.extend(new_ids)
+        if self.update_counts is not None:
+            self.update_counts.append(n)
+
+    def __reduce__(self) -> tuple:
+        return StepReport, tuple(getattr(self, f.name) for f in fields(self))
 
 
 def serving_facts(engine: LLMEngine) -> dict:
@@ -177,7 +223,10 @@ class EngineLoop:
                 logger.exception("engine step failed")
                 self._fail(f"{type(e).__name__}: {e}")
                 continue
-            self._report(StepReport(self._token_updates(eng.last_updated), [self._finished(o) for o in finished]))
+            report = self._token_updates(eng.last_updated)
+            if finished:
+                report.finished = [self._finished(o) for o in finished]
+            self._report(report)
             if eng.dead is not None:  # failed after the step's bookkeeping: the rest end now
                 self._fail(eng.dead)
                 continue
@@ -229,29 +278,44 @@ class EngineLoop:
         self.engine.abort_request(request_id)
         return 1
 
-    def _token_updates(self, updated: list) -> list[TokenUpdate]:
-        """New tokens of the step's running requests (the finished ones' are in their
-        :class:`FinishedUpdate`)."""
-        updates = []
+    def _token_updates(self, updated: list) -> StepReport:
+        """A report of the new tokens of the step's running requests (the finished ones' are in
+        their :class:`FinishedUpdate`): the columns filled here directly, one id and one token
+        per request in a decode step."""
+        ids: list[str] = []
+        tokens: list[int] = []
+        counts: list[int] | None = None
+        logprobs: dict[int, list] | None = None
         num_reported = self._num_reported
         tracked = self.engine.tracked
         for req in updated:
-            if req.is_finished:
+            if req.status.is_finished:
                 continue
             req_id = req.req_id
             num_sent = num_reported.get(req_id)
-            output_ids = req.output_token_ids
-            if num_sent is None or len(output_ids) <= num_sent:
+            if num_sent is None:
                 continue
-            new_ids = output_ids[num_sent:]
-            logprobs = None
+            output_ids = req.output_token_ids
+            n = len(output_ids) - num_sent
+            if n <= 0:
+                continue
+            num_reported[req_id] = num_sent + n
+            if n == 1:
+                tokens.append(output_ids[-1])
+            else:
+                tokens.extend(output_ids[num_sent:])
+                if counts is None:
+                    counts = [1] * len(ids)
+            if counts is not None:
+                counts.append(n)
             if req.sampling_params.logprobs is not None:
                 tr = tracked.get(req_id)
                 if tr is not None and tr.logprobs is not None:
-                    logprobs = tr.logprobs[num_sent : num_sent + len(new_ids)]
-            num_reported[req_id] = len(output_ids)
-            updates.append((req_id, new_ids, logprobs))
-        return updates
+                    if logprobs is None:
+                        logprobs = {}
+                    logprobs[len(ids)] = tr.logprobs[num_sent : num_sent + n]
+            ids.append(req_id)
+        return StepReport(ids, tokens, counts, logprobs)
 
     def _finished(self, out: RequestOutput) -> FinishedUpdate:
         num_sent = self._num_reported.pop(out.request_id, 0)

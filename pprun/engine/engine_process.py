@@ -18,8 +18,9 @@ either side comes from the one peer that was started with it.  The first is the 
 (the resolved configuration down, ``ready`` or the start-up error up, STOP); each further one is a
 front end's (``serve.api_servers`` > 1, ``pprun.serve.api_servers``); with none, the control
 channel is the one front end's.  Messages are ``multiprocessing.connection`` frames of pickled
-command lists (a front end's commands of one event-loop turn in one frame) and reports; the engine
-reads every pending frame of every channel before a step.  A front end reads reports on a thread
+command lists (a front end's commands of one event-loop turn in one frame) and reports (the new
+tokens as columns: :class:`~pprun.engine.engine_loop.StepReport`); the engine reads every pending
+frame of every channel before a step.  A front end reads reports on a thread
 that waits in ``recv`` outside the interpreter lock and turns each step's report into deltas,
 handed to the event loop with one ``call_soon_threadsafe``.
 
@@ -53,7 +54,6 @@ from pprun.engine.engine_loop import (
     AddCommand,
     Command,
     EngineLoop,
-    FinishedUpdate,
     StepReport,
     serving_facts,
 )
@@ -420,23 +420,30 @@ class _FrontEnds:
             self._send(0, report)
             return
         num = len(self.front_ends)
-        updates: list[list] = [[] for _ in range(num)]
-        finished: list[list[FinishedUpdate]] = [[] for _ in range(num)]
+        parts = [StepReport() for _ in range(num)]
         owner = self.owner
-        for update in report.updates:
-            i, request_id = owner[update[0]]
-            updates[i].append((request_id, update[1], update[2]))
+        tokens, counts, lps = report.update_tokens, report.update_counts, report.update_logprobs
+        if counts is None and lps is None:  # a decode step: one token each
+            for req_id, token in zip(report.update_ids, tokens):
+                i, own_id = owner[req_id]
+                parts[i].update_ids.append(own_id)
+                parts[i].update_tokens.append(token)
+        else:
+            for req_id, new_ids, logprobs in report.updates():
+                i, own_id = owner[req_id]
+                parts[i].add_update(own_id, new_ids, logprobs)
         for fin in report.finished:
             found = owner.pop(fin.request_id, None)
             if found is None:
                 continue
             fin.request_id = found[1]
-            finished[found[0]].append(fin)
-        for i in range(num):
+            parts[found[0]].finished.append(fin)
+        for i, part in enumerate(parts):
             if self.front_ends[i] is not None:
-                self._send(i, StepReport(updates[i], finished[i], report.failure, report.num_steps,
-                                         report.num_free_blocks, report.num_first_uses_after_ready,
-                                         report.cache_stats, report.time))
+                part.failure, part.num_steps, part.num_free_blocks = report.failure, report.num_steps, report.num_free_blocks
+                part.num_first_uses_after_ready = report.num_first_uses_after_ready
+                part.cache_stats, part.time = report.cache_stats, report.time
+                self._send(i, part)
 
     def _send(self, i: int, report: StepReport) -> None:
         try:
