@@ -1,6 +1,6 @@
 """FP8 compute on the GPU: the activation-quantization kernels against plain torch, and on a GPU
-of compute capability 8.9+ the FP8 linear layer and whole FP8 models against the same weights
-dequantized, within tolerances stated here.  (CPU runs dequantize FP8 weights at load and never
+of compute capability 8.9+ the FP8 linear layer and whole FP8 models (their mixture-of-experts
+experts kept float8 too) against the same weights dequantized, within tolerances stated here.  (CPU runs dequantize FP8 weights at load and never
 quantize activations: tests/test_fp8_checkpoints.py.)
 
 Tolerances: FP8 activations carry 3 mantissa bits, so a matmul of quantized activations differs
@@ -110,6 +110,8 @@ def test_fp8_model_on_the_gpu_matches_its_dequantized_twin(monkeypatch, tmp_path
     got = fp8_logits()
     # The FP8 path ran: qkv and o in every layer, gate_up and down in the dense ones.
     assert len(calls) == arch.num_hidden_layers * (2 if arch.moe else 4)
+    if arch.moe:
+        assert _fp8_expert_blocks(fp8_dir) == arch.num_hidden_layers  # the experts kept float8
     want = twin_logits()
     assert len(calls) == arch.num_hidden_layers * (2 if arch.moe else 4)  # the twin holds none
     cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
@@ -117,6 +119,73 @@ def test_fp8_model_on_the_gpu_matches_its_dequantized_twin(monkeypatch, tmp_path
     # (seen on the H200: one position at 0.989 of 73, the rest above 0.994).
     assert torch.all(cos > (0.98 if arch.moe else 0.99)), cos
     assert (got.argmax(-1) == want.argmax(-1)).sum() >= len(prompts) - 1
+
+
+def _fp8_expert_blocks(model_dir) -> int:
+    """How many sparse blocks of the model at ``model_dir`` (loaded on the GPU as the tests here
+    load it) hold float8 experts with their scales."""
+    from pprun.attention.backend import get_backend
+    from pprun.distributed.layout import StageLayout
+    from pprun.models.hf_config import load_arch_config
+    from pprun.models.moe import SparseMoeBlock
+    from pprun.worker.model_loader import load_stage_model
+
+    arch = load_arch_config(model_dir)
+    model = load_stage_model(model_dir, arch, StageLayout.from_partition([arch.num_hidden_layers], 0),
+                             device=DEVICE, dtype=torch.bfloat16, max_positions=64,
+                             attn_backend=get_backend("triton", DEVICE))
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    return sum(b.w13.dtype == b.w2.dtype == torch.float8_e4m3fn and b.w13_scale is not None for b in blocks)
+
+
+@pytest.mark.gpu
+@gpu_fp8
+@pytest.mark.parametrize("layout", ["block", "channel", "tensor"])
+def test_fp8_experts_match_the_experts_dequantized_at_load(switch, tmp_path, layout):
+    """The same FP8 Qwen3-MoE checkpoint with its experts kept float8 (the grouped kernels read
+    them, bf16 activations) and with them dequantized at load (``PPRUN_DISABLE_FP8_MOE``): the
+    experts alone differ (float8 times an fp32 scale against that product rounded to bf16), held
+    to the mixture-of-experts bound above (cosine 0.98, the greedy token on all prompts but at
+    most one); half the experts' bytes."""
+    from test_fused_ops import _tiny_llama_on_cuda
+
+    fp8_dir, _ = _fp8_pair(tmp_path, "qwen3_moe", layout)
+    prompts = [[5, 9, 3, 200, 17, 42, 8], [1, 2, 3], [400, 401], [7] * 20, [300], list(range(100, 140))]
+    arch, fp8_logits = _tiny_llama_on_cuda(fp8_dir, torch.bfloat16, prompts, backend="triton")
+    got = fp8_logits()
+    assert _fp8_expert_blocks(fp8_dir) == arch.num_hidden_layers
+    switch("PPRUN_DISABLE_FP8_MOE", False)
+    assert _fp8_expert_blocks(fp8_dir) == 0
+    _, dequantized_logits = _tiny_llama_on_cuda(fp8_dir, torch.bfloat16, prompts, backend="triton")
+    want = dequantized_logits()
+    cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+    assert torch.all(cos > 0.98), cos
+    assert (got.argmax(-1) == want.argmax(-1)).sum() >= len(prompts) - 1
+
+
+@pytest.mark.gpu
+@gpu_fp8
+@pytest.mark.parametrize("layout", ["block", "channel"])
+def test_fp8_moe_model_decodes_in_cuda_graphs_as_eagerly(tmp_path, layout):
+    """The engine on one GPU, V2 with full CUDA graphs, an FP8 Qwen3-MoE: its experts are float8,
+    and greedy decoding through the graphs gives the eager steps' tokens."""
+    from pprun import LLM, SamplingParams
+    from pprun.models.moe import SparseMoeBlock
+
+    fp8_dir, _ = _fp8_pair(tmp_path, "qwen3_moe", layout)
+    prompts = [[5, 9, 3, 200, 17], [1, 2, 3], [400, 401, 402, 403]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for mode in ("full", "none"):
+        with LLM(str(fp8_dir), dtype="bfloat16", device="cuda", runner="v2", cudagraph_mode=mode, executor="uni",
+                 max_model_len=64, max_num_seqs=4) as llm:
+            outs[mode] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                       params)]
+            model = llm.engine.executor.worker.runner.model
+            blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+            assert len(blocks) == 2 and all(b.w13.dtype == torch.float8_e4m3fn for b in blocks)
+    assert outs["full"] == outs["none"]
+    assert math.prod(len(t) for t in outs["full"]) > 0
 
 
 @pytest.mark.gpu

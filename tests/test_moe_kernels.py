@@ -405,7 +405,7 @@ _EXPERT_POINTERS = {"sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_rows_
 def test_expert_kernels_compile_for_sm90():
     """The routing, the sort, both grouped GEMMs and Qwen3's head norms compile for sm_90
     (``sm90_compile``) in bf16, the GEMMs' K loops on tensor-core MMAs (fp32 differs only in
-    taking IEEE fp32 dots)."""
+    taking IEEE fp32 dots); bf16 experts (``W_SCALE`` 0; float8 ones: ``test_moe_fp8.py``)."""
     from sm90_compile import compile_sm90
 
     options = {"num_warps": 4, "enable_fp_fusion": False}
@@ -423,9 +423,9 @@ def test_expert_kernels_compile_for_sm90():
     # The partials in the activation dtype (PARTIALS_IN_DTYPE) or fp32.
     compile_sm90("pprun.layers.moe_triton", "_down_kernel",
                  {**dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, DOT_F32=False), "TOP_K": 8, "PARTIALS": True,
-                  "DIRECT": False}, options={"num_warps": 8, "num_stages": 4, "enable_fp_fusion": False},
+                  "DIRECT": False, "W_SCALE": 0, "SCALE_BLOCK": 1}, options={"num_warps": 8, "num_stages": 4, "enable_fp_fusion": False},
                  pointers=_EXPERT_POINTERS, default_pointer="*bf16", divisible=("hidden", "inter"))
-    gemm = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_F32": False}
+    gemm = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_F32": False, "W_SCALE": 0, "SCALE_BLOCK": 1}
     for (kernel, extra, pointers), direct in itertools.product((
         ("_gate_up_kernel", {"TOP_K": 8, "PRECISE_EXP": True}, {}),
         ("_down_kernel", {"TOP_K": 8, "PARTIALS": True}, {"y_ptr": "*fp32"}),  # partials for the next norm
