@@ -1,7 +1,7 @@
 """Time the expert kernels of a mixture-of-experts layer on one GPU, as one JSON object; tune them.
 
     python scripts/bench_moe_kernels.py [--hidden 2048] [--inter 768] [--experts 128] [--top-k 8]
-        [--tokens 1,32,256,2048] [--tune [--write FILE] [--budget-s 420]]
+        [--tokens 1,32,256,2048] [--tune [--write FILE] [--budget-s 420]] [--fp8 block|channel]
 
 For each token count: the fused path of one sparse layer (routing launch, sort, the two grouped
 GEMMs, the top-k sum) replayed as a CUDA graph, in microseconds per layer, with the settings
@@ -20,6 +20,12 @@ the order given until ``--budget-s`` seconds have gone (compiling each setting i
 time).  ``--write FILE`` merges the winners into a tuned-settings file
 (``pprun/layers/moe_configs/<GPU>.json`` ships with pprun; ``PPRUN_MOE_CONFIGS=FILE`` puts
 another one's entries over those).
+
+``--fp8 block`` (``channel``) times float8 experts instead, the same random experts quantized per
+128x128 block (per row) as an FP8 checkpoint stores them: the weight bytes are then one per
+weight, each row also has ``bf16_fused_us`` (the bf16 experts, same routing and settings' rule)
+and ``max_abs_diff_vs_bf16``; ``--tune`` does not take it (float8 experts use the bf16 table,
+``block_k`` capped at 128 for block scales).
 """
 
 from __future__ import annotations
@@ -165,34 +171,62 @@ def write_tuned(path: Path, device_name: str, key: str, tuned: dict[int, dict]) 
     path.write_text("\n".join(lines) + "\n}}\n")
 
 
+def quantize_experts(w: torch.Tensor, layout: str, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts ``w [E, rows, cols]`` as float8 e4m3 and float32 scales in the layout the grouped
+    kernels read (``pprun.layers.moe.expert_scale_shapes``): per ``channel`` (row) or 128x128
+    ``block`` of each of the ``parts`` stacked tensors (w13: gate, up), as a checkpoint's."""
+    from pprun.models.quantization import quantize
+    from pprun.models.quantization_config import WeightScheme
+
+    scheme = WeightScheme(layout, (128, 128) if layout == "block" else None, "weight_scale", False)
+    qs, ss = [], []
+    for expert in w:
+        pieces = [quantize(part, scheme) for part in expert.chunk(parts)]
+        qs.append(torch.cat([q for q, _ in pieces]))
+        ss.append(torch.cat([s.reshape(s.shape[0], -1) for _, s in pieces]))
+    return torch.stack(qs), torch.stack(ss)
+
+
 def time_tokens(num_tokens: int, args: argparse.Namespace, w13: torch.Tensor, w2: torch.Tensor,
-                gen: torch.Generator) -> dict:
-    """One token count's row of the report (module docstring)."""
+                gen: torch.Generator, fp8: dict | None = None) -> dict:
+    """One token count's row of the report (module docstring); ``fp8``: the float8 experts
+    (``w13``, ``w2`` and their scales) timed instead of ``w13`` / ``w2``, which are then the bf16
+    comparison."""
     device, dtype = w13.device, w13.dtype
     x = torch.randn(num_tokens, args.hidden, device=device, generator=gen).to(dtype)
     logits = torch.randn(num_tokens, args.experts, device=device, generator=gen).to(dtype)
     weights, ids = route(logits.float(), args.top_k, True)
     used = int(ids.unique().numel())
-    weight_bytes = used * 3 * args.hidden * args.inter * dtype.itemsize
+    weight_bytes = used * 3 * args.hidden * args.inter * (1 if fp8 else dtype.itemsize)
+    experts = fp8 or {"w13": w13, "w2": w2}
+    scale_block = experts.get("scale_block")
 
-    def layer(config: moe_triton.GemmConfig | moe_triton.ExpertsConfig | None = None) -> torch.Tensor:
+    def layer(config: moe_triton.GemmConfig | moe_triton.ExpertsConfig | None = None, on=experts) -> torch.Tensor:
         w, i = moe_triton.fused_route(logits, args.top_k, True)
-        return moe_triton.fused_experts(x, w13, w2, w, i, config)
+        return moe_triton.fused_experts(x, on["w13"], on["w2"], w, i, config,
+                                        **{k: v for k, v in on.items() if k not in ("w13", "w2")})
 
     us = graph_us(layer)
     heuristic = moe_triton.default_config(num_tokens * args.top_k, args.experts, dtype)
-    picked = moe_triton.experts_config(num_tokens, w13, args.top_k, dtype)
+    picked = moe_triton.experts_config(num_tokens, w13, args.top_k, dtype, scale_block)
     # The picked settings compute what the heuristic's do (fp32 accumulation either way; the
     # K loop's order may differ, so a bf16 ulp or so).
     diff = (layer(picked).float() - layer(heuristic).float()).abs().max().item()
-    return {
+    scales = {k: v for k, v in experts.items() if k not in ("w13", "w2")}
+    row = {
         "tokens": num_tokens, "experts_used": used, "expert_weight_mb": round(weight_bytes / 1e6, 2),
         "fused_us": round(us, 2), "fused_gbps": round(weight_bytes / us / 1e3, 1),
         "config": {"gate_up": picked.gate_up._asdict(), "down": picked.down._asdict()},
         "heuristic_us": round(graph_us(lambda: layer(heuristic)), 2),
         "max_abs_diff_vs_heuristic": diff,
-        "reference_loop_us": round(eager_us(lambda: experts_reference(x, w13, w2, weights, ids)), 1),
+        "reference_loop_us": round(eager_us(lambda: experts_reference(x, experts["w13"], experts["w2"], weights, ids,
+                                                                      **scales)), 1),
     }
+    if fp8:
+        bf16 = {"w13": w13, "w2": w2}
+        row["bf16_fused_us"] = round(graph_us(lambda: layer(on=bf16)), 2)
+        row["max_abs_diff_vs_bf16"] = (layer().float() - layer(on=bf16).float()).abs().max().item()
+    return row
 
 
 def main() -> None:
@@ -206,7 +240,11 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help="search each GEMM's settings (module docstring)")
     ap.add_argument("--write", type=Path, help="with --tune: merge the winners into this tuned-settings file")
     ap.add_argument("--budget-s", type=float, default=420.0, help="with --tune: stop tuning after this long")
+    ap.add_argument("--fp8", choices=("block", "channel"),
+                    help="time float8 experts with 128x128 block or per-row scales (module docstring)")
     args = ap.parse_args()
+    if args.fp8 and args.tune:
+        raise SystemExit("--fp8 times float8 experts; --tune tunes bf16 ones: run them apart")
     device, dtype = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=device).manual_seed(0)
     w13 = (torch.randn(args.experts, 2 * args.inter, args.hidden, device=device, generator=gen) * 0.02).to(dtype)
@@ -229,7 +267,13 @@ def main() -> None:
             write_tuned(args.write, report["device"], key, tuned)
             moe_triton.tuned_table.cache_clear()
             os.environ[moe_triton.TUNED_ENV] = str(args.write)
-    report["layers"] = [time_tokens(t, args, w13, w2, gen) for t in tokens]
+    fp8 = None
+    if args.fp8:
+        (q13, s13), (q2, s2) = quantize_experts(w13, args.fp8, 2), quantize_experts(w2, args.fp8, 1)
+        fp8 = {"w13": q13, "w2": q2, "w13_scale": s13, "w2_scale": s2,
+               "scale_block": 128 if args.fp8 == "block" else None}
+        report["fp8"] = args.fp8
+    report["layers"] = [time_tokens(t, args, w13, w2, gen, fp8) for t in tokens]
     print(json.dumps(report, indent=2))
 
 

@@ -6,7 +6,8 @@
 - decode_b{1,32}: ms per engine step, ms per bare graph replay, tokens/s, at context ~512; for an
   FP8 checkpoint also its ``Fp8Linear`` count and which kernels multiply them at that batch
   (``--ab-only FP8_SKINNY_ENABLED``: the split-K kernels reading float8 against cuBLAS's scaled
-  FP8 matmul);
+  FP8 matmul); for an FP8 mixture-of-experts checkpoint the sparse blocks whose experts stay float8
+  (``--ab-only FP8_EXPERTS_ENABLED``: against the experts dequantized at load);
 - prefill: 8 prompts of 2048 tokens (``--prefill-shape LEN,NUM[,BUDGET]``), achieved TFLOP/s (2 * params * tokens + attention; a
   mixture-of-experts model's params counted as a token uses them: top_k of its experts) and its share
   of the matmul rate (median of three runs);
@@ -149,6 +150,9 @@ def decode(model: str, batch: int, ctx: int, steps: int, memory_steps: int = 0,
         block = any(isinstance(m, Fp8Linear) and m.block_scaled for m in runner.model.modules())
         max_rows = pprun.layers.skinny.FP8_BLOCK_DISPATCH_MAX_M if block else pprun.layers.skinny.DISPATCH_MAX_M
         out["fp8_matmul"] = "split-K float8 (W8A16)" if skinny_rows and batch <= max_rows else "cuBLAS scaled_mm"
+    fp8_experts = sum(getattr(m, "w13_scale", None) is not None for m in runner.model.modules())
+    if fp8_experts:
+        out["fp8_expert_blocks"] = fp8_experts  # sparse blocks whose grouped kernels read float8 (W8A16)
     graphs = runner.graphs
     if graphs.full:
         size = min(s for s in graphs.full if s >= batch)
@@ -262,6 +266,7 @@ def switches() -> list[tuple]:
     import pprun.layers
     import pprun.layers.fused
     import pprun.layers.head_norm
+    import pprun.layers.moe
     import pprun.layers.moe_triton
     import pprun.layers.skinny
     import pprun.worker.kv_cache
@@ -299,6 +304,8 @@ def switches() -> list[tuple]:
             (pprun.layers.moe_triton, "PARTIALS_MAX_TOKENS", 1024, False),  # prefill only
             (pprun.layers.moe_triton, "PARTIALS_IN_DTYPE", False, True),
             (pprun.layers.moe_triton, "ALIGN_CHUNKED_ENABLED", False, False),  # prefill only
+            # FP8 mixture-of-experts checkpoints only: the experts dequantized at load (bf16 experts).
+            (pprun.layers.moe, "FP8_EXPERTS_ENABLED", False, True),
             # Qwen3 models: the q/k head norms one program per head at every size.
             (pprun.layers.head_norm, "WHOLE_TOKEN_MIN_TOKENS", None, False),
             (pprun.layers.fused, "NORM_PARTS_NUM_WARPS", 4, False),
@@ -382,7 +389,8 @@ def main() -> None:
                          "chunks at every size (ALIGN_KERNEL_MAX_ENTRIES=0), the sort at batch 1 too (DIRECT_MAX_ENTRIES=0), "
                          "the experts' rows summed past 1,024 tokens, not left to the norm (PARTIALS_MAX_TOKENS), "
                          "the partials left to the norm in fp32 (PARTIALS_IN_DTYPE=False), long steps sorted by "
-                         "torch ops (ALIGN_CHUNKED_ENABLED=False); Qwen3: q/k head norms one program per head at every "
+                         "torch ops (ALIGN_CHUNKED_ENABLED=False), an FP8 checkpoint's experts dequantized at load "
+                         "instead of kept float8 (FP8_EXPERTS_ENABLED); Qwen3: q/k head norms one program per head at every "
                          "size (head_norm.WHOLE_TOKEN_MIN_TOKENS=None); prefill attention with 64-row query blocks "
                          "(PREFILL_BLOCK_M=64), every tile masked (PREFILL_SPLIT_DIAGONAL=False), 3 stages "
                          "(PREFILL_NUM_STAGES=3)")
@@ -430,10 +438,11 @@ def main() -> None:
         chosen = parse_settings(args.ab_only) if args.ab_only else [[sw] for sw in switches()]
         if not args.ab_only and not is_moe(args.model):
             # The expert kernels' switches change nothing in a dense model: not run.
-            chosen = [g for g in chosen if g[0][0].__name__ != "pprun.layers.moe_triton"]
+            chosen = [g for g in chosen if g[0][0].__name__ not in ("pprun.layers.moe_triton", "pprun.layers.moe")]
         if not args.ab_only and "quantization_config" not in model_config(args.model):
-            # Only FP8 checkpoints hold Fp8Linear layers.
-            chosen = [g for g in chosen if g[0][1] not in ("FP8_SKINNY_ENABLED", "FP8_BLOCK_DISPATCH_MAX_M")]
+            # Only FP8 checkpoints hold Fp8Linear layers and float8 experts.
+            chosen = [g for g in chosen
+                      if g[0][1] not in ("FP8_SKINNY_ENABLED", "FP8_BLOCK_DISPATCH_MAX_M", "FP8_EXPERTS_ENABLED")]
         if not args.ab_only and not model_config(args.model).get("model_type", "").startswith("qwen3"):
             # Only Qwen3's attention has q/k head norms.
             chosen = [g for g in chosen if g[0][0].__name__ != "pprun.layers.head_norm"]
