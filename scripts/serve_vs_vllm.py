@@ -29,7 +29,8 @@ bounds; ``rinf`` sends ``2 x --max-num-seqs`` prompts at once.  Every run is ``-
 --endpoint /v1/completions --dataset-name random --random-input-len 512 --random-output-len 128
 --ignore-eos --percentile-metrics ttft,tpot,itl --metric-percentiles 50,99 --save-result``; the
 tokenizer is the checkpoint's (``scripts/make_random_model.py`` writes a word tokenizer whose ids
-round-trip through text, so a prompt is 511 words plus ``<s>``: 512 tokens on both servers).
+round-trip through text, so a prompt is 511 words plus ``<s>``: 512 tokens on both servers, as
+each server's ``usage.prompt_tokens`` tells and the summary checks).
 
 vLLM's client runs in ``--vllm-python`` (its environment, ``PYTHONPATH`` of this process left
 out: a wrapper script that sets its own is the usual ``--vllm-python``).  By default one client
@@ -49,7 +50,8 @@ runs' median with min-max of output tok/s, TTFT p50/p99, TPOT p50/p99 and ITL p9
 ratios of the steady medians; pprun's cold over its steady output rate; and the ``targets``
 (steady output tok/s pprun/vLLM >= 1.2 and TTFT p99 pprun <= vLLM's, on the rows whose output rate
 the arrivals do not fix, ``cN`` and ``rinf``; pprun cold >= 0.85 x its steady).  A run that
-failed requests, fell short of its prompts or of 128 tokens each is listed under ``problems``.
+failed requests, fell short of its prompts or of 128 tokens each, or whose prompts the server
+counted at another length than 512, is listed under ``problems``.
 
 ``--create-missing`` writes a checkpoint that is not there with ``scripts/make_random_model.py
 --device cuda`` (``llama1b``, ``qwen3-8b``, ``qwen3-30b-a3b-24l``, ``qwen3-30b-a3b``: the
@@ -584,8 +586,10 @@ def read_result(data: dict) -> dict:
     return out
 
 
-def run_problems(where: str, result: dict, output_len: int | None) -> list[str]:
-    """What makes a run's figures doubtful: failures, fewer answers than prompts, short outputs."""
+def run_problems(where: str, result: dict, output_len: int | None, input_len: int | None = None) -> list[str]:
+    """What makes a run's figures doubtful: failures, fewer answers than prompts, short outputs,
+    prompts of another length than ``input_len`` by the server's own count (vLLM 0.26's client
+    takes each answer's ``usage.prompt_tokens``)."""
     problems = []
     if result.get("failed"):
         problems.append(f"{where}: {result['failed']} failed requests")
@@ -595,6 +599,9 @@ def run_problems(where: str, result: dict, output_len: int | None) -> list[str]:
             and result["total_output_tokens"] != result["completed"] * output_len:
         problems.append(f"{where}: {result['total_output_tokens']} output tokens, not "
                         f"{result['completed']} x {output_len}")
+    mean_input = result.get("mean_input_tokens")
+    if input_len and mean_input is not None and abs(mean_input - input_len) > 0.5:
+        problems.append(f"{where}: prompts of {mean_input:.1f} tokens on average, not {input_len}")
     missing = [k for k in METRICS if result.get(k) is None]
     if missing:
         problems.append(f"{where}: no {', '.join(missing)} in the result")
@@ -623,7 +630,7 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def summarize(found: dict, output_len: int | None = 128) -> dict:
+def summarize(found: dict, output_len: int | None = 128, input_len: int | None = 512) -> dict:
     """Per model and row: each server's cold run and steady median/min/max, the pprun/vLLM ratios,
     cold over steady, the targets and the problems (module docstring)."""
     summary: dict = {"models": {}, "targets": [], "problems": []}
@@ -637,7 +644,7 @@ def summarize(found: dict, output_len: int | None = 128) -> dict:
                                     for r in job.get("runs", []) if r.get("event") == "skipped"]
             for run_name, result in entry["runs"].items():
                 row_name, kind = run_name.rsplit("-", 1)
-                summary["problems"] += run_problems(f"{model}/{server}/{run_name}", result, output_len)
+                summary["problems"] += run_problems(f"{model}/{server}/{run_name}", result, output_len, input_len)
                 slot = rows.setdefault(row_name, {"workload": None}).setdefault(server, {"cold": None, "steady": []})
                 rows[row_name]["workload"] = rows[row_name]["workload"] or {
                     k: result[k] for k in ("num_prompts", "max_concurrency", "request_rate")}
@@ -768,9 +775,10 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def report(folders: list[Path], write_to: Path | None, output_len: int | None = 128) -> dict:
+def report(folders: list[Path], write_to: Path | None, output_len: int | None = 128,
+           input_len: int | None = 512) -> dict:
     """Summarize what ``folders`` hold; print the JSON, and write it with the table to ``write_to``."""
-    summary = summarize(collect(folders), output_len)
+    summary = summarize(collect(folders), output_len, input_len)
     table = markdown(summary)
     if write_to is not None:
         write_to.mkdir(parents=True, exist_ok=True)
@@ -834,16 +842,16 @@ def preflight_driver(request_json: str) -> int:
         result["vllm_version"] = getattr(vllm, "__version__", None)
     except Exception as e:  # noqa: BLE001 - reported, not fatal
         result["problems"].append(f"import vllm: {type(e).__name__}: {e}")
-    gone = missing(request["bench_flags"], help_text(["bench", "serve", "--help"]))
+    # vLLM's own parser (FlexibleArgumentParser, 0.26) lists a command's flags under --help=all; its
+    # plain --help shows only their groups.
+    gone = missing(request["bench_flags"], help_text(["bench", "serve", "--help=all"]))
     if gone:
-        result["problems"].append(f"vllm bench serve --help lists none of {gone}")
+        result["problems"].append(f"vllm bench serve --help=all lists none of {gone}")
     if request["serve_flags"]:
-        # Recent vLLMs list their engine flags under --help=all, older ones under --help; a flag
-        # found in neither is a warning only, since the help may group it away.
-        text = help_text(["serve", "--help=all"]) + help_text(["serve", "--help"])
-        gone = missing(request["serve_flags"], text)
+        # A serve flag not listed is a warning only: the run itself tells.
+        gone = missing(request["serve_flags"], help_text(["serve", "--help=all"]))
         if gone:
-            result["warnings"] = [f"vllm serve --help and --help=all list none of {gone}"]
+            result["warnings"] = [f"vllm serve --help=all lists none of {gone}"]
     result["tokenizers"] = {}
     for folder in request["tokenizers"]:
         try:
@@ -890,7 +898,7 @@ def main(argv: list[str] | None = None) -> int:
         return preflight_driver(argv[1])
     args = parse_args(argv)
     if args.report:
-        report(args.report, None, args.output_len)
+        report(args.report, None, args.output_len, args.input_len)
         return 0
     jobs = make_jobs(args)
     if args.dry_run:
@@ -922,7 +930,7 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(folder)
     finally:  # what ran is summarized, interrupted or not
         if args.out.is_dir():
-            report([args.out], args.out, args.output_len)
+            report([args.out], args.out, args.output_len, args.input_len)
     return 0
 
 

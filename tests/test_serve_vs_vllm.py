@@ -1,9 +1,10 @@
 """``scripts/serve_vs_vllm.py`` without vLLM or a GPU: its arguments and plan, the commands it
 would run (pprun's overrides composed against pprun's own schema; vLLM's flags against those of
 vLLM 0.26's ``vllm bench serve`` and ``vllm serve`` it relies on), the reading of vLLM's saved
-result (``tests/data/vllm/bench_serve_result.json``: the keys ``vllm/benchmarks/serve.py`` of
-0.26 writes with ``--save-result`` and ``--percentile-metrics ttft,tpot,itl --metric-percentiles
-50,99``, without ``--save-detailed``), the summary and table, and the whole loop of a server job
+result (``tests/data/vllm/bench_serve_result.json``: the keys, in their order, of a file vLLM
+0.26's ``vllm bench serve`` saved with this script's arguments, ``--save-result`` without
+``--save-detailed``; its values those of a 4-way run of 8 prompts of 512 tokens and 128 out), the
+summary and table, and the whole loop of a server job
 against a stand-in server (``http.server`` answering ``/v1/models``) and a stand-in ``vllm``
 package whose CLI entry point writes result files."""
 
@@ -213,9 +214,11 @@ def test_reads_vllm_result():
     assert (got["ttft_p50_ms"], got["ttft_p99_ms"]) == (data["p50_ttft_ms"], data["p99_ttft_ms"])
     assert (got["tpot_p50_ms"], got["tpot_p99_ms"], got["itl_p99_ms"]) == (
         data["p50_tpot_ms"], data["p99_tpot_ms"], data["p99_itl_ms"])
-    assert got["mean_input_tokens"] == data["total_input_tokens"] / data["completed"]
+    assert got["mean_input_tokens"] == data["total_input_tokens"] / data["completed"] == 512
     assert (got["num_prompts"], got["max_concurrency"], got["request_rate"]) == (data["num_prompts"], 4, "inf")
-    assert svv.run_problems("x", got, 128) == []
+    assert svv.run_problems("x", got, 128, 512) == []
+    short = svv.read_result({**data, "total_input_tokens": data["total_input_tokens"] - 8 * 3})
+    assert svv.run_problems("x", short, 128, 512) == ["x: prompts of 509.0 tokens on average, not 512"]
     without_p50 = {k: v for k, v in data.items() if not k.startswith("p50_")}
     assert svv.read_result(without_p50)["ttft_p50_ms"] == data["median_ttft_ms"]
 
@@ -306,12 +309,12 @@ FAKE_CLI = '''
 import argparse, json, os, sys
 
 def main():
-    if sys.argv[1] == "serve" and "--help" not in sys.argv[2] and os.environ.get("FAKE_SERVE_PID"):
+    if sys.argv[1] == "serve" and not sys.argv[2].startswith("--help") and os.environ.get("FAKE_SERVE_PID"):
         with open(os.environ["FAKE_SERVE_PID"], "w") as f:
             f.write(str(os.getpid()))
         import time
         time.sleep(600)
-    if any(a.startswith("--help") for a in sys.argv):
+    if "--help=all" in sys.argv:  # vLLM 0.26 lists a command's flags under --help=all only
         shown = FLAGS if sys.argv[1] == "bench" else SERVE_FLAGS
         print("usage: ...")
         for f in shown:
@@ -329,6 +332,7 @@ def main():
     data = json.load(open(os.environ["FAKE_RESULT"]))
     n = int(a.num_prompts)
     data.update(num_prompts=n, completed=n, total_output_tokens=n * int(a.random_output_len),
+                total_input_tokens=n * int(a.random_input_len),
                 max_concurrency=None if a.max_concurrency is None else int(a.max_concurrency),
                 request_rate=a.request_rate or "inf", label=a.label)
     with open(os.path.join(a.result_dir, a.result_filename), "w") as f:
@@ -426,6 +430,7 @@ def test_server_job_runs_the_plan_and_stops_the_server(tmp_path, stand_ins, monk
             if line.startswith("fake bench")}
     assert len(pids) == (1 if client == "in-process" else 5)
     summary = svv.summarize(svv.collect([args.out]))
+    assert summary["problems"] == []
     rows = summary["models"]["m"]["rows"]
     assert set(rows) == {"c2", "c64", "r4"}
     assert rows["c2"]["vllm"]["steady"]["output_tok_s"]["n"] == 2 and rows["c64"]["vllm"]["cold"] is not None
@@ -504,7 +509,7 @@ def test_preflight_checks_flags_and_tokenizers(tmp_path, stand_ins, monkeypatch,
     monkeypatch.setenv("FAKE_DROP_FLAG", "--metric-percentiles")
     assert svv.main(argv) == 1
     assert json.loads(capsys.readouterr().out)["problems"] == [
-        "vllm bench serve --help lists none of ['--metric-percentiles']"]
+        "vllm bench serve --help=all lists none of ['--metric-percentiles']"]
     monkeypatch.setenv("FAKE_DROP_FLAG", "--max-num-seqs")
     assert svv.main(argv) == 0
     assert "--max-num-seqs" in json.loads(capsys.readouterr().out)["warnings"][0]
