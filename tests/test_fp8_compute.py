@@ -163,56 +163,55 @@ def test_fp8_experts_match_the_experts_dequantized_at_load(switch, tmp_path, lay
     assert (got.argmax(-1) == want.argmax(-1)).sum() >= len(prompts) - 1
 
 
-@pytest.mark.gpu
-@gpu_fp8
-@pytest.mark.parametrize("layout", ["block", "channel"])
-def test_fp8_moe_model_decodes_in_cuda_graphs_as_eagerly(tmp_path, layout):
-    """The engine on one GPU, V2 with full CUDA graphs, an FP8 Qwen3-MoE: its experts are float8,
-    and greedy decoding through the graphs gives the eager steps' tokens."""
+def _graph_and_eager_tokens(fp8_dir, check_model) -> dict[str, list]:
+    """Greedy tokens of three prompts on one GPU, V2, with the default CUDA graphs (full decode
+    graphs, piecewise prefill graphs) and eagerly; ``check_model(model)`` runs on each engine's model."""
     from pprun import LLM, SamplingParams
-    from pprun.models.moe import SparseMoeBlock
 
-    fp8_dir, _ = _fp8_pair(tmp_path, "qwen3_moe", layout)
     prompts = [[5, 9, 3, 200, 17], [1, 2, 3], [400, 401, 402, 403]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = {}
-    for mode in ("full", "none"):
+    for mode in ("full_and_piecewise", "none"):
         with LLM(str(fp8_dir), dtype="bfloat16", device="cuda", runner="v2", cudagraph_mode=mode, executor="uni",
                  max_model_len=64, max_num_seqs=4) as llm:
             outs[mode] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
                                                                        params)]
-            model = llm.engine.executor.worker.runner.model
-            blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-            assert len(blocks) == 2 and all(b.w13.dtype == torch.float8_e4m3fn for b in blocks)
-    assert outs["full"] == outs["none"]
-    assert math.prod(len(t) for t in outs["full"]) > 0
+            check_model(llm.engine.executor.worker.runner.model)
+    assert math.prod(len(t) for t in outs["none"]) > 0
+    return outs
+
+
+@pytest.mark.gpu
+@gpu_fp8
+@pytest.mark.parametrize("layout", ["block", "channel"])
+def test_fp8_moe_model_decodes_in_cuda_graphs_as_eagerly(tmp_path, layout):
+    """An FP8 Qwen3-MoE: its experts are float8, and greedy decoding through the graphs gives the
+    eager steps' tokens."""
+    from pprun.models.moe import SparseMoeBlock
+
+    def check(model):
+        blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+        assert len(blocks) == 2 and all(b.w13.dtype == torch.float8_e4m3fn for b in blocks)
+
+    outs = _graph_and_eager_tokens(_fp8_pair(tmp_path, "qwen3_moe", layout)[0], check)
+    assert outs["full_and_piecewise"] == outs["none"]
 
 
 @pytest.mark.gpu
 @gpu_fp8
 @pytest.mark.parametrize("layout", ["block", "channel"])
 def test_fp8_model_holds_fp8_weights_and_runs_in_cuda_graphs(tmp_path, layout):
-    """The engine on one GPU, V2 with full CUDA graphs: the attention and MLP linears are
-    ``Fp8Linear`` holding float8 (half the weight bytes), and greedy decoding through the graphs
-    gives the eager steps' tokens."""
-    from pprun import LLM, SamplingParams
+    """The attention and MLP linears are ``Fp8Linear`` holding float8 (half the weight bytes), and
+    greedy decoding through the graphs gives the eager steps' tokens."""
     from pprun.layers.fp8_linear import Fp8Linear
 
-    fp8_dir, _ = _fp8_pair(tmp_path, "qwen3", layout)
-    prompts = [[5, 9, 3, 200, 17], [1, 2, 3], [400, 401, 402, 403]]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outs = {}
-    for mode in ("full", "none"):
-        with LLM(str(fp8_dir), dtype="bfloat16", device="cuda", runner="v2", cudagraph_mode=mode, executor="uni",
-                 max_model_len=64, max_num_seqs=4) as llm:
-            outs[mode] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                                       params)]
-            model = llm.engine.executor.worker.runner.model
-            fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-            assert len(fp8) == 4 * 2  # qkv, o, gate_up, down per layer
-            assert all(m.weight.dtype == torch.float8_e4m3fn for m in fp8)
-    assert outs["full"] == outs["none"]
-    assert math.prod(len(t) for t in outs["full"]) > 0
+    def check(model):
+        fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+        assert len(fp8) == 4 * 2  # qkv, o, gate_up, down per layer
+        assert all(m.weight.dtype == torch.float8_e4m3fn for m in fp8)
+
+    outs = _graph_and_eager_tokens(_fp8_pair(tmp_path, "qwen3", layout)[0], check)
+    assert outs["full_and_piecewise"] == outs["none"]
 
 
 def test_layers_too_narrow_for_block_scaled_fp8_stay_dequantized(switch):
