@@ -29,6 +29,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_xdist_auto_num_workers(config):
+    """How many pytest-xdist workers ``-n auto`` (pyproject's ``addopts``) starts: two on a
+    machine without CUDA and with two cores or more, else none (a serial run).
+
+    Two: much of a test's time is spent waiting (processes starting, Ray, torch imports, gloo
+    rendezvous), where the other worker's test takes the idle core; a third worker finds no idle
+    core left on two.  Each worker has its own session fixtures (its own Ray cluster, stage
+    template, tmp dirs) and runs whole test files (``--dist loadfile``).  With CUDA, none: the GPU
+    tests size their KV caches from the device's free memory, which a second worker's engine on
+    the same device would take."""
+    if torch.cuda.is_available():
+        return 0
+    return 2 if (os.cpu_count() or 1) >= 2 else 0
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A 4-layer random Llama (untied, fp32) without a tokenizer."""

@@ -10,8 +10,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from pprun.apps.bench import (
@@ -43,6 +45,27 @@ def run_pprun(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.Comp
         text=True,
         timeout=timeout,
     )
+
+
+def ray_dirs_left(before: set[str], within_s: float = 15.0) -> list[str]:
+    """Ray temp dirs (``/tmp/ray*``) made since ``before`` that no live process uses, after at
+    most ``within_s``.
+
+    A test on the other pytest-xdist worker may start a Ray cluster meanwhile: its dir holds the
+    session of its live starter (Ray names a session ``session_<date>_<pid>``, the pid of the
+    process that started the node).  A dir that outlived the run that made it holds the session
+    of a finished process, or none (the wait covers a cluster between its dir and its session)."""
+
+    def in_use(d: str) -> bool:
+        pids = [s.rsplit("_", 1)[1] for s in glob.glob(os.path.join(d, "session_2*"))]
+        return any(p.isdigit() and psutil.pid_exists(int(p)) for p in pids)
+
+    deadline = time.monotonic() + within_s
+    while True:
+        left = sorted(d for d in set(glob.glob("/tmp/ray*")) - before if not in_use(d))
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
 
 
 def tiny_args(model_dir: Path) -> list[str]:
@@ -194,7 +217,7 @@ def test_generate_demo_model_builtin_chats(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     # The local Ray cluster it started (stages on Ray actors) is gone with its private temp dir.
-    assert set(glob.glob("/tmp/ray*")) <= ray_dirs, set(glob.glob("/tmp/ray*")) - ray_dirs
+    assert ray_dirs_left(ray_dirs) == []
     records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert len(records) == 3
     for r in records:
