@@ -52,22 +52,10 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, ids
 
 
-def expert_scale_shapes(num_experts: int, inter: int, hidden: int,
-                        scale_block: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The shapes of float8 experts' scales, ``(w13_scale, w2_scale)``: one per weight row,
-    ``[E, 2 * inter, 1]`` and ``[E, hidden, 1]``, or one per ``scale_block`` x ``scale_block``
-    block, the gate's blocks then the up's (each its own: a partial last block stays apart),
-    ``[E, 2 * ceil(inter / b), ceil(hidden / b)]`` and ``[E, ceil(hidden / b), ceil(inter / b)]``."""
-    if scale_block is None:
-        return (num_experts, 2 * inter, 1), (num_experts, hidden, 1)
-    inter_blocks, hidden_blocks = -(-inter // scale_block), -(-hidden // scale_block)
-    return (num_experts, 2 * inter_blocks, hidden_blocks), (num_experts, hidden_blocks, inter_blocks)
-
-
 def dequantize_experts(w: torch.Tensor, scale: torch.Tensor | None, scale_block: int | None, dtype: torch.dtype,
                        parts: int = 1) -> torch.Tensor:
     """Float8 experts ``w [E, rows, cols]`` times their float32 ``scale`` (``[E, rows, 1]`` per
-    row, or per ``scale_block`` x ``scale_block`` block: :func:`expert_scale_shapes`),
+    row, or per ``scale_block`` x ``scale_block`` block: :func:`pprun.layers.moe_shapes.expert_scale_shapes`),
     in float32, then ``dtype``: what the loader makes of them when it dequantizes.  ``parts``: the
     rows stack that many tensors of equal height, each with its own block rows (``w13``: gate
     and up, 2).  ``scale`` None: ``w`` as it is."""

@@ -66,7 +66,7 @@ import triton.language as tl
 from pprun.kernels.partials import SplitPartials, check_defer_merge
 from pprun.kernels.triton_utils import INTERPRETED, NO_FMA
 from pprun.layers.fused import silu_mul
-from pprun.layers.moe import expert_scale_shapes
+from pprun.layers.moe_shapes import expert_scale_shapes
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ An FP8 checkpoint's experts stay float8 e4m3 where the run keeps FP8 weights
 (``pprun.models.quantization.LinearFactory.fp8_experts``): ``w13`` and ``w2`` then hold the
 float8 weights as stored and ``w13_scale`` / ``w2_scale`` their float32 scales, per weight row
 (``[E, 2 * inter, 1]``, ``[E, hidden, 1]``; a per-tensor scale repeated over its rows) or per
-128x128 block (the gate's blocks, then the up's: ``pprun.layers.moe.expert_scale_shapes``); the
+128x128 block (the gate's blocks, then the up's: ``pprun.layers.moe_shapes.expert_scale_shapes``); the
 grouped kernels read them as they are (half the bytes of bf16 experts).  Elsewhere the loader
 dequantizes them into bf16/fp16 ``w13`` / ``w2``.
 
@@ -28,7 +28,8 @@ from torch import nn
 from pprun.distributed.tensor_parallel import TensorParallel
 from pprun.kernels.partials import SplitPartials
 from pprun.layers import linear
-from pprun.layers.moe import expert_scale_shapes, moe_experts, route
+from pprun.layers.moe import moe_experts, route
+from pprun.layers.moe_shapes import expert_scale_shapes
 from pprun.layers.parallel_linear import Shard, split
 from pprun.models.hf_config import MoeArch
 from pprun.models.quantization_config import WeightScheme
