@@ -58,9 +58,14 @@ def reference_tokens(tiny_llama: Path) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def cluster():
     """Two Ray nodes on loopback: the head (1 CPU, dashboard + job server) and a node with
-    ``{NODE2_RESOURCE: 1}``; yields (cluster, node id of the second node)."""
+    ``{NODE2_RESOURCE: 1}``; yields (cluster, node id of the second node).
+
+    The second node starts once the head is up: a node that Ray's start-up does not see
+    registered with the GCS within its fixed 30 s fails, and the two nodes starting together, on
+    two cores that the other pytest-xdist worker uses too, once took longer than that."""
     c = LocalRayCluster(head_cpus=1)
     try:
+        c.wait_ready(1)
         c.add_node(1, {NODE2_RESOURCE: 1}, node_ip=NODE2_IP)
         nodes = c.wait_ready(2)
         node2 = [n["node_id"] for n in nodes if NODE2_RESOURCE in (n.get("resources_total") or {})]
