@@ -211,11 +211,6 @@ class CudaGraphManager:
                     layer.backend = PiecewiseBackend(layer.backend, self)
 
     @property
-    def sizes(self) -> list[int]:
-        """Every captured size, full and piecewise (what the stages of a pipeline agree on)."""
-        return sorted(set(self.full_sizes) | set(self.piecewise_sizes))
-
-    @property
     def has_full(self) -> bool:
         """Whether decode steps replay full graphs."""
         return bool(self.full_sizes)

@@ -165,9 +165,9 @@ class V2ModelRunner(ModelRunner):
         self.max_model_len = resolved.max_model_len
         self.max_num_blocks_per_req = math.ceil(self.max_model_len / self.block_size)
         capture_sizes = [s for s in resolved.cudagraph_capture_sizes if s <= self.max_num_reqs]
-        piecewise_sizes = list(resolved.piecewise_capture_sizes)
-        # A full decode graph of N requests holds N tokens, which may exceed the token budget.
-        self.max_num_tokens = max([resolved.max_num_batched_tokens, *capture_sizes, *piecewise_sizes])
+        # A full decode graph of N requests holds N tokens, which may exceed the token budget
+        # (piecewise sizes never do: validation keeps those within it).
+        self.max_num_tokens = max([resolved.max_num_batched_tokens, *capture_sizes])
 
         self.table = RequestTable(
             self.max_num_reqs,
@@ -230,7 +230,7 @@ class V2ModelRunner(ModelRunner):
             self.model_state.attention_layers(),
             self.model_state.full_graph_unsupported_reason(),
             first_use,
-            piecewise_sizes,
+            resolved.piecewise_capture_sizes,
         )
         self.capture_model()
 
