@@ -29,6 +29,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
     """How many pytest-xdist workers ``-n auto`` (pyproject's ``addopts``) starts: two on a
     machine without CUDA and with two cores or more, else none (a serial run).
