@@ -102,6 +102,28 @@ def test_the_window_is_bounded_and_follows_the_latest_steps():
     assert run(dog, clock, decode_step(16, 1), 0.1) is None
 
 
+def test_a_step_submitted_behind_another_is_timed_from_the_output_ahead_of_it():
+    """Async scheduling submits a decode step while a prefill runs: the decode step's time starts
+    when the prefill's output came back, so it is not charged the prefill."""
+    clock = FakeClock()
+    dog = StepWatchdog(clock=clock, min_samples=4, warn_interval_s=0.0)
+    for i in range(8):
+        run(dog, clock, decode_step(i, 1), 0.001)
+    prefill, decode = prefill_step(8, [new_req("p", 512)]), decode_step(9, 1)
+    dog.submitted(prefill)
+    dog.submitted(decode)  # in flight behind the prefill
+    clock.now += 0.020
+    assert dog.answered(prefill) is None
+    clock.now += 0.0012
+    assert dog.answered(decode) is None  # 1.2 ms of its own, not 21.2 ms
+    assert dog.times[StepClass("decode", 1, 1)][-1] == pytest.approx(0.0012)
+    # A step submitted after the last output (the pipeline ran dry) starts at its submission.
+    clock.now += 5.0
+    slow = run(dog, clock, decode_step(10, 1), 0.004)
+    assert slow is not None and slow.duration_s == pytest.approx(0.004)
+    assert dog.num_slow == 1
+
+
 def test_warnings_are_rate_limited_and_count_what_they_left_out(caplog):
     clock = FakeClock()
     dog = StepWatchdog(clock=clock, min_samples=4, warn_interval_s=10.0)
