@@ -21,6 +21,7 @@ import tempfile
 from typing import IO
 
 import pytest
+from child_process import close_child
 
 _SCRIPT = r"""
 import importlib, json, os, sys, traceback
@@ -102,12 +103,7 @@ class _Compiler:
 
     def close(self) -> None:
         if self.proc is not None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            close_child(self.proc, timeout_s=30)
             self.proc.stdout.close()
             self.log.close()
         self.proc = self.env = self.log = None

@@ -22,6 +22,8 @@ import threading
 import time
 import types
 
+from child_process import close_child
+
 TEMPLATE = r"""
 import json, os, select, signal, sys, traceback
 
@@ -144,12 +146,7 @@ class Zygote:
 
     def close(self) -> None:
         """Stop the template process (its forked stages are the executor's to stop)."""
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        close_child(self.proc, timeout_s=10)
 
 
 class ForkedStage:

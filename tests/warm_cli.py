@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from child_process import close_child
+
 TEMPLATE = r"""
 import atexit, gc, json, os, sys, threading, traceback
 
@@ -145,10 +147,5 @@ class WarmCli:
     def close(self) -> None:
         """End the template (its stdin closed, then killed if it lingers)."""
         if self.proc is not None and self.proc.stdin is not None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            close_child(self.proc, timeout_s=30)
         self._scratch.cleanup()
