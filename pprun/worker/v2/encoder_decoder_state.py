@@ -130,5 +130,5 @@ class EncoderDecoderModelState(ModelState):
         A full graph replays decode steps only (one token per request row), so its capture gets
         ``one_query_per_row``; a piecewise graph's segments replay for any batch, so theirs not."""
         self._write([], max(num_reqs_padded, min(num_tokens_padded, self.max_num_reqs)))
-        full = self.graph_mode == "full" and num_tokens_padded == num_reqs_padded
+        full = self.capture_kind == "full" and num_tokens_padded == num_reqs_padded
         return None, {"cross_metadata": self._metadata(num_reqs_padded, full)}

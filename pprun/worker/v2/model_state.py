@@ -57,9 +57,10 @@ class ModelState:
         self.dtype = dtype
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = max_num_tokens
-        self.graph_mode = "none"
-        """The runner's CUDA-graph mode (``none``, ``piecewise``, ``full``), set before capture:
-        :meth:`capture_inputs` may depend on what the captured graphs replay."""
+        self.capture_kind = "none"
+        """The kind of CUDA graph the runner is about to capture (``full`` or ``piecewise``;
+        ``none`` before the first), set before each capture: :meth:`capture_inputs` may depend
+        on what that graph replays."""
 
     masks_suppressed_in_graph: bool = False
     """Whether the last stage's full decode graphs put each row's ``suppress_token_ids`` at -inf

@@ -277,7 +277,7 @@ class V2ModelRunner(ModelRunner):
         num_reqs_padded = min(num_reqs_padded, self.max_num_reqs)
         # What the model-state plug-in prepares its capture inputs for (Whisper's cross-attention
         # reads one query per row in a full decode graph only).
-        self.model_state.graph_mode = self.graphs.capturing or "none"
+        self.model_state.capture_kind = self.graphs.capturing or "none"
         self.bufs.wait_for_previous_reads()
         self.bufs.make_inert(0, 0, num_reqs_padded, num_tokens_padded)
         self.bufs.to_device(num_reqs_padded, num_tokens_padded, 0)
