@@ -46,7 +46,9 @@ exit and wall time), ``server.json`` (command, seconds to ready, problems, and w
 as a first use after ready: what made its cold run slower, if anything did); ``summary.json`` and
 ``summary.md`` over everything in ``--out``, written also when a SIGTERM ends the script (which
 stops the server first).  Per row and server: the cold run, and the steady
-runs' median with min-max of output tok/s, TTFT p50/p99, TPOT p50/p99 and ITL p99; pprun/vLLM
+runs' median with min-max of output tok/s, TTFT p50/p99, TPOT p50/p99, ITL p99 and the
+streamed events per answer (:func:`events_per_answer`; fewer than the tokens where a server
+merges what a client has not yet been sent, which lengthens its ITL, not its TPOT); pprun/vLLM
 ratios of the steady medians; pprun's cold over its steady output rate; and the ``targets``
 (steady output tok/s pprun/vLLM >= 1.2 and TTFT p99 pprun <= vLLM's, on the rows whose output rate
 the arrivals do not fix, ``cN`` and ``rinf``; pprun cold >= 0.85 x its steady).  A run that
@@ -102,6 +104,10 @@ METRICS: dict[str, tuple[str, ...]] = {
     "itl_p99_ms": ("p99_itl_ms",),
 }
 """Reported metric -> the keys of vLLM's saved result that hold it (first present wins)."""
+
+REPORTED = (*METRICS, "events_per_answer")
+"""Every metric of a run: those of :data:`METRICS` and ``events_per_answer``, the mean number of
+streamed events (SSE chunks holding text) per answer, derived in :func:`read_result`."""
 
 DEADLINE_GRACE_S = 45
 """How long past ``--deadline-s`` a run may still go before it is killed (the server then gets
@@ -577,6 +583,7 @@ def read_result(data: dict) -> dict:
     for name, keys in METRICS.items():
         out[name] = next((float(data[k]) for k in keys if data.get(k) is not None), None)
     completed = data.get("completed") or 0
+    out["events_per_answer"] = events_per_answer(data)
     out.update(
         completed=completed, failed=data.get("failed"), num_prompts=data.get("num_prompts"),
         duration_s=data.get("duration"), total_output_tokens=data.get("total_output_tokens"),
@@ -584,6 +591,21 @@ def read_result(data: dict) -> dict:
         else None,
         max_concurrency=data.get("max_concurrency"), request_rate=data.get("request_rate"))
     return out
+
+
+def events_per_answer(data: dict) -> float | None:
+    """The mean number of streamed events per answer, from a result's means: a request's ITLs
+    (one per event after the first) sum to its latency less its TTFT, which is its TPOT x
+    (output tokens - 1); with every answer equally long (``--ignore-eos``) that gives
+    ``1 + mean_tpot x (tokens - 1) / mean_itl``.  A server that sends one event per token
+    gives the token count; one that merges tokens a client has not yet been sent, fewer.
+    None unless the result has both means and equal answers."""
+    completed, tokens = data.get("completed"), data.get("total_output_tokens")
+    tpot, itl = data.get("mean_tpot_ms"), data.get("mean_itl_ms")
+    if not completed or not tokens or tokens % completed or not tpot or not itl:
+        return None
+    per_answer = tokens // completed
+    return 1 + tpot * (per_answer - 1) / itl if per_answer > 1 else 1.0
 
 
 def run_problems(where: str, result: dict, output_len: int | None, input_len: int | None = None) -> list[str]:
@@ -649,7 +671,7 @@ def summarize(found: dict, output_len: int | None = 128, input_len: int | None =
                 rows[row_name]["workload"] = rows[row_name]["workload"] or {
                     k: result[k] for k in ("num_prompts", "max_concurrency", "request_rate")}
                 if kind == "cold":
-                    slot["cold"] = {k: result[k] for k in METRICS}
+                    slot["cold"] = {k: result.get(k) for k in REPORTED}
                 else:
                     slot["steady"].append(result)
         model_out: dict = {"servers": {s: {k: (e["server"] or {}).get(k) for k in
@@ -662,8 +684,8 @@ def summarize(found: dict, output_len: int | None = 128, input_len: int | None =
                 if server not in row:
                     continue
                 slot = row[server]
-                steady = {k: spread([r[k] for r in slot["steady"] if r[k] is not None])
-                          for k in METRICS if any(r[k] is not None for r in slot["steady"])}
+                steady = {k: spread([r[k] for r in slot["steady"] if r.get(k) is not None])
+                          for k in REPORTED if any(r.get(k) is not None for r in slot["steady"])}
                 out[server] = {"cold": slot["cold"], "steady": steady}
                 cold_rate, steady_rate = (slot["cold"] or {}).get("output_tok_s"), steady.get("output_tok_s")
                 if cold_rate and steady_rate:
@@ -671,7 +693,7 @@ def summarize(found: dict, output_len: int | None = 128, input_len: int | None =
             both = all(s in out and out[s]["steady"] for s in SERVERS)
             if both:
                 out["ratio"] = {k: out["pprun"]["steady"][k]["median"] / out["vllm"]["steady"][k]["median"]
-                                for k in METRICS if k in out["pprun"]["steady"] and k in out["vllm"]["steady"]
+                                for k in REPORTED if k in out["pprun"]["steady"] and k in out["vllm"]["steady"]
                                 and out["vllm"]["steady"][k]["median"]}
             model_out["rows"][row_name] = out
             summary["targets"] += row_targets(model, row_name, out)
@@ -743,8 +765,8 @@ def markdown(summary: dict) -> str:
         ready = ", ".join(f"{s} ready in {_num(v.get('ready_s'))} s" for s, v in model_out["servers"].items())
         lines += [f"### {model}", "", ready, "",
                   "| workload | prompts | run | pprun output tok/s | vLLM output tok/s | pprun / vLLM | "
-                  "TTFT p50 ms pprun / vLLM | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | ITL p99 ms |",
-                  "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "TTFT p50 ms pprun / vLLM | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | ITL p99 ms | events per answer |",
+                  "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for kind in ("steady", "cold"):
             for row_name, out in model_out["rows"].items():
                 has = any((out.get(s) or {}).get(kind) for s in SERVERS)
@@ -762,7 +784,8 @@ def markdown(summary: dict) -> str:
                 lines.append(f"| {row_name} | {prompts or '-'} | {label} | {_rate(out, 'pprun', kind)} | "
                              f"{_rate(out, 'vllm', kind)} | {'-' if ratio is None else f'**{ratio:.2f}**'} | "
                              + " | ".join(_pair(out, kind, m) for m in
-                                          ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p99_ms"))
+                                          ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p99_ms",
+                                           "events_per_answer"))
                              + " |")
         lines.append("")
     if summary["targets"]:

@@ -223,6 +223,19 @@ def test_reads_vllm_result():
     assert svv.read_result(without_p50)["ttft_p50_ms"] == data["median_ttft_ms"]
 
 
+def test_events_per_answer_from_the_means():
+    """Two answers of 5 tokens: one sent token by token (4 gaps of 10 ms), one in two events (one
+    gap of 40 ms): TPOT 10 ms for both, mean ITL 40 ms / 5 gaps = 16 ms -> 1 + 10 x 4 / 16 = 3.5,
+    the mean of 5 and 2 events."""
+    data = {"completed": 2, "total_output_tokens": 10, "mean_tpot_ms": 10.0, "mean_itl_ms": 16.0}
+    assert svv.events_per_answer(data) == pytest.approx(3.5)
+    assert svv.events_per_answer({**data, "mean_itl_ms": 10.0}) == pytest.approx(5.0)  # one per token
+    assert svv.events_per_answer({**data, "total_output_tokens": 9}) is None  # answers not all equal
+    assert svv.events_per_answer({**data, "mean_itl_ms": None}) is None
+    got = svv.read_result(json.loads(RESULT.read_text()))
+    assert got["events_per_answer"] is not None and 1 <= got["events_per_answer"] <= 128
+
+
 def test_run_problems_name_the_run():
     data = json.loads(RESULT.read_text())
     bad = svv.read_result({**data, "failed": 2, "completed": data["num_prompts"] - 2, "p99_itl_ms": None})
