@@ -65,6 +65,15 @@ def zygote():
     z.close()
 
 
+def fork_stages(request, monkeypatch) -> None:
+    """For the rest of the test, ``mp`` stages fork from the module's warm template
+    (``tests/stage_zygote.py``) instead of starting as fresh interpreters (about 4.5 s of CPU
+    each): for the cells whose checks are what the stages compute and send.  The fresh start is
+    checked by the other ``mp`` cells here: the two-stage parity cells, the control-socket,
+    step-trace and overlap cells, and every fault cell."""
+    use_zygote(monkeypatch, request.getfixturevalue("zygote"))
+
+
 @pytest.fixture(scope="module")
 def tiny_reference(tiny_llama_dir):
     with LLM(str(tiny_llama_dir), dtype="float32", executor="uni", runner="v1") as llm:
@@ -85,12 +94,12 @@ def tiny_reference(tiny_llama_dir):
 def test_tiny_tokens_identical_across_pp(tiny_llama_dir, tiny_reference, executor, pp, partition, request,
                                         monkeypatch):  # fmt: skip
     """Tokens as in one process for every pp and executor.  The ``mp`` cells of three and four
-    stages fork their stages from the warm template (``tests/stage_zygote.py``): what they check is
-    the pipeline's tokens; the fresh-interpreter start is checked by every other ``mp`` cell here."""
+    stages fork their stages from the warm template (:func:`fork_stages`): what they check is the
+    pipeline's tokens."""
     if executor == "ray":
         request.getfixturevalue("ray_cluster")
     if executor == "mp" and pp > 2:
-        use_zygote(monkeypatch, request.getfixturevalue("zygote"))
+        fork_stages(request, monkeypatch)
     with LLM(str(tiny_llama_dir), dtype="float32", executor=executor, pipeline_parallel_size=pp,
              layer_partition=partition, runner="v1", stage_timeout_s=STAGE_TIMEOUT_S) as llm:
         assert tokens(llm.generate(TOKEN_PROMPTS, GREEDY)) == tiny_reference
@@ -100,9 +109,10 @@ def test_tiny_tokens_identical_across_pp(tiny_llama_dir, tiny_reference, executo
             assert d["layer_partition"] == partition
 
 
-def test_v2_three_batches_in_flight_through_two_stages(tiny_llama_dir, tiny_reference):
+def test_v2_three_batches_in_flight_through_two_stages(tiny_llama_dir, tiny_reference, request, monkeypatch):
     """parallel.microbatches=3 with two stages: three steps in flight, the last stage launching
     a step before the previous one's sampled ids are read; tokens as in one process."""
+    fork_stages(request, monkeypatch)
     with LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2,
              microbatches=3, runner="v2", async_pipeline=False) as llm:
         assert llm.engine.executor.max_in_flight == 3
@@ -141,12 +151,14 @@ def test_control_sockets_polled_before_blocking(tiny_llama_dir, tiny_reference, 
             LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2)
 
 
-def test_async_pipeline_steps_give_the_outputs_of_one_process(demo_model_dir):
+def test_async_pipeline_steps_give_the_outputs_of_one_process(demo_model_dir, request, monkeypatch):
     """pp=2 with async steps (``async_pipeline``): each batch's next step is submitted while its
     current one is in the pipeline and computes on the ids the last stage sent the first; stops
     (EOS, stop strings, max_tokens 1, min_tokens) and seeded sampling come out as in one process
     with synchronous steps, the overshoot tokens dropped."""
     from test_engine import DEMO_PROMPTS, STOP_MIX, outcomes
+
+    fork_stages(request, monkeypatch)
 
     def run(**kw) -> tuple[tuple, list[tuple]]:
         with LLM("smollm2-135m-instruct", dtype="float32", max_model_len=512, **kw) as llm:
@@ -185,13 +197,15 @@ def test_async_pipeline_steps_default_on_gpu_only():
 
 
 @pytest.mark.parametrize("executor", ["mp", "ray"])
-def test_async_pipeline_steps_survive_preemption(tiny_llama_dir, executor, request):
+def test_async_pipeline_steps_survive_preemption(tiny_llama_dir, executor, request, monkeypatch):
     """A KV cache too small for every request: preemptions (only of requests out of flight)
     while batches have steps in flight computing on fed-back ids; tokens as requests alone."""
     from test_engine import _run_engine, token_prompts
 
     if executor == "ray":
         request.getfixturevalue("ray_cluster")
+    else:
+        fork_stages(request, monkeypatch)
     prompts = token_prompts(8, seed=1)
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(prompts)
     with LLM(str(tiny_llama_dir), dtype="float32") as llm:
@@ -207,9 +221,10 @@ def test_async_pipeline_steps_survive_preemption(tiny_llama_dir, executor, reque
     assert preemptions > 0
 
 
-def test_async_pipeline_steps_through_three_stages(tiny_llama_dir, tiny_reference):
+def test_async_pipeline_steps_through_three_stages(tiny_llama_dir, tiny_reference, request, monkeypatch):
     """pp=3: the middle stage reads no input ids (pending tokens pass through it unread); the
     first and last stage exchange the ids; tokens as in one process."""
+    fork_stages(request, monkeypatch)
     with LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=3,
              layer_partition=[1, 2, 1], microbatches=4, runner="v2", async_pipeline=True) as llm:
         assert llm.engine.executor.max_in_flight == 8
@@ -218,10 +233,11 @@ def test_async_pipeline_steps_through_three_stages(tiny_llama_dir, tiny_referenc
         assert tokens(llm.generate(TOKEN_PROMPTS * 3, GREEDY)) == tiny_reference * 3
 
 
-def test_async_pipeline_steps_abort_in_flight(tiny_llama_dir, tiny_reference):
+def test_async_pipeline_steps_abort_in_flight(tiny_llama_dir, tiny_reference, request, monkeypatch):
     """Requests aborted while their steps (two per batch) are in the pipeline: they end with
     "abort", the ids sent for their in-flight steps are dropped, the others' tokens are those
     of one process; new requests admitted afterwards are served too."""
+    fork_stages(request, monkeypatch)
     with LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2, runner="v2",
              microbatches=2, async_pipeline=True) as llm:
         eng = llm.engine
@@ -247,10 +263,11 @@ def test_async_pipeline_steps_abort_in_flight(tiny_llama_dir, tiny_reference):
     assert results[late].outputs[0].token_ids == tiny_reference[0]
 
 
-def test_pipeline_engine_submits_before_its_bookkeeping():
+def test_pipeline_engine_submits_before_its_bookkeeping(request, monkeypatch):
     """A pipeline's engine submits the next step right after applying an output, before its
     per-request bookkeeping (the stages wait on that submission); with a stop string in play
     (checked by that bookkeeping) it submits only in the next call."""
+    fork_stages(request, monkeypatch)
     with LLM("smollm2-135m-instruct", dtype="float32", max_model_len=256, executor="mp",
              pipeline_parallel_size=2, runner="v2") as llm:
         eng, ex = llm.engine, llm.engine.executor
@@ -291,10 +308,11 @@ def fail_submission(executor, n: int, message: str) -> None:
     executor.submit = submit
 
 
-def test_pipeline_submit_failing_after_an_output_fails_every_request(tiny_llama_dir):
+def test_pipeline_submit_failing_after_an_output_fails_every_request(tiny_llama_dir, request, monkeypatch):
     """A submission that fails right after an output was applied (the early submission of a
     pipeline's engine): that call still returns what finished, the engine is dead, and the
     caller gets every unfinished request back as an error."""
+    fork_stages(request, monkeypatch)
     with LLM(str(tiny_llama_dir), dtype="float32", executor="mp", pipeline_parallel_size=2, runner="v2") as llm:
         eng = llm.engine
         fail_submission(eng.executor, 8, "stage 0 died (injected at submission 8)")
