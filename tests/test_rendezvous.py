@@ -203,7 +203,10 @@ def test_local_ray_cluster_is_on_loopback_and_asks_for_its_token(ray_cluster):
     # The probe keeps the loopback address as given (Ray would otherwise replace it by the host's
     # network address, where nothing of this cluster listens).
     base.update(RAY_AUTH_MODE="token", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    wrong = subprocess.run([sys.executable, "-c", probe], env=dict(base, RAY_AUTH_TOKEN="0" * 64),
+    # RAY_gcs_server_port_wait_time_s: Ray's client tries the GCS once a second, 20 times by
+    # default, and a refused token is refused every time; three tries, not 20 seconds of them.
+    wrong = subprocess.run([sys.executable, "-c", probe],
+                           env=dict(base, RAY_AUTH_TOKEN="0" * 64, RAY_gcs_server_port_wait_time_s="3"),
                            capture_output=True, text=True, timeout=120)  # fmt: skip
     assert wrong.returncode != 0 and "InvalidAuthToken" in wrong.stderr, wrong.stderr[-2000:]
     right = subprocess.run([sys.executable, "-c", probe], env=dict(base, RAY_AUTH_TOKEN_PATH=token_path),
