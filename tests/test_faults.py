@@ -5,6 +5,9 @@ have it, on CPU over gloo.  Per cell: the caller gets ``StageFailedError`` (or, 
 every request in flight ends with ``finish_reason="error"``; no process, socket, rendezvous directory or shared-memory segment
 of the run is left (``tests/leftovers.py``); a new ``LLM`` starts and serves in the same process
 (for torchrun, where a failed rank ends its job: in the KV cell, the one that keeps its ranks).
+Each cell's own pipeline starts its stages fresh; the new ``LLM``'s ``mp`` stages fork from the
+session's warm template (``conftest.fork_mp_stages``), as what it checks is that the driver serves
+again.
 
 Faults come from ``PPRUN_TEST_FAULTS`` (``pprun/worker/faults.py``, the ``inject_faults``
 fixture) or from the test itself (``ray.kill``, SIGKILL of the driver).  The exception-in-forward
@@ -21,6 +24,7 @@ import sys
 import time
 
 import pytest
+from conftest import fork_mp_stages
 from leftovers import Snapshot
 
 from pprun import LLM, SamplingParams
@@ -54,10 +58,19 @@ def _llm(model_dir, executor: str, **kwargs) -> LLM:
     return LLM(str(model_dir), dtype="float32", executor=executor, pipeline_parallel_size=2, **kwargs)
 
 
-def _fails_cleanly(model_dir, executor: str, llm: LLM, before: Snapshot, match: str, act=None) -> StageFailedError:
+def _again(model_dir, executor: str, request) -> LLM:
+    """The new LLM a cell starts once its pipeline has failed (``mp``: stages forked from the
+    session's warm template)."""
+    if executor == "mp":
+        fork_mp_stages(request)
+    return _llm(model_dir, executor)
+
+
+def _fails_cleanly(model_dir, executor: str, llm: LLM, before: Snapshot, match: str, request,
+                   act=None) -> StageFailedError:  # fmt: skip
     """Generate until the fault fires; check the error, the requests, the leftovers, and that a
-    new LLM serves afterwards.  ``act(llm)``: what the test does to the pipeline once the
-    generation runs (in a thread)."""
+    new LLM serves afterwards (:func:`_again`).  ``act(llm)``: what the test does to the
+    pipeline once the generation runs (in a thread)."""
     import threading
 
     ex = llm.engine.executor
@@ -70,7 +83,7 @@ def _fails_cleanly(model_dir, executor: str, llm: LLM, before: Snapshot, match: 
     assert len(outs) == len(PROMPTS) and all(o.outputs[0].finish_reason == "error" for o in outs)
     llm.shutdown()
     assert before.left_behind(pids, [rendezvous]) == []
-    with _llm(model_dir, executor) as again:
+    with _again(model_dir, executor, request) as again:
         assert all(len(o.outputs[0].token_ids) == 4 for o in again.generate(PROMPTS[:1], SHORT))
     return info.value
 
@@ -94,7 +107,8 @@ def test_stage_that_stops_answering(tiny_llama_dir, inject_faults, request, exec
     if executor == "ray":
         # Started with 60 s (see STOP_TIMEOUT_S); the stopped stage is then met by the driver.
         llm.engine.executor.timeout_s = STOP_TIMEOUT_S[executor]
-    _fails_cleanly(tiny_llama_dir, executor, llm, before, r"stage 1 sent nothing for|stage 0 raised:(.|\n)*Timed out")
+    _fails_cleanly(tiny_llama_dir, executor, llm, before, r"stage 1 sent nothing for|stage 0 raised:(.|\n)*Timed out",
+                   request)  # fmt: skip
 
 
 @pytest.mark.parametrize("executor", ["mp", "ray"])
@@ -105,15 +119,15 @@ def test_peer_gone_in_the_middle_of_a_hop(tiny_llama_dir, inject_faults, request
     before = Snapshot()
     with inject_faults({0: {"kill_at_step": 3}}):
         llm = _llm(tiny_llama_dir, executor)
-    _fails_cleanly(tiny_llama_dir, executor, llm, before, r"stage 0 (died|actor died)")
+    _fails_cleanly(tiny_llama_dir, executor, llm, before, r"stage 0 (died|actor died)", request)
 
 
-def test_lost_ray_actor(tiny_llama_dir, inject_faults, ray_cluster):
+def test_lost_ray_actor(tiny_llama_dir, inject_faults, ray_cluster, request):
     """``ray.kill`` of the last stage's actor in the middle of a generation."""
     before = Snapshot()
     with inject_faults({0: {"delay_s": 0.05}}):
         llm = _llm(tiny_llama_dir, "ray")
-    _fails_cleanly(tiny_llama_dir, "ray", llm, before, r"stage 1",
+    _fails_cleanly(tiny_llama_dir, "ray", llm, before, r"stage 1", request,
                    act=lambda llm: ray_cluster.kill(llm.engine.executor.actors[1], no_restart=True))  # fmt: skip
 
 
@@ -126,7 +140,7 @@ def test_kv_cache_that_cannot_fit(tiny_llama_dir, request, executor):
     with pytest.raises(ValueError, match=r"KV cache is too small.*kv_cache_memory_bytes"):
         _llm(tiny_llama_dir, executor, kv_cache_memory_bytes=4096, max_model_len=256)
     assert before.left_behind() == []
-    with _llm(tiny_llama_dir, executor) as again:
+    with _again(tiny_llama_dir, executor, request) as again:
         assert len(again.generate(PROMPTS[:1], SHORT)[0].outputs[0].token_ids) == 4
 
 

@@ -544,13 +544,16 @@ def pipeline_llm(model_dir, executor: str, request, **kwargs) -> LLM:
 def assert_failed_cleanly(info, llm: LLM, run: tuple, before, model_dir, executor: str, request) -> None:
     """The fault cells' checks (docs/failures.md): every request ended with "error", nothing of the run is left (processes, sockets, shared memory,
     the rendezvous directory: ``tests/leftovers.py``), and a new LLM starts and serves in this
-    process.  ``run``: the stage pids and rendezvous directory, taken at start."""
+    process (its ``mp`` stages forked from the warm template, :func:`fork_stages`: the failed
+    pipeline's started fresh).  ``run``: the stage pids and rendezvous directory, taken at start."""
     outs = info.value.outputs
     assert len(outs) == len(TOKEN_PROMPTS)
     assert all(o.outputs[0].finish_reason == "error" and o.error for o in outs)
     llm.shutdown()
     pids, rendezvous = run
     assert before.left_behind(pids, [rendezvous]) == []
+    if executor == "mp":
+        fork_stages(request, request.getfixturevalue("monkeypatch"))
     with pipeline_llm(model_dir, executor, request) as again:
         assert len(again.generate(TOKEN_PROMPTS[:1], GREEDY)[0].outputs[0].token_ids) == 12
 
