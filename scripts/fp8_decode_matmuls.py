@@ -1,7 +1,8 @@
 """Decode-sized matmuls with float8 weights, one GPU: the split-K kernels reading float8 (W8A16,
 ``pprun.layers.skinny``) against the same kernels on bf16 weights and against ``Fp8Linear``'s
-cuBLAS path (activation quantization + ``torch._scaled_mm``), per layer of a model shape, as one
-JSON object.
+cuBLAS path (activation quantization + ``torch._scaled_mm``), and, for 128x128 block scales, the
+same quantization + ``pprun.layers.fp8_block_gemm``'s Triton W8A8 matmul (``fp8_blocks_triton``),
+per layer of a model shape, as one JSON object.
 
     python scripts/fp8_decode_matmuls.py [--shape qwen3-8b] [--rows 1,2,8,32] [--sweep] [--out r.json]
 
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 from pprun.kernels.triton_utils import force_pdl
-from pprun.layers import skinny
+from pprun.layers import fp8_block_gemm, fp8_quant, skinny
 from pprun.layers.fp8_linear import BLOCK, Fp8Linear
 
 SHAPES = {
@@ -115,6 +116,13 @@ def measure(x: torch.Tensor, ws: list[torch.Tensor], layers: dict, swiglu: bool,
         entry[f"fp8_{layout}_scaled_mm_rel_err"] = round(rel_err(act(fp8[0](x)), want), 5)
         entry[f"fp8_{layout}_scaled_mm_us"] = round(time_launches([partial(lambda lin: act(lin(x)), lin)
                                                                    for lin in fp8]), 2)
+        if layout == "blocks":
+            def triton_w8a8(q, s):
+                xq, xs = fp8_quant.quantize_groups(x, BLOCK)
+                return act(fp8_block_gemm.block_fp8_matmul(xq, xs, q, s, x.dtype))
+            tfns = [partial(triton_w8a8, q, s) for q, s, _ in made]
+            entry["fp8_blocks_triton_rel_err"] = round(rel_err(tfns[0](), want), 5)
+            entry["fp8_blocks_triton_us"] = round(time_launches(tfns), 2)
         if sweep:
             tried = []
             for cfg in sweep_configs(m, k, swiglu):
@@ -133,7 +141,7 @@ def measure(x: torch.Tensor, ws: list[torch.Tensor], layers: dict, swiglu: bool,
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
-    ap.add_argument("--rows", default="1,2,8,32")
+    ap.add_argument("--rows", default="1,2,8,32,64")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--layers", default="", help="comma-separated layer names (default: all)")
     ap.add_argument("--out", type=Path)
@@ -167,10 +175,11 @@ def main() -> None:
     if args.out:
         args.out.write_text(text)
     # The table last: per layer and rows, microseconds of each path.
-    print(f"{'layer':8} {'rows':>4} {'bf16':>7} {'fp8row':>7} {'fp8blk':>7} {'mm_row':>7} {'mm_blk':>7}")
+    print(f"{'layer':8} {'rows':>4} {'bf16':>7} {'fp8row':>7} {'fp8blk':>7} {'mm_row':>7} {'mm_blk':>7} {'tri_blk':>7}")
     for e in res["layers"]:
         print(f"{e['layer']:8} {e['rows']:>4} {e['bf16_skinny_us']:>7} {e['fp8_rows_skinny_us']:>7} "
-              f"{e['fp8_blocks_skinny_us']:>7} {e['fp8_rows_scaled_mm_us']:>7} {e['fp8_blocks_scaled_mm_us']:>7}")
+              f"{e['fp8_blocks_skinny_us']:>7} {e['fp8_rows_scaled_mm_us']:>7} {e['fp8_blocks_scaled_mm_us']:>7} "
+              f"{e['fp8_blocks_triton_us']:>7}")
 
 
 if __name__ == "__main__":

@@ -264,6 +264,7 @@ def switches() -> list[tuple]:
     import pprun.attention.triton_ops
     import pprun.kernels.triton_utils
     import pprun.layers
+    import pprun.layers.fp8_block_gemm
     import pprun.layers.fused
     import pprun.layers.head_norm
     import pprun.layers.moe
@@ -276,6 +277,7 @@ def switches() -> list[tuple]:
     return [(pprun.layers, "SKINNY_ENABLED", False, True),
             (pprun.layers, "FP8_SKINNY_ENABLED", False, True),  # FP8 checkpoints only
             (pprun.layers.skinny, "FP8_BLOCK_DISPATCH_MAX_M", 32, False),  # block-scaled FP8 checkpoints only
+            (pprun.layers.fp8_block_gemm, "TRITON_MAX_M", 8192, False),  # the same: Triton's W8A8, not cuBLAS's
             (pprun.layers, "FUSED_DECODE_ENABLED", False, True),
             (pprun.kernels.triton_utils, "PDL_ENABLED", False, True),
             (pprun.layers, "NORM_FOLD_ENABLED", False, True),
@@ -366,7 +368,8 @@ def main() -> None:
                          "(PPRUN_DISABLE_SKINNY_GEMM), an FP8 checkpoint's 1-32-row matmuls through cuBLAS's scaled "
                          "FP8 matmul instead of the split-K kernels reading float8 (FP8_SKINNY_ENABLED), block-scaled FP8 "
                          "weights through the split-K kernels up to 32 rows instead of at one row "
-                         "(FP8_BLOCK_DISPATCH_MAX_M), the fused decode attention "
+                         "(FP8_BLOCK_DISPATCH_MAX_M), block-scaled FP8 matmuls through Triton's W8A8 kernel instead "
+                         "of cuBLAS's (TRITON_MAX_M), the fused decode attention "
                          "(PPRUN_DISABLE_FUSED_DECODE), programmatic dependent launch (PPRUN_DISABLE_PDL), "
                          "add + RMSNorm folded into the matmuls (PPRUN_DISABLE_NORM_FOLD), LM head and "
                          "greedy argmax inside the decode graphs (PPRUN_DISABLE_GRAPH_LOGITS), the split-K "
@@ -442,7 +445,8 @@ def main() -> None:
         if not args.ab_only and "quantization_config" not in model_config(args.model):
             # Only FP8 checkpoints hold Fp8Linear layers and float8 experts.
             chosen = [g for g in chosen
-                      if g[0][1] not in ("FP8_SKINNY_ENABLED", "FP8_BLOCK_DISPATCH_MAX_M", "FP8_EXPERTS_ENABLED")]
+                      if g[0][1] not in ("FP8_SKINNY_ENABLED", "FP8_BLOCK_DISPATCH_MAX_M", "TRITON_MAX_M",
+                                         "FP8_EXPERTS_ENABLED")]
         if not args.ab_only and not model_config(args.model).get("model_type", "").startswith("qwen3"):
             # Only Qwen3's attention has q/k head norms.
             chosen = [g for g in chosen if g[0][0].__name__ != "pprun.layers.head_norm"]

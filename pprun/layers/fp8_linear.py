@@ -5,7 +5,8 @@ float32 ``weight_scale`` (one per 128x128 block, or one per output row: a per-te
 kept per row, so q/k/v fused into one layer keep their three scales).  Each call quantizes its
 activations (one Triton launch: per token for row scales, per token and 128 columns for block
 scales, as vLLM and DeepSeek do) and runs cuBLAS's scaled matmul (``torch._scaled_mm``): rowwise
-scaling, or 1x128 activation blocks against 128x128 weight blocks.  The weights take half the
+scaling, or 1x128 activation blocks against 128x128 weight blocks (batches of up to
+``pprun.layers.fp8_block_gemm.TRITON_MAX_M`` rows: that module's Triton kernel, off by default).  The weights take half the
 memory of bf16 and each step reads half the bytes.  Decode-sized batches (up to
 ``pprun.layers.skinny.DISPATCH_MAX_M`` rows) skip the activation quantization:
 ``pprun.layers.linear`` sends them to the split-K kernels of ``pprun.layers.skinny``, which read
@@ -105,12 +106,15 @@ class Fp8Linear(nn.Module):
         # while CPU runs import this module to build FP8 checkpoints' layers (LinearFactory's
         # fits_fp8_compute) with Triton absent, or before tests set TRITON_INTERPRET.  After the
         # first call this is a sys.modules lookup, and CUDA graphs replay without it.
-        from pprun.layers import fp8_quant
+        from pprun.layers import fp8_block_gemm, fp8_quant
 
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         num_rows = x2.shape[0]
-        if self.block_scaled:
+        if self.block_scaled and num_rows <= fp8_block_gemm.TRITON_MAX_M:
+            xq, xs = fp8_quant.quantize_groups(x2, BLOCK)
+            out = fp8_block_gemm.block_fp8_matmul(xq, xs, self.weight, self.weight_scale, x.dtype, self.bias)
+        elif self.block_scaled:
             xq, xs = fp8_quant.quantize_groups(x2, BLOCK, row_multiple=BLOCKWISE_ROW_MULTIPLE)
             out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale.t(),
                                    out_dtype=x.dtype)[:num_rows]
