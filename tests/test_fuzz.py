@@ -279,22 +279,33 @@ VALUES = st.one_of(st.integers(-5, 100).map(str), st.sampled_from(["two", "null"
                                                                    "float32", "mp", "v3", "''"]))  # fmt: skip
 
 
+@pytest.fixture
+def hydra_configs():
+    """pprun's schemas registered and Hydra initialised on its config directory, once for all
+    the examples of a test (each example composes its own config)."""
+    from hydra import initialize_config_dir
+
+    from pprun.config.config import default_conf_dir, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(default_conf_dir()), version_base="1.3"):
+        yield
+
+
 @FUZZ
 @given(overrides=st.dictionaries(st.sampled_from(OVERRIDE_KEYS), VALUES, min_size=1, max_size=3))
-def test_fuzzed_hydra_overrides(tiny_llama_dir, overrides):
-    from hydra import compose, initialize_config_dir
+def test_fuzzed_hydra_overrides(tiny_llama_dir, hydra_configs, overrides):
+    from hydra import compose
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from pprun.config.config import PprunConfig, default_conf_dir, register_configs
+    from pprun.config.config import PprunConfig
     from pprun.config.validate import validate_config
 
     _count("hydra_overrides")
     args = [f"{k}={v}" for k, v in overrides.items()] + [f"model.model={tiny_llama_dir}"]
-    register_configs()
     try:
-        with initialize_config_dir(config_dir=str(default_conf_dir()), version_base="1.3"):
-            cfg = compose("generate", overrides=args)
+        cfg = compose("generate", overrides=args)
         validate_config(PprunConfig.from_omegaconf(cfg))
     except (ValueError, TypeError, HydraException, OmegaConfBaseException) as e:
         HYDRA_ERRORS[type(e).__name__] = HYDRA_ERRORS.get(type(e).__name__, 0) + 1
