@@ -49,7 +49,10 @@ def test_matches_the_dequantized_product(m, n, k, bias):
     x_deq = (xq.float().view(m, -1, GROUP) * xs[..., None]).view(m, k)
     want = x_deq @ w_deq.T + (b if bias else 0)
     assert got.shape == (m, n)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
+    # The interpreter multiplies in fp32; Hopper's FP8 MMA keeps fewer bits while it sums a K tile
+    # (the scales are applied, and the tiles summed, in fp32 outside it).
+    tol = 1e-4 if DEVICE == "cpu" else 3e-3
+    torch.testing.assert_close(got, want, rtol=10 * tol, atol=tol * want.abs().max().item())
 
 
 @triton_only
