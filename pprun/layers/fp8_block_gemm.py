@@ -63,10 +63,9 @@ def _block_fp8_matmul_kernel(
     ws_ptrs = ws_ptr + (cols // GROUP_K) * stride_ws_n
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, GROUP_K)):
-        k_ok = ks < K - kb * GROUP_K
-        x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+    for kb in range(0, K // GROUP_K):  # K is whole groups (block_fp8_matmul checks): no K mask
+        x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+        w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
         x_scale = tl.load(xs_ptrs + kb * stride_xs_k, mask=row_ok, other=0.0)
         w_scale = tl.load(ws_ptrs + kb * stride_ws_k, mask=col_ok, other=0.0)
         acc += tl.dot(x, w, out_dtype=tl.float32) * x_scale[:, None] * w_scale[None, :]
