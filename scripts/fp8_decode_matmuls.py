@@ -1,7 +1,7 @@
 """Decode-sized matmuls with float8 weights, one GPU: the split-K kernels reading float8 (W8A16,
 ``pprun.layers.skinny``) against the same kernels on bf16 weights and against ``Fp8Linear``'s
 cuBLAS path (activation quantization + ``torch._scaled_mm``), and, for 128x128 block scales, the
-same quantization + ``pprun.layers.fp8_block_gemm``'s Triton W8A8 matmul (``fp8_blocks_triton``),
+same layers through ``Fp8Linear``'s Triton W8A8 path (``pprun.layers.fp8_block_gemm``: ``fp8_blocks_triton``),
 per layer of a model shape, as one JSON object.
 
     python scripts/fp8_decode_matmuls.py [--shape qwen3-8b] [--rows 1,2,8,32] [--sweep] [--out r.json]
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from pprun.kernels.triton_utils import force_pdl
-from pprun.layers import fp8_block_gemm, fp8_quant, skinny
+from pprun.layers import fp8_block_gemm, skinny
 from pprun.layers.fp8_linear import BLOCK, Fp8Linear
 
 SHAPES = {
@@ -116,13 +116,14 @@ def measure(x: torch.Tensor, ws: list[torch.Tensor], layers: dict, swiglu: bool,
         entry[f"fp8_{layout}_scaled_mm_rel_err"] = round(rel_err(act(fp8[0](x)), want), 5)
         entry[f"fp8_{layout}_scaled_mm_us"] = round(time_launches([partial(lambda lin: act(lin(x)), lin)
                                                                    for lin in fp8]), 2)
-        if layout == "blocks":
-            def triton_w8a8(q, s):
-                xq, xs = fp8_quant.quantize_groups(x, BLOCK)
-                return act(fp8_block_gemm.block_fp8_matmul(xq, xs, q, s, x.dtype))
-            tfns = [partial(triton_w8a8, q, s) for q, s, _ in made]
-            entry["fp8_blocks_triton_rel_err"] = round(rel_err(tfns[0](), want), 5)
-            entry["fp8_blocks_triton_us"] = round(time_launches(tfns), 2)
+        if layout == "blocks":  # the same layers with Fp8Linear's Triton path on for these rows
+            default, fp8_block_gemm.TRITON_MAX_M = fp8_block_gemm.TRITON_MAX_M, m
+            try:
+                tfns = [partial(lambda lin: act(lin(x)), lin) for lin in fp8]
+                entry["fp8_blocks_triton_rel_err"] = round(rel_err(tfns[0](), want), 5)
+                entry["fp8_blocks_triton_us"] = round(time_launches(tfns), 2)
+            finally:
+                fp8_block_gemm.TRITON_MAX_M = default
         if sweep:
             tried = []
             for cfg in sweep_configs(m, k, swiglu):
