@@ -599,7 +599,8 @@ def events_per_answer(data: dict) -> float | None:
     (output tokens - 1); with every answer equally long (``--ignore-eos``) that gives
     ``1 + mean_tpot x (tokens - 1) / mean_itl``.  A server that sends one event per token
     gives the token count; one that merges tokens a client has not yet been sent, fewer.
-    None unless the result has both means and equal answers."""
+    None unless the result has both means and its output tokens divide evenly among its answers
+    (with ``--ignore-eos``, every answer is ``--random-output-len`` long)."""
     completed, tokens = data.get("completed"), data.get("total_output_tokens")
     tpot, itl = data.get("mean_tpot_ms"), data.get("mean_itl_ms")
     if not completed or not tokens or tokens % completed or not tpot or not itl:
