@@ -67,6 +67,7 @@ from pprun.kernels.partials import SplitPartials, check_defer_merge
 from pprun.kernels.triton_utils import INTERPRETED, NO_FMA
 from pprun.layers.fused import silu_mul
 from pprun.layers.moe_shapes import expert_scale_shapes
+from pprun.utils.first_use import count_class_top
 
 logger = logging.getLogger(__name__)
 
@@ -290,13 +291,21 @@ layers launches some 1,300 kernels with torch's, and its host launching them tak
 the step's GPU time (an A/B switch of ``scripts/gpu_speed.py --ab-prefill``)."""
 
 
+def sorts_in_chunks(num_tokens: int, top_k: int) -> bool:
+    """Whether a step of ``num_tokens`` tokens sorts its assignments over chunks (two launches)
+    rather than in one program: past :data:`ALIGN_KERNEL_MAX_ENTRIES` entries at the top of the
+    tokens' class (``pprun.utils.first_use.count_class_top``), so that every count of a class
+    takes the path the warm-up's count of that class took."""
+    return count_class_top(num_tokens) * top_k > ALIGN_KERNEL_MAX_ENTRIES
+
+
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
     """Sort the assignments ``ids [T, top_k]`` by expert, each expert's run padded to whole
     ``block_m``-row blocks (module docstring): one Triton program, past
     :data:`ALIGN_KERNEL_MAX_ENTRIES` entries two launches over chunks (or torch's sort without
     :data:`ALIGN_CHUNKED_ENABLED`)."""
     num_entries = ids.numel()
-    chunked = num_entries > ALIGN_KERNEL_MAX_ENTRIES
+    chunked = sorts_in_chunks(ids.shape[0], num_entries // max(ids.shape[0], 1))
     if chunked and not ALIGN_CHUNKED_ENABLED:
         return align_by_expert_torch(ids, num_experts, block_m)
     max_rows = max_padded_rows(num_entries, num_experts, block_m)
@@ -692,23 +701,34 @@ def default_config(num_entries: int, num_experts: int, dtype: torch.dtype) -> Ge
 
 def experts_config(num_tokens: int, w13: torch.Tensor, top_k: int, dtype: torch.dtype,
                    scale_block: int | None = None) -> ExpertsConfig:
-    """The settings for ``num_tokens`` tokens through experts ``w13 [E, 2 * inter, hidden]``: the
-    tuned entry of the nearest token count for this GPU and shape (:func:`tuned_table`, keyed by
-    the activations' ``dtype``: float8 experts take the tiles tuned for bf16 ones), else
-    :func:`default_config` for both GEMMs.  ``scale_block`` (float8 experts with block scales):
+    """The settings for ``num_tokens`` tokens through experts ``w13 [E, 2 * inter, hidden]``
+    (:func:`config_for`, by the tokens' class): the tuned entry of the nearest token count for
+    this GPU and shape (:func:`tuned_table`, keyed by the activations' ``dtype``: float8 experts
+    take the tiles tuned for bf16 ones), else :func:`default_config` for both GEMMs.  ``scale_block`` (float8 experts with block scales):
     K tiles of at most one scale block (each tile's product takes one block's scales)."""
     num_experts, two_inter, hidden = w13.shape
-    config = None
+    table = {}
     if w13.is_cuda and not INTERPRETED:
         table = tuned_table(_device_name(w13.device.index), shape_key(num_experts, two_inter // 2, hidden, top_k, dtype))
-        if table:
-            config = nearest(table, num_tokens)
-    if config is None:
-        both = default_config(num_tokens * top_k, num_experts, dtype)
-        config = ExpertsConfig(both, both)
+    config = config_for(num_tokens, table, num_experts, top_k, dtype)
     if scale_block is not None:
         config = ExpertsConfig(*(c._replace(block_k=min(c.block_k, scale_block)) for c in config))
     return config
+
+
+def config_for(num_tokens: int, table: dict[int, ExpertsConfig], num_experts: int, top_k: int,
+               dtype: torch.dtype) -> ExpertsConfig:
+    """:func:`experts_config`'s choice given the tuned ``table`` (empty: none): made from the top
+    of the tokens' class (``pprun.utils.first_use.count_class_top``), not the count itself, so
+    that every count of a class runs the tiles (and, through ``block_m``, the sort) that the
+    warm-up's count of that class compiled: the tuned entries' boundaries lie between powers of
+    two (at 256 and 2,048 tokens the nearest entry switches at 724), and a 600-token step of
+    Qwen3-30B-A3B otherwise compiled its sort's 32-row variant in traffic on the H200."""
+    tokens = count_class_top(num_tokens)
+    if table:
+        return nearest(table, tokens)
+    both = default_config(tokens * top_k, num_experts, dtype)
+    return ExpertsConfig(both, both)
 
 
 def _launch(cfg: GemmConfig) -> dict:

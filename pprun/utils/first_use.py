@@ -48,6 +48,17 @@ def count_class(n: int) -> str:
     return f"<={bucket}/16" if n % 16 == 0 else f"<={bucket}"
 
 
+def count_class_top(n: int) -> int:
+    """The count a choice for ``n`` should be made from so that it is the same across ``n``'s
+    class (:func:`count_class`): ``n`` itself up to :data:`EXACT_UP_TO`, else the top of its
+    power-of-two bucket.  A kernel, tile or path picked from this (a tuned table's nearest entry,
+    a threshold on the count) is one of the few the warm-up's one count per class
+    (:func:`count_class_representatives`) meets; picked from ``n`` itself, a threshold inside a
+    bucket (a tuned entry at 256 and the next at 2,048 switch at their geometric mean, 724) splits
+    the class, and the counts on the far side of the split meet their variant first in traffic."""
+    return n if n <= EXACT_UP_TO else 1 << (n - 1).bit_length()
+
+
 def count_class_representatives(limit: int) -> list[int]:
     """One count per class of :func:`count_class` for counts ``1..limit``: the largest of each
     class, ascending (what a warm-up runs to meet every class)."""
