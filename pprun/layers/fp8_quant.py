@@ -2,7 +2,8 @@
 and group of columns (1x128 blocks), the scale of each being its largest magnitude over 448.
 
 What :class:`pprun.layers.fp8_linear.Fp8Linear` feeds cuBLAS's scaled matmul.  Capture-safe for
-CUDA graphs: grids come from shapes, outputs from ``torch.empty``.
+CUDA graphs: grids come from shapes, outputs from ``torch.empty``.  The float8 values are rounded
+to nearest (:func:`to_fp8`, exact under Triton's interpreter as well).
 """
 
 from __future__ import annotations
@@ -11,13 +12,30 @@ import torch
 import triton
 import triton.language as tl
 
+from pprun.kernels.triton_utils import INTERPRETED
+
 FP8_MAX = 448.0
 SCALE_EPS = 1e-10
 
 
 @triton.jit
+def to_fp8(x, dtype: tl.constexpr, EXACT: tl.constexpr):
+    """fp32 ``x`` (within float8 e4m3's range) cast to the float8 ``dtype``, rounded to nearest.
+    ``EXACT`` (Triton's interpreter, whose float32 -> float8 cast drops the carry of a mantissa
+    rounded up into the exponent, 31.6 -> 16, and truncates subnormals): ``x`` is first rounded
+    in fp32 onto e4m3's grid, to 4 significant bits by Veltkamp's split (``t - (t - x)``, ``t =
+    (2**20 + 1) * x``) from 2**-6 up, to multiples of 2**-9 below, so that the cast is exact."""
+    if EXACT:
+        t = x * 1048577.0
+        normal = t - (t - x)
+        subnormal = (x + 24576.0) - 24576.0  # 1.5 * 2**14: fp32's step there is 2**-9
+        x = tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+    return x.to(dtype)
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, K,
-                          BLOCK_K: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr):
+                          BLOCK_K: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr, EXACT: tl.constexpr):
     row = tl.program_id(0)
     amax = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -30,7 +48,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, K,
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
         q = tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C)
-        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
+        tl.store(q_ptr + row * stride_q + cols, to_fp8(q, q_ptr.dtype.element_ty, EXACT), mask=cols < K)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,13 +59,13 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if num_rows:
         block_k = min(2048, triton.next_power_of_2(k))
         _quantize_rows_kernel[(num_rows,)](x, q, s, x.stride(0), q.stride(0), k, BLOCK_K=block_k,
-                                           FP8_MAX_C=FP8_MAX, EPS=SCALE_EPS, num_warps=4)
+                                           FP8_MAX_C=FP8_MAX, EPS=SCALE_EPS, EXACT=INTERPRETED, num_warps=4)
     return q, s
 
 
 @triton.jit
 def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, num_rows, num_rows_padded,
-                            GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr):
+                            GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr, EXACT: tl.constexpr):
     row = tl.program_id(0)
     group = tl.program_id(1)
     cols = group * GROUP + tl.arange(0, GROUP)
@@ -56,7 +74,7 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, num_rows, n
     # Scales column-major ([groups, rows] in memory), the layout cuBLAS's 1x128 scaling reads.
     tl.store(s_ptr + group * num_rows_padded + row, scale)
     q = tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C)
-    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty))
+    tl.store(q_ptr + row * stride_q + cols, to_fp8(q, q_ptr.dtype.element_ty, EXACT))
 
 
 def quantize_groups(x: torch.Tensor, group: int, row_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +90,7 @@ def quantize_groups(x: torch.Tensor, group: int, row_multiple: int = 1) -> tuple
     s = torch.empty((k // group, num_rows_padded), dtype=torch.float32, device=x.device)
     _quantize_groups_kernel[(num_rows_padded, k // group)](x, q, s, x.stride(0), q.stride(0), num_rows,
                                                            num_rows_padded, GROUP=group, FP8_MAX_C=FP8_MAX,
-                                                           EPS=SCALE_EPS, num_warps=1)
+                                                           EPS=SCALE_EPS, EXACT=INTERPRETED, num_warps=1)
     return q, s.t()
 
 
