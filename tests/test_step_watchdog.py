@@ -124,6 +124,29 @@ def test_a_step_submitted_behind_another_is_timed_from_the_output_ahead_of_it():
     assert dog.num_slow == 1
 
 
+def test_the_launch_of_the_next_step_is_charged_to_that_step_not_to_the_one_in_flight():
+    """With async scheduling the engine launches the next step before it waits for the one in
+    flight; with the in-process executor that launch is the step's host work (an eager mixed step
+    launches kernel by kernel for tens of ms).  It counts toward the step launched, not the
+    decode step whose output it delayed."""
+    clock = FakeClock()
+    dog = StepWatchdog(clock=clock, min_samples=4, warn_interval_s=0.0)
+    for i in range(8):
+        run(dog, clock, decode_step(i, 1), 0.001)
+    decode, mixed = decode_step(8, 1), prefill_step(9, [new_req("p", 512)])
+    dog.submitted(decode)
+    dog.submitting()
+    clock.now += 0.050  # the mixed step's launch, while the decode step runs on the device
+    dog.submitted(mixed)
+    clock.now += 0.001
+    assert dog.answered(decode) is None  # 1 ms of its own, not 51 ms
+    assert dog.times[StepClass("decode", 1, 1)][-1] == pytest.approx(0.001)
+    clock.now += 0.010
+    assert dog.answered(mixed) is None  # too few of its class to judge
+    assert dog.times[StepClass("prefill", 512, 1)][-1] == pytest.approx(0.060)  # its launch and the rest
+    assert dog.num_slow == 0
+
+
 def test_warnings_are_rate_limited_and_count_what_they_left_out(caplog):
     clock = FakeClock()
     dog = StepWatchdog(clock=clock, min_samples=4, warn_interval_s=10.0)
@@ -230,3 +253,43 @@ def test_the_engine_times_every_step_through_its_watchdog(tiny_llama_dir, caplog
             "slow engine step" in record.getMessage()
             and "(decode, <=1 tokens, <=1 requests" in record.getMessage()
         )
+
+
+def test_the_engine_charges_a_slow_launch_to_the_step_launched(tiny_llama_dir):
+    """Through ``LLMEngine`` with async scheduling: a request joining a running one makes a mixed
+    step whose launch takes 50 ms of the injected clock; the decode step in flight while it
+    launches is not the one charged (it used to be logged as a slow decode step with nothing new)."""
+    from pprun import LLM, SamplingParams
+
+    with LLM(str(tiny_llama_dir), dtype="float32") as llm:
+        engine = llm.engine
+        assert engine.executor.max_in_flight == 2  # async scheduling: a step launches while one runs
+        dog = engine.watchdog
+        clock = FakeClock()
+        dog.clock, dog.min_samples, dog.warn_interval_s = clock, 4, 0.0
+        submit, get_output = engine.executor.submit, engine.executor.get_output
+        mixed_steps = []
+
+        def slow_mixed_submit(so):
+            submit(so)
+            if so.scheduled_new_reqs and so.num_reqs > len(so.scheduled_new_reqs):
+                mixed_steps.append(so.step_id)
+                clock.now += 0.050
+
+        def timed_get_output():
+            clock.now += 0.001
+            return get_output()
+
+        engine.executor.submit, engine.executor.get_output = slow_mixed_submit, timed_get_output
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        engine.add_request(list(range(5, 25)), params)
+        num_steps = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            num_steps += 1
+            if num_steps == 15:
+                engine.add_request(list(range(30, 50)), params)
+        assert len(mixed_steps) == 1
+        assert dog.num_observed == engine.num_steps
+        assert max(dog.times[StepClass("decode", 1, 1)]) < 0.010
+        assert dog.num_slow == 0

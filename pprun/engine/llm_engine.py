@@ -421,6 +421,7 @@ class LLMEngine:
                 break
             if so.scheduled_new_reqs:
                 self._note_scheduled(so)
+            self.watchdog.submitting()
             self.executor.submit(so)
             self.watchdog.submitted(so)
             self.in_flight.append(so)

@@ -1,14 +1,20 @@
 """The step watchdog: a step much slower than its class is logged, with its sizes and what it used
 for the first time, so that a regression shows in a deployment's logs.
 
-A step's time is what it adds as the engine sees it: from :meth:`StepWatchdog.submitted` (handed
-to the executor) or, when later, from the output of the step ahead of it, to
-:meth:`StepWatchdog.answered` (its output back).  With async scheduling a step is submitted while
-the one ahead still runs (a decode step behind a new request's prefill, say); from its submission
-alone its time would include the step ahead, and every first decode step after a prefill would
-read as many times its class's median (seen in serving at one request at a time: a 1 ms decode
-step timed at 13-27 ms).  Through a pipeline of several stages the time is then the interval
-between two outputs, which is also what a client sees between tokens.
+A step's time is what it adds as the engine sees it: its launch (from
+:meth:`StepWatchdog.submitting` to :meth:`StepWatchdog.submitted`: the host time of handing it to
+the executor, which with the in-process executor launches its kernels), then from the end of that
+launch or, when later, from the output of the step ahead of it, to :meth:`StepWatchdog.answered`
+(its output back), less the launches of other steps in that interval.  With async scheduling a
+step is submitted while the one ahead still runs (a decode step behind a new request's prefill,
+say); from its submission alone its time would include the step ahead, and every first decode
+step after a prefill would read as many times its class's median (seen in serving at one request
+at a time: a 1 ms decode step timed at 13-27 ms).  The other way round, the engine launches the
+next step before it waits for the one in flight: that launch is the next step's (an eager mixed
+step of a new prompt and running decodes launches kernel by kernel, tens of ms for a model of 36
+layers), not the in-flight decode step's, which would otherwise read as a slow decode step with
+nothing new.  Through a pipeline of several stages the time is then the interval between two
+outputs, which is also what a client sees between tokens.
 
 A step's *class* (:class:`StepClass`) is its kind and its size, bucketed:
 
@@ -170,7 +176,8 @@ class SlowStep:
 
 @dataclass(frozen=True)
 class SubmittedStep:
-    """A step in flight: its class, when it was submitted, its sizes and its firsts."""
+    """A step in flight: its class, when its launch ended, its sizes and its firsts, and how long
+    its launch took."""
 
     cls: StepClass
     t_submit: float
@@ -178,6 +185,9 @@ class SubmittedStep:
     num_reqs: int
     num_new_reqs: int
     firsts: tuple[str, ...]
+    launch_s: float = 0.0
+    """Host time from :meth:`StepWatchdog.submitting` to :meth:`StepWatchdog.submitted` (0 when
+    the engine did not say when it began)."""
 
 
 @dataclass
@@ -212,6 +222,15 @@ class StepWatchdog:
     _num_unlogged: int = field(default=0, init=False, repr=False)
     _last_answered: float = field(default=float("-inf"), init=False, repr=False)
     """When the latest output came back: a step's time starts there if it was submitted before."""
+    _launch_began: float | None = field(default=None, init=False, repr=False)
+    """When the launch of the step about to be submitted began (:meth:`submitting`)."""
+    _launches: deque[tuple[float, float]] = field(default_factory=deque, init=False, repr=False)
+    """``(began, ended)`` of recent launches: taken out of the times of the steps in flight then."""
+
+    def submitting(self) -> None:
+        """The engine is about to hand a step to the executor: its launch begins (the host time
+        until :meth:`submitted` is that step's, not the steps' in flight)."""
+        self._launch_began = self.clock()
 
     def submitted(self, so: SchedulerOutput) -> None:
         """Note a step handed to the executor: its class, sizes and what it uses for the first time."""
@@ -230,8 +249,13 @@ class StepWatchdog:
                     firsts.append(feature)
                 elif record(key := f"request: {feature}"):
                     firsts.append(key)
+        now = self.clock()
+        began, self._launch_began = self._launch_began, None
+        launch_s = 0.0 if began is None else max(0.0, now - began)
+        if launch_s > 0.0:
+            self._launches.append((began, now))
         self._pending[so.step_id] = SubmittedStep(
-            cls, self.clock(), num_tokens, num_reqs, len(so.scheduled_new_reqs), tuple(dict.fromkeys(firsts))
+            cls, now, num_tokens, num_reqs, len(so.scheduled_new_reqs), tuple(dict.fromkeys(firsts)), launch_s
         )
 
     def answered(self, so: SchedulerOutput, stage_keys: tuple[str, ...] = ()) -> SlowStep | None:
@@ -247,7 +271,11 @@ class StepWatchdog:
             return None
         now = self.clock()
         started, self._last_answered = max(p.t_submit, self._last_answered), now
-        slow = self.observe(p, now - started, now)
+        # Other steps' launches in this step's interval (its own ended at t_submit <= started).
+        others = sum(max(0.0, min(end, now) - max(began, started)) for began, end in self._launches)
+        while self._launches and self._launches[0][1] <= now:
+            self._launches.popleft()  # every later interval starts at this output or after
+        slow = self.observe(p, p.launch_s + (now - started) - others, now)
         if slow is not None:
             logger.warning("%s", slow.message())
         return slow
@@ -278,3 +306,5 @@ class StepWatchdog:
         """Drop the steps in flight (the engine failed; their outputs never come)."""
         self._pending.clear()
         self._last_answered = float("-inf")
+        self._launch_began = None
+        self._launches.clear()
