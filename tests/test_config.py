@@ -508,11 +508,13 @@ def test_unknown_model_names_the_aliases() -> None:
 
 def test_piecewise_sizes_default_to_token_counts_up_to_the_budget():
     """Piecewise graphs are sized in tokens: by default every default size up to the step's token
-    budget (a 512-token prompt is one replay), the decode sizes where only those are given, or
+    budget (a 512-token prompt is one replay, and so is a mixed step of it and up to 512 decode
+    rows), the decode sizes where only those are given, or
     their own list."""
     comp = CompilationConfig()
     assert comp.cudagraph_mode == "full_and_piecewise"
-    assert comp.resolved_piecewise_sizes(8192)[-3:] == [256, 384, 512]
+    assert comp.resolved_piecewise_sizes(8192)[-7:] == [256, 384, 512, 576, 640, 768, 1024]
+    assert comp.resolved_piecewise_sizes(700)[-3:] == [512, 576, 640]
     assert comp.resolved_piecewise_sizes(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96]
     assert CompilationConfig(cudagraph_capture_sizes=[4, 1]).resolved_piecewise_sizes(8192) == [1, 4]
     assert CompilationConfig(piecewise_capture_sizes=[64, 8, 8]).resolved_piecewise_sizes(8192) == [8, 64]

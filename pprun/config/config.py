@@ -21,6 +21,14 @@ logger = logging.getLogger(__name__)
 DEFAULT_CUDAGRAPH_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 """Batch sizes (requests per decode step) captured as CUDA graphs when none are configured."""
 
+DEFAULT_PIECEWISE_EXTRA_SIZES: tuple[int, ...] = (576, 640, 768, 1024)
+"""Token counts past the largest decode size that also get piecewise graphs by default: a step
+that joins one 512-token prompt to the requests decoding (512 + up to 256 tokens; 1,024 for two
+such prompts) replays a graph instead of launching every kernel of every layer from the host.  An
+eager step of that size launches some 13 kernels a layer, with the Python around each, which on a
+36-layer model takes longer on the host than its kernels take on the GPU; a 512-token prefill of
+the 22-layer 1.1B Llama takes 15.1 ms eager against 3.4-6.6 ms as one replay (docs/performance.md)."""
+
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 """``max_model_len=None`` uses the model's ``max_position_embeddings``, but at most this many tokens."""
 
@@ -171,10 +179,13 @@ class CompilationConfig:
     graph; a larger one runs eagerly)."""
     piecewise_capture_sizes: list[int] | None = None
     """Padded token counts of the piecewise graphs (modes piecewise and full_and_piecewise); None: the
-    ``cudagraph_capture_sizes`` where those are given, else 1,2,4,...,384,512 capped at the step's
-    token budget (``scheduler.max_num_batched_tokens``), so a prompt of up to 512 tokens is one replay;
-    a step of more tokens runs eagerly (its kernels are large enough that launches do not matter).
-    Sizes above the token budget are dropped: no step would replay them."""
+    ``cudagraph_capture_sizes`` where those are given, else 1,2,4,...,384,512 and 576,640,768,1024
+    (:data:`DEFAULT_PIECEWISE_EXTRA_SIZES`) capped at the step's token budget
+    (``scheduler.max_num_batched_tokens``): a prompt of up to 512 tokens is one replay, and so is
+    a step joining it to up to 512 tokens of other requests (a new prompt arriving while others
+    decode); a step of more tokens runs eagerly (its kernels are then long enough that their
+    launches hide behind them).  Sizes above the token budget are dropped: no step would replay
+    them."""
     warmup: str = "auto"
     """auto|full|none: before the engine reports ready, run one step of every class a step can take
     (token and request counts, mixed steps, sampler variants, prefix hits, chunked prefill,
@@ -196,7 +207,8 @@ class CompilationConfig:
             return sorted({int(s) for s in self.piecewise_capture_sizes})
         if self.cudagraph_capture_sizes is not None:
             return sorted({int(s) for s in self.cudagraph_capture_sizes})
-        return [s for s in DEFAULT_CUDAGRAPH_CAPTURE_SIZES if s <= max_num_batched_tokens]
+        return [s for s in DEFAULT_CUDAGRAPH_CAPTURE_SIZES + DEFAULT_PIECEWISE_EXTRA_SIZES
+                if s <= max_num_batched_tokens]
 
 
 @dataclass
