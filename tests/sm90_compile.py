@@ -34,7 +34,9 @@ os.dup2(2, 1)  # what Triton prints goes where the errors go, not to the reply c
 
 def compile_one(spec):
     fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
-    const = spec["constexprs"]
+    # A Triton dtype travels as its name: "tl.bfloat16".
+    const = {k: getattr(triton.language, v[3:]) if isinstance(v, str) and v.startswith("tl.") else v
+             for k, v in spec["constexprs"].items()}
     signature = {}
     for name in fn.arg_names:
         if name in const:
@@ -123,7 +125,7 @@ def compile_sm90(module: str, kernel: str, constexprs: dict, *, options: dict, p
                  divisible: tuple[str, ...] = ()) -> str:
     """The PTX of ``module.kernel`` compiled for sm_90 with ``constexprs`` and launch ``options``;
     pointer arguments typed by ``pointers`` (else ``default_pointer``), the others int32 except
-    ``float_args``.  Skips the test when Triton or its NVIDIA toolchain is missing."""
+    ``float_args``; a Triton dtype among ``constexprs`` is given by name (``"tl.bfloat16"``).  Skips the test when Triton or its NVIDIA toolchain is missing."""
     pytest.importorskip("triton")
     spec = {"module": module, "kernel": kernel, "constexprs": constexprs, "options": options,
             "pointers": pointers or {}, "default_pointer": default_pointer, "float_args": list(float_args),

@@ -335,8 +335,8 @@ def test_fp8_expert_kernels_compile_for_sm90(w_scale):
     pointers = {"sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_rows_ptr": "*i32", "weights_ptr": "*fp32",
                 "w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
     gemm = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOT_F32": False, "TOP_K": 8, "DIRECT": False,
-            "W_SCALE": w_scale, "SCALE_BLOCK": 128 if w_scale == 2 else 1}
-    for kernel, extra in (("_gate_up_kernel", {"PRECISE_EXP": True}), ("_down_kernel", {"PARTIALS": True})):
+            "W_SCALE": w_scale, "SCALE_BLOCK": 128 if w_scale == 2 else 1, "ACT_DTYPE": "tl.bfloat16", "A_FP8": False}
+    for kernel, extra in (("_gate_up_kernel", {"PRECISE_EXP": True, "ACT_FP8": False}), ("_down_kernel", {"PARTIALS": True})):
         ptx = compile_sm90("pprun.layers.moe_triton", kernel, {**gemm, **extra},
                            options={"num_warps": 4, "num_stages": 3, "enable_fp_fusion": False}, pointers=pointers,
                            default_pointer="*bf16", divisible=("hidden", "inter"))

@@ -423,11 +423,13 @@ def test_expert_kernels_compile_for_sm90():
     # The partials in the activation dtype (PARTIALS_IN_DTYPE) or fp32.
     compile_sm90("pprun.layers.moe_triton", "_down_kernel",
                  {**dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, DOT_F32=False), "TOP_K": 8, "PARTIALS": True,
-                  "DIRECT": False, "W_SCALE": 0, "SCALE_BLOCK": 1}, options={"num_warps": 8, "num_stages": 4, "enable_fp_fusion": False},
+                  "DIRECT": False, "W_SCALE": 0, "SCALE_BLOCK": 1, "ACT_DTYPE": "tl.bfloat16", "A_FP8": False},
+                 options={"num_warps": 8, "num_stages": 4, "enable_fp_fusion": False},
                  pointers=_EXPERT_POINTERS, default_pointer="*bf16", divisible=("hidden", "inter"))
-    gemm = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_F32": False, "W_SCALE": 0, "SCALE_BLOCK": 1}
+    gemm = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_F32": False, "W_SCALE": 0, "SCALE_BLOCK": 1,
+            "ACT_DTYPE": "tl.bfloat16", "A_FP8": False}
     for (kernel, extra, pointers), direct in itertools.product((
-        ("_gate_up_kernel", {"TOP_K": 8, "PRECISE_EXP": True}, {}),
+        ("_gate_up_kernel", {"TOP_K": 8, "PRECISE_EXP": True, "ACT_FP8": False}, {}),
         ("_down_kernel", {"TOP_K": 8, "PARTIALS": True}, {"y_ptr": "*fp32"}),  # partials for the next norm
     ), (False, True)):  # direct: the blocks' experts are the routing's int64 ids
         ptx = compile_sm90("pprun.layers.moe_triton", kernel, {**gemm, **extra, "DIRECT": direct}, options=options,

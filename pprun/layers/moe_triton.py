@@ -34,14 +34,34 @@ split partials, which it sums in slot order as it reads them.
 Float8 experts (an FP8 checkpoint's, kept as stored: ``pprun.models.moe``): both GEMMs read
 float8 e4m3 weights with float32 scales, one per weight row (compressed-tensors ``channel``; a
 per-tensor scale repeated over the rows) or one per 128x128 block (``fp8`` with
-``weight_block_size``).  The activations stay in bf16/fp16 (W8A16): each weight tile is upcast
-in registers (exact: every e4m3 value is a bf16 value) and multiplied on the same tensor cores
-as bf16 experts; per-row scales multiply the fp32 sums once after the K loop, block scales each
-K tile's product (K tiles of at most one block: :func:`experts_config`).  A decode step reads
-the experts' weights once per expert used and little else, so it is bound by their bytes, which
-float8 halves; prefill steps are bound by the MMAs, here bf16 MMAs as for bf16 experts (FP8
-MMAs on activations quantized per token and 128 columns would double their peak rate, at the
-cost of rounding the activations to FP8: not done here).
+``weight_block_size``), in one of two modes:
+
+- W8A16 (every step of per-row-scaled experts; block-scaled ones below
+  :data:`FP8_W8A8_MIN_TOKENS`, which is None, never, by default): the activations stay in
+  bf16/fp16; each weight tile is upcast in registers (exact: every e4m3 value is a bf16 value)
+  and multiplied on the same tensor cores as bf16 experts; per-row scales multiply the fp32 sums
+  once after the K loop, block scales each K tile's product (K tiles of at most one block:
+  :func:`experts_config`).  The tiles are those tuned for bf16 experts.
+- W8A8 (block-scaled experts, steps of at least :data:`FP8_W8A8_MIN_TOKENS` tokens, ``hidden``
+  and ``inter`` whole scale blocks: :func:`uses_w8a8`): the activations are float8 too, quantized
+  per row and scale block of columns (128; scale = the group's amax / 448, fp32) as
+  ``pprun.layers.fp8_quant`` quantizes them (``to_fp8``'s rounding, exact under the
+  interpreter).  The hidden states are quantized once per layer, ``T`` rows
+  (:func:`quantize_fp8_rows`, one launch), and gate_up reads each token's row for each of its
+  entries.  Each K tile is one float8-by-float8 ``tl.dot`` into fp32 (Hopper's FP8 MMA on
+  64-row blocks), times the activations' scale of its row and K block and the weights' block
+  scale of its column (K tiles of at most one block).  gate_up writes ``act`` in float8 with its
+  scales itself: its column tiles are whole scale blocks (:func:`w8a8_config`), so a program
+  holds each row's whole groups after the SwiGLU and quantizes them in its epilogue, which spares
+  a launch and a write and read of ``act`` in bf16 per layer; with column tiles that split a
+  block (a config given by hand) it writes ``act`` in bf16 and one quantization launch follows.
+  down reads ``act``'s float8 values and scales the same way.  The SwiGLU output and each expert's
+  output are rounded to the activations' dtype as in W8A16.  Tiles: :func:`w8a8_config`.
+
+A decode step reads the experts' weights once per expert used and little else, so it is bound
+by their bytes, which float8 halves in either mode; prefill steps are bound by the MMAs, whose
+peak rate FP8 doubles, at the cost of rounding the activations to 3 mantissa bits (a few
+percent of each product).  Per-row-scaled experts run W8A16 at every size.
 
 The sort runs in one Triton program (:func:`_align_kernel`) up to :data:`ALIGN_KERNEL_MAX_ENTRIES`
 entries (decode steps, what full CUDA graphs hold); longer prefill steps sort in two launches over
@@ -65,6 +85,7 @@ import triton.language as tl
 
 from pprun.kernels.partials import SplitPartials, check_defer_merge
 from pprun.kernels.triton_utils import INTERPRETED, NO_FMA
+from pprun.layers.fp8_quant import FP8_MAX, SCALE_EPS, quantize_groups, to_fp8
 from pprun.layers.fused import silu_mul
 from pprun.layers.moe_shapes import expert_scale_shapes
 from pprun.utils.first_use import count_class_top
@@ -381,6 +402,11 @@ def align_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> 
     return ExpertAlignment(sorted_entries, block_expert, ends[-1:].to(torch.int32), block_m)
 
 
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_FP8_SCALE_EPS = tl.constexpr(SCALE_EPS)
+_EXACT_FP8 = tl.constexpr(INTERPRETED)
+
+
 @triton.jit
 def _dot(a, b, DOT_F32: tl.constexpr):
     """``a @ b`` accumulated in fp32: fp32 operands in IEEE fp32 where ``DOT_F32``."""
@@ -406,16 +432,40 @@ def _block_tile(block_expert_ptr, sorted_ptr, pid_m, num_entries, width, BLOCK_M
 
 
 @triton.jit
-def _scaled_tile(acc, a, w, s_ptrs, col_ok, k0, DOT_F32: tl.constexpr, W_SCALE: tl.constexpr,
-                 SCALE_BLOCK: tl.constexpr):
+def _scaled_tile(acc, a, w, s_ptrs, col_ok, k0, a_scale, DOT_F32: tl.constexpr, W_SCALE: tl.constexpr,
+                 SCALE_BLOCK: tl.constexpr, A_FP8: tl.constexpr):
     """``acc + a @ w`` for one K tile, ``w`` upcast to ``a``'s dtype in registers (exact for float8
     e4m3); with block scales (``W_SCALE == 2``) the tile's product times each column's scale of
     the K block the tile lies in (``BLOCK_K`` divides ``SCALE_BLOCK``; ``s_ptrs``: each column's
-    row of block scales)."""
+    row of block scales).  ``A_FP8`` (W8A8): ``a`` is float8 too, multiplied as float8 (FP8
+    tensor-core MMAs, fp32 sums), the product scaled by each row's ``a_scale`` of this K block and
+    the weights' block scales."""
+    if A_FP8:
+        p = tl.dot(a, w, out_dtype=tl.float32)
+        p = p * a_scale[:, None] * tl.load(s_ptrs + k0 // SCALE_BLOCK, mask=col_ok, other=0.0)[None, :]
+        return acc + p
     p = _dot(a, w.to(a.dtype), DOT_F32)
     if W_SCALE == 2:
         p = p * tl.load(s_ptrs + k0 // SCALE_BLOCK, mask=col_ok, other=0.0)[None, :]
     return acc + p
+
+
+@triton.jit
+def _store_fp8_groups(q_ptr, qs_ptr, x, rows, row_ok, cols, col_ok, stride_q, stride_qs, num_groups,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """``x [BLOCK_M, BLOCK_N]`` (whole ``GROUP``-column groups: the program's ``BLOCK_N`` columns
+    of tile ``program_id(1)``) quantized as :func:`pprun.layers.fp8_quant.quantize_groups`
+    quantizes: per row and group the scale ``amax / 448`` (at least its epsilon), ``x / scale``
+    clamped to float8 e4m3's range; the float8 values at ``q_ptr + row * stride_q + col``, the
+    scales at ``qs_ptr + row * stride_qs + group`` (groups ``< num_groups``)."""
+    g = tl.reshape(x.to(tl.float32), [BLOCK_M, BLOCK_N // GROUP, GROUP])
+    scale = tl.maximum(tl.max(tl.abs(g), axis=2) / _FP8_MAX, _FP8_SCALE_EPS)
+    q = tl.reshape(tl.clamp(g / scale[:, :, None], -_FP8_MAX, _FP8_MAX), [BLOCK_M, BLOCK_N])
+    tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], to_fp8(q, q_ptr.dtype.element_ty, _EXACT_FP8),
+             mask=row_ok[:, None] & col_ok[None, :])
+    groups = tl.program_id(1) * (BLOCK_N // GROUP) + tl.arange(0, BLOCK_N // GROUP)
+    tl.store(qs_ptr + rows[:, None] * stride_qs + groups[None, :], scale,
+             mask=row_ok[:, None] & (groups < num_groups)[None, :])
 
 
 @triton.jit
@@ -433,9 +483,9 @@ def _scale_pointers(s_ptr, expert, cols, row0, stride_se, stride_sn, W_SCALE: tl
 
 @triton.jit(do_not_specialize=["num_entries"])
 def _gate_up_kernel(
-    x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, s_ptr,
+    x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, s_ptr, xs_ptr, act_s_ptr,
     num_entries, hidden, inter, up_scale_row,
-    stride_x, stride_we, stride_wn, stride_act, stride_se, stride_sn,
+    stride_x, stride_we, stride_wn, stride_act, stride_se, stride_sn, stride_xs_m, stride_xs_k, stride_act_s,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -445,15 +495,25 @@ def _gate_up_kernel(
     DIRECT: tl.constexpr,
     W_SCALE: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
+    ACT_DTYPE: tl.constexpr,
+    A_FP8: tl.constexpr,
+    ACT_FP8: tl.constexpr,
 ):
     """One block of one expert's rows times ``BLOCK_N`` columns of its gate and of its up
-    projection; SwiGLU in the epilogue, stored at each row's entry.
+    projection; SwiGLU in the epilogue (rounded to ``ACT_DTYPE``, the activations' dtype), stored
+    at each row's entry.
 
     ``W_SCALE``: 0 for weights in the activations' dtype; float8 weights upcast in registers
     with 1, one fp32 scale per weight row (``s_ptr + expert * stride_se + row * stride_sn``),
     applied to the sums after the K loop, or with 2, one per ``SCALE_BLOCK`` x ``SCALE_BLOCK``
     block (``... + row_block * stride_sn + k_block``), applied per K tile; the up rows' scales
-    start ``up_scale_row`` scale rows in (the gate's own blocks end there)."""
+    start ``up_scale_row`` scale rows in (the gate's own blocks end there).
+
+    ``A_FP8`` (W8A8, with ``W_SCALE == 2``): ``x`` is float8, one fp32 scale per token and
+    ``SCALE_BLOCK`` columns at ``xs_ptr + token * stride_xs_m + k_block * stride_xs_k``; the float8
+    tiles are multiplied as they are (:func:`_scaled_tile`).  ``ACT_FP8``: the SwiGLU output is
+    stored quantized per row and ``SCALE_BLOCK`` columns (``act_ptr`` float8, its scales at
+    ``act_s_ptr + entry * stride_act_s + group``; ``BLOCK_N`` a multiple of ``SCALE_BLOCK``)."""
     pid_m = tl.program_id(0)
     if not DIRECT:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -466,31 +526,39 @@ def _gate_up_kernel(
     w_up = w_gate + inter * stride_wn
     s_gate = _scale_pointers(s_ptr, expert, cols, 0, stride_se, stride_sn, W_SCALE, SCALE_BLOCK)
     s_up = _scale_pointers(s_ptr, expert, cols, up_scale_row, stride_se, stride_sn, W_SCALE, SCALE_BLOCK)
+    xs_rows = xs_ptr + tokens * stride_xs_m
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
         a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        a_scale = 0.0
+        if A_FP8:
+            a_scale = tl.load(xs_rows + (k0 // SCALE_BLOCK) * stride_xs_k, mask=valid, other=0.0)
         w_mask = col_ok[None, :] & k_ok[:, None]
         g = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)
         u = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
-        acc_gate = _scaled_tile(acc_gate, a, g, s_gate, col_ok, k0, DOT_F32, W_SCALE, SCALE_BLOCK)
-        acc_up = _scaled_tile(acc_up, a, u, s_up, col_ok, k0, DOT_F32, W_SCALE, SCALE_BLOCK)
+        acc_gate = _scaled_tile(acc_gate, a, g, s_gate, col_ok, k0, a_scale, DOT_F32, W_SCALE, SCALE_BLOCK, A_FP8)
+        acc_up = _scaled_tile(acc_up, a, u, s_up, col_ok, k0, a_scale, DOT_F32, W_SCALE, SCALE_BLOCK, A_FP8)
     if W_SCALE == 1:
         acc_gate = acc_gate * tl.load(s_gate, mask=col_ok, other=0.0)[None, :]
         acc_up = acc_up * tl.load(s_up, mask=col_ok, other=0.0)[None, :]
-    dtype = act_ptr.dtype.element_ty
-    act = silu_mul(acc_gate.to(dtype), acc_up.to(dtype), PRECISE_EXP)
-    out = act_ptr + entries[:, None].to(tl.int64) * stride_act + cols[None, :]
-    tl.store(out, act, mask=valid[:, None] & col_ok[None, :])
+    act = silu_mul(acc_gate.to(ACT_DTYPE), acc_up.to(ACT_DTYPE), PRECISE_EXP)
+    rows = entries.to(tl.int64)
+    if ACT_FP8:
+        # Columns past inter are zero (their weights load as zero): no group's amax changes.
+        _store_fp8_groups(act_ptr, act_s_ptr, act, rows, valid, cols, col_ok, stride_act, stride_act_s,
+                          inter // SCALE_BLOCK, BLOCK_M, BLOCK_N, SCALE_BLOCK)
+    else:
+        tl.store(act_ptr + rows[:, None] * stride_act + cols[None, :], act, mask=valid[:, None] & col_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_entries", "num_tokens"])
 def _down_kernel(
-    act_ptr, w_ptr, weights_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, s_ptr,
+    act_ptr, w_ptr, weights_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, s_ptr, act_s_ptr,
     num_entries, num_tokens, hidden, inter,
-    stride_act, stride_we, stride_wn, stride_y, stride_se, stride_sn,
+    stride_act, stride_we, stride_wn, stride_y, stride_se, stride_sn, stride_act_s_m, stride_act_s_k,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -500,11 +568,16 @@ def _down_kernel(
     DIRECT: tl.constexpr,
     W_SCALE: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
+    ACT_DTYPE: tl.constexpr,
+    A_FP8: tl.constexpr,
 ):
     """One block of one expert's rows times ``BLOCK_N`` columns of its down projection, scaled
     by each row's routing weight in the epilogue, stored at the row's entry (``PARTIALS``: in
     fp32 at row ``slot * num_tokens + token``, a ``[TOP_K, T, hidden]`` partial sum per slot).
-    ``W_SCALE``, ``SCALE_BLOCK``: float8 weights' scales, as :func:`_gate_up_kernel` takes them."""
+    ``W_SCALE``, ``SCALE_BLOCK``: float8 weights' scales, as :func:`_gate_up_kernel` takes them;
+    ``A_FP8`` (W8A8): ``act`` float8 with one fp32 scale per entry and ``SCALE_BLOCK`` columns
+    (``act_s_ptr + entry * stride_act_s_m + k_block * stride_act_s_k``); ``ACT_DTYPE``: the
+    activations' dtype, which each expert output is rounded to."""
     pid_m = tl.program_id(0)
     if not DIRECT:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -515,18 +588,22 @@ def _down_kernel(
     rows = entries.to(tl.int64)
     w_cols = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
     s_cols = _scale_pointers(s_ptr, expert, cols, 0, stride_se, stride_sn, W_SCALE, SCALE_BLOCK)
+    as_rows = act_s_ptr + rows * stride_act_s_m
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < inter
         a = tl.load(act_ptr + rows[:, None] * stride_act + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        a_scale = 0.0
+        if A_FP8:
+            a_scale = tl.load(as_rows + (k0 // SCALE_BLOCK) * stride_act_s_k, mask=valid, other=0.0)
         w = tl.load(w_cols + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = _scaled_tile(acc, a, w, s_cols, col_ok, k0, DOT_F32, W_SCALE, SCALE_BLOCK)
+        acc = _scaled_tile(acc, a, w, s_cols, col_ok, k0, a_scale, DOT_F32, W_SCALE, SCALE_BLOCK, A_FP8)
     if W_SCALE == 1:
         acc = acc * tl.load(s_cols, mask=col_ok, other=0.0)[None, :]
     weight = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
     # Rounded as the reference rounds: the expert's output in the activation dtype, then scaled.
-    y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
+    y = acc.to(ACT_DTYPE).to(tl.float32) * weight[:, None]
     if PARTIALS:
         rows = (rows % TOP_K) * num_tokens + rows // TOP_K
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
@@ -576,6 +653,13 @@ half the bytes written and read.  On the H200 (``python scripts/gpu_speed.py /tm
 two 8,192-token steps of Qwen3-30B-A3B's 24 layers spend 129.7 ms in kernels with them in bf16,
 133.7 ms in fp32; summing the rows before the norm instead (``PARTIALS_MAX_TOKENS=1024``):
 133.8 ms."""
+
+FP8_W8A8_MIN_TOKENS: int | None = None
+"""None: never; else steps of at least this many tokens (by their count's class,
+``pprun.utils.first_use.count_class_top``, as the tiles are chosen) run block-scaled float8
+experts W8A8: activations quantized to float8 per token and scale block of columns, FP8
+tensor-core MMAs (module docstring, "Float8 experts").  Off until timed on the GPU
+(``scripts/gpu_speed.py --ab --ab-only FP8_W8A8_MIN_TOKENS --ab-prefill``)."""
 
 TUNED_DIR = Path(__file__).with_name("moe_configs")
 """Tuned settings shipped with pprun: one JSON file per GPU model (``NVIDIA_H200.json``), written
@@ -699,14 +783,41 @@ def default_config(num_entries: int, num_experts: int, dtype: torch.dtype) -> Ge
     return GemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4)
 
 
+def w8a8_config(num_tokens: int, num_experts: int, top_k: int, scale_block: int) -> ExpertsConfig:
+    """Tiles of the W8A8 GEMMs (block-scaled float8 experts, :data:`FP8_W8A8_MIN_TOKENS`) for a
+    step of ``num_tokens`` tokens (by its class): the tile sizes of vLLM's tuned H200 settings
+    for Qwen3-30B-A3B's block-FP8 experts (16-row blocks up to 8 rows per expert, 64 past, where
+    Hopper's warpgroup FP8 MMA takes the tile; 128 output columns; 128-column K tiles), K tiles
+    within one scale block and column tiles of whole scale blocks (gate_up then quantizes its
+    output itself: :func:`gate_up`)."""
+    rows_per_expert = count_class_top(num_tokens) * top_k / num_experts
+    block_m = 16 if rows_per_expert <= 8 else 64
+    cfg = GemmConfig(block_m=block_m, block_n=max(128, scale_block), block_k=min(128, scale_block), num_warps=4,
+                     num_stages=3 if block_m == 16 else 4)
+    return ExpertsConfig(cfg, cfg)
+
+
+def uses_w8a8(num_tokens: int, hidden: int, inter: int, scale_block: int | None) -> bool:
+    """Whether a step of ``num_tokens`` tokens runs experts with ``scale_block`` x ``scale_block``
+    block scales (None: per-row scales, or not float8) W8A8: :data:`FP8_W8A8_MIN_TOKENS` admits
+    its class, and ``hidden`` and ``inter`` (the GEMMs' K) are whole scale blocks (the activations
+    are quantized per block of columns)."""
+    return (scale_block is not None and FP8_W8A8_MIN_TOKENS is not None
+            and count_class_top(num_tokens) >= FP8_W8A8_MIN_TOKENS
+            and hidden % scale_block == 0 and inter % scale_block == 0)
+
+
 def experts_config(num_tokens: int, w13: torch.Tensor, top_k: int, dtype: torch.dtype,
-                   scale_block: int | None = None) -> ExpertsConfig:
+                   scale_block: int | None = None, w8a8: bool = False) -> ExpertsConfig:
     """The settings for ``num_tokens`` tokens through experts ``w13 [E, 2 * inter, hidden]``
     (:func:`config_for`, by the tokens' class): the tuned entry of the nearest token count for
     this GPU and shape (:func:`tuned_table`, keyed by the activations' ``dtype``: float8 experts
     take the tiles tuned for bf16 ones), else :func:`default_config` for both GEMMs.  ``scale_block`` (float8 experts with block scales):
-    K tiles of at most one scale block (each tile's product takes one block's scales)."""
+    K tiles of at most one scale block (each tile's product takes one block's scales).  ``w8a8``
+    (block-scaled experts run W8A8): :func:`w8a8_config` (the tuned table's tiles are bf16 MMAs')."""
     num_experts, two_inter, hidden = w13.shape
+    if w8a8:
+        return w8a8_config(num_tokens, num_experts, top_k, scale_block)
     table = {}
     if w13.is_cuda and not INTERPRETED:
         table = tuned_table(_device_name(w13.device.index), shape_key(num_experts, two_inter // 2, hidden, top_k, dtype))
@@ -759,46 +870,104 @@ def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
     return (0, 0) if scale is None else (scale.stride(0), scale.stride(1))
 
 
-def gate_up(x: torch.Tensor, w13: torch.Tensor, align: ExpertAlignment, top_k: int, cfg: GemmConfig,
-            w13_scale: torch.Tensor | None = None, scale_block: int | None = None) -> torch.Tensor:
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+class Fp8Rows(NamedTuple):
+    """Activations quantized to float8 e4m3 per row and group of columns (W8A8), as
+    :func:`pprun.layers.fp8_quant.quantize_groups` makes them: ``q [rows, K]`` float8, ``scale
+    [rows, K / group]`` float32 (any strides) with ``rows ~ q * scale``; ``dtype`` the activations'
+    dtype they were quantized from (what the GEMM's outputs are rounded to)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def quantize_fp8_rows(x: torch.Tensor, group: int) -> Fp8Rows:
+    """``x [rows, K]`` as :class:`Fp8Rows` (one launch of ``quantize_groups``: scales column-major)."""
+    q, scale = quantize_groups(x, group)
+    return Fp8Rows(q, scale, x.dtype)
+
+
+def _check_fp8_rows(name: str, rows: Fp8Rows, width: int, scale_block: int | None, w_scale: int) -> None:
+    """W8A8 takes block-scaled float8 weights, and activations of ``width`` columns quantized in
+    groups of their block (the activations' column groups are the weights' K blocks)."""
+    if w_scale != 2:
+        raise ValueError(f"float8 {name} (W8A8) take block-scaled float8 experts (scale_block={scale_block} "
+                         "here): per-row-scaled ones run W8A16")
+    num_rows = rows.q.shape[0]
+    if (width % scale_block or rows.q.dtype != FP8_WEIGHT_DTYPE or rows.q.shape[1] != width
+            or tuple(rows.scale.shape) != (num_rows, width // scale_block)):
+        raise ValueError(f"float8 {name} {rows.q.dtype} {tuple(rows.q.shape)} with scales {tuple(rows.scale.shape)}: "
+                         f"W8A8 with {scale_block}x{scale_block} blocks takes float8 e4m3 [rows, {width}] with "
+                         f"[rows, {width} / {scale_block}] scales, {width} a multiple of {scale_block}")
+
+
+def gate_up(x: torch.Tensor | Fp8Rows, w13: torch.Tensor, align: ExpertAlignment, top_k: int, cfg: GemmConfig,
+            w13_scale: torch.Tensor | None = None, scale_block: int | None = None) -> torch.Tensor | Fp8Rows:
     """The gate_up launch of :func:`fused_experts`: ``act [T * top_k, inter]`` by entry
-    (``w13_scale``, ``scale_block``: float8 weights' scales, :func:`fused_experts`)."""
-    num_entries, (_, two_inter, hidden) = x.shape[0] * top_k, w13.shape
+    (``w13_scale``, ``scale_block``: float8 weights' scales, :func:`fused_experts`).  W8A8:
+    ``x`` as :class:`Fp8Rows` (per token and ``scale_block`` columns); ``act`` is then
+    :class:`Fp8Rows` too, quantized in the epilogue, where ``cfg.block_n`` is whole scale blocks
+    (a program holds each row's whole groups), else in ``x``'s dtype (for
+    :func:`quantize_fp8_rows`)."""
+    fp8 = isinstance(x, Fp8Rows)
+    xq, dtype = (x.q, x.dtype) if fp8 else (x, x.dtype)
+    num_entries, (_, two_inter, hidden) = xq.shape[0] * top_k, w13.shape
     inter = two_inter // 2
-    act = torch.empty(num_entries, inter, dtype=x.dtype, device=x.device)
     w_scale = _w_scale(w13_scale, scale_block, cfg)
+    if fp8:
+        _check_fp8_rows("x", x, hidden, scale_block, w_scale)
+        if inter % scale_block:
+            raise ValueError(f"W8A8 experts' inter={inter} must be whole {scale_block}-column scale blocks")
+    quantize_out = fp8 and cfg.block_n % scale_block == 0
+    act = torch.empty(num_entries, inter, dtype=FP8_WEIGHT_DTYPE if quantize_out else dtype, device=xq.device)
+    act_s = torch.empty(num_entries, inter // scale_block, dtype=torch.float32, device=xq.device) if quantize_out else act
+    xs = x.scale if fp8 else xq  # unread without float8 activations
     up_scale_row = inter if scale_block is None else triton.cdiv(inter, scale_block)
     _gate_up_kernel[(align.block_expert.shape[0], triton.cdiv(inter, cfg.block_n))](
-        x, w13, act, align.sorted_entries, align.block_expert, align.num_rows,
+        xq, w13, act, align.sorted_entries, align.block_expert, align.num_rows,
         w13 if w13_scale is None else w13_scale,  # unread without a scale
+        xs, act_s,
         num_entries, hidden, inter, up_scale_row,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), *_scale_strides(w13_scale),
+        xq.stride(0), w13.stride(0), w13.stride(1), act.stride(0), *_scale_strides(w13_scale),
+        xs.stride(0), xs.stride(1), act_s.stride(0),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_F32=_dot_f32(x.dtype), PRECISE_EXP=not INTERPRETED, DIRECT=align.direct,
-        W_SCALE=w_scale, SCALE_BLOCK=scale_block or 1, **_launch(cfg), **NO_FMA,
+        DOT_F32=_dot_f32(dtype), PRECISE_EXP=not INTERPRETED, DIRECT=align.direct,
+        W_SCALE=w_scale, SCALE_BLOCK=scale_block or 1, ACT_DTYPE=_TL_DTYPE[dtype], A_FP8=fp8,
+        ACT_FP8=quantize_out, **_launch(cfg), **NO_FMA,
     )
-    return act
+    return Fp8Rows(act, act_s, dtype) if quantize_out else act
 
 
-def down(act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, align: ExpertAlignment, top_k: int,
+def down(act: torch.Tensor | Fp8Rows, w2: torch.Tensor, weights: torch.Tensor, align: ExpertAlignment, top_k: int,
          cfg: GemmConfig, partials: bool = False, w2_scale: torch.Tensor | None = None,
          scale_block: int | None = None) -> torch.Tensor:
     """The down launch of :func:`fused_experts`: ``y [T * top_k, hidden]`` by entry, weighted
     (``partials``: by slot then token, in fp32 unless :data:`PARTIALS_IN_DTYPE`; ``w2_scale``,
-    ``scale_block``: float8 weights' scales, :func:`fused_experts`)."""
-    num_entries, inter = act.shape
+    ``scale_block``: float8 weights' scales, :func:`fused_experts`); in ``act``'s dtype (W8A8:
+    ``act`` as :class:`Fp8Rows`, the dtype it was quantized from)."""
+    fp8 = isinstance(act, Fp8Rows)
+    aq, dtype = (act.q, act.dtype) if fp8 else (act, act.dtype)
+    num_entries, inter = aq.shape
     hidden = w2.shape[1]
     fp32 = partials and not PARTIALS_IN_DTYPE
-    y = torch.empty(num_entries, hidden, dtype=torch.float32 if fp32 else act.dtype, device=act.device)
+    y = torch.empty(num_entries, hidden, dtype=torch.float32 if fp32 else dtype, device=aq.device)
     w_scale = _w_scale(w2_scale, scale_block, cfg)
+    if fp8:
+        _check_fp8_rows("act", act, w2.shape[2], scale_block, w_scale)
+    a_s = act.scale if fp8 else aq  # unread without float8 activations
     _down_kernel[(align.block_expert.shape[0], triton.cdiv(hidden, cfg.block_n))](
-        act, w2, weights.reshape(-1).contiguous(), y, align.sorted_entries, align.block_expert, align.num_rows,
+        aq, w2, weights.reshape(-1).contiguous(), y, align.sorted_entries, align.block_expert, align.num_rows,
         w2 if w2_scale is None else w2_scale,  # unread without a scale
+        a_s,
         num_entries, num_entries // top_k, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *_scale_strides(w2_scale),
+        aq.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *_scale_strides(w2_scale), a_s.stride(0), a_s.stride(1),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_F32=_dot_f32(act.dtype), PARTIALS=partials, DIRECT=align.direct,
-        W_SCALE=w_scale, SCALE_BLOCK=scale_block or 1, **_launch(cfg), **NO_FMA,
+        DOT_F32=_dot_f32(dtype), PARTIALS=partials, DIRECT=align.direct,
+        W_SCALE=w_scale, SCALE_BLOCK=scale_block or 1, ACT_DTYPE=_TL_DTYPE[dtype], A_FP8=fp8,
+        **_launch(cfg), **NO_FMA,
     )
     return y
 
@@ -844,8 +1013,9 @@ def fused_experts(
     ``ids [T, top_k]``.  Float8 e4m3 experts come with their float32 scales ``w13_scale`` and
     ``w2_scale`` (:func:`expert_scale_shapes`: per weight row, or per ``scale_block`` x
     ``scale_block`` block): the kernels read the float8 bytes, upcast them to ``x``'s dtype in
-    registers and apply the scales to the fp32 sums (module docstring, "Float8 experts").
-    Returns ``[T, hidden]`` in ``x``'s dtype; with ``then="norm"`` (a
+    registers and apply the scales to the fp32 sums (module docstring, "Float8 experts"); with
+    block scales, from :data:`FP8_W8A8_MIN_TOKENS` tokens, they quantize the activations and
+    multiply float8 by float8 (W8A8, :func:`uses_w8a8`).  Returns ``[T, hidden]`` in ``x``'s dtype; with ``then="norm"`` (a
     fused add + RMSNorm reads the output) the ``top_k`` weighted expert outputs unsummed, as
     :class:`~pprun.kernels.partials.SplitPartials` ``[top_k, T, hidden]`` (in ``x``'s dtype, or
     fp32 without :data:`PARTIALS_IN_DTYPE`) that the
@@ -873,15 +1043,18 @@ def fused_experts(
         w13_scale, w2_scale = w13_scale.contiguous(), w2_scale.contiguous()
     else:
         scale_block = None
+    w8a8 = uses_w8a8(num_tokens, hidden, inter, scale_block)
     if config is None:
-        config = experts_config(num_tokens, w13, top_k, x.dtype, scale_block)
+        config = experts_config(num_tokens, w13, top_k, x.dtype, scale_block, w8a8)
     elif isinstance(config, GemmConfig):
         config = ExpertsConfig(config, config)
     up_cfg, down_cfg = config
     if up_cfg.block_m != down_cfg.block_m:
         raise ValueError(f"the two GEMMs share one sort: block_m {up_cfg.block_m} (gate_up) != {down_cfg.block_m} (down)")
     align = layout(ids, num_experts, up_cfg.block_m)
-    act = gate_up(x, w13, align, top_k, up_cfg, w13_scale, scale_block)
+    act = gate_up(quantize_fp8_rows(x, scale_block) if w8a8 else x, w13, align, top_k, up_cfg, w13_scale, scale_block)
+    if w8a8 and not isinstance(act, Fp8Rows):  # gate_up's column tiles split scale blocks
+        act = quantize_fp8_rows(act, scale_block)
     partials = then == "norm" and (PARTIALS_MAX_TOKENS is None or num_tokens <= PARTIALS_MAX_TOKENS)
     y = down(act, w2, weights, align, top_k, down_cfg, partials, w2_scale, scale_block)
     if partials:
