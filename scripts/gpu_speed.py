@@ -306,8 +306,11 @@ def switches() -> list[tuple]:
             (pprun.layers.moe_triton, "PARTIALS_MAX_TOKENS", 1024, False),  # prefill only
             (pprun.layers.moe_triton, "PARTIALS_IN_DTYPE", False, True),
             (pprun.layers.moe_triton, "ALIGN_CHUNKED_ENABLED", False, False),  # prefill only
-            # FP8 mixture-of-experts checkpoints only: the experts dequantized at load (bf16 experts).
+            # FP8 mixture-of-experts checkpoints only: the experts dequantized at load (bf16 experts);
+            # block-scaled float8 experts W8A8 (activations quantized to float8, FP8 MMAs) at every
+            # step instead of W8A16 (FP8_W8A8_MIN_TOKENS=N: from N tokens).
             (pprun.layers.moe, "FP8_EXPERTS_ENABLED", False, True),
+            (pprun.layers.moe_triton, "FP8_W8A8_MIN_TOKENS", 1, True),
             # Qwen3 models: the q/k head norms one program per head at every size.
             (pprun.layers.head_norm, "WHOLE_TOKEN_MIN_TOKENS", None, False),
             (pprun.layers.fused, "NORM_PARTS_NUM_WARPS", 4, False),
@@ -393,7 +396,8 @@ def main() -> None:
                          "the experts' rows summed past 1,024 tokens, not left to the norm (PARTIALS_MAX_TOKENS), "
                          "the partials left to the norm in fp32 (PARTIALS_IN_DTYPE=False), long steps sorted by "
                          "torch ops (ALIGN_CHUNKED_ENABLED=False), an FP8 checkpoint's experts dequantized at load "
-                         "instead of kept float8 (FP8_EXPERTS_ENABLED); Qwen3: q/k head norms one program per head at every "
+                         "instead of kept float8 (FP8_EXPERTS_ENABLED), block-scaled float8 experts W8A8 (float8 activations, FP8 "
+                         "MMAs) at every step instead of W8A16 (FP8_W8A8_MIN_TOKENS=1; =N: from N tokens); Qwen3: q/k head norms one program per head at every "
                          "size (head_norm.WHOLE_TOKEN_MIN_TOKENS=None); prefill attention with 64-row query blocks "
                          "(PREFILL_BLOCK_M=64), every tile masked (PREFILL_SPLIT_DIAGONAL=False), 3 stages "
                          "(PREFILL_NUM_STAGES=3)")
@@ -446,7 +450,7 @@ def main() -> None:
             # Only FP8 checkpoints hold Fp8Linear layers and float8 experts.
             chosen = [g for g in chosen
                       if g[0][1] not in ("FP8_SKINNY_ENABLED", "FP8_BLOCK_DISPATCH_MAX_M", "TRITON_MAX_M",
-                                         "FP8_EXPERTS_ENABLED")]
+                                         "FP8_EXPERTS_ENABLED", "FP8_W8A8_MIN_TOKENS")]
         if not args.ab_only and not model_config(args.model).get("model_type", "").startswith("qwen3"):
             # Only Qwen3's attention has q/k head norms.
             chosen = [g for g in chosen if g[0][0].__name__ != "pprun.layers.head_norm"]
