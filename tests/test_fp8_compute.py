@@ -81,6 +81,45 @@ def test_fp8_linear_matches_the_dequantized_weights(block_scaled, rows):
     assert (got.float() - want).abs().max() <= 0.06 * want.abs().max()
 
 
+@pytest.mark.gpu
+@gpu_fp8
+@pytest.mark.parametrize("in_f, out_f", [
+    (4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096),  # Qwen3-8B: qkv, o, gate_up, down
+    (2048, 5120), (4096, 2048),  # Qwen3-30B-A3B: qkv, o
+])
+@pytest.mark.parametrize("rows", [16, 512, 8192])
+def test_block_fp8_linear_at_the_published_shapes_applies_every_scale(in_f, out_f, rows):
+    """cuBLAS's block-scaled matmul at the layer shapes of the published FP8 models, against the
+    same arithmetic in fp32 (the activations quantized per token and 128 columns as the layer
+    quantizes them, times the dequantized weights): weight blocks and activation groups scaled
+    over six orders of magnitude, so a scale read for the wrong block, group or row shows as an
+    error of the output's own size, while the right ones leave only the order of the sums and the
+    bf16 output (held to 1% of the output's RMS)."""
+    from pprun.layers import fp8_quant
+    from pprun.layers.fp8_linear import Fp8Linear
+
+    gen = torch.Generator(device=DEVICE).manual_seed(in_f + out_f + rows)
+
+    def log_uniform(*shape):
+        return 10 ** (torch.rand(*shape, device=DEVICE, generator=gen) * 6 - 4)
+
+    block_scale = log_uniform(out_f // 128, in_f // 128)
+    w = torch.randn(out_f, in_f, device=DEVICE, generator=gen) * block_scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    s = w.view(out_f // 128, 128, in_f // 128, 128).abs().amax(dim=(1, 3)) / 448
+    q = (w.view(out_f // 128, 128, in_f // 128, 128) / s[:, None, :, None]).view(out_f, in_f).to(torch.float8_e4m3fn)
+    layer = Fp8Linear(in_f, out_f, bias=False, block_scaled=True).to(DEVICE)
+    layer.weight.data.copy_(q)
+    layer.load_scale(0, out_f, s)
+    x = (torch.randn(rows, in_f, device=DEVICE, generator=gen)
+         * log_uniform(rows, in_f // 128).repeat_interleave(128, 1)).to(torch.bfloat16)
+    xq, xs = fp8_quant.quantize_reference(x, 128)
+    want = (xq.float() * xs.repeat_interleave(128, 1)) @ (q.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)).t()
+    got = layer(x).float()
+    assert got.shape == (rows, out_f) and torch.isfinite(got).all()
+    rel = ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item()
+    assert rel < 0.01, rel
+
+
 def _fp8_pair(tmp_path, family: str, layout: str):
     make = {"qwen3": make_tiny_qwen3, "qwen3_moe": make_tiny_qwen3_moe}[family]
     sizes = dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=512,
