@@ -321,14 +321,15 @@ def test_tuned_settings_file(tmp_path, monkeypatch):
 
 
 def test_shipped_tuned_settings_parse():
-    """Every shipped tuned-settings file parses, one GemmConfig pair per token count."""
+    """Every shipped tuned-settings file parses, one GemmConfig pair per token count (W8A8 keys'
+    entries with their constraints)."""
     import json
 
     from pprun.layers import moe_triton
 
     for path in sorted(moe_triton.TUNED_DIR.glob("*.json")):
-        for shape in json.loads(path.read_text())["shapes"].values():
-            assert moe_triton.parse_tuned(shape, str(path))
+        for key, shape in json.loads(path.read_text())["shapes"].items():
+            assert moe_triton.parse_tuned(shape, str(path), moe_triton.w8a8_block_of(key))
 
 
 @pytest.mark.gpu

@@ -240,6 +240,96 @@ def test_w8a8_config_tiles():
         assert cfg.block_n % 128 == 0 and cfg.block_n >= 128 and cfg.block_k <= 128
 
 
+def test_w8a8_tuned_tiles_from_the_tuned_file(tmp_path, monkeypatch):
+    """``w8a8_config`` takes the tuned W8A8 entries of the GPU and shape (``PPRUN_MOE_CONFIGS``,
+    under the shape's W8A8 key), the one nearest the top of the count's class, and its rule
+    where there are none: for another GPU model, another shape, off CUDA, or bf16 entries alone.
+    ``experts_config`` reads them for W8A8 steps on the GPU (``_tuned_device``), the bf16 ones
+    for W8A16 steps."""
+    import json
+
+    pytest.importorskip("triton")
+    from pprun.layers import moe_triton as mt
+
+    key = mt.w8a8_shape_key(8, 256, 256, 2, 128)
+    assert key == "E=8,N=256,H=256,K=2,float8_w8a8_block128"
+    assert mt.w8a8_block_of(key) == 128 and mt.w8a8_block_of(mt.shape_key(8, 256, 256, 2, torch.bfloat16)) is None
+    small = {"block_m": 32, "gate_up": [64, 128, 8, 2], "down": [128, 64, 4, 5]}
+    large = {"block_m": 128, "gate_up": [128, 128, 8, 4], "down": [64, 128, 4, 3]}
+    bf16 = {"block_m": 16, "gate_up": [32, 256, 4, 3], "down": [64, 128, 4, 2]}
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps({"device": "GPU X", "shapes": {
+        key: {"4": small, "512": large}, mt.shape_key(8, 256, 256, 2, torch.bfloat16): {"4": bf16}}}))
+    monkeypatch.setenv(mt.TUNED_ENV, str(path))
+    mt.tuned_table.cache_clear()
+    try:
+        table = mt.w8a8_table("GPU X", 8, 256, 256, 2, 128)
+        assert table[4] == mt.ExpertsConfig(mt.GemmConfig(32, 64, 128, 8, 2), mt.GemmConfig(32, 128, 64, 4, 5))
+        rule = {n: mt.w8a8_config(n, 8, 2, 128) for n in (1, 33, 600)}
+        # By the class's top on a log scale: 33 tokens are in 64's class (8x from 512, 16x from 4),
+        # 600 in 1,024's; 20 is its own class (5x from 4).
+        assert [mt.w8a8_config(n, 8, 2, 128, table).gate_up.block_m for n in (1, 4, 5, 33, 63, 64, 65, 600)] == \
+            [32, 32, 32, 128, 128, 128, 128, 128]
+        assert mt.w8a8_config(20, 8, 2, 128, table).gate_up.block_m == 32
+        assert mt.w8a8_config(600, 8, 2, 128, {}) == rule[600]
+        assert mt.w8a8_table("GPU Y", 8, 256, 256, 2, 128) == {}  # tuned on another GPU model
+        assert mt.w8a8_table("GPU X", 8, 256, 512, 2, 128) == {}  # another shape
+        assert mt.w8a8_table(None, 8, 256, 256, 2, 128) == {}  # off CUDA, or the interpreter
+        assert mt.w8a8_table("GPU X", 8, 256, 256, 2, 64) == {}  # another scale block
+
+        w13 = torch.zeros(8, 512, 256, dtype=torch.float8_e4m3fn)
+        assert mt.experts_config(1, w13, 2, torch.bfloat16, 128, w8a8=True) == rule[1]  # CPU: the rule
+        monkeypatch.setattr(mt, "_tuned_device", lambda w: "GPU X")
+        assert mt.experts_config(1, w13, 2, torch.bfloat16, 128, w8a8=True) == table[4]
+        assert mt.experts_config(600, w13, 2, torch.bfloat16, 128, w8a8=True) == table[512]
+        # W8A16 steps keep the bf16 entries (block_k capped at the scale block).
+        assert mt.experts_config(1, w13, 2, torch.bfloat16, 128).gate_up == mt.GemmConfig(16, 32, 128, 4, 3)
+        path.write_text(json.dumps({"device": "GPU X", "shapes": {key: {}}}))
+        mt.tuned_table.cache_clear()
+        assert mt.experts_config(600, w13, 2, torch.bfloat16, 128, w8a8=True) == rule[600]  # none tuned: the rule
+    finally:
+        mt.tuned_table.cache_clear()
+
+
+def test_w8a8_tuned_entries_are_checked(tmp_path, monkeypatch):
+    """A W8A8 entry's K tiles take float8 ``tl.dot`` (K >= 32) within one scale block; the error
+    names the file, the entry, the field, its value and what is allowed.  The same tiles under
+    a bf16 key pass (no float8 dot), and any ``gate_up.block_n`` passes (one that splits the
+    scale blocks leaves the SwiGLU output to a quantization launch)."""
+    import json
+
+    pytest.importorskip("triton")
+    from pprun.layers import moe_triton as mt
+
+    entry = {"block_m": 64, "gate_up": [128, 128, 4, 3], "down": [128, 128, 4, 3]}
+    key = mt.w8a8_shape_key(8, 256, 256, 2, 128)
+    path = tmp_path / "tuned.json"
+
+    def table(e: dict, shape: str = key) -> dict:
+        path.write_text(json.dumps({"device": "GPU X", "shapes": {shape: {"64": e}}}))
+        monkeypatch.setenv(mt.TUNED_ENV, str(path))
+        mt.tuned_table.cache_clear()
+        return mt.tuned_table("GPU X", shape)
+
+    try:
+        assert table(entry | {"gate_up": [64, 32, 4, 3]})[64].gate_up == mt.GemmConfig(64, 64, 32, 4, 3)
+        for bad, match in (
+            (entry | {"gate_up": [128, 16, 4, 3]},
+             r"gate_up\.block_k=16 with W8A8 \(128x128 block scales, float8 activations\) must be one of \[32, 64, 128\]"),
+            (entry | {"down": [128, 256, 4, 3]}, r"down\.block_k=256 with W8A8 .* must be one of \[32, 64, 128\]"),
+        ):
+            with pytest.raises(ValueError, match=rf"tuned.json: tuned MoE entry '64'=.*{match}"):
+                table(bad)
+            bf16_key = mt.shape_key(8, 256, 256, 2, torch.bfloat16)
+            assert table(bad, bf16_key)[64] == mt.parse_tuned({"64": bad}, "x")[64]  # bf16 tiles: no such bound
+        with pytest.raises(ValueError, match=r"gate_up\.block_k=64 with W8A8 \(32x32 block scales.*must be one of \[32\]"):
+            table(entry | {"gate_up": [128, 64, 4, 3]}, mt.w8a8_shape_key(8, 256, 256, 2, 32))
+        with pytest.raises(ValueError, match=r"gate_up\.block_m=48 must be a power of two"):  # the shared checks too
+            table(entry | {"block_m": 48})
+    finally:
+        mt.tuned_table.cache_clear()
+
+
 @triton_only
 def test_w8a8_inputs_are_checked():
     """Float8 activations take block-scaled experts, whole scale blocks and scales of their shape."""

@@ -56,7 +56,8 @@ per-tensor scale repeated over the rows) or one per 128x128 block (``fp8`` with
   a launch and a write and read of ``act`` in bf16 per layer; with column tiles that split a
   block (a config given by hand) it writes ``act`` in bf16 and one quantization launch follows.
   down reads ``act``'s float8 values and scales the same way.  The SwiGLU output and each expert's
-  output are rounded to the activations' dtype as in W8A16.  Tiles: :func:`w8a8_config`.
+  output are rounded to the activations' dtype as in W8A16.  Tiles: :func:`w8a8_config` (the
+  tuned table's W8A8 entries for the GPU and shape, :func:`w8a8_shape_key`, else a fixed rule).
 
 A decode step reads the experts' weights once per expert used and little else, so it is bound
 by their bytes, which float8 halves in either mode; prefill steps are bound by the MMAs, whose
@@ -677,6 +678,23 @@ def shape_key(num_experts: int, inter: int, hidden: int, top_k: int, dtype: torc
     return f"E={num_experts},N={inter},H={hidden},K={top_k},{str(dtype).removeprefix('torch.')}"
 
 
+_W8A8_KEY_SUFFIX = ",float8_w8a8_block"
+
+
+def w8a8_shape_key(num_experts: int, inter: int, hidden: int, top_k: int, scale_block: int) -> str:
+    """The key of a layer shape's W8A8 tiles (block-scaled float8 experts, float8 activations) in a
+    tuned-settings file: the shape's with the dtype field ``float8_w8a8_block<B>`` for
+    ``scale_block`` B, ``E=128,N=768,H=2048,K=8,float8_w8a8_block128`` (the MMAs are float8 by
+    float8 whatever the activations' dtype; the scale block bounds the K tiles)."""
+    return f"E={num_experts},N={inter},H={hidden},K={top_k}{_W8A8_KEY_SUFFIX}{scale_block}"
+
+
+def w8a8_block_of(key: str) -> int | None:
+    """The scale block of a W8A8 key (:func:`w8a8_shape_key`), None for another key."""
+    head, sep, block = key.rpartition(_W8A8_KEY_SUFFIX)
+    return int(block) if sep and head and block.isdigit() and int(block) > 0 else None
+
+
 def device_file_name(device_name: str) -> str:
     """The shipped file for a GPU model: ``NVIDIA H200`` -> ``NVIDIA_H200.json``."""
     return device_name.replace(" ", "_") + ".json"
@@ -684,10 +702,17 @@ def device_file_name(device_name: str) -> str:
 
 _TUNED_FORMAT = '{"block_m": M, "gate_up": [N, K, warps, stages], "down": [N, K, warps, stages]}'
 
+W8A8_MIN_BLOCK_K = 32
+"""The narrowest K tile of a W8A8 GEMM: Triton's ``tl.dot`` on 8-bit operands takes K >= 32."""
 
-def _check_entry(source: str, tokens: object, entry: object) -> ExpertsConfig:
+
+def _check_entry(source: str, tokens: object, entry: object, w8a8_block: int | None = None) -> ExpertsConfig:
     """One token count's entry as configs, or an error naming the file, the entry, the field and
-    what is allowed."""
+    what is allowed.  ``w8a8_block`` (an entry of W8A8 tiles, :func:`w8a8_shape_key`, for
+    ``w8a8_block`` x ``w8a8_block`` block scales): also each ``block_k`` at least
+    :data:`W8A8_MIN_BLOCK_K` and dividing the scale block (a K tile lies in one block of scales).  Any
+    ``gate_up.block_n`` runs; one that is not a multiple of the scale block leaves the SwiGLU
+    output to a quantization launch (:func:`gate_up`)."""
     def bad(what: str) -> ValueError:
         return ValueError(f"{source}: tuned MoE entry {tokens!r}={entry!r}: {what} (each entry is {_TUNED_FORMAT})")
 
@@ -708,16 +733,24 @@ def _check_entry(source: str, tokens: object, entry: object) -> ExpertsConfig:
             raise bad(f"{name}.num_warps={cfg.num_warps} must be one of 1, 2, 4, 8, 16")
         if cfg.num_stages is not None and cfg.num_stages < 1:
             raise bad(f"{name}.num_stages={cfg.num_stages} must be at least 1")
+        if w8a8_block is None:
+            continue
+        allowed = [k for k in (W8A8_MIN_BLOCK_K << i for i in range(8)) if w8a8_block % k == 0]
+        if cfg.block_k not in allowed:
+            raise bad(f"{name}.block_k={cfg.block_k} with W8A8 ({w8a8_block}x{w8a8_block} block scales, float8 "
+                      f"activations) must be one of {allowed or 'none: no K tile fits'} (float8 tl.dot takes "
+                      f"K >= {W8A8_MIN_BLOCK_K}; a K tile lies in one scale block, dividing it)")
     return ExpertsConfig(gate_up, down)
 
 
-def parse_tuned(table: dict, source: str) -> dict[int, ExpertsConfig]:
+def parse_tuned(table: dict, source: str, w8a8_block: int | None = None) -> dict[int, ExpertsConfig]:
     """One shape's entries of a tuned-settings file, ``{tokens: {"block_m": 16, "gate_up": [n,
     k, warps, stages], "down": [...]}}``, as configs by token count; a malformed entry is an
-    error naming the file, the entry and the field."""
+    error naming the file, the entry and the field.  ``w8a8_block``: the entries are W8A8 tiles
+    for that scale block (:func:`w8a8_block_of` of their key; :func:`_check_entry`)."""
     if not isinstance(table, dict):
         raise ValueError(f"{source}: a shape's tuned MoE entries must be an object of token counts, got {table!r}")
-    return {int(tokens): _check_entry(source, tokens, entry) for tokens, entry in table.items()}
+    return {int(tokens): _check_entry(source, tokens, entry, w8a8_block) for tokens, entry in table.items()}
 
 
 def _read_tuned(path: Path) -> dict:
@@ -742,9 +775,10 @@ def tuned_table(device_name: str, key: str) -> dict[int, ExpertsConfig]:
 @functools.cache
 def _tuned_table(device_name: str, key: str, named: str | None) -> dict[int, ExpertsConfig]:
     table: dict[int, ExpertsConfig] = {}
+    w8a8_block = w8a8_block_of(key)
     shipped = TUNED_DIR / device_file_name(device_name)
     if shipped.is_file():
-        table.update(parse_tuned(_read_tuned(shipped)["shapes"].get(key, {}), str(shipped)))
+        table.update(parse_tuned(_read_tuned(shipped)["shapes"].get(key, {}), str(shipped), w8a8_block))
     if named is not None:
         path = Path(named)
         if not path.is_file():
@@ -754,7 +788,7 @@ def _tuned_table(device_name: str, key: str, named: str | None) -> dict[int, Exp
         if data.get("device", device_name) != device_name:
             logger.warning("%s=%s was tuned on %s, not this %s: not used", TUNED_ENV, path, data["device"], device_name)
         else:
-            table.update(parse_tuned(data["shapes"].get(key, {}), str(path)))
+            table.update(parse_tuned(data["shapes"].get(key, {}), str(path), w8a8_block))
     return table
 
 
@@ -771,6 +805,12 @@ def _device_name(index: int | None) -> str:
     return torch.cuda.get_device_name(index)
 
 
+def _tuned_device(w: torch.Tensor) -> str | None:
+    """The GPU model whose tuned settings apply to kernels on ``w``'s device; None off CUDA and
+    under the interpreter (the heuristics and rules then)."""
+    return _device_name(w.device.index) if w.is_cuda and not INTERPRETED else None
+
+
 def default_config(num_entries: int, num_experts: int, dtype: torch.dtype) -> GemmConfig:
     """Tiles for ``num_entries`` assignments over ``num_experts`` where no tuned setting exists:
     16-row blocks while experts get a few rows each (decode: the weights are what is read, and
@@ -783,18 +823,33 @@ def default_config(num_entries: int, num_experts: int, dtype: torch.dtype) -> Ge
     return GemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4)
 
 
-def w8a8_config(num_tokens: int, num_experts: int, top_k: int, scale_block: int) -> ExpertsConfig:
+def w8a8_config(num_tokens: int, num_experts: int, top_k: int, scale_block: int,
+                table: dict[int, ExpertsConfig] | None = None) -> ExpertsConfig:
     """Tiles of the W8A8 GEMMs (block-scaled float8 experts, :data:`FP8_W8A8_MIN_TOKENS`) for a
-    step of ``num_tokens`` tokens (by its class): the tile sizes of vLLM's tuned H200 settings
+    step of ``num_tokens`` tokens (by its class, as :func:`config_for` chooses): the entry of
+    the tuned W8A8 ``table`` (:func:`w8a8_table`: this GPU's, this shape's) nearest the top of
+    the class, where it has entries; else a rule, the tile sizes of vLLM's tuned H200 settings
     for Qwen3-30B-A3B's block-FP8 experts (16-row blocks up to 8 rows per expert, 64 past, where
     Hopper's warpgroup FP8 MMA takes the tile; 128 output columns; 128-column K tiles), K tiles
     within one scale block and column tiles of whole scale blocks (gate_up then quantizes its
     output itself: :func:`gate_up`)."""
+    if table:
+        return nearest(table, count_class_top(num_tokens))
     rows_per_expert = count_class_top(num_tokens) * top_k / num_experts
     block_m = 16 if rows_per_expert <= 8 else 64
     cfg = GemmConfig(block_m=block_m, block_n=max(128, scale_block), block_k=min(128, scale_block), num_warps=4,
                      num_stages=3 if block_m == 16 else 4)
     return ExpertsConfig(cfg, cfg)
+
+
+def w8a8_table(device_name: str | None, num_experts: int, inter: int, hidden: int, top_k: int,
+               scale_block: int) -> dict[int, ExpertsConfig]:
+    """The tuned W8A8 tiles of a layer shape on a GPU model by token count (:func:`tuned_table`
+    under :func:`w8a8_shape_key`, written by ``scripts/bench_moe_kernels.py --fp8 block --w8a8
+    --tune --write``); empty for ``device_name`` None or where none were tuned."""
+    if device_name is None:
+        return {}
+    return tuned_table(device_name, w8a8_shape_key(num_experts, inter, hidden, top_k, scale_block))
 
 
 def uses_w8a8(num_tokens: int, hidden: int, inter: int, scale_block: int | None) -> bool:
@@ -814,13 +869,16 @@ def experts_config(num_tokens: int, w13: torch.Tensor, top_k: int, dtype: torch.
     this GPU and shape (:func:`tuned_table`, keyed by the activations' ``dtype``: float8 experts
     take the tiles tuned for bf16 ones), else :func:`default_config` for both GEMMs.  ``scale_block`` (float8 experts with block scales):
     K tiles of at most one scale block (each tile's product takes one block's scales).  ``w8a8``
-    (block-scaled experts run W8A8): :func:`w8a8_config` (the tuned table's tiles are bf16 MMAs')."""
+    (block-scaled experts run W8A8): :func:`w8a8_config`, from the tuned W8A8 entries of this GPU
+    and shape (:func:`w8a8_table`) where there are any (the bf16 table's tiles are bf16 MMAs')."""
     num_experts, two_inter, hidden = w13.shape
+    device_name = _tuned_device(w13)
     if w8a8:
-        return w8a8_config(num_tokens, num_experts, top_k, scale_block)
+        table = w8a8_table(device_name, num_experts, two_inter // 2, hidden, top_k, scale_block)
+        return w8a8_config(num_tokens, num_experts, top_k, scale_block, table)
     table = {}
-    if w13.is_cuda and not INTERPRETED:
-        table = tuned_table(_device_name(w13.device.index), shape_key(num_experts, two_inter // 2, hidden, top_k, dtype))
+    if device_name is not None:
+        table = tuned_table(device_name, shape_key(num_experts, two_inter // 2, hidden, top_k, dtype))
     config = config_for(num_tokens, table, num_experts, top_k, dtype)
     if scale_block is not None:
         config = ExpertsConfig(*(c._replace(block_k=min(c.block_k, scale_block)) for c in config))
