@@ -30,17 +30,18 @@ bf16 table, ``block_k`` capped at 128 for block scales).
 
 ``--fp8 block --w8a8`` also times the block-scaled float8 experts W8A8 (``moe_triton``'s
 ``FP8_W8A8_MIN_TOKENS`` mode, forced on for these rows): ``w8a8_us`` with the tiles pprun picks
-(``moe_triton.w8a8_config``: this GPU's tuned W8A8 entries for the shape, else its rule;
-``w8a8_config``), ``w8a8_rule_us`` with the rule's, each the whole layer as a step runs it (the
-hidden states' quantization launch included) beside the W8A16 row's ``fused_us``, and
+(``moe_triton.w8a8_config``: this GPU's tuned W8A8 entries for the shape, else its rule; they are
+the row's ``w8a8_config``), ``w8a8_rule_us`` with the rule's, each the whole layer as a step runs
+it (the hidden states' quantization launch included) beside the W8A16 row's ``fused_us``, and
 ``max_abs_diff_w8a8_vs_w8a16``.  With ``--tune`` it searches the W8A8 tiles instead of the bf16
 ones: ``block_m`` among 16/32/64/128 (those that suit the rows per expert, and the rule's),
 ``block_k`` the scale block (128), first ``block_n`` 64/128 by 4/8 warps at 3 stages, then 2-5
-stages around the two best (a few dozen settings per token count); gate_up timed on the quantized
-hidden states with what follows it (a ``block_n`` of 64 splits the scale blocks, so its SwiGLU
-output takes a quantization launch: timed with it), down on float8 activations.  ``--write``
-merges the winners under the W8A8 key of the shape (``moe_triton.w8a8_shape_key``:
-``E=128,N=768,H=2048,K=8,float8_w8a8_block128``), which ``w8a8_config`` reads.
+stages around the two best (at most 10 settings per GEMM and ``block_m``, 60 per token count);
+gate_up timed on the quantized hidden states with what follows it (a ``block_n`` of 64 splits
+the scale blocks, so its SwiGLU output takes a quantization launch: timed with it), down on
+float8 activations.  ``--write`` merges the winners under the W8A8 key of the shape
+(``moe_triton.w8a8_shape_key``: ``E=128,N=768,H=2048,K=8,float8_w8a8_block128``), which
+``w8a8_config`` reads.
 """
 
 from __future__ import annotations
