@@ -16,8 +16,9 @@ Tolerances:
   the output's norm and of its largest value (two roundings to 3 mantissa bits, of the hidden
   states and of the SwiGLU output, each within 2**-4 relative: 3.5-5% measured).
 
-The switch's routing is checked with the GEMMs replaced by recorders (no kernel runs), and the
-W8A8 kernels' compilation for sm_90: warpgroup MMAs on e4m3 operands.
+The switch's routing is checked with the GEMMs replaced by recorders (no kernel runs), so is
+each launch's Triton specialisation across a warm-up class of token counts, and the W8A8
+kernels' compilation for sm_90: warpgroup MMAs on e4m3 operands.
 """
 
 from __future__ import annotations
@@ -346,6 +347,72 @@ def test_w8a8_inputs_are_checked():
     with pytest.raises(ValueError, match=r"float8 act torch.float32 \(6, 128\)"):
         mt.down(mt.Fp8Rows(torch.zeros(6, 128, device=DEVICE), torch.ones(6, 1, device=DEVICE), x.dtype), w2,
                 weights, align, 2, cfg, False, scales["w2_scale"], 128)
+
+
+def _specialised(kernel, args: tuple) -> tuple:
+    """What Triton specialises a launch of ``kernel`` on among its integer arguments ``args``
+    (positional, in ``kernel.arg_names`` order): each one's ``== 1`` and multiple of 16, but
+    those the kernel declares ``do_not_specialize`` (a JIT function's attribute, an interpreted
+    one's keyword)."""
+    names = getattr(kernel, "do_not_specialize", None)
+    if names is None:
+        names = getattr(kernel, "kwargs", {}).get("do_not_specialize")
+    free = {kernel.arg_names[n] if isinstance(n, int) else n for n in names or ()}
+    return tuple((name, value == 1, value % 16 == 0) for name, value in zip(kernel.arg_names, args)
+                 if isinstance(value, int) and not isinstance(value, bool) and name not in free)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_w8a8_launches_specialise_alike_across_a_count_class(monkeypatch, split):
+    """The warm-up runs one token count per class (``pprun.utils.first_use.count_class``: above 32
+    tokens, a power-of-two bucket and whether the count is a multiple of 16), so each kernel a
+    W8A8 layer launches must specialise alike on every count of a class, else a count the warm-up
+    did not run compiles its variant in traffic.  Checked for the rule's tiles and for column
+    tiles that split the scale blocks (``split``: the SwiGLU output quantized in a launch of its
+    own over the ``T * top_k`` entries, whose count is a multiple of 16 for some counts of a
+    class and not for others).  The kernels are replaced by recorders: none runs."""
+    pytest.importorskip("triton")
+    from triton.runtime import KernelInterface
+
+    from pprun.layers import fp8_quant
+    from pprun.layers import moe_triton as mt
+    from pprun.utils.first_use import count_class
+
+    launches: list[tuple[str, tuple]] = []
+
+    class Recorder:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, _specialised(self.kernel, args)))
+
+    for module in (mt, fp8_quant):
+        for name, obj in list(vars(module).items()):
+            if name.endswith("_kernel") and isinstance(obj, KernelInterface):
+                monkeypatch.setattr(module, name, Recorder(name, obj))
+    monkeypatch.setattr(mt, "FP8_W8A8_MIN_TOKENS", 1)
+    num_experts, top_k, hidden, inter = 16, 8, 256, 256
+    w13 = torch.zeros(num_experts, 2 * inter, hidden, dtype=torch.float8_e4m3fn)
+    w2 = torch.zeros(num_experts, hidden, inter, dtype=torch.float8_e4m3fn)
+    scales = {"w13_scale": torch.ones(num_experts, 2 * inter // 128, hidden // 128),
+              "w2_scale": torch.ones(num_experts, hidden // 128, inter // 128), "scale_block": 128}
+    config = mt.GemmConfig(16, 64, 128, 4, 3) if split else None
+    by_class: dict[str, dict[str, set]] = {}
+    for n in range(33, 273):
+        launches.clear()
+        ids = torch.arange(n * top_k).view(n, top_k) % num_experts
+        mt.fused_experts(torch.zeros(n, hidden, dtype=torch.bfloat16), w13, w2, torch.ones(n, top_k), ids, config,
+                         **scales)
+        names = [name for name, _ in launches]
+        assert names.count("_quantize_groups_kernel") == (2 if split else 1)
+        assert {"_gate_up_kernel", "_down_kernel"} <= set(names)
+        for name, spec in launches:
+            by_class.setdefault(count_class(n), {}).setdefault(name, set()).add(spec)
+    assert len(by_class) == 8  # 64, 128, 256 and 512's classes, multiples of 16 and not
+    for cls, kernels in by_class.items():
+        for name, specs in kernels.items():
+            assert len(specs) == 1, (cls, name, specs)
 
 
 @pytest.mark.parametrize("block_m", [16, 64])

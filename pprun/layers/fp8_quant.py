@@ -63,7 +63,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-@triton.jit
+# The row counts vary with the step (the MoE layer's W8A8 quantizes T * top_k entries, a multiple
+# of 16 for some counts of a warm-up class and not for others): no variant per count.
+@triton.jit(do_not_specialize=["num_rows", "num_rows_padded"])
 def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, num_rows, num_rows_padded,
                             GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr, EXACT: tl.constexpr):
     row = tl.program_id(0)
