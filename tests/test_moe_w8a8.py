@@ -226,6 +226,10 @@ def test_switch_routes_block_scaled_experts(monkeypatch):
     assert modes(1, 7, block=None)[0] == w8a16  # channel scales
     assert modes(1, 7, hidden=272)[0] == w8a16  # hidden off the 128-column groups
     assert modes(1, 7, hidden=64, block=32)[0][1:] == w8a8[1:]  # 32x32 blocks: groups of 32
+    # 16x16 blocks: K tiles within a block would be 16 wide, under float8 tl.dot's 32 (the
+    # interpreter takes them; the GPU's compiler does not).
+    assert not mt.uses_w8a8(64, 256, 256, 16)
+    assert modes(1, 7, hidden=64, block=16)[0] == w8a16
 
 
 def test_w8a8_config_tiles():
@@ -344,6 +348,8 @@ def test_w8a8_inputs_are_checked():
         mt.gate_up(mt.Fp8Rows(xq, xs, x.dtype), w13, align, 2, cfg, torch.ones(4, 256, 1, device=DEVICE), None)
     with pytest.raises(ValueError, match=r"float8 x .* with scales \(3, 1\): W8A8 with 128x128 blocks"):
         mt.gate_up(mt.Fp8Rows(xq, xs[:, :1], x.dtype), w13, align, 2, cfg, scales["w13_scale"], 128)
+    with pytest.raises(ValueError, match=r"block_k=16 with float8 x \(W8A8\): float8 tl.dot takes K tiles of at least 32"):
+        mt.gate_up(mt.Fp8Rows(xq, xs, x.dtype), w13, align, 2, cfg._replace(block_k=16), scales["w13_scale"], 128)
     with pytest.raises(ValueError, match=r"float8 act torch.float32 \(6, 128\)"):
         mt.down(mt.Fp8Rows(torch.zeros(6, 128, device=DEVICE), torch.ones(6, 1, device=DEVICE), x.dtype), w2,
                 weights, align, 2, cfg, False, scales["w2_scale"], 128)

@@ -858,9 +858,10 @@ def uses_w8a8(num_tokens: int, hidden: int, inter: int, scale_block: int | None)
     """Whether a step of ``num_tokens`` tokens runs experts with ``scale_block`` x ``scale_block``
     block scales (None: per-row scales, or not float8) W8A8: :data:`FP8_W8A8_MIN_TOKENS` admits
     its class, and ``hidden`` and ``inter`` (the GEMMs' K) are whole scale blocks (the activations
-    are quantized per block of columns)."""
+    are quantized per block of columns) of at least :data:`W8A8_MIN_BLOCK_K` columns (a K tile
+    lies in one block)."""
     return (scale_block is not None and FP8_W8A8_MIN_TOKENS is not None
-            and count_class_top(num_tokens) >= FP8_W8A8_MIN_TOKENS
+            and count_class_top(num_tokens) >= FP8_W8A8_MIN_TOKENS and scale_block >= W8A8_MIN_BLOCK_K
             and hidden % scale_block == 0 and inter % scale_block == 0)
 
 
@@ -950,12 +951,17 @@ def quantize_fp8_rows(x: torch.Tensor, group: int) -> Fp8Rows:
     return Fp8Rows(q, scale, x.dtype)
 
 
-def _check_fp8_rows(name: str, rows: Fp8Rows, width: int, scale_block: int | None, w_scale: int) -> None:
+def _check_fp8_rows(name: str, rows: Fp8Rows, width: int, scale_block: int | None, w_scale: int,
+                    block_k: int) -> None:
     """W8A8 takes block-scaled float8 weights, and activations of ``width`` columns quantized in
-    groups of their block (the activations' column groups are the weights' K blocks)."""
+    groups of their block (the activations' column groups are the weights' K blocks), in K tiles
+    of float8 ``tl.dot``'s width at least."""
     if w_scale != 2:
         raise ValueError(f"float8 {name} (W8A8) take block-scaled float8 experts (scale_block={scale_block} "
                          "here): per-row-scaled ones run W8A16")
+    if block_k < W8A8_MIN_BLOCK_K:
+        raise ValueError(f"block_k={block_k} with float8 {name} (W8A8): float8 tl.dot takes K tiles of at least "
+                         f"{W8A8_MIN_BLOCK_K} (scale blocks narrower than that run W8A16)")
     num_rows = rows.q.shape[0]
     if (width % scale_block or rows.q.dtype != FP8_WEIGHT_DTYPE or rows.q.shape[1] != width
             or tuple(rows.scale.shape) != (num_rows, width // scale_block)):
@@ -978,7 +984,7 @@ def gate_up(x: torch.Tensor | Fp8Rows, w13: torch.Tensor, align: ExpertAlignment
     inter = two_inter // 2
     w_scale = _w_scale(w13_scale, scale_block, cfg)
     if fp8:
-        _check_fp8_rows("x", x, hidden, scale_block, w_scale)
+        _check_fp8_rows("x", x, hidden, scale_block, w_scale, cfg.block_k)
         if inter % scale_block:
             raise ValueError(f"W8A8 experts' inter={inter} must be whole {scale_block}-column scale blocks")
     quantize_out = fp8 and cfg.block_n % scale_block == 0
@@ -1016,7 +1022,7 @@ def down(act: torch.Tensor | Fp8Rows, w2: torch.Tensor, weights: torch.Tensor, a
     y = torch.empty(num_entries, hidden, dtype=torch.float32 if fp32 else dtype, device=aq.device)
     w_scale = _w_scale(w2_scale, scale_block, cfg)
     if fp8:
-        _check_fp8_rows("act", act, w2.shape[2], scale_block, w_scale)
+        _check_fp8_rows("act", act, w2.shape[2], scale_block, w_scale, cfg.block_k)
     a_s = act.scale if fp8 else aq  # unread without float8 activations
     _down_kernel[(align.block_expert.shape[0], triton.cdiv(hidden, cfg.block_n))](
         aq, w2, weights.reshape(-1).contiguous(), y, align.sorted_entries, align.block_expert, align.num_rows,
