@@ -193,17 +193,29 @@ def tune_tokens(num_tokens: int, args: argparse.Namespace, w13: torch.Tensor, w2
     x = torch.randn(num_tokens, args.hidden, device=w13.device, generator=gen).to(dtype)
     logits = torch.randn(num_tokens, args.experts, device=w13.device, generator=gen)
     weights, ids = moe_triton.fused_route(logits, args.top_k, True)
-    best = None
-    for bm in block_ms(num_tokens * args.top_k / args.experts):
+
+    def search_both(bm: int):
         align = moe_triton.layout(ids, args.experts, bm)
         act = moe_triton.gate_up(x, w13, align, args.top_k, moe_triton.GemmConfig(bm, 64, 64, 4))
+        up = search("gate_up", functools.partial(moe_triton.gate_up, x, w13, align, args.top_k), bm, deadline)
+        return up, search("down", functools.partial(moe_triton.down, act, w2, weights, align, args.top_k), bm, deadline)
+
+    return fastest_entry(num_tokens, block_ms(num_tokens * args.top_k / args.experts), search_both)
+
+
+def fastest_entry(num_tokens: int, bms, search_both, **tag) -> dict | None:
+    """The tuned entry of the fastest ``block_m`` of ``bms``, ``search_both(bm)`` giving each GEMM's
+    best setting and time at it (:func:`search`); None when the budget ran out before one
+    ``block_m`` was searched in full (or none ran).  A ``block_m`` no setting of which ran is
+    skipped with a line on stderr (``tag``: more fields of that line)."""
+    best = None
+    for bm in bms:
         try:
-            up = search("gate_up", functools.partial(moe_triton.gate_up, x, w13, align, args.top_k), bm, deadline)
-            dn = search("down", functools.partial(moe_triton.down, act, w2, weights, align, args.top_k), bm, deadline)
+            up, dn = search_both(bm)
         except TimeoutError:
             break  # the block_m values searched in full still count
         except RuntimeError as exc:
-            print(json.dumps({"tokens": num_tokens, "skipped": str(exc)}), file=sys.stderr, flush=True)
+            print(json.dumps({"tokens": num_tokens, **tag, "skipped": str(exc)}), file=sys.stderr, flush=True)
             continue
         if best is None or up[1] + dn[1] < best[0][1] + best[1][1]:
             best = (up, dn)
@@ -230,29 +242,17 @@ def tune_w8a8_tokens(num_tokens: int, args: argparse.Namespace, fp8: dict, gen: 
         if not isinstance(act, moe_triton.Fp8Rows):  # column tiles split the scale blocks
             moe_triton.quantize_fp8_rows(act, block)
 
-    best = None
-    for bm in w8a8_block_ms(num_tokens, args.top_k, args.experts, block):
+    def search_both(bm: int):
         align = moe_triton.layout(ids, args.experts, bm)
         act = moe_triton.gate_up(xq, w13, align, args.top_k, rule._replace(block_m=bm), s13, block)
         down = functools.partial(moe_triton.down, act, w2, weights, align, args.top_k, partials=False, w2_scale=s2,
                                  scale_block=block)
-        try:
-            up = search("gate_up", functools.partial(up_launch, align), bm, deadline,
-                        w8a8_firsts("gate_up", bm, block), w8a8_around, itemsize=1)
-            dn = search("down", down, bm, deadline,
-                        w8a8_firsts("down", bm, block), w8a8_around, itemsize=1)
-        except TimeoutError:
-            break
-        except RuntimeError as exc:
-            print(json.dumps({"tokens": num_tokens, "w8a8": True, "skipped": str(exc)}), file=sys.stderr, flush=True)
-            continue
-        if best is None or up[1] + dn[1] < best[0][1] + best[1][1]:
-            best = (up, dn)
-    if best is None:
-        return None
-    (up, up_us), (dn, dn_us) = best
-    return {"block_m": up.block_m, "gate_up": list(up[1:]), "down": list(dn[1:]),
-            "gate_up_us": round(up_us, 2), "down_us": round(dn_us, 2)}
+        up = search("gate_up", functools.partial(up_launch, align), bm, deadline,
+                    w8a8_firsts("gate_up", bm, block), w8a8_around, itemsize=1)
+        return up, search("down", down, bm, deadline, w8a8_firsts("down", bm, block), w8a8_around, itemsize=1)
+
+    return fastest_entry(num_tokens, w8a8_block_ms(num_tokens, args.top_k, args.experts, block), search_both,
+                         w8a8=True)
 
 
 def write_tuned(path: Path, device_name: str, key: str, tuned: dict[int, dict]) -> None:

@@ -327,7 +327,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> Expert
     :data:`ALIGN_KERNEL_MAX_ENTRIES` entries two launches over chunks (or torch's sort without
     :data:`ALIGN_CHUNKED_ENABLED`)."""
     num_entries = ids.numel()
-    chunked = sorts_in_chunks(ids.shape[0], num_entries // max(ids.shape[0], 1))
+    chunked = sorts_in_chunks(*ids.shape)
     if chunked and not ALIGN_CHUNKED_ENABLED:
         return align_by_expert_torch(ids, num_experts, block_m)
     max_rows = max_padded_rows(num_entries, num_experts, block_m)
@@ -879,9 +879,8 @@ def experts_config(num_tokens: int, w13: torch.Tensor, top_k: int, dtype: torch.
     if w8a8:
         table = w8a8_table(device_name, num_experts, two_inter // 2, hidden, top_k, scale_block)
         return w8a8_config(num_tokens, num_experts, top_k, scale_block, table)
-    table = {}
-    if device_name is not None:
-        table = tuned_table(device_name, shape_key(num_experts, two_inter // 2, hidden, top_k, dtype))
+    table = {} if device_name is None else tuned_table(device_name, shape_key(num_experts, two_inter // 2, hidden,
+                                                                             top_k, dtype))
     config = config_for(num_tokens, table, num_experts, top_k, dtype)
     if scale_block is not None:
         config = ExpertsConfig(*(c._replace(block_k=min(c.block_k, scale_block)) for c in config))
