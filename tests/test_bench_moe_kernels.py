@@ -133,15 +133,17 @@ def test_w8a8_tune_writes_an_entry_the_library_reads(tiny, monkeypatch, tmp_path
 @triton_only
 def test_w8a8_rows_run_w8a8_beside_w8a16(tiny, monkeypatch):
     """With ``w8a8``, a token count's row also has the W8A8 timings and tiles; the W8A8 output
-    differs from W8A16's (the activations' float8 rounding: the mode ran), and the switch is
-    back off after."""
+    differs from W8A16's (the activations' float8 rounding: the mode ran), the switch is back
+    off after the row, and the module's own setting back after the mode."""
     from pprun.layers import moe_triton as mt
 
     bench, args, w13, w2, fp8, gen = tiny
     fake_timer(monkeypatch, bench)
+    default = mt.FP8_W8A8_MIN_TOKENS
     with bench.w8a8_mode(False):
         row = bench.time_tokens(3, args, w13, w2, gen, fp8, w8a8=True)
-    assert mt.FP8_W8A8_MIN_TOKENS is None
+        assert mt.FP8_W8A8_MIN_TOKENS is None
+    assert mt.FP8_W8A8_MIN_TOKENS == default
     assert {"fused_us", "bf16_fused_us", "w8a8_us", "w8a8_rule_us", "w8a8_config"} <= set(row)
     rule = mt.w8a8_config(3, 4, 2, 128)
     assert row["w8a8_config"] == {"gate_up": rule.gate_up._asdict(), "down": rule.down._asdict()}  # CPU: no table
