@@ -152,7 +152,7 @@ def decode(model: str, batch: int, ctx: int, steps: int, memory_steps: int = 0,
         out["fp8_matmul"] = "split-K float8 (W8A16)" if skinny_rows and batch <= max_rows else "cuBLAS scaled_mm"
     fp8_experts = sum(getattr(m, "w13_scale", None) is not None for m in runner.model.modules())
     if fp8_experts:
-        out["fp8_expert_blocks"] = fp8_experts  # sparse blocks whose grouped kernels read float8 (W8A16)
+        out["fp8_expert_blocks"] = fp8_experts  # sparse blocks whose grouped kernels read float8
     graphs = runner.graphs
     if graphs.full:
         size = min(s for s in graphs.full if s >= batch)
@@ -307,10 +307,10 @@ def switches() -> list[tuple]:
             (pprun.layers.moe_triton, "PARTIALS_IN_DTYPE", False, True),
             (pprun.layers.moe_triton, "ALIGN_CHUNKED_ENABLED", False, False),  # prefill only
             # FP8 mixture-of-experts checkpoints only: the experts dequantized at load (bf16 experts);
-            # block-scaled float8 experts W8A8 (activations quantized to float8, FP8 MMAs) at every
-            # step instead of W8A16 (FP8_W8A8_MIN_TOKENS=N: from N tokens).
+            # block-scaled float8 experts W8A16 (weights upcast in registers, bf16 MMAs) at every
+            # step instead of W8A8 from 32 tokens (FP8_W8A8_MIN_TOKENS=N: W8A8 from N tokens).
             (pprun.layers.moe, "FP8_EXPERTS_ENABLED", False, True),
-            (pprun.layers.moe_triton, "FP8_W8A8_MIN_TOKENS", 1, True),
+            (pprun.layers.moe_triton, "FP8_W8A8_MIN_TOKENS", None, False),
             # Qwen3 models: the q/k head norms one program per head at every size.
             (pprun.layers.head_norm, "WHOLE_TOKEN_MIN_TOKENS", None, False),
             (pprun.layers.fused, "NORM_PARTS_NUM_WARPS", 4, False),
@@ -396,8 +396,8 @@ def main() -> None:
                          "the experts' rows summed past 1,024 tokens, not left to the norm (PARTIALS_MAX_TOKENS), "
                          "the partials left to the norm in fp32 (PARTIALS_IN_DTYPE=False), long steps sorted by "
                          "torch ops (ALIGN_CHUNKED_ENABLED=False), an FP8 checkpoint's experts dequantized at load "
-                         "instead of kept float8 (FP8_EXPERTS_ENABLED), block-scaled float8 experts W8A8 (float8 activations, FP8 "
-                         "MMAs) at every step instead of W8A16 (FP8_W8A8_MIN_TOKENS=1; =N: from N tokens); Qwen3: q/k head norms one program per head at every "
+                         "instead of kept float8 (FP8_EXPERTS_ENABLED), block-scaled float8 experts W8A16 (bf16 "
+                         "MMAs) at every step instead of W8A8 from 32 tokens (FP8_W8A8_MIN_TOKENS=None; =N: W8A8 from N tokens); Qwen3: q/k head norms one program per head at every "
                          "size (head_norm.WHOLE_TOKEN_MIN_TOKENS=None); prefill attention with 64-row query blocks "
                          "(PREFILL_BLOCK_M=64), every tile masked (PREFILL_SPLIT_DIAGONAL=False), 3 stages "
                          "(PREFILL_NUM_STAGES=3)")
