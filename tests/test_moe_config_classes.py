@@ -59,3 +59,22 @@ def test_default_configs_and_sort_path_are_the_same_across_a_class(num_experts, 
         assert (moe_triton.config_for(n, {}, num_experts, top_k, torch.bfloat16)
                 == moe_triton.config_for(rep, {}, num_experts, top_k, torch.bfloat16)), (n, rep)
         assert moe_triton.sorts_in_chunks(n, top_k) == moe_triton.sorts_in_chunks(rep, top_k), (n, rep)
+
+
+@triton_only
+def test_w8a8_tiles_and_mode_are_the_same_across_a_class():
+    """Block-scaled float8 experts: whether a step runs W8A8 (``FP8_W8A8_MIN_TOKENS``) and its
+    W8A8 tiles, from the shipped H200 table and from the rule, are per class, never per count."""
+    from pprun.layers import moe_triton
+
+    key = moe_triton.w8a8_shape_key(128, 768, 2048, 8, 128)
+    data = json.loads((moe_triton.TUNED_DIR / "NVIDIA_H200.json").read_text())
+    table = moe_triton.parse_tuned(data["shapes"][key], "NVIDIA_H200.json", 128)
+    assert moe_triton.FP8_W8A8_MIN_TOKENS is not None  # the mode is on by default: what is checked
+    reps = _representative_of(LIMIT)
+    for n in range(1, LIMIT + 1):
+        rep = reps[count_class(n)]
+        assert moe_triton.uses_w8a8(n, 2048, 768, 128) == moe_triton.uses_w8a8(rep, 2048, 768, 128), (n, rep)
+        for tiles in (table, {}):
+            assert (moe_triton.w8a8_config(n, 128, 8, 128, tiles)
+                    == moe_triton.w8a8_config(rep, 128, 8, 128, tiles)), (n, rep, bool(tiles))
