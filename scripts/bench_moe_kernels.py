@@ -23,10 +23,12 @@ time).  ``--write FILE`` merges the winners into a tuned-settings file
 another one's entries over those).
 
 ``--fp8 block`` (``channel``) times float8 experts instead, the same random experts quantized per
-128x128 block (per row) as an FP8 checkpoint stores them: the weight bytes are then one per
-weight, each row also has ``bf16_fused_us`` (the bf16 experts, same routing and settings' rule)
-and ``max_abs_diff_vs_bf16``; ``--tune`` does not take it alone (float8 experts run W8A16 with the
-bf16 table, ``block_k`` capped at 128 for block scales).
+128x128 block (per row) as an FP8 checkpoint stores them, W8A16 (block-scaled ones too, at
+every token count, though a step of ``FP8_W8A8_MIN_TOKENS`` tokens or more runs them W8A8:
+``--w8a8`` times that beside): the weight bytes are then one per weight, each row also has
+``bf16_fused_us`` (the bf16 experts, same routing and settings' rule) and
+``max_abs_diff_vs_bf16``; ``--tune`` does not take it alone (W8A16 runs the bf16 table's tiles,
+``block_k`` capped at 128 for block scales).
 
 ``--fp8 block --w8a8`` also times the block-scaled float8 experts W8A8 (``moe_triton``'s
 ``FP8_W8A8_MIN_TOKENS`` mode, forced on for these rows): ``w8a8_us`` with the tiles pprun picks
